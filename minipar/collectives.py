@@ -1,0 +1,309 @@
+"""Collectives: every message minipar sends goes through this file, and is written in one ledger.
+
+Chapter 1 of the course, second half. Six operations carry all of distributed training. Picture
+four ranks, each holding one tensor (a, b, c, d are whole tensors, a0 is a quarter of a):
+
+    all-reduce       [a] [b] [c] [d]          -> [a+b+c+d] on every rank
+    all-gather       [a] [b] [c] [d]          -> [a b c d] on every rank
+    reduce-scatter   [a0 a1 a2 a3] [b0 ..] .. -> rank i holds a_i+b_i+c_i+d_i
+    broadcast        [a] [ ] [ ] [ ]          -> [a] on every rank
+    all-to-all       rank i sends its j-th chunk to rank j
+    send / recv      one rank to one other (pipeline stages, the context-parallel ring)
+
+Bytes on the wire. With the ring algorithm (what NCCL and gloo use for large tensors), a tensor of
+S bytes costs each rank:
+
+    all-reduce       2 (N-1)/N * S     (a reduce-scatter, then an all-gather)
+    all-gather       (N-1)/N * S       (S = the gathered output)
+    reduce-scatter   (N-1)/N * S       (S = the full input)
+    all-to-all       (N-1)/N * S
+    broadcast        S                 (pipelined ring: every rank but the last forwards it)
+
+`ring_all_reduce` below writes the all-reduce out with send/recv, so the 2(N-1)/N can be counted
+rather than believed (scripts/step_01_collectives.py does that).
+
+The `Ledger` counts, per (group, op): the number of calls, the payload bytes (the tensor handed to
+the call) and the bytes this rank sends by the ring formula above. Tests assert on it, benchmarks
+print it and the training log shows it per step.
+
+The second half of the file holds the autograd-aware operators of Megatron-LM's tensor
+parallelism: a collective in forward whose conjugate runs in backward.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# ----------------------------------------------------------------------------------------------
+# The ledger
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Entry:
+    calls: int = 0
+    bytes: int = 0  # payload: size of the tensor handed to the op
+    sent: int = 0  # bytes this rank puts on the wire under the ring algorithm
+
+
+# How many payload bytes one rank sends, by the ring algorithm, for a payload of S bytes on N ranks.
+def ring_bytes_sent(op: str, nbytes: int, n: int) -> int:
+    if n == 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1) * nbytes // n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) * nbytes // n
+    if op in ("broadcast", "send"):
+        return nbytes
+    return 0  # recv
+
+
+@dataclass
+class Ledger:
+    """Calls and bytes per (group name, op). Shared by all groups of one mesh."""
+
+    entries: dict[tuple[str, str], Entry] = field(default_factory=lambda: defaultdict(Entry))
+
+    def record(self, group: str, op: str, nbytes: int, sent: int) -> None:
+        e = self.entries[(group, op)]
+        e.calls += 1
+        e.bytes += nbytes
+        e.sent += sent
+
+    def reset(self) -> None:
+        self.entries.clear()
+
+    def get(self, group: str, op: str) -> Entry:
+        return self.entries.get((group, op), Entry())
+
+    def total_sent(self) -> int:
+        return sum(e.sent for e in self.entries.values())
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """A plain dict {"group/op": {"calls", "bytes", "sent"}}, for logs and JSON."""
+        return {f"{g}/{op}": vars(e).copy() for (g, op), e in sorted(self.entries.items())}
+
+    def table(self) -> str:
+        lines = [f"{'group/op':<24}{'calls':>8}{'payload bytes':>16}{'sent bytes':>14}"]
+        for key, e in self.snapshot().items():
+            lines.append(f"{key:<24}{e['calls']:>8}{e['bytes']:>16,}{e['sent']:>14,}")
+        return "\n".join(lines)
+
+
+@dataclass
+class Group:
+    """A named process group: its ranks, and the ledger that its traffic is written in."""
+
+    name: str
+    pg: dist.ProcessGroup
+    ranks: list[int]
+    ledger: Ledger
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This rank's index inside the group."""
+        return self.ranks.index(dist.get_rank())
+
+    def _note(self, op: str, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        self.ledger.record(self.name, op, nbytes, ring_bytes_sent(op, nbytes, self.size))
+
+
+# ----------------------------------------------------------------------------------------------
+# The operations. Each writes its ledger line, then calls torch.distributed. Ops on a group of
+# one rank do nothing and cost nothing, so code can call them unconditionally.
+# ----------------------------------------------------------------------------------------------
+
+_REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False):
+    """In place: t <- op over the group of t. Returns a work handle when async_op."""
+    group._note("all_reduce", t)
+    if group.size == 1:
+        return None
+    return dist.all_reduce(t, op=_REDUCE[op], group=group.pg, async_op=async_op)
+
+
+def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's t along `dim`, in group order. The ledger counts the output, S."""
+    nbytes = t.numel() * t.element_size() * group.size
+    group.ledger.record(group.name, "all_gather", nbytes, ring_bytes_sent("all_gather", nbytes, group.size))
+    if group.size == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(group.size)]
+    dist.all_gather(parts, t.contiguous(), group=group.pg)
+    return torch.cat(parts, dim=dim)
+
+
+def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Sum over the group, then keep this rank's 1/N slice along `dim`."""
+    group._note("reduce_scatter", t)
+    if group.size == 1:
+        return t
+    if t.shape[dim] % group.size:
+        raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by {group.size}")
+    chunks = [c.contiguous() for c in t.chunk(group.size, dim=dim)]
+    out = torch.empty_like(chunks[0])
+    dist.reduce_scatter(out, chunks, group=group.pg)
+    return out
+
+
+def broadcast(t: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
+    """In place: every rank's t <- the t of group rank `src`."""
+    group._note("broadcast", t)
+    if group.size > 1:
+        dist.broadcast(t, src=group.ranks[src], group=group.pg)
+    return t
+
+
+def all_to_all(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Split t into N chunks along `dim`; chunk j goes to rank j; received chunks are concatenated."""
+    group._note("all_to_all", t)
+    if group.size == 1:
+        return t
+    inputs = [c.contiguous() for c in t.chunk(group.size, dim=dim)]
+    outputs = [torch.empty_like(c) for c in inputs]
+    dist.all_to_all(outputs, inputs, group=group.pg)
+    return torch.cat(outputs, dim=dim)
+
+
+def send(t: torch.Tensor, group: Group, dst: int) -> None:
+    """Send to group rank `dst`."""
+    group._note("send", t)
+    dist.send(t.contiguous(), dst=group.ranks[dst], group=group.pg)
+
+
+def recv(t: torch.Tensor, group: Group, src: int) -> torch.Tensor:
+    """Receive into t from group rank `src`."""
+    group._note("recv", t)
+    dist.recv(t, src=group.ranks[src], group=group.pg)
+    return t
+
+
+def ring_all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
+    """All-reduce (sum) written out with send/recv, as the ring algorithm does it. In place.
+
+    The tensor is cut into N chunks. Reduce-scatter: for N-1 steps every rank sends one chunk to
+    its right neighbour and adds the chunk arriving from its left; afterwards rank i holds the full
+    sum of chunk i+1. All-gather: N-1 more steps pass the finished chunks around the ring. Every
+    rank sent 2(N-1) chunks of S/N bytes: the 2(N-1)/N * S of the formula.
+    """
+    n, i = group.size, group.rank
+    if n == 1:
+        return t
+    flat = t.view(-1)
+    if flat.numel() % n:
+        raise ValueError(f"ring_all_reduce: {flat.numel()} elements do not split into {n} chunks")
+    chunks = flat.chunk(n)
+    right, left = (i + 1) % n, (i - 1) % n
+    incoming = torch.empty_like(chunks[0])
+
+    def exchange(send_idx: int, recv_idx: int, reduce: bool) -> None:
+        # Even ranks send first, odd ranks receive first: no two neighbours block on send together.
+        if i % 2 == 0:
+            send(chunks[send_idx], group, right)
+            recv(incoming, group, left)
+        else:
+            recv(incoming, group, left)
+            send(chunks[send_idx], group, right)
+        if reduce:
+            chunks[recv_idx].add_(incoming)
+        else:
+            chunks[recv_idx].copy_(incoming)
+
+    for step in range(n - 1):  # reduce-scatter
+        exchange((i - step) % n, (i - step - 1) % n, reduce=True)
+    for step in range(n - 1):  # all-gather
+        exchange((i + 1 - step) % n, (i - step) % n, reduce=False)
+    return t
+
+
+# ----------------------------------------------------------------------------------------------
+# Autograd-aware operators (Megatron-LM's f and g, and the split/gather pair).
+#
+# A column-parallel linear needs its input on every tp rank (forward: nothing to do) but each
+# rank's backward only produces the input-gradient of its own output columns, so the gradients
+# must be summed: identity forward, all-reduce backward ("f", copy_to_parallel). A row-parallel
+# linear produces partial sums that must be added (forward all-reduce), while the gradient of a
+# sum reaches every addend unchanged (identity backward): "g", reduce_from_parallel. Split and
+# gather along a dimension are each other's backward.
+# ----------------------------------------------------------------------------------------------
+
+
+class _CopyToParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        all_reduce(grad, ctx.group)
+        return grad, None
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SplitAlongDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        if x.shape[dim] % group.size:
+            raise ValueError(f"split: dim {dim} of size {x.shape[dim]} is not divisible by {group.size}")
+        return x.chunk(group.size, dim=dim)[group.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad.contiguous(), ctx.group, dim=ctx.dim), None, None
+
+
+class _GatherAlongDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x.contiguous(), group, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.group.size, dim=ctx.dim)[ctx.group.rank].contiguous(), None, None
+
+
+def copy_to_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """f: identity forward, all-reduce backward."""
+    return x if group.size == 1 else _CopyToParallel.apply(x, group)
+
+
+def reduce_from_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """g: all-reduce forward, identity backward."""
+    return x if group.size == 1 else _ReduceFromParallel.apply(x, group)
+
+
+def split_along_dim(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """Keep this rank's 1/N slice forward; all-gather the gradient backward."""
+    return x if group.size == 1 else _SplitAlongDim.apply(x, group, dim)
+
+
+def gather_along_dim(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """All-gather forward; keep this rank's slice of the gradient backward."""
+    return x if group.size == 1 else _GatherAlongDim.apply(x, group, dim)

@@ -1,0 +1,202 @@
+"""The mesh: every rank's place in the 4D grid, and one process group per line of it.
+
+Chapter 1 of the course. Parallel training cuts one job four ways at once:
+
+    dp  data parallel      each replica sees a different slice of the batch
+    tp  tensor parallel    each weight matrix is split across ranks
+    pp  pipeline parallel  each rank holds a contiguous block of layers (a stage)
+    cp  context parallel   each rank holds a slice of the sequence
+
+The world of `dp*tp*pp*cp` ranks is laid out as a 4D grid of shape (pp, dp, cp, tp),
+numbered so that tp varies fastest, then cp, then dp, then pp:
+
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+
+    world 8 = pp2 x dp2 x cp1 x tp2        tp groups: {0,1} {2,3} {4,5} {6,7}
+       pp0: dp0 [0 1]   dp1 [2 3]          dp groups: {0,2} {1,3} {4,6} {5,7}
+       pp1: dp0 [4 5]   dp1 [6 7]          pp groups: {0,4} {1,5} {2,6} {3,7}
+
+Why this order: the innermost dimension gets neighbouring rank numbers, and torchrun gives
+neighbouring numbers to the GPUs of one node. Tensor parallelism talks in every layer, forward
+and backward (several all-reduces of the whole activation), so it must stay inside a node on
+NVLink. Context parallelism passes K/V blocks every layer too, so it comes next. Data parallelism
+talks once per step (the gradients) and pipeline parallelism only sends one activation between
+neighbours, so they can cross the slower network between nodes.
+
+A *group* is a line through the grid along one dimension: all ranks that share every coordinate
+but one. Each dimension's groups partition the world. We also build the dp x cp groups, because
+replicated parameters get their gradients averaged over data *and* context replicas (chapter 6).
+Expert parallelism (ep) will be carved out of dp x cp later; the layout leaves room for it by
+keeping the dimension list in one place, `DIMS`.
+
+`MeshLayout` is the pure arithmetic (no processes: testable for every layout); `Mesh` adds this
+rank's process groups. There is no global mesh: the object is passed to whoever needs it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from minipar.collectives import Group, Ledger
+
+# Outermost first. The last dimension varies fastest in rank numbering.
+DIMS = ("pp", "dp", "cp", "tp")
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot work; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    world_size: int
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+    def __post_init__(self):
+        for dim in DIMS:
+            if getattr(self, dim) < 1:
+                raise LayoutError(f"--{dim} must be at least 1, got {getattr(self, dim)}")
+        product = self.dp * self.tp * self.pp * self.cp
+        if product != self.world_size:
+            raise LayoutError(
+                f"--dp {self.dp} x --tp {self.tp} x --pp {self.pp} x --cp {self.cp} = {product} ranks, "
+                f"but the world has {self.world_size}: launch with torchrun --nproc-per-node {product} "
+                f"or change the degrees so that their product is {self.world_size}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, d) for d in DIMS)  # (pp, dp, cp, tp)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Rank -> {"pp": i, "dp": j, "cp": k, "tp": l}."""
+        out = {}
+        for dim, size in zip(reversed(DIMS), reversed(self.shape)):
+            out[dim] = rank % size
+            rank //= size
+        return {d: out[d] for d in DIMS}
+
+    def rank(self, **coords: int) -> int:
+        """{"pp": i, ...} -> rank; missing coordinates count as 0."""
+        r = 0
+        for dim, size in zip(DIMS, self.shape):
+            c = coords.get(dim, 0)
+            if not 0 <= c < size:
+                raise IndexError(f"{dim} coordinate {c} outside 0..{size - 1}")
+            r = r * size + c
+        return r
+
+    def groups(self, *dims: str) -> list[list[int]]:
+        """All groups that vary along `dims` (e.g. "tp", or "dp", "cp"), each a sorted rank list.
+
+        Ranks that agree on every other coordinate form one group; the groups partition the world.
+        """
+        others = [d for d in DIMS if d not in dims]
+        result = []
+        for fixed in itertools.product(*(range(getattr(self, d)) for d in others)):
+            base = dict(zip(others, fixed))
+            members = [
+                self.rank(**base, **dict(zip(dims, varying)))
+                for varying in itertools.product(*(range(getattr(self, d)) for d in dims))
+            ]
+            result.append(sorted(members))
+        return result
+
+    def group_of(self, rank: int, *dims: str) -> list[int]:
+        return next(g for g in self.groups(*dims) if rank in g)
+
+    def neighbour(self, rank: int, dim: str, step: int) -> int:
+        """The rank `step` places along `dim` (wrapping around, as in a ring)."""
+        c = self.coords(rank)
+        c[dim] = (c[dim] + step) % getattr(self, dim)
+        return self.rank(**c)
+
+    def table(self) -> str:
+        """The grid as text: one line per (pp, dp), the tp ranks of each cp slot side by side."""
+        lines = [f"mesh pp{self.pp} x dp{self.dp} x cp{self.cp} x tp{self.tp} = {self.world_size} ranks"]
+        for p in range(self.pp):
+            for d in range(self.dp):
+                cells = []
+                for c in range(self.cp):
+                    tp_ranks = [self.rank(pp=p, dp=d, cp=c, tp=t) for t in range(self.tp)]
+                    cells.append(f"cp{c}:[" + " ".join(f"{r:>2}" for r in tp_ranks) + "]")
+                lines.append(f"  pp{p} dp{d}  " + "  ".join(cells))
+        return "\n".join(lines)
+
+
+# The groups every rank builds, by name -> the dimensions they vary along.
+GROUP_DIMS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp_cp": ("dp", "cp")}
+
+
+@dataclass
+class Mesh:
+    """This rank's view of the layout, with a process group for each of its lines.
+
+    Every rank must construct the Mesh at the same time: creating a process group is itself a
+    collective over the whole world.
+    """
+
+    layout: MeshLayout
+    rank: int
+    ledger: Ledger = field(default_factory=Ledger)
+    _groups: dict[str, Group] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, dp=1, tp=1, pp=1, cp=1, ledger: Ledger | None = None) -> Mesh:
+        layout = MeshLayout(dist.get_world_size(), dp=dp, tp=tp, pp=pp, cp=cp)
+        mesh = cls(layout, dist.get_rank(), ledger or Ledger())
+        for name, dims in GROUP_DIMS.items():
+            for ranks in layout.groups(*dims):  # every rank creates every group, in one order
+                pg = dist.new_group(ranks) if len(ranks) < layout.world_size else dist.group.WORLD
+                if mesh.rank in ranks:
+                    mesh._groups[name] = Group(name, pg, ranks, mesh.ledger)
+        return mesh
+
+    # -- coordinates ---------------------------------------------------------------------------
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.layout.coords(self.rank)
+
+    def __getattr__(self, name: str):
+        # mesh.dp_rank, mesh.tp_rank, ... and mesh.dp_group, mesh.tp_group, ...
+        if name.endswith("_rank") and name[:-5] in DIMS:
+            return self.layout.coords(self.rank)[name[:-5]]
+        if name.endswith("_group") and name[:-6] in GROUP_DIMS:
+            return self._groups[name[:-6]]
+        raise AttributeError(name)
+
+    # -- neighbours ----------------------------------------------------------------------------
+    @property
+    def pp_prev(self) -> int | None:
+        """The rank of the previous pipeline stage, or None on the first stage."""
+        return None if self.pp_rank == 0 else self.layout.neighbour(self.rank, "pp", -1)
+
+    @property
+    def pp_next(self) -> int | None:
+        return None if self.pp_rank == self.layout.pp - 1 else self.layout.neighbour(self.rank, "pp", 1)
+
+    @property
+    def cp_ring(self) -> tuple[int, int]:
+        """(receive from, send to) in the context-parallel ring."""
+        return self.layout.neighbour(self.rank, "cp", -1), self.layout.neighbour(self.rank, "cp", 1)
+
+    def destroy(self) -> None:
+        """Free this mesh's process groups (tests build many meshes in one world)."""
+        seen = set()
+        for g in self._groups.values():
+            if g.pg is not dist.group.WORLD and id(g.pg) not in seen:
+                seen.add(id(g.pg))
+                dist.destroy_process_group(g.pg)
+        self._groups.clear()
+
+    def __enter__(self) -> Mesh:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()

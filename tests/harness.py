@@ -1,0 +1,120 @@
+"""Run a function on N gloo ranks on CPU, as a test.
+
+    results = run_ranks(4, my_check, arg1, arg2)     # my_check(rank, world_size, arg1, arg2)
+
+`my_check` must live at module level in a test file (workers import it by name). Whatever it
+returns comes back as results[rank]. If any rank raises, the test fails with that rank's
+traceback; if the ranks do not all finish within `timeout` seconds (a hang: mismatched
+collectives, a send without its recv) the test fails with a timeout message.
+
+Starting N processes that import torch and form a process group costs seconds, so each world size
+gets one pool of workers that lives for the whole pytest session and runs test after test. A pool
+whose test failed or hung is killed and rebuilt, so one broken test cannot poison the next.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+
+TIMEOUT = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # N ranks share 2 cores; more threads only contend
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(rank, world, *args, **kwargs)))
+        except BaseException:  # noqa: B036 - report everything, including assertion errors
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class _Pool:
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        port = _free_port()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, args, kwargs, timeout: float):
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        out, failures = {}, {}
+        while len(out) + len(failures) < self.world:
+            # Once one rank failed, the others may be stuck in a collective: wait only briefly.
+            wait = 5.0 if failures else timeout
+            try:
+                rank, ok, value = self.results.get(timeout=wait)
+            except queue.Empty:
+                missing = sorted(set(range(self.world)) - set(out) - set(failures))
+                if failures:
+                    break
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s (a hang?)") from None
+            (out if ok else failures)[rank] = value
+        if failures:
+            rank = min(failures)
+            raise RuntimeError(f"rank {rank} of {self.world} failed:\n{failures[rank]}")
+        return [out[r] for r in range(self.world)]
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+_pools: dict[int, _Pool] = {}
+
+
+def run_ranks(world: int, fn, *args, timeout: float = TIMEOUT, **kwargs):
+    """Run fn(rank, world, *args, **kwargs) on `world` gloo ranks; return the per-rank results."""
+    pool = _pools.get(world)
+    if pool is None or not all(p.is_alive() for p in pool.procs):
+        if pool is not None:
+            pool.close(kill=True)
+        pool = _pools[world] = _Pool(world)
+    try:
+        return pool.run(fn, args, kwargs, timeout)
+    except BaseException:
+        pool.close(kill=True)  # ranks may be mid-collective: never reuse them
+        del _pools[world]
+        raise
+
+
+def shutdown() -> None:
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()

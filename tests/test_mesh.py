@@ -1,0 +1,123 @@
+"""The mesh: groups partition the world, coordinates round-trip, neighbours are right."""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run_ranks
+
+from minipar.collectives import all_reduce
+from minipar.mesh import DIMS, GROUP_DIMS, LayoutError, Mesh, MeshLayout
+
+
+def all_layouts(max_world=8):
+    for world in range(1, max_world + 1):
+        for pp, dp, cp, tp in itertools.product(range(1, world + 1), repeat=4):
+            if pp * dp * cp * tp == world:
+                yield MeshLayout(world, dp=dp, tp=tp, pp=pp, cp=cp)
+
+
+LAYOUTS = list(all_layouts())
+
+
+def test_every_layout_of_1_to_8_ranks_is_enumerated():
+    # 1..8 ranks: the number of ordered factorisations into 4 factors, summed.
+    assert len(LAYOUTS) == sum(
+        sum(1 for f in itertools.product(range(1, w + 1), repeat=4) if f[0] * f[1] * f[2] * f[3] == w)
+        for w in range(1, 9)
+    )
+    assert len(LAYOUTS) > 50
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"w{l.world_size}-pp{l.pp}dp{l.dp}cp{l.cp}tp{l.tp}")
+def test_groups_partition_world_and_coords_round_trip(layout):
+    world = set(range(layout.world_size))
+    for rank in world:
+        assert layout.rank(**layout.coords(rank)) == rank
+    # Coordinates are all distinct and the numbering is tp-fastest.
+    assert {tuple(layout.coords(r).values()) for r in world} == set(
+        itertools.product(*(range(n) for n in layout.shape))
+    )
+    for r in range(layout.world_size - 1):
+        if layout.tp > 1 and (r + 1) % layout.tp:
+            assert layout.coords(r + 1)["tp"] == layout.coords(r)["tp"] + 1
+    for dims in GROUP_DIMS.values():
+        groups = layout.groups(*dims)
+        size = 1
+        for d in dims:
+            size *= getattr(layout, d)
+        assert all(len(g) == size for g in groups)
+        assert sorted(r for g in groups for r in g) == sorted(world)  # a partition
+        for g in groups:  # members differ only along dims
+            for d in DIMS:
+                if d not in dims:
+                    assert len({layout.coords(r)[d] for r in g}) == 1
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"w{l.world_size}-pp{l.pp}dp{l.dp}cp{l.cp}tp{l.tp}")
+def test_neighbours_step_along_one_dimension(layout):
+    for rank in range(layout.world_size):
+        c = layout.coords(rank)
+        nxt = layout.coords(layout.neighbour(rank, "pp", 1))
+        assert nxt["pp"] == (c["pp"] + 1) % layout.pp
+        assert {k: v for k, v in nxt.items() if k != "pp"} == {k: v for k, v in c.items() if k != "pp"}
+        prev = layout.neighbour(rank, "cp", -1)
+        assert layout.neighbour(prev, "cp", 1) == rank
+
+
+def test_bad_layouts_are_rejected_with_a_fix():
+    with pytest.raises(LayoutError, match=r"= 8 ranks, but the world has 4: launch with torchrun --nproc-per-node 8"):
+        MeshLayout(4, dp=2, tp=2, pp=2)
+    with pytest.raises(LayoutError, match="--tp must be at least 1"):
+        MeshLayout(4, dp=4, tp=0)
+
+
+def test_table_shows_every_rank_once():
+    layout = MeshLayout(8, dp=2, tp=2, pp=2)
+    text = layout.table()
+    assert "pp2 x dp2 x cp1 x tp2" in text
+    numbers = [int(t) for t in text.replace("[", " ").replace("]", " ").split() if t.isdigit()]
+    assert sorted(numbers[-8:]) == list(range(8))
+
+
+def _check_real_groups(rank, world, degrees):
+    """Each real process group sums exactly the ranks the layout says it holds."""
+    with Mesh.build(**degrees) as mesh:
+        assert mesh.rank == rank
+        for name, dims in GROUP_DIMS.items():
+            group = getattr(mesh, f"{name}_group")
+            assert group.ranks == mesh.layout.group_of(rank, *dims)
+            t = torch.tensor([float(rank)])
+            all_reduce(t, group)
+            assert t.item() == sum(group.ranks), (name, group.ranks, t)
+        pp_prev, pp_next = mesh.pp_prev, mesh.pp_next
+        assert (pp_prev is None) == (mesh.pp_rank == 0)
+        assert (pp_next is None) == (mesh.pp_rank == mesh.layout.pp - 1)
+        left, right = mesh.cp_ring
+        return dict(coords=mesh.coords, prev=pp_prev, next=pp_next, ring=(left, right))
+
+
+@pytest.mark.parametrize(
+    "degrees", [dict(dp=2, tp=2, pp=2), dict(tp=2, cp=2, pp=2), dict(dp=2, cp=2, tp=2), dict(dp=8)]
+)
+def test_real_process_groups_on_8_ranks(degrees):
+    out = run_ranks(8, _check_real_groups, degrees)
+    layout = MeshLayout(8, **degrees)
+    for rank, r in enumerate(out):
+        assert r["coords"] == layout.coords(rank)
+        if r["next"] is not None:
+            assert out[r["next"]]["prev"] == rank
+
+
+def _mesh_with_wrong_world(rank, world):
+    try:
+        Mesh.build(dp=2, tp=2)
+    except LayoutError as e:
+        return str(e)
+
+
+def test_mesh_build_rejects_mismatch_before_any_collective():
+    msgs = run_ranks(2, _mesh_with_wrong_world)
+    assert all("= 4 ranks, but the world has 2" in m for m in msgs)
+    assert dist.is_available()
