@@ -1,0 +1,281 @@
+"""The training loop: config -> mesh -> data -> model -> data-parallel wrapper -> steps.
+
+The last chapter of each part of the course: every piece built so far, run together.
+
+    one optimizer step, on each rank:
+        rows = this dp rank's slice of the next global batch        (data.py)
+        for each micro-batch:            (all but the last inside model.no_sync())
+            loss = model(x, y) / accum_steps; loss.backward()       (buckets all-reduce on the last)
+        model.finish_grad_sync()                                   (data_parallel.py)
+        clip the global gradient norm; AdamW step; lr <- warm-up then cosine
+
+Everything that can be checked is checked before torch.distributed starts (config.py), so a bad
+command line costs one line, not a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import socket
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from minipar import checkpoint
+from minipar.collectives import Group, Ledger, all_gather
+from minipar.config import ConfigError, TrainConfig, parse_args
+from minipar.data import TokenData, find_files, prepare
+from minipar.data_parallel import DataParallel
+from minipar.mesh import Mesh
+from minipar.model import Llama, get_config
+
+# Dense bfloat16 peak FLOP/s, for model FLOPs utilisation (MFU) on known GPUs.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
+
+
+# ----------------------------------------------------------------------------------------------
+# Pieces of a step, small enough to test on their own
+# ----------------------------------------------------------------------------------------------
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to cfg.lr over cfg.warmup steps, then cosine down to min_lr_ratio * lr."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not on norm gains), as is usual for transformers."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def train_step(model: DataParallel, optimizer, micro_batches, grad_clip: float = 0.0, autocast=nullcontext):
+    """One optimizer step over this rank's micro-batches. Returns (mean loss, gradient norm).
+
+    Each micro-batch's loss is divided by their number, so the accumulated gradient is the mean
+    over the rank's rows; the data-parallel average then makes it the global-batch mean.
+    """
+    n = len(micro_batches)
+    total = 0.0
+    for i, (x, y) in enumerate(micro_batches):
+        with model.no_sync() if i < n - 1 else nullcontext():
+            with autocast():
+                loss = model(x, y) / n
+            loss.backward()
+        total += loss.item()
+    model.finish_grad_sync()
+    params = [p for p in model.parameters() if p.grad is not None]
+    if grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:
+        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, float(grad_norm)
+
+
+# ----------------------------------------------------------------------------------------------
+# Setting up
+# ----------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_distributed() -> torch.device:
+    """NCCL on GPUs, gloo on CPU. Without torchrun, a world of one."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ:
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def check_paths(cfg: TrainConfig) -> Path | None:
+    """File-system checks, before any process group: data, the checkpoint to resume, --out."""
+    find_files(cfg.data)  # raises DataError when missing
+    resume = None
+    if cfg.resume:
+        resume = checkpoint.resolve(cfg.resume)
+        checkpoint.verify(resume)
+    if cfg.out is None:  # continue where we resume, else a fresh numbered folder
+        cfg.out = str(resume.parent) if resume else next(
+            f"runs/run_{i:03d}" for i in range(1, 10**4) if not Path(f"runs/run_{i:03d}").exists()
+        )
+    elif resume is None and any(Path(cfg.out).glob("step_*")):
+        raise ConfigError(
+            f"--out {cfg.out} already holds checkpoints of an earlier run: continue it with --resume "
+            f"{cfg.out}, or choose another --out (nothing is overwritten)"
+        )
+    return resume
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident set (Linux: KiB)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((f for key, f in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def start_wandb(cfg: TrainConfig):
+    """wandb on rank 0: online if the user has logged in (or set WANDB_MODE), otherwise offline."""
+    import wandb
+
+    mode = os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False) else "offline")
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    return wandb.init(project="minipar", config=asdict(cfg), mode=mode, dir=cfg.out)
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------
+
+
+def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
+    device = start_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    is_main = rank == 0
+    say = print if is_main else (lambda *a, **k: None)
+    torch.manual_seed(cfg.seed)
+
+    mesh = Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
+    say(mesh.layout.table())
+    # Per-step metrics travel over their own group with its own ledger, so the model's ledger
+    # shows only the traffic of training itself.
+    log_group = Group("log", dist.group.WORLD, list(range(world)), Ledger())
+
+    # Data: tokenised once per machine (local rank 0), the other ranks wait and read the cache.
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        folder = prepare(cfg.data, cfg.vocab_size, cfg.cache_dir)
+    dist.barrier()
+    folder = prepare(cfg.data, cfg.vocab_size, cfg.cache_dir)
+    data = TokenData(folder, cfg.seq_len, cfg.seed)
+
+    dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[
+        cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    ]
+    param_dtype = torch.float32 if dtype == torch.bfloat16 else dtype  # bf16: fp32 master weights
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == torch.bfloat16 else nullcontext
+    model_cfg = get_config(cfg.model, vocab_size=data.vocab_size)
+    model = Llama(model_cfg, seed=cfg.seed).to(device=device, dtype=param_dtype)
+    optimizer = build_optimizer(model, cfg)
+
+    start, consumed = 0, 0
+    if resume is not None:
+        state = checkpoint.load(resume, model, optimizer)
+        start, consumed = state["step"], state["consumed"]
+        say(f"resumed from {resume} at step {start}")
+    dp_model = DataParallel(model, mesh.dp_group, bucket_mb=cfg.bucket_mb)
+
+    tokens_per_step = cfg.global_batch * cfg.seq_len
+    flops_per_step = model_cfg.flops_per_token(cfg.seq_len) * tokens_per_step
+    peak = peak_flops(device)
+    say(f"model {cfg.model}: {model_cfg.num_params() / 1e6:.2f}M parameters, vocab {data.vocab_size}, "
+        f"{data.num_windows} windows of {cfg.seq_len} tokens; {cfg.accum_steps} micro-batch(es) of "
+        f"{cfg.micro_batch} per rank per step; {device.type}, {dtype}")
+
+    wandb_run = start_wandb(cfg) if (cfg.wandb and is_main) else None
+    log_file = open(cfg.log_json, "a") if (cfg.log_json and is_main) else None
+    from tqdm import tqdm
+
+    bar = tqdm(total=cfg.steps, initial=start, disable=not is_main or None, desc="train", unit="step")
+    losses = []
+    for step in range(start, cfg.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        x, y = data.rank_batch(consumed, cfg.global_batch, mesh.dp_rank, cfg.dp)
+        micro = list(zip(x.to(device).split(cfg.micro_batch), y.to(device).split(cfg.micro_batch)))
+        mesh.ledger.reset()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss, grad_norm = train_step(dp_model, optimizer, micro, cfg.grad_clip, autocast)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        consumed += cfg.global_batch
+
+        # Every rank's loss and peak memory, gathered for the log: the loss is the dp mean.
+        metrics = all_gather(torch.tensor([loss, float(peak_memory_bytes(device))], dtype=torch.float64,
+                                          device=device), log_group).view(world, 2).cpu()
+        loss = metrics[:, 0].mean().item()
+        losses.append(loss)
+        sent = mesh.ledger.total_sent()
+        record = {
+            "step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr_at(step, cfg),
+            "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+            "mfu": flops_per_step / dt / (world * peak) if peak else None,
+            "bytes_sent": sent, "comm": mesh.ledger.snapshot(),
+            "peak_memory": [int(m) for m in metrics[:, 1].tolist()],
+        }
+        if log_file:
+            log_file.write(json.dumps(record) + "\n")
+            log_file.flush()
+        if wandb_run:
+            wandb_run.log({k: v for k, v in record.items() if k not in ("comm", "peak_memory", "mfu")}
+                          | {"peak_memory_max": max(record["peak_memory"])}, step=step + 1)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}")
+        if is_main and ((step + 1) % cfg.log_every == 0 or step == start or step + 1 == cfg.steps):
+            mfu = f"{record['mfu']:.1%}" if record["mfu"] is not None else "n/a (cpu)"
+            tqdm.write(f"step {step + 1:>5}/{cfg.steps} | loss {loss:.4f} | lr {record['lr']:.2e} | "
+                       f"grad {grad_norm:.3f} | {record['tokens_per_s']:,.0f} tok/s | mfu {mfu} | "
+                       f"peak mem {max(record['peak_memory']) / 2**20:,.0f} MiB | "
+                       f"sent {sent / 2**20:.2f} MiB/step", file=sys.stdout)
+        last = step + 1 == cfg.steps
+        if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+            if is_main:
+                path = checkpoint.save(cfg.out, step + 1, model, optimizer,
+                                       {"step": step + 1, "consumed": consumed, "config": asdict(cfg)})
+                tqdm.write(f"saved {path}", file=sys.stdout)
+            dist.barrier()
+    bar.close()
+    if log_file:
+        log_file.close()
+    if wandb_run:
+        wandb_run.finish()
+    mesh.destroy()
+    dist.destroy_process_group()
+    return losses
+
+
+def main(argv=None) -> int:
+    """Parse, check, run. A bad command line or input prints one line and exits 2."""
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    try:
+        cfg = parse_args(argv)
+        resume = check_paths(cfg)
+    except ValueError as e:  # ConfigError, LayoutError, DataError, CheckpointError
+        if is_main:
+            print(f"minipar: error: {e}", file=sys.stderr)
+        return 2
+    run(cfg, resume)
+    return 0

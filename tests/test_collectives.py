@@ -1,0 +1,124 @@
+"""Each collective equals the local computation on the gathered inputs; the ledger counts sizes."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run_ranks
+
+from minipar import collectives as C
+from minipar.mesh import Mesh
+
+
+def _rank_tensor(rank, shape=(4, 6)):
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def _every_collective(rank, world):
+    with Mesh.build(dp=world) as mesh:
+        group, ledger = mesh.dp_group, mesh.ledger
+        inputs = [_rank_tensor(r) for r in range(world)]  # what every rank holds, known to all
+        x = inputs[rank]
+        nbytes = x.numel() * x.element_size()
+
+        t = x.clone()
+        C.all_reduce(t, group)
+        torch.testing.assert_close(t, sum(inputs), rtol=1e-12, atol=1e-12)
+        t = x.clone()
+        C.all_reduce(t, group, op="max")
+        torch.testing.assert_close(t, torch.stack(inputs).amax(0), rtol=0, atol=0)
+
+        torch.testing.assert_close(C.all_gather(x, group, dim=1), torch.cat(inputs, dim=1), rtol=0, atol=0)
+
+        big = torch.cat([xx.repeat(world, 1) for xx in [x]])  # [4*world, 6]
+        full = sum(torch.cat([i.repeat(world, 1)]) for i in inputs)
+        torch.testing.assert_close(C.reduce_scatter(big, group), full.chunk(world)[rank], rtol=1e-12, atol=1e-12)
+
+        t = x.clone()
+        C.broadcast(t, group, src=world - 1)
+        torch.testing.assert_close(t, inputs[world - 1], rtol=0, atol=0)
+
+        a2a_in = torch.cat([x[:, :1] + 10 * j for j in range(world)], dim=1)  # chunk j -> rank j
+        expected = torch.cat([inputs[r][:, :1] + 10 * rank for r in range(world)], dim=1)
+        torch.testing.assert_close(C.all_to_all(a2a_in, group, dim=1), expected, rtol=0, atol=0)
+
+        t = x.clone()
+        C.ring_all_reduce(t, group)
+        torch.testing.assert_close(t, sum(inputs), rtol=1e-12, atol=1e-12)
+
+        n = world
+        return dict(
+            ledger={k: dict(v) for k, v in ledger.snapshot().items()},
+            nbytes=nbytes,
+            expect={
+                "dp/all_reduce": dict(calls=2, bytes=2 * nbytes, sent=2 * (2 * (n - 1) * nbytes // n)),
+                "dp/all_gather": dict(calls=1, bytes=n * nbytes, sent=(n - 1) * nbytes),
+                "dp/reduce_scatter": dict(calls=1, bytes=n * nbytes, sent=(n - 1) * nbytes),
+                "dp/broadcast": dict(calls=1, bytes=nbytes, sent=nbytes),
+                "dp/all_to_all": dict(calls=1, bytes=x[:, :1].numel() * 8 * n, sent=(n - 1) * x[:, :1].numel() * 8),
+                # ring all-reduce: 2(n-1) sends and receives of one chunk of nbytes/n each
+                "dp/send": dict(calls=2 * (n - 1), bytes=2 * (n - 1) * nbytes // n, sent=2 * (n - 1) * nbytes // n),
+                "dp/recv": dict(calls=2 * (n - 1), bytes=2 * (n - 1) * nbytes // n, sent=0),
+            },
+        )
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives_equal_local_computation_and_ledger_counts_tensor_sizes(world):
+    for r in run_ranks(world, _every_collective):
+        assert r["ledger"] == r["expect"]
+
+
+def test_ring_all_reduce_sends_two_n_minus_one_over_n_of_the_tensor():
+    # The formula in ring_bytes_sent matches what the hand-written ring really sends (4 ranks).
+    out = run_ranks(4, _every_collective)
+    for r in out:
+        assert r["ledger"]["dp/send"]["sent"] == C.ring_bytes_sent("all_reduce", r["nbytes"], 4)
+
+
+def _autograd_ops(rank, world):
+    """f/g and split/gather: forward and backward are the conjugate collectives."""
+    with Mesh.build(tp=world) as mesh:
+        g = mesh.tp_group
+        inputs = [_rank_tensor(r) for r in range(world)]
+        grads = [_rank_tensor(r + 50) for r in range(world)]
+
+        x = inputs[rank].clone().requires_grad_()
+        y = C.copy_to_parallel(x, g)
+        y.backward(grads[rank])
+        torch.testing.assert_close(y, inputs[rank], rtol=0, atol=0)
+        torch.testing.assert_close(x.grad, sum(grads), rtol=1e-12, atol=1e-12)
+
+        x = inputs[rank].clone().requires_grad_()
+        y = C.reduce_from_parallel(x, g)
+        y.backward(grads[rank])
+        torch.testing.assert_close(y, sum(inputs), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(x.grad, grads[rank], rtol=0, atol=0)
+
+        full = torch.cat(inputs, dim=1)
+        x = full.clone().requires_grad_()
+        y = C.split_along_dim(x, g, dim=1)
+        torch.testing.assert_close(y, inputs[rank], rtol=0, atol=0)
+        y.backward(grads[rank])
+        torch.testing.assert_close(x.grad, torch.cat(grads, dim=1), rtol=0, atol=0)
+
+        x = inputs[rank].clone().requires_grad_()
+        y = C.gather_along_dim(x, g, dim=1)
+        torch.testing.assert_close(y, full, rtol=0, atol=0)
+        y.backward(torch.cat(grads, dim=1))
+        torch.testing.assert_close(x.grad, grads[rank], rtol=0, atol=0)
+    return dist.get_rank()
+
+
+def test_autograd_operators_run_the_conjugate_collective_in_backward():
+    assert run_ranks(4, _autograd_ops) == [0, 1, 2, 3]
+
+
+def test_single_rank_ops_send_nothing():
+    ledger = C.Ledger()
+    assert C.ring_bytes_sent("all_reduce", 1000, 1) == 0
+    ledger.record("tp", "all_reduce", 8, 0)
+    ledger.record("tp", "all_reduce", 8, 0)
+    assert ledger.get("tp", "all_reduce").calls == 2
+    ledger.reset()
+    assert ledger.get("tp", "all_reduce").calls == 0

@@ -1,0 +1,74 @@
+"""The reference model: deterministic, layout-independent init; forward/backward; the config maths."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minipar.model import CONFIGS, Llama, apply_rope, get_config, init_tensor, rope_cos_sin
+
+
+def tiny(**kw):
+    return get_config("tiny", **kw)
+
+
+def test_two_constructions_with_one_seed_are_identical_and_seeds_differ():
+    a, b, c = Llama(tiny(), seed=3), Llama(tiny(), seed=3), Llama(tiny(), seed=4)
+    for (n, pa), (_, pb), (_, pc) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
+        assert torch.equal(pa, pb), n
+        if not n.endswith("norm.weight"):
+            assert not torch.equal(pa, pc), n
+
+
+def test_init_depends_only_on_seed_and_name_not_on_construction_order():
+    # Each parameter is drawn from its own generator: a slice of it (what a tp shard will hold)
+    # is fixed by (seed, name) alone, and no two parameters share values by accident.
+    m = Llama(tiny(), seed=7)
+    w = dict(m.named_parameters())["layers.1.attn.wq.weight"]
+    full = init_tensor("layers.1.attn.wq.weight", tuple(w.shape), 0.02, seed=7)
+    assert torch.equal(w.detach(), full)
+    assert not torch.equal(w, dict(m.named_parameters())["layers.0.attn.wq.weight"])
+
+
+def test_forward_backward_runs_and_loss_is_cross_entropy_of_logits():
+    torch.manual_seed(0)
+    m = Llama(tiny(), seed=0).double()
+    x = torch.randint(0, 256, (2, 16))
+    y = torch.randint(0, 256, (2, 16))
+    y[0, :3] = -100
+    logits = m(x)
+    assert logits.shape == (2, 16, 256)
+    loss = m(x, y)
+    torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100))
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+    assert abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.5  # ~uniform at init
+
+
+def test_attention_is_causal():
+    m = Llama(tiny(), seed=0).double()
+    x = torch.randint(0, 256, (1, 12))
+    x2 = x.clone()
+    x2[0, 8:] = (x2[0, 8:] + 1) % 256  # change only the future of position 7
+    torch.testing.assert_close(m(x)[0, :8], m(x2)[0, :8], rtol=0, atol=0)
+
+
+def test_rope_rotates_by_relative_position():
+    # <R(p) q, R(p') k> depends only on p - p': shifting every position leaves scores unchanged.
+    q, k = torch.randn(1, 1, 5, 8, dtype=torch.float64), torch.randn(1, 1, 5, 8, dtype=torch.float64)
+    def scores(offset):
+        cos, sin = rope_cos_sin(torch.arange(5) + offset, 8, 10000.0, torch.float64)
+        return apply_rope(q, cos, sin) @ apply_rope(k, cos, sin).transpose(-1, -2)
+    torch.testing.assert_close(scores(0), scores(37), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "125m"])
+def test_num_params_formula_equals_the_built_model(name):
+    cfg = CONFIGS[name]
+    assert cfg.num_params() == sum(p.numel() for p in Llama(cfg, seed=0).parameters())
+
+
+def test_named_configs_have_real_shapes():
+    assert 7.5e9 < CONFIGS["8b"].num_params() < 8.5e9
+    assert 1.0e9 < CONFIGS["1b"].num_params() < 1.6e9
+    with pytest.raises(ValueError, match="unknown model"):
+        get_config("nope")
