@@ -1,0 +1,137 @@
+"""Step 1: the collectives, seen from every rank, and the bytes they cost.
+
+    .venv/bin/torchrun --nproc-per-node 4 scripts/step_01_collectives.py     (or 2: any power of two)
+
+Part 1 gives every rank a small tensor (rank r holds [10r, 10r+1, ...]) and runs each operation of
+minipar/collectives.py on it, printing what every rank holds before and after.
+
+Part 2 runs each operation on 1 MiB of float32 and prints the ledger's payload and sent bytes per
+rank next to the textbook ring formula, 2(N-1)/N * S or (N-1)/N * S. Then it runs
+`ring_all_reduce`, the all-reduce written with send/recv, counts what it really sent, and checks
+that its result is the all-reduce's.
+
+Chapter: docs/01_collectives.md.
+"""
+
+import torch
+import torch.distributed as dist
+
+from minipar import collectives as C
+from minipar.mesh import Mesh
+
+
+def fmt(t: torch.Tensor) -> str:
+    return "[" + " ".join(f"{v:>3.0f}" for v in t.tolist()) + "]"
+
+
+def show(title: str, before: torch.Tensor, after: torch.Tensor) -> None:
+    """Print, on rank 0 and in rank order, what every rank held before and after an operation."""
+    line = f"  rank {dist.get_rank()}:  {fmt(before):<{5 * before.numel()}}  ->  {fmt(after)}"
+    lines = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(line, lines, dst=0)  # collected on rank 0, so the output is not interleaved
+    if dist.get_rank() == 0:
+        print(f"\n{title}")
+        print("\n".join(lines))
+
+
+def part1_who_holds_what(group: C.Group) -> None:
+    n, r = group.size, group.rank
+    x = torch.tensor([10.0 * r + j for j in range(n)])  # [n]: rank r holds 10r, 10r+1, ...
+
+    t = x.clone()
+    C.all_reduce(t, group)
+    show("all_reduce (sum): every rank gets the element-wise sum", x, t)
+
+    show("all_gather: every rank gets all tensors, in rank order", x, C.all_gather(x, group))
+
+    show("reduce_scatter: rank i gets the sum of everyone's element i", x, C.reduce_scatter(x, group))
+
+    t = x.clone()
+    C.broadcast(t, group, src=0)
+    show("broadcast from rank 0: every rank gets rank 0's tensor", x, t)
+
+    show("all_to_all: element j of rank i goes to rank j (a transpose)", x, C.all_to_all(x, group))
+
+    # Send/recv around a ring: each rank sends to its right and receives from its left. Even ranks
+    # send first and odd ranks receive first, so two neighbours never both wait in send.
+    t = torch.empty_like(x)
+    right, left = (r + 1) % n, (r - 1) % n
+    if r % 2 == 0:
+        C.send(x, group, right)
+        C.recv(t, group, left)
+    else:
+        C.recv(t, group, left)
+        C.send(x, group, right)
+    show("send to the right, recv from the left: every tensor moves one rank along the ring", x, t)
+
+    t = x.clone()
+    C.ring_all_reduce(t, group)
+    show("ring_all_reduce (send/recv only): the same result as all_reduce", x, t)
+
+
+def part2_bytes(group: C.Group, ledger: C.Ledger) -> None:
+    n = group.size
+    numel = 2**18  # 1 MiB of float32
+    if numel % n:
+        raise SystemExit(f"part 2 cuts {numel} elements into {n} chunks: launch with a power of two ranks")
+    g = torch.Generator().manual_seed(dist.get_rank())
+    # Whole numbers, so every order of summation gives the same float32 sum: results compare exactly.
+    x = torch.randint(-100, 100, (numel,), generator=g).float()  # [numel]
+    S = x.numel() * x.element_size()
+
+    ops = {  # name -> (run it, textbook bytes each rank sends by the ring algorithm, in words)
+        "all_reduce": (lambda: C.all_reduce(x.clone(), group), 2 * (n - 1) / n * S, "2(N-1)/N * S"),
+        "all_gather": (lambda: C.all_gather(x[: numel // n], group), (n - 1) / n * S, "(N-1)/N * S"),
+        "reduce_scatter": (lambda: C.reduce_scatter(x, group), (n - 1) / n * S, "(N-1)/N * S"),
+        "all_to_all": (lambda: C.all_to_all(x, group), (n - 1) / n * S, "(N-1)/N * S"),
+        "broadcast": (lambda: C.broadcast(x.clone(), group), S, "S"),
+    }
+    rows = []
+    for op, (run, formula, words) in ops.items():
+        ledger.reset()
+        run()
+        e = ledger.get(group.name, op)
+        rows.append(f"  {op:<16}{e.calls:>6}{e.bytes:>15,}{e.sent:>13,}   {words:<14}= {formula:>11,.0f}")
+
+    # The ring, written with send/recv: count the bytes it really sends.
+    expected = x.clone()
+    C.all_reduce(expected, group)
+    ledger.reset()
+    t = x.clone()
+    C.ring_all_reduce(t, group)
+    sends, recvs = ledger.get(group.name, "send"), ledger.get(group.name, "recv")
+    ring_formula = 2 * (n - 1) / n * S
+    ring = [
+        f"  send entries: {sends.calls} calls of {sends.bytes // sends.calls:,} bytes (S/N), "
+        f"{sends.sent:,} bytes sent",
+        f"  recv entries: {recvs.calls} calls, {recvs.bytes:,} bytes received",
+        f"  textbook 2(N-1)/N * S = {ring_formula:,.0f} bytes   equal: {sends.sent == ring_formula}",
+        f"  ring_all_reduce result equals all_reduce, element for element: {torch.equal(t, expected)}",
+    ]
+
+    # Every rank's ledger says the same (each rank sends the same amount in a ring); check it.
+    all_rows = [None] * n
+    dist.all_gather_object(all_rows, (rows, ring))
+    if dist.get_rank() == 0:
+        print(f"\n\nBytes per rank, S = {S:,} bytes (1 MiB of float32), N = {n} ranks")
+        print(f"  {'op':<16}{'calls':>6}{'payload bytes':>15}{'sent bytes':>13}   textbook ring formula")
+        print("\n".join(rows))
+        print("\nring_all_reduce on S, from the ledger's send/recv entries (rank 0)")
+        print("\n".join(ring))
+        print(f"\nevery rank's ledger shows the same numbers: {all(r == all_rows[0] for r in all_rows)}")
+
+
+def main() -> None:
+    torch.set_num_threads(1)  # several ranks share a few CPU cores
+    dist.init_process_group("gloo")  # rank and world size come from torchrun's environment
+    mesh = Mesh.build(dp=dist.get_world_size())  # one group of every rank; its name in the ledger: "dp"
+    if mesh.rank == 0:
+        print(mesh.layout.table())
+    part1_who_holds_what(mesh.dp_group)
+    part2_bytes(mesh.dp_group, mesh.ledger)
+    mesh.destroy()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
