@@ -47,15 +47,17 @@ class GradBucket:
         self.work = None
 
     def launch(self, group: Group) -> None:
-        """Copy the gradients into one flat buffer, pre-divided by dp, and start its all-reduce."""
+        """Copy the gradients into the bucket's flat buffer, pre-divided by dp, and start its all-reduce."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        self.buffer = torch.cat([g.reshape(-1) for g in grads]).div_(group.size)
+        if self.buffer is None:  # allocated once, reused every step
+            self.buffer = torch.empty(sum(p.numel() for p in self.params), dtype=grads[0].dtype,
+                                      device=grads[0].device)
+        torch.cat([g.reshape(-1) for g in grads], out=self.buffer).div_(group.size)
         self.work = all_reduce(self.buffer, group, async_op=True)
 
     def finish(self) -> None:
         """Wait for the all-reduce, then write the averaged gradients back into .grad."""
-        if self.work is not None:
-            self.work.wait()
+        self.work.wait()
         offset = 0
         for p in self.params:
             averaged = self.buffer[offset : offset + p.numel()].view_as(p)
@@ -64,7 +66,7 @@ class GradBucket:
             else:
                 p.grad.copy_(averaged)
             offset += p.numel()
-        self.buffer, self.work = None, None
+        self.work = None
         self.ready.clear()
 
 
@@ -125,6 +127,13 @@ class DataParallel(nn.Module):
         if not self.sync or self.group.size == 1:
             return
         bucket = self._bucket_of[id(p)]
+        if bucket.index < self._next_to_launch:
+            # Its all-reduce is already in flight with the previous backward's gradient: averaging
+            # now would silently drop this one. DDP allows it; we refuse it, loudly.
+            raise RuntimeError(
+                "backward ran twice with gradient sync on before finish_grad_sync(): with gradient "
+                "accumulation, run all but the last micro-batch inside model.no_sync()"
+            )
         bucket.ready.add(id(p))
         # Launch in index order only, so every rank issues the same all-reduces in the same order.
         while (
@@ -138,6 +147,8 @@ class DataParallel(nn.Module):
         """Launch what backward did not (parameters that got no gradient), then wait for all."""
         if self.group.size == 1:
             return
+        if self._next_to_launch == 0 and not any(b.ready for b in self.buckets):
+            return  # no synchronised backward since the last call: nothing to average
         for bucket in self.buckets[self._next_to_launch :]:
             bucket.launch(self.group)
         for bucket in self.buckets:

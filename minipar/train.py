@@ -70,13 +70,13 @@ def train_step(model: DataParallel, optimizer, micro_batches, grad_clip: float =
     over the rank's rows; the data-parallel average then makes it the global-batch mean.
     """
     n = len(micro_batches)
-    total = 0.0
+    total = 0.0  # becomes a device tensor: no host sync until the step's end
     for i, (x, y) in enumerate(micro_batches):
         with model.no_sync() if i < n - 1 else nullcontext():
             with autocast():
                 loss = model(x, y) / n
             loss.backward()
-        total += loss.item()
+        total = total + loss.detach()
     model.finish_grad_sync()
     params = [p for p in model.parameters() if p.grad is not None]
     if grad_clip > 0:
@@ -85,7 +85,7 @@ def train_step(model: DataParallel, optimizer, micro_batches, grad_clip: float =
         grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total, float(grad_norm)
+    return float(total), float(grad_norm)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def test_dp_params_after_adamw_steps_equal_single_device_and_ddp(world, accum):
             torch.testing.assert_close(r["params"][name], r["ddp"][name], rtol=1e-10, atol=1e-12, msg=name)
         # Exactly one all-reduce of every gradient per optimizer step, whatever the accumulation:
         # the k-1 micro-batches inside no_sync sent nothing.
-        for calls, nbytes, sent in r["ledgers"]:
+        for calls, nbytes, _sent in r["ledgers"]:
             assert r["buckets"] > 1 and calls == r["buckets"]
             assert nbytes == r["psi_bytes"]
         # ...and the buckets were launched during backward, not after it.
@@ -108,3 +108,21 @@ def _broadcast_check(rank, world):
         DataParallel(model, mesh.dp_group)
         ref = Llama(get_config("tiny"), seed=0).double()
         return max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def _synced_backward_twice(rank, world):
+    with Mesh.build(dp=world) as mesh:
+        model = DataParallel(new_model(), mesh.dp_group)
+        x, y = global_batch(0)
+        model(x, y).backward()
+        try:
+            model(x, y).backward()  # accumulation without no_sync: refused, never silently wrong
+        except RuntimeError as e:
+            return str(e)
+        finally:
+            model.finish_grad_sync()
+
+
+def test_accumulating_without_no_sync_is_refused_not_silently_wrong():
+    for msg in run_ranks(2, _synced_backward_twice):
+        assert "inside model.no_sync()" in msg
