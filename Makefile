@@ -19,7 +19,7 @@ setup: $(STAMP)
 
 # The main job on the embedded default: a small Llama on CPU, 2 data-parallel ranks, built-in data.
 train: $(STAMP)
-	WANDB_MODE=offline $(BIN)/torchrun --nproc-per-node 2 scripts/train.py --dp 2 --no-wandb
+	$(BIN)/torchrun --standalone --nproc-per-node 2 scripts/train.py --dp 2
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
@@ -28,7 +28,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check minipar scripts tests
 
 bench: $(STAMP)
-	$(BIN)/torchrun --nproc-per-node 2 scripts/bench_dp.py
+	$(BIN)/torchrun --standalone --nproc-per-node 2 scripts/bench_dp.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
