@@ -6,8 +6,9 @@
                                 (header metadata: the optimizer's hyper-parameters)
         train_state.json        step, windows of data consumed, scheduler state, the config
 
-Because tensors are stored at their single-device shapes, a checkpoint written at one layout can
-be loaded at another (torchtitan's "seed checkpoint" idea): each rank takes the slices it owns.
+Because tensors are stored at their single-device shapes (tensor-parallel shards are gathered
+first, padding dropped), a checkpoint written at one layout can be loaded at another (torchtitan's
+"seed checkpoint" idea): each rank takes the slices it owns.
 
 A checkpoint is written to a hidden temporary folder and renamed into place only when complete,
 so a crash while saving never damages an earlier checkpoint, and a `step_*` folder is always whole.
@@ -26,6 +27,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from minipar.collectives import Group
+from minipar.tensor_parallel import shard, unshard
 
 FILES = ("model.safetensors", "optimizer.safetensors", "train_state.json")
 
@@ -65,27 +69,32 @@ def verify(path: Path) -> dict:
     return state
 
 
-def _optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    names = {id(p): n for n, p in model.named_parameters()}
-    out = {}
-    for p, state in optimizer.state.items():
-        for key, value in state.items():
+def gather_full(model: nn.Module, optimizer: torch.optim.Optimizer, tp_group: Group):
+    """Every parameter and optimizer state at its single-device shape, by name.
+
+    A collective over the tp group: call it on every rank; any one rank's result is the whole.
+    Returns (weights, optimizer tensors, optimizer hyper-parameters).
+    """
+    weights, states = {}, {}
+    for name, p in model.named_parameters():
+        weights[name] = unshard(p.detach(), p, tp_group).cpu().contiguous()
+        for key, value in optimizer.state.get(p, {}).items():
             t = value if torch.is_tensor(value) else torch.tensor(value)
-            out[f"{names[id(p)]}/{key}"] = t.detach().cpu().contiguous()
-    return out
+            if t.shape == p.shape:  # exp_avg, exp_avg_sq: sharded like the parameter
+                t = unshard(t.detach(), p, tp_group)
+            states[f"{name}/{key}"] = t.detach().cpu().contiguous()
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return weights, states, hyper
 
 
-def save(out: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict) -> Path:
-    """Write one checkpoint (call on one rank; with only data parallelism every replica is whole)."""
+def save(out: str | Path, step: int, weights: dict, optimizer_tensors: dict, hyper: list, train_state: dict) -> Path:
+    """Write one checkpoint from `gather_full`'s output (call on one rank)."""
     final = step_dir(out, step)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".tmp-"))
     try:
-        save_file({n: p.detach().cpu().contiguous() for n, p in model.state_dict().items()},
-                  tmp / "model.safetensors")
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        save_file(_optimizer_tensors(model, optimizer), tmp / "optimizer.safetensors",
-                  metadata={"param_groups": json.dumps(hyper)})
+        save_file(weights, tmp / "model.safetensors")
+        save_file(optimizer_tensors, tmp / "optimizer.safetensors", metadata={"param_groups": json.dumps(hyper)})
         (tmp / "train_state.json").write_text(json.dumps(train_state, indent=1))
         old = final.with_name(f".old-{final.name}")
         if final.exists():  # re-saving a step: the old copy is deleted only once the new one is in place
@@ -97,26 +106,31 @@ def save(out: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Op
     return final
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """Load weights (and optimizer state) into an already built model; return the train state."""
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         tp_group: Group | None = None) -> dict:
+    """Load weights (and optimizer state) into an already built model, each rank taking its tp
+    shard of the single-device tensors; return the train state."""
+    tp_group = tp_group or Group.solo("tp")
     state = verify(path)
     weights = load_file(path / "model.safetensors")
-    missing = set(model.state_dict()) ^ set(weights)
+    params = dict(model.named_parameters())
+    missing = set(params) ^ set(weights)
     if missing:
         raise CheckpointError(f"checkpoint {path} does not match the model (differs in {sorted(missing)[:3]}...)")
     with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if t.shape != weights[name].shape:
+        for name, p in params.items():
+            full_shape = getattr(p, "_tp_full", tuple(p.shape))
+            if tuple(weights[name].shape) != tuple(full_shape):
                 raise CheckpointError(
                     f"checkpoint {path}: {name} has shape {tuple(weights[name].shape)}, the model "
-                    f"{tuple(t.shape)}: resume with the same --model and data"
+                    f"{tuple(full_shape)}: resume with the same --model and data"
                 )
-            t.copy_(weights[name])
+            p.copy_(shard(weights[name], p, tp_group))
     if optimizer is not None:
-        tensors = load_file(path / "optimizer.safetensors")
-        params = dict(model.named_parameters())
-        for key, value in tensors.items():
+        for key, value in load_file(path / "optimizer.safetensors").items():
             name, slot = key.rsplit("/", 1)
             p = params[name]
-            optimizer.state[p][slot] = value.to(p.device) if slot != "step" else value
+            if slot != "step":
+                value = shard(value, p, tp_group).to(device=p.device, dtype=p.dtype).clone()
+            optimizer.state[p][slot] = value
     return state

@@ -26,7 +26,7 @@ The `Ledger` counts, per (group, op): the number of calls, the payload bytes (th
 the call) and the bytes this rank sends by the ring formula above. Tests assert on it, benchmarks
 print it and the training log shows it per step.
 
-The second half of the file holds the autograd-aware operators of Megatron-LM's tensor
+The second half of the file holds the autograd-aware operators of Megatron-LM's tensor and sequence
 parallelism: a collective in forward whose conjugate runs in backward.
 """
 
@@ -111,7 +111,12 @@ class Group:
     @property
     def rank(self) -> int:
         """This rank's index inside the group."""
-        return self.ranks.index(dist.get_rank())
+        return 0 if self.size == 1 else self.ranks.index(dist.get_rank())
+
+    @classmethod
+    def solo(cls, name: str) -> Group:
+        """A group of one, needing no process group: a model built with it is the plain model."""
+        return cls(name, None, [0], Ledger())
 
     def _note(self, op: str, t: torch.Tensor) -> None:
         nbytes = t.numel() * t.element_size()
@@ -289,6 +294,30 @@ class _GatherAlongDim(torch.autograd.Function):
         return grad.chunk(ctx.group.size, dim=ctx.dim)[ctx.group.rank].contiguous(), None, None
 
 
+class _GatherFromSequenceParallel(torch.autograd.Function):
+    # Each rank's gradient of the gathered sequence is partial (it saw only its own weight
+    # shard), so backward must sum over ranks *and* split: a reduce-scatter.
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x.contiguous(), group, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad.contiguous(), ctx.group, dim=ctx.dim), None, None
+
+
+class _ReduceScatterToSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter(x.contiguous(), group, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad.contiguous(), ctx.group, dim=ctx.dim), None, None
+
+
 def copy_to_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:
     """f: identity forward, all-reduce backward."""
     return x if group.size == 1 else _CopyToParallel.apply(x, group)
@@ -307,3 +336,13 @@ def split_along_dim(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
 def gather_along_dim(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """All-gather forward; keep this rank's slice of the gradient backward."""
     return x if group.size == 1 else _GatherAlongDim.apply(x, group, dim)
+
+
+def gather_from_sequence_parallel(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """Sequence parallelism's f: all-gather the sequence forward, reduce-scatter backward."""
+    return x if group.size == 1 else _GatherFromSequenceParallel.apply(x, group, dim)
+
+
+def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """Sequence parallelism's g: reduce-scatter the partial sums forward, all-gather backward."""
+    return x if group.size == 1 else _ReduceScatterToSequenceParallel.apply(x, group, dim)

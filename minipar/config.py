@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from minipar.mesh import MeshLayout
 from minipar.model import CONFIGS
+from minipar.tensor_parallel import check_tp_layout
 
 
 class ConfigError(ValueError):
@@ -20,7 +21,7 @@ class ConfigError(ValueError):
 
 
 # Degrees whose issues have not landed yet: refused with a clear line rather than ignored.
-NOT_YET = {"tp": "tensor", "pp": "pipeline", "cp": "context"}
+NOT_YET = {"pp": "pipeline", "cp": "context"}
 
 
 @dataclass
@@ -29,6 +30,7 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    sp: bool = False  # Megatron sequence parallelism inside the tp group
     model: str = "small"
     data: str | None = None
     vocab_size: int = 4096
@@ -64,6 +66,11 @@ class TrainConfig:
                     f"--{dim} {getattr(self, dim)}: {kind} parallelism is not yet implemented; use --{dim} 1"
                 )
         MeshLayout(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)  # raises LayoutError
+        m = CONFIGS[self.model]
+        try:
+            check_tp_layout(m.n_heads, m.n_kv_heads, m.dim, m.ffn_dim, self.tp, self.sp, self.seq_len)
+        except ValueError as e:
+            raise ConfigError(f"{e} (--model {self.model})") from None
         for name in ("steps", "seq_len", "global_batch", "micro_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
@@ -86,6 +93,7 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("layout (dp x tp x pp x cp must equal the number of ranks)")
     for dim, help_ in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline"), ("cp", "context")):
         g.add_argument(f"--{dim}", type=int, default=1, help=f"{help_}-parallel degree")
+    g.add_argument("--sp", action="store_true", help="sequence parallelism in the norm/residual regions (tp > 1)")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=d.model, choices=list(CONFIGS), help="named model size")
     g.add_argument("--data", default=None, help="text file or folder (default: the Python standard library)")

@@ -15,6 +15,10 @@ Initialisation does not depend on how the model will be split. Every parameter i
 own random generator, seeded by (seed, parameter name), at its full single-device shape. A tensor-
 parallel shard is then *the slice* of that full tensor, whatever tp is: a sharded run starts from
 exactly the weights of the single-device run, which is what lets tests compare them.
+
+The layers are minipar's tensor-parallel ones (tensor_parallel.py). Built with no tp group (a
+group of one) they are exactly nn.Linear and nn.Embedding, so this file is the plain single-device
+model and, given a tp group, the tensor-parallel one: the same code, proven equal by the tests.
 """
 
 from __future__ import annotations
@@ -27,6 +31,18 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
+
+from minipar.collectives import Group
+from minipar.tensor_parallel import (
+    ColumnParallelLinear,
+    ReplicatedRowsLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    enter_parallel_region,
+    mark,
+    shard,
+    vocab_parallel_cross_entropy,
+)
 
 
 @dataclass(frozen=True)
@@ -113,10 +129,13 @@ def init_std(name: str, config: ModelConfig) -> float | None:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, config: ModelConfig, seed: int) -> None:
+def init_weights(model: nn.Module, config: ModelConfig, seed: int, tp_group: Group) -> None:
+    """Draw each parameter at its full single-device shape; keep this tp rank's shard of it."""
     for name, p in model.named_parameters():
+        full_shape = getattr(p, "_tp_full", tuple(p.shape))
         std = init_std(name, config)
-        p.copy_(torch.ones(p.shape) if std is None else init_tensor(name, tuple(p.shape), std, seed))
+        full = torch.ones(full_shape) if std is None else init_tensor(name, full_shape, std, seed)
+        p.copy_(shard(full, p, tp_group))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,10 +144,12 @@ def init_weights(model: nn.Module, config: ModelConfig, seed: int) -> None:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, partial_grad: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        # With sequence parallelism each tp rank normalises different tokens: its gradient of
+        # the (replicated) gain is a partial sum, all-reduced over tp after backward.
+        self.weight = mark(nn.Parameter(torch.ones(dim)), (dim,), partial_grad=partial_grad)
 
     def forward(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
@@ -154,45 +175,63 @@ def apply_rope(x, cos, sin):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """Heads split across tp: q, k, v column-parallel (whole heads per rank), wo row-parallel."""
+
+    def __init__(self, config: ModelConfig, tp: Group, sequence_parallel: bool):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
-        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        hd = self.head_dim = config.head_dim
+        self.local_heads = config.n_heads // tp.size
+        self.wq = ColumnParallelLinear(config.dim, config.n_heads * hd, tp)
+        if config.n_kv_heads % tp.size == 0:  # each rank holds its own kv heads
+            self.local_kv_heads = config.n_kv_heads // tp.size
+            self.wk = ColumnParallelLinear(config.dim, config.n_kv_heads * hd, tp)
+            self.wv = ColumnParallelLinear(config.dim, config.n_kv_heads * hd, tp)
+        else:  # fewer kv heads than ranks: each rank uses the one kv head its query heads read
+            self.local_kv_heads = 1
+            head = tp.rank * config.n_kv_heads // tp.size
+            rows = slice(head * hd, (head + 1) * hd)
+            self.wk = ReplicatedRowsLinear(config.dim, config.n_kv_heads * hd, tp, rows)
+            self.wv = ReplicatedRowsLinear(config.dim, config.n_kv_heads * hd, tp, rows)
+        self.wo = RowParallelLinear(config.n_heads * hd, config.dim, tp, sequence_parallel=sequence_parallel)
 
     def forward(self, x, cos, sin):
-        q = rearrange(self.wq(x), "b s (h d) -> b h s d", d=self.head_dim)
+        x = enter_parallel_region(x, self.tp, self.sequence_parallel)  # [b, s, d] on every tp rank
+        q = rearrange(self.wq(x), "b s (h d) -> b h s d", d=self.head_dim)  # local heads only
         k = rearrange(self.wk(x), "b s (h d) -> b h s d", d=self.head_dim)
         v = rearrange(self.wv(x), "b s (h d) -> b h s d", d=self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Grouped-query attention: each kv head is shared by n_heads / n_kv_heads query heads.
-        group = self.n_heads // self.n_kv_heads
+        group = self.local_heads // self.local_kv_heads
         k = repeat(k, "b h s d -> b (h g) s d", g=group)
         v = repeat(v, "b h s d -> b (h g) s d", g=group)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, h, s, hd]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, h/tp, s, hd]
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """SwiGLU with gate and up column-parallel, down row-parallel: one g per forward."""
+
+    def __init__(self, config: ModelConfig, tp: Group, sequence_parallel: bool):
         super().__init__()
-        self.w_gate = nn.Linear(config.dim, config.ffn_dim, bias=False)
-        self.w_up = nn.Linear(config.dim, config.ffn_dim, bias=False)
-        self.w_down = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.w_gate = ColumnParallelLinear(config.dim, config.ffn_dim, tp)
+        self.w_up = ColumnParallelLinear(config.dim, config.ffn_dim, tp)
+        self.w_down = RowParallelLinear(config.ffn_dim, config.dim, tp, sequence_parallel=sequence_parallel)
 
     def forward(self, x):
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        x = enter_parallel_region(x, self.tp, self.sequence_parallel)
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))  # [b, s, ffn/tp] inside
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: Group, sequence_parallel: bool):
         super().__init__()
-        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attn = Attention(config)
-        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
-        self.mlp = MLP(config)
+        partial = sequence_parallel and tp.size > 1
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps, partial)
+        self.attn = Attention(config, tp, sequence_parallel)
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps, partial)
+        self.mlp = MLP(config, tp, sequence_parallel)
 
     def forward(self, x, cos, sin):
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -200,32 +239,38 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, config: ModelConfig, seed: int = 0):
+    """The decoder. `tp_group=None` builds the plain single-device model."""
+
+    def __init__(self, config: ModelConfig, seed: int = 0, tp_group: Group | None = None,
+                 sequence_parallel: bool = False):
         super().__init__()
         config.validate()
-        self.config = config
-        self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)  # untied
-        init_weights(self, config, seed)
+        tp = self.tp_group = tp_group or Group.solo("tp")
+        self.config, self.sequence_parallel = config, sequence_parallel
+        self.tok_emb = VocabParallelEmbedding(config.vocab_size, config.dim, tp, sequence_parallel)
+        self.layers = nn.ModuleList(Block(config, tp, sequence_parallel) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps, sequence_parallel and tp.size > 1)
+        self.lm_head = ColumnParallelLinear(config.dim, config.vocab_size, tp)  # untied, vocab-parallel
+        init_weights(self, config, seed, tp)
 
     def forward(self, tokens, targets=None, positions=None):
-        """tokens [b, s] -> logits [b, s, V], or the mean next-token loss if targets are given.
+        """tokens [b, s] -> this tp rank's logits [b, s, V/tp], or the mean next-token loss.
 
         targets are the tokens shifted by one (the data pipeline does the shift); -100 is ignored.
+        With tp = 1 the logits are the whole [b, s, V]; `tensor_parallel.gather_logits` joins shards.
         """
         b, s = tokens.shape
         if positions is None:
             positions = torch.arange(s, device=tokens.device)
-        x = self.tok_emb(tokens)  # [b, s, d]
+        x = self.tok_emb(tokens)  # [b, s, d], or [b, s/tp, d] with sequence parallelism
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         cos, sin = cos.to(x.device), sin.to(x.device)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        logits = self.lm_head(self.norm(x))  # [b, s, V]
+        x = enter_parallel_region(self.norm(x), self.tp_group, self.sequence_parallel)
+        logits = self.lm_head(x)  # [b, s, V/tp]: the full vocabulary never sits on one rank
         if targets is None:
             return logits
         # The loss in at least float32, even when the model computes in bfloat16.
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.config.vocab_size)

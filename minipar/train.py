@@ -30,12 +30,13 @@ import torch
 import torch.distributed as dist
 
 from minipar import checkpoint
-from minipar.collectives import Group, Ledger, all_gather
+from minipar.collectives import Group, Ledger, all_gather, all_reduce
 from minipar.config import ConfigError, TrainConfig, parse_args
 from minipar.data import TokenData, find_files, prepare
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.tensor_parallel import sync_partial_grads
 
 # Dense bfloat16 peak FLOP/s, for model FLOPs utilisation (MFU) on known GPUs.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
@@ -63,12 +64,36 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def train_step(model: DataParallel, optimizer, micro_batches, grad_clip: float = 0.0, autocast=nullcontext):
+def clip_grad_norm(params, max_norm: float, tp_group: Group) -> float:
+    """The global gradient norm, and clipping to max_norm (0: no clipping).
+
+    A tensor-parallel shard holds only part of its parameter, so the squares of sharded gradients
+    are summed over tp; replicated parameters are counted once. Same formula as
+    torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
+    """
+    grads = [p for p in params if p.grad is not None]
+    sharded = [p.grad for p in grads if getattr(p, "_tp_dim", None) is not None]
+    replicated = [p.grad for p in grads if getattr(p, "_tp_dim", None) is None]
+    sq = torch.stack([g.pow(2).sum() for g in sharded]).sum() if sharded else grads[0].grad.new_zeros(())
+    all_reduce(sq, tp_group)
+    if replicated:
+        sq = sq + torch.stack([g.pow(2).sum() for g in replicated]).sum()
+    norm = sq.sqrt()
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in grads:
+            p.grad.mul_(coef)
+    return float(norm)
+
+
+def train_step(model: DataParallel, optimizer, micro_batches, grad_clip: float = 0.0, autocast=nullcontext,
+               tp_group: Group | None = None):
     """One optimizer step over this rank's micro-batches. Returns (mean loss, gradient norm).
 
     Each micro-batch's loss is divided by their number, so the accumulated gradient is the mean
     over the rank's rows; the data-parallel average then makes it the global-batch mean.
     """
+    tp_group = tp_group or Group.solo("tp")
     n = len(micro_batches)
     total = 0.0  # becomes a device tensor: no host sync until the step's end
     for i, (x, y) in enumerate(micro_batches):
@@ -77,15 +102,12 @@ def train_step(model: DataParallel, optimizer, micro_batches, grad_clip: float =
                 loss = model(x, y) / n
             loss.backward()
         total = total + loss.detach()
-    model.finish_grad_sync()
-    params = [p for p in model.parameters() if p.grad is not None]
-    if grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    else:
-        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+    model.finish_grad_sync()  # average over dp
+    sync_partial_grads(model, tp_group)  # sum the partial gradients of replicated tp parameters
+    grad_norm = clip_grad_norm(model.parameters(), grad_clip, tp_group)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(total), float(grad_norm)
+    return float(total), grad_norm
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,6 +160,15 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident set (Linux: KiB)
 
 
+def per_group_sent(ledger: Ledger) -> str:
+    """' (dp 3.50, tp 1.20 MiB)': this rank's bytes sent this step, by group."""
+    groups: dict[str, int] = {}
+    for (group, _op), entry in ledger.entries.items():
+        groups[group] = groups.get(group, 0) + entry.sent
+    parts = [f"{g} {b / 2**20:.2f}" for g, b in sorted(groups.items()) if b]
+    return f" ({', '.join(parts)} MiB)" if len(parts) > 1 else ""
+
+
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
@@ -185,12 +216,13 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
     param_dtype = torch.float32 if dtype == torch.bfloat16 else dtype  # bf16: fp32 master weights
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == torch.bfloat16 else nullcontext
     model_cfg = get_config(cfg.model, vocab_size=data.vocab_size)
-    model = Llama(model_cfg, seed=cfg.seed).to(device=device, dtype=param_dtype)
+    model = Llama(model_cfg, seed=cfg.seed, tp_group=mesh.tp_group, sequence_parallel=cfg.sp)
+    model = model.to(device=device, dtype=param_dtype)
     optimizer = build_optimizer(model, cfg)
 
     start, consumed = 0, 0
     if resume is not None:
-        state = checkpoint.load(resume, model, optimizer)
+        state = checkpoint.load(resume, model, optimizer, mesh.tp_group)
         start, consumed = state["step"], state["consumed"]
         say(f"resumed from {resume} at step {start}")
     dp_model = DataParallel(model, mesh.dp_group, bucket_mb=cfg.bucket_mb)
@@ -217,7 +249,7 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss, grad_norm = train_step(dp_model, optimizer, micro, cfg.grad_clip, autocast)
+        loss, grad_norm = train_step(dp_model, optimizer, micro, cfg.grad_clip, autocast, mesh.tp_group)
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -249,11 +281,13 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
             tqdm.write(f"step {step + 1:>5}/{cfg.steps} | loss {loss:.4f} | lr {record['lr']:.2e} | "
                        f"grad {grad_norm:.3f} | {record['tokens_per_s']:,.0f} tok/s | mfu {mfu} | "
                        f"peak mem {max(record['peak_memory']) / 2**20:,.0f} MiB | "
-                       f"sent {sent / 2**20:.2f} MiB/step", file=sys.stdout)
+                       f"sent {sent / 2**20:.2f} MiB/step{per_group_sent(mesh.ledger)}", file=sys.stdout)
         last = step + 1 == cfg.steps
         if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+            # Every rank helps gather the tp shards into full tensors; rank 0 writes them.
+            full = checkpoint.gather_full(model, optimizer, mesh.tp_group)
             if is_main:
-                path = checkpoint.save(cfg.out, step + 1, model, optimizer,
+                path = checkpoint.save(cfg.out, step + 1, *full,
                                        {"step": step + 1, "consumed": consumed, "config": asdict(cfg)})
                 tqdm.write(f"saved {path}", file=sys.stdout)
             dist.barrier()

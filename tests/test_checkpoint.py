@@ -4,9 +4,12 @@ import pytest
 import torch
 
 from minipar import checkpoint
+from minipar.collectives import Group
 from minipar.config import TrainConfig
 from minipar.model import Llama, get_config
 from minipar.train import build_optimizer
+
+SOLO = Group.solo("tp")
 
 
 def trained_model():
@@ -22,7 +25,7 @@ def trained_model():
 
 def test_round_trip_restores_weights_and_adamw_state_exactly(tmp_path):
     model, opt = trained_model()
-    path = checkpoint.save(tmp_path, 2, model, opt, {"step": 2, "consumed": 16})
+    path = checkpoint.save(tmp_path, 2, *checkpoint.gather_full(model, opt, SOLO), {"step": 2, "consumed": 16})
     fresh = Llama(get_config("tiny"), seed=99).double()
     fresh_opt = build_optimizer(fresh, TrainConfig(lr=1e-2))
     state = checkpoint.load(checkpoint.resolve(tmp_path), fresh, fresh_opt)
@@ -41,8 +44,9 @@ def test_round_trip_restores_weights_and_adamw_state_exactly(tmp_path):
 
 def test_damaged_checkpoints_are_named_and_resave_keeps_a_whole_copy(tmp_path):
     model, opt = trained_model()
-    path = checkpoint.save(tmp_path, 5, model, opt, {"step": 5, "consumed": 0})
-    checkpoint.save(tmp_path, 5, model, opt, {"step": 5, "consumed": 0})  # re-save in place
+    path = checkpoint.save(tmp_path, 5, *checkpoint.gather_full(model, opt, SOLO), {"step": 5, "consumed": 0})
+    # re-save in place
+    checkpoint.save(tmp_path, 5, *checkpoint.gather_full(model, opt, SOLO), {"step": 5, "consumed": 0})
     assert checkpoint.verify(path)["step"] == 5
     assert [p.name for p in tmp_path.iterdir()] == ["step_000005"]  # no temporary left behind
 
@@ -59,7 +63,7 @@ def test_damaged_checkpoints_are_named_and_resave_keeps_a_whole_copy(tmp_path):
 
 def test_checkpoint_of_another_model_is_refused(tmp_path):
     model, opt = trained_model()
-    checkpoint.save(tmp_path, 1, model, opt, {"step": 1, "consumed": 0})
+    checkpoint.save(tmp_path, 1, *checkpoint.gather_full(model, opt, SOLO), {"step": 1, "consumed": 0})
     other = Llama(get_config("tiny", dim=64, ffn_dim=128), seed=0).double()
     with pytest.raises(checkpoint.CheckpointError, match="has shape"):
         checkpoint.load(tmp_path / "step_000001", other)

@@ -90,7 +90,7 @@ def test_missing_data_path_is_one_line(tmp_path):
 
 
 def test_degrees_not_yet_built_are_refused(tmp_path):
-    for flag in ("--tp=2", "--pp=2", "--cp=2"):
+    for flag in ("--pp=2", "--cp=2"):
         assert "not yet implemented" in one_line_error(run(common(tmp_path) + [flag], check=False))
 
 
@@ -118,3 +118,13 @@ def test_torchrun_layout_error_prints_our_line_once_before_any_work(tmp_path):
     ours = [l for l in proc.stderr.splitlines() if l.startswith("minipar: error:")]
     assert len(ours) == 1 and "= 4 ranks, but the world has 2" in ours[0]
     assert "scripts/train.py\", line" not in proc.stderr  # no traceback from our workers
+
+
+def test_dp2_tp2_sp_run_gives_the_losses_of_the_dp2_run(run_a):
+    tmp = run_a
+    run(common(tmp, dp=2, tp=2, steps=20, out=tmp / "tp", log_json=tmp / "tp.jsonl") + ["--sp"], nproc=4)
+    a, t = losses(tmp / "a.jsonl"), losses(tmp / "tp.jsonl")
+    for step in a:
+        assert t[step] == pytest.approx(a[step], rel=1e-10), step
+    rec = json.loads((tmp / "tp.jsonl").read_text().splitlines()[-1])
+    assert rec["comm"]["tp/all_gather"]["calls"] > 0 and rec["comm"]["tp/reduce_scatter"]["calls"] > 0

@@ -1,0 +1,268 @@
+"""Tensor parallelism: each weight matrix split across the tp ranks (Megatron-LM's layers).
+
+Chapter 3 of the course. A linear layer Y = X A can be cut two ways.
+
+    Column-parallel: A split by output columns      Row-parallel: A split by input rows
+         X        [A0 | A1]      [Y0 | Y1]                [X0 | X1]    [A0]       Y0 + Y1
+      [b,s,h] x  [h, o/tp] each = [b,s,o/tp] each       [b,s,i/tp] x  [A1]  =  all-reduce -> Y
+      every rank needs all of X;                       [i/tp, o] each; each rank holds a partial
+      each rank gets a slice of Y                       sum of Y, and they must be added
+
+Chain them, column then row, and the slice that one produces is exactly the slice the other
+needs: the MLP costs one all-reduce forward (after w_down) and its mirror, one all-reduce of the
+input gradient, backward. Attention is the same with whole heads per rank (q, k, v column,
+wo row). These are Megatron's conjugate operators from collectives.py:
+
+    f = copy_to_parallel      identity forward, all-reduce backward   (entering a parallel region)
+    g = reduce_from_parallel  all-reduce forward, identity backward   (leaving it: RowParallelLinear)
+
+so per transformer layer: 2 all-reduces of [b, s, h] forward and 2 backward.
+
+Sequence parallelism (`sequence_parallel=True`) notices that between the regions (norms,
+residual adds) every tp rank does the same work on the same [b, s, h]. Shard those along the
+sequence instead: f becomes an all-gather of the sequence (reduce-scatter backward) and g a
+reduce-scatter (all-gather backward). An all-reduce *is* a reduce-scatter then an all-gather, so
+the bytes are the same, while activations outside the regions shrink by tp. The norm weights are
+then replicated but each rank sees different tokens, so their gradients are partial sums that are
+all-reduced over tp after backward (`sync_partial_grads`).
+
+The vocabulary. VocabParallelEmbedding gives each rank a block of rows of the table; a token
+outside a rank's block contributes zeros, and the partial embeddings are summed (g). The LM head is
+column-parallel over the vocabulary, and `vocab_parallel_cross_entropy` computes the loss from the
+sharded logits: max, sum of exponentials and the target's logit are each all-reduced as one number
+per token, so the [b, s, V] logits never exist on any rank. A vocabulary that tp does not divide is
+padded to the next multiple: padded embedding rows are never looked up, and padded logits are set
+to -inf before the softmax, so they change neither the loss nor any gradient.
+
+Sharding. Each parameter records which dimension is split (`_tp_dim`) and its full, unpadded
+shape (`_tp_full`); `shard` and `unshard` turn a single-device tensor into this rank's piece and
+back. The model's initialisation draws the full tensor and keeps the shard, so a shard always
+equals the slice of the single-device parameter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minipar.collectives import (
+    Group,
+    all_gather,
+    all_reduce,
+    copy_to_parallel,
+    gather_from_sequence_parallel,
+    reduce_from_parallel,
+    reduce_scatter_to_sequence_parallel,
+)
+
+SEQ_DIM = 1  # activations are [batch, seq, hidden]
+
+
+def check_tp_layout(n_heads: int, n_kv_heads: int, dim: int, ffn_dim: int, tp: int,
+                    sequence_parallel: bool, seq_len: int) -> None:
+    """Raise ValueError, with the fix, if the model cannot be split tp ways."""
+    if n_heads % tp:
+        raise ValueError(f"--tp {tp} does not divide the model's {n_heads} attention heads: choose a divisor")
+    if n_kv_heads % tp and tp % n_kv_heads:
+        raise ValueError(f"--tp {tp} and the model's {n_kv_heads} kv heads: one must divide the other")
+    for name, size in (("hidden size", dim), ("MLP size", ffn_dim)):
+        if size % tp:
+            raise ValueError(f"--tp {tp} does not divide the model's {name} {size}: choose a divisor")
+    if sequence_parallel and tp == 1:
+        raise ValueError("--sp needs --tp > 1: sequence parallelism shards the sequence across tp ranks")
+    if sequence_parallel and seq_len % tp:
+        raise ValueError(f"--sp: --seq-len {seq_len} is not divisible by --tp {tp}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharding a single-device tensor, and back
+# ----------------------------------------------------------------------------------------------
+
+
+def mark(p: nn.Parameter, full_shape, dim: int | None = None, partial_grad: bool = False) -> nn.Parameter:
+    p._tp_full = tuple(full_shape)  # the single-device shape, before padding
+    p._tp_dim = dim  # None: every tp rank holds all of it
+    p._tp_partial = partial_grad  # replicated, but each rank's gradient is only part of the sum
+    return p
+
+
+def shard(full: torch.Tensor, p: nn.Parameter, group: Group) -> torch.Tensor:
+    """This rank's piece of a single-device tensor (padded with zeros to a multiple of tp)."""
+    dim = getattr(p, "_tp_dim", None)
+    if dim is None:
+        return full
+    local = p.shape[dim]
+    pad = local * group.size - full.shape[dim]
+    if pad:
+        shape = list(full.shape)
+        shape[dim] = pad
+        full = torch.cat([full, full.new_zeros(shape)], dim=dim)
+    return full.narrow(dim, group.rank * local, local)
+
+
+def unshard(local: torch.Tensor, p: nn.Parameter, group: Group) -> torch.Tensor:
+    """The single-device tensor, gathered from every rank's piece (a collective over tp)."""
+    dim = getattr(p, "_tp_dim", None)
+    if dim is None:
+        return local
+    return all_gather(local.contiguous(), group, dim=dim).narrow(dim, 0, p._tp_full[dim])
+
+
+def sync_partial_grads(module: nn.Module, group: Group) -> None:
+    """All-reduce, in one flat message, the gradients that each tp rank holds only part of."""
+    params = [p for p in module.parameters() if getattr(p, "_tp_partial", False) and p.grad is not None]
+    if group.size == 1 or not params:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    all_reduce(flat, group)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def enter_parallel_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """f: make the full input available to every tp rank (once per attention or MLP block)."""
+    if sequence_parallel:
+        return gather_from_sequence_parallel(x, group, SEQ_DIM)
+    return copy_to_parallel(x, group)
+
+
+def leave_parallel_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """g: add up the ranks' partial sums (and, with sequence parallelism, keep this rank's slice)."""
+    if sequence_parallel:
+        return reduce_scatter_to_sequence_parallel(x, group, SEQ_DIM)
+    return reduce_from_parallel(x, group)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers
+# ----------------------------------------------------------------------------------------------
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_r = X A_r: this rank's block of output features. The input must already be in the parallel
+    region (call `enter_parallel_region` once for all the column layers that share an input)."""
+
+    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False):
+        super().__init__()
+        self.group = group
+        local = math.ceil(out_features / group.size)  # padded when tp does not divide (vocabulary)
+        self.weight = mark(nn.Parameter(torch.empty(local, in_features)), (out_features, in_features), dim=0)
+        self.bias = mark(nn.Parameter(torch.zeros(local)), (out_features,), dim=0) if bias else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)  # [b, s, out/tp]
+
+
+class RowParallelLinear(nn.Module):
+    """Y = sum_r X_r A_r: the input arrives split by features; partial sums are added (g)."""
+
+    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = mark(nn.Parameter(torch.empty(out_features, in_features // group.size)),
+                           (out_features, in_features), dim=1)
+        # The bias is added once, after the sum, so it is replicated.
+        self.bias = mark(nn.Parameter(torch.zeros(out_features)), (out_features,),
+                         partial_grad=sequence_parallel and group.size > 1) if bias else None
+
+    def forward(self, x):
+        y = leave_parallel_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
+        return y if self.bias is None else y + self.bias
+
+
+class ReplicatedRowsLinear(nn.Module):
+    """A linear whose full weight every tp rank holds but uses only some output rows of.
+
+    For grouped-query attention with fewer kv heads than tp ranks: each rank needs the one kv head
+    that its query heads read. The gradient of the shared weight is then a partial sum (nonzero only
+    in the rows this rank used) and is all-reduced over tp after backward.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: Group, rows: slice):
+        super().__init__()
+        self.rows = rows
+        self.weight = mark(nn.Parameter(torch.empty(out_features, in_features)), (out_features, in_features),
+                           partial_grad=group.size > 1)
+
+    def forward(self, x):
+        return F.linear(x, self.weight[self.rows])
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [r*V/tp, (r+1)*V/tp) of the table on rank r; partial embeddings summed over tp."""
+
+    def __init__(self, vocab_size: int, dim: int, group: Group, sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.rows = math.ceil(vocab_size / group.size)
+        self.first = group.rank * self.rows
+        self.weight = mark(nn.Parameter(torch.empty(self.rows, dim)), (vocab_size, dim), dim=0)
+
+    def forward(self, ids):
+        if self.group.size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.first) | (ids >= self.first + self.rows)
+        x = F.embedding((ids - self.first).masked_fill(outside, 0), self.weight)
+        x = x.masked_fill(outside.unsqueeze(-1), 0.0)  # [b, s, d], zeros where another rank owns the id
+        return leave_parallel_region(x, self.group, self.sequence_parallel)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cross-entropy from vocabulary-sharded logits
+# ----------------------------------------------------------------------------------------------
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, group, vocab_size, ignore_index):
+        # logits [N, V/tp] (this rank's vocabulary block), targets [N] (global ids)
+        local = logits.shape[-1]
+        first = group.rank * local
+        logits = logits.clone()
+        padded = torch.arange(first, first + local, device=logits.device) >= vocab_size
+        logits[:, padded] = float("-inf")  # padding columns take no part in the softmax
+
+        max_logit = logits.max(dim=-1).values
+        all_reduce(max_logit, group, op="max")  # [N]: subtracted for a stable exp
+        logits -= max_logit.unsqueeze(-1)
+        exp = logits.exp()
+        sum_exp = exp.sum(dim=-1)
+        all_reduce(sum_exp, group)  # [N]
+
+        valid = targets != ignore_index
+        mine = valid & (targets >= first) & (targets < first + local)
+        local_target = (targets - first).masked_fill(~mine, 0)
+        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * mine
+        all_reduce(target_logit, group)  # [N]: only the owning rank contributed
+
+        count = valid.sum().clamp(min=1)
+        loss = ((sum_exp.log() - target_logit) * valid).sum() / count
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), mine, local_target, valid, count)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        # d loss / d logit_j = (softmax_j - [j == target]) / count, for every valid token.
+        softmax, mine, local_target, valid, count = ctx.saved_tensors
+        grad = softmax
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -mine.unsqueeze(-1).to(grad.dtype))
+        grad *= (valid.to(grad.dtype) * grad_loss / count).unsqueeze(-1)
+        return grad, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: Group, vocab_size: int,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy over non-ignored tokens; logits [..., V/tp], targets [...]."""
+    return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), group, vocab_size,
+                                            ignore_index)
+
+
+def gather_logits(local: torch.Tensor, group: Group, vocab_size: int) -> torch.Tensor:
+    """Full logits [..., V] from the shards: for tests and inspection, never used in training."""
+    return all_gather(local.contiguous(), group, dim=-1)[..., :vocab_size]
