@@ -1,0 +1,105 @@
+"""Pipeline schedules, as data: no processes. Order, deadlock-freedom, bubbles and memory."""
+
+import pytest
+
+from minipar.pipeline_schedules import (
+    Action,
+    ScheduleError,
+    bubble_formula,
+    build,
+    peak_activations,
+    simulate,
+)
+
+SIZES = [(p, m) for p in range(1, 9) for m in (1, 2, 3, 4, 5, 8, 12, 16) ]
+
+
+def cases():
+    for p, m in SIZES:
+        yield "gpipe", p, m, 1
+        yield "1f1b", p, m, 1
+        yield "zb1", p, m, 1
+        if m % p == 0 and p > 1:
+            yield "interleaved", p, m, 2
+            yield "interleaved", p, m, 3
+    for p in range(1, 9):
+        yield "naive", p, 1, 1
+
+
+CASES = list(cases())
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES, ids=[f"{n}-p{p}-m{m}-v{v}" for n, p, m, v in CASES])
+def test_every_action_once_forward_before_backward_and_no_deadlock(name, p, m, v):
+    sched = build(name, p, m, v)
+    assert len(sched) == p
+    split = name == "zb1"
+    for rank, acts in enumerate(sched):
+        stages = {a.stage for a in acts}
+        assert stages == {rank + k * p for k in range(v)}  # virtual stage k*p + rank lives here
+        kinds = "FBW" if split else "FB"
+        assert sorted(map(str, acts)) == sorted(f"{k}{i}" for k in kinds for i in range(m) for _ in range(v))
+        assert len(set(acts)) == len(acts)
+        position = {a: i for i, a in enumerate(acts)}
+        for a in acts:
+            if a.kind != "F":
+                assert position[Action("F", a.microbatch, a.stage)] < position[a]
+            if a.kind == "W":
+                assert position[Action("B", a.microbatch, a.stage)] < position[a]
+    simulate(sched)  # raises ScheduleError on deadlock
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (4, 16), (8, 8), (8, 32), (3, 7)])
+def test_gpipe_and_1f1b_idle_fraction_is_p_minus_1_over_m_plus_p_minus_1(p, m):
+    for name in ("gpipe", "1f1b"):
+        assert simulate(build(name, p, m)).idle_fraction() == pytest.approx(bubble_formula(p, m), abs=1e-12)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (4, 16), (8, 16)])
+def test_interleaved_bubble_is_about_one_vth_and_zb1_smaller_than_1f1b(p, m):
+    one_f_one_b = simulate(build("1f1b", p, m)).idle_fraction()
+    for v in (2, 4):
+        inter = simulate(build("interleaved", p, m, v)).idle_fraction()
+        # Megatron's figure: (p-1) / (v*m + p-1) - about 1/v of 1F1B's when m >> p.
+        assert inter == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+        assert inter < one_f_one_b
+    assert simulate(build("zb1", p, m)).idle_fraction() < one_f_one_b
+
+
+@pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (4, 16), (8, 32)])
+def test_1f1b_holds_at_most_p_micro_batches_while_gpipe_holds_m(p, m):
+    assert [peak_activations(acts) for acts in build("gpipe", p, m)] == [m] * p
+    assert [peak_activations(acts) for acts in build("1f1b", p, m)] == [p - s for s in range(p)]
+    assert [peak_activations(acts) for acts in build("zb1", p, m)] == [p - s for s in range(p)]
+
+
+def test_a_wrong_order_is_caught_as_deadlock():
+    # Stage 1 wants the backward of micro-batch 1 before that of 0, but stage 0 runs B0 first,
+    # whose input (B0 of stage 1) comes only after B1: each waits for the other.
+    bad = [[Action("F", 0, 0), Action("F", 1, 0), Action("B", 0, 0), Action("B", 1, 0)],
+           [Action("F", 0, 1), Action("F", 1, 1), Action("B", 1, 1), Action("B", 0, 1)]]
+    simulate(bad)  # fine: stage 1's B1 does not need stage 0
+    worse = [[Action("F", 0, 0), Action("B", 0, 0), Action("F", 1, 0), Action("B", 1, 0)],
+             [Action("F", 1, 1), Action("B", 1, 1), Action("F", 0, 1), Action("B", 0, 1)]]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(worse)
+
+
+def test_ascii_timeline_shows_the_bubble():
+    text = simulate(build("gpipe", 2, 2)).ascii()
+    assert text.splitlines() == [
+        "rank 0:  F0 F1  .  .  . B0 B0 B1 B1",
+        "rank 1:   . F0 F1 B0 B0 B1 B1  .  .",
+    ]
+
+
+@pytest.mark.parametrize("args,msg", [
+    (("interleaved", 4, 6, 2), "divisible by pp"),
+    (("interleaved", 4, 8, 1), "at least 2"),
+    (("1f1b", 4, 8, 2), "needs --schedule interleaved"),
+    (("naive", 4, 8, 1), "one micro-batch"),
+    (("bogus", 4, 8, 1), "unknown schedule"),
+])
+def test_bad_schedule_requests_are_refused(args, msg):
+    with pytest.raises(ScheduleError, match=msg):
+        build(*args)
