@@ -69,10 +69,12 @@ def verify(path: Path) -> dict:
     return state
 
 
-def gather_full(model: nn.Module, optimizer: torch.optim.Optimizer, tp_group: Group):
+def gather_full(model: nn.Module, optimizer: torch.optim.Optimizer, tp_group: Group,
+                pp_group: Group | None = None):
     """Every parameter and optimizer state at its single-device shape, by name.
 
-    A collective over the tp group: call it on every rank; any one rank's result is the whole.
+    A collective over the tp group (shards joined) and the pp group (stages collected on pp rank
+    0): call it on every rank; the result on global rank 0 is the whole model.
     Returns (weights, optimizer tensors, optimizer hyper-parameters).
     """
     weights, states = {}, {}
@@ -84,6 +86,12 @@ def gather_full(model: nn.Module, optimizer: torch.optim.Optimizer, tp_group: Gr
                 t = unshard(t.detach(), p, tp_group)
             states[f"{name}/{key}"] = t.detach().cpu().contiguous()
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    if pp_group is not None and pp_group.size > 1:  # each stage holds different layers: collect them
+        parts = [None] * pp_group.size if pp_group.rank == 0 else None
+        torch.distributed.gather_object((weights, states), parts, dst=pp_group.ranks[0], group=pp_group.pg)
+        if pp_group.rank == 0:
+            weights = {k: v for part_weights, _ in parts for k, v in part_weights.items()}
+            states = {k: v for _, part_states in parts for k, v in part_states.items()}
     return weights, states, hyper
 
 
@@ -113,10 +121,10 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None =
     tp_group = tp_group or Group.solo("tp")
     state = verify(path)
     weights = load_file(path / "model.safetensors")
-    params = dict(model.named_parameters())
-    missing = set(params) ^ set(weights)
+    params = dict(model.named_parameters())  # a pipeline stage has only some of them
+    missing = set(params) - set(weights)
     if missing:
-        raise CheckpointError(f"checkpoint {path} does not match the model (differs in {sorted(missing)[:3]}...)")
+        raise CheckpointError(f"checkpoint {path} does not match the model (lacks {sorted(missing)[:3]}...)")
     with torch.no_grad():
         for name, p in params.items():
             full_shape = getattr(p, "_tp_full", tuple(p.shape))
@@ -129,6 +137,8 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None =
     if optimizer is not None:
         for key, value in load_file(path / "optimizer.safetensors").items():
             name, slot = key.rsplit("/", 1)
+            if name not in params:
+                continue  # another pipeline stage's
             p = params[name]
             if slot != "step":
                 value = shard(value, p, tp_group).to(device=p.device, dtype=p.dtype).clone()

@@ -195,6 +195,18 @@ def recv(t: torch.Tensor, group: Group, src: int) -> torch.Tensor:
     return t
 
 
+def isend(t: torch.Tensor, group: Group, dst: int, tag: int = 0):
+    """Start sending to group rank `dst`; returns the work handle (keep t alive until it is done)."""
+    group._note("send", t)
+    return dist.isend(t.contiguous(), dst=group.ranks[dst], group=group.pg, tag=tag)
+
+
+def irecv(t: torch.Tensor, group: Group, src: int, tag: int = 0):
+    """Start receiving into t from group rank `src`; returns the work handle."""
+    group._note("recv", t)
+    return dist.irecv(t, src=group.ranks[src], group=group.pg, tag=tag)
+
+
 def ring_all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
     """All-reduce (sum) written out with send/recv, as the ring algorithm does it. In place.
 

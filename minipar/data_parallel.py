@@ -93,6 +93,7 @@ class DataParallel(nn.Module):
         self.buckets = self._make_buckets([p for p in module.parameters() if p.requires_grad], bucket_mb)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next_to_launch = 0
+        self._grads_pending = False  # a backward ran since the last finish_grad_sync
         for p in module.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -124,6 +125,7 @@ class DataParallel(nn.Module):
             self.sync = True
 
     def _grad_ready(self, p: nn.Parameter) -> None:
+        self._grads_pending = True
         if not self.sync or self.group.size == 1:
             return
         bucket = self._bucket_of[id(p)]
@@ -144,11 +146,15 @@ class DataParallel(nn.Module):
             self._next_to_launch += 1
 
     def finish_grad_sync(self) -> None:
-        """Launch what backward did not (parameters that got no gradient), then wait for all."""
-        if self.group.size == 1:
-            return
-        if self._next_to_launch == 0 and not any(b.ready for b in self.buckets):
-            return  # no synchronised backward since the last call: nothing to average
+        """Launch what backward did not, then wait for all.
+
+        "What backward did not" is the buckets of parameters that got no gradient, or every bucket
+        when all backwards ran inside no_sync() (as a pipeline step does: its micro-batches'
+        backwards interleave with forwards, so it averages once at the very end).
+        """
+        if self.group.size == 1 or not self._grads_pending:
+            return  # no backward since the last call: nothing to average
+        self._grads_pending = False
         for bucket in self.buckets[self._next_to_launch :]:
             bucket.launch(self.group)
         for bucket in self.buckets:

@@ -239,18 +239,25 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """The decoder. `tp_group=None` builds the plain single-device model."""
+    """The decoder. `tp_group=None` builds the plain single-device model.
+
+    A pipeline stage builds only part of it: the layers in `layer_ids` (keeping their global
+    numbers, so parameter names match the single-device model's), the embedding if `embed`, the
+    final norm and LM head if `head`. Memory for parameters then falls as 1/pp.
+    """
 
     def __init__(self, config: ModelConfig, seed: int = 0, tp_group: Group | None = None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, layer_ids=None, embed: bool = True, head: bool = True):
         super().__init__()
         config.validate()
         tp = self.tp_group = tp_group or Group.solo("tp")
         self.config, self.sequence_parallel = config, sequence_parallel
-        self.tok_emb = VocabParallelEmbedding(config.vocab_size, config.dim, tp, sequence_parallel)
-        self.layers = nn.ModuleList(Block(config, tp, sequence_parallel) for _ in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps, sequence_parallel and tp.size > 1)
-        self.lm_head = ColumnParallelLinear(config.dim, config.vocab_size, tp)  # untied, vocab-parallel
+        layer_ids = range(config.n_layers) if layer_ids is None else layer_ids
+        self.tok_emb = VocabParallelEmbedding(config.vocab_size, config.dim, tp, sequence_parallel) if embed else None
+        self.layers = nn.ModuleDict({str(i): Block(config, tp, sequence_parallel) for i in layer_ids})
+        if head:
+            self.norm = RMSNorm(config.dim, config.norm_eps, sequence_parallel and tp.size > 1)
+            self.lm_head = ColumnParallelLinear(config.dim, config.vocab_size, tp)  # untied, vocab-parallel
         init_weights(self, config, seed, tp)
 
     def forward(self, tokens, targets=None, positions=None):
@@ -259,14 +266,26 @@ class Llama(nn.Module):
         targets are the tokens shifted by one (the data pipeline does the shift); -100 is ignored.
         With tp = 1 the logits are the whole [b, s, V]; `tensor_parallel.gather_logits` joins shards.
         """
-        b, s = tokens.shape
+        return self.forward_stage(tokens, list(self.layers), first=True, last=True, targets=targets,
+                                  positions=positions)
+
+    def forward_stage(self, x, layer_ids, first: bool, last: bool, targets=None, positions=None):
+        """Run layers `layer_ids` on x: tokens if `first` (embed them), else the previous stage's
+        activations [b, s, d] ([b, s/tp, d] with sequence parallelism). If `last`, finish with the
+        norm, the LM head and (given targets) the loss."""
+        if first:
+            seq_len = x.shape[1]
+            x = self.tok_emb(x)  # [b, s, d], or [b, s/tp, d] with sequence parallelism
+        else:
+            seq_len = x.shape[1] * (self.tp_group.size if self.sequence_parallel else 1)
         if positions is None:
-            positions = torch.arange(s, device=tokens.device)
-        x = self.tok_emb(tokens)  # [b, s, d], or [b, s/tp, d] with sequence parallelism
+            positions = torch.arange(seq_len, device=x.device)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         cos, sin = cos.to(x.device), sin.to(x.device)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+        for i in layer_ids:
+            x = self.layers[str(i)](x, cos, sin)
+        if not last:
+            return x
         x = enter_parallel_region(self.norm(x), self.tp_group, self.sequence_parallel)
         logits = self.lm_head(x)  # [b, s, V/tp]: the full vocabulary never sits on one rank
         if targets is None:

@@ -249,10 +249,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         # d loss / d logit_j = (softmax_j - [j == target]) / count, for every valid token.
+        # A new tensor, not the saved softmax modified in place: a zero-bubble pipeline runs this
+        # backward twice (input gradient, then weight gradient).
         softmax, mine, local_target, valid, count = ctx.saved_tensors
-        grad = softmax
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -mine.unsqueeze(-1).to(grad.dtype))
-        grad *= (valid.to(grad.dtype) * grad_loss / count).unsqueeze(-1)
+        scale = (valid.to(softmax.dtype) * grad_loss / count).unsqueeze(-1)  # [N, 1]
+        grad = softmax * scale
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -mine.unsqueeze(-1).to(grad.dtype) * scale)
         return grad, None, None, None, None
 
 

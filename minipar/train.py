@@ -36,6 +36,7 @@ from minipar.data import TokenData, find_files, prepare
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.pipeline import Pipeline
 from minipar.tensor_parallel import sync_partial_grads
 
 # Dense bfloat16 peak FLOP/s, for model FLOPs utilisation (MFU) on known GPUs.
@@ -64,12 +65,13 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def clip_grad_norm(params, max_norm: float, tp_group: Group) -> float:
+def clip_grad_norm(params, max_norm: float, tp_group: Group, pp_group: Group | None = None) -> float:
     """The global gradient norm, and clipping to max_norm (0: no clipping).
 
     A tensor-parallel shard holds only part of its parameter, so the squares of sharded gradients
-    are summed over tp; replicated parameters are counted once. Same formula as
-    torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
+    are summed over tp; replicated parameters are counted once; pipeline stages hold different
+    parameters, so their sums are added over pp. Same formula as torch.nn.utils.clip_grad_norm_:
+    scale by max_norm / (norm + 1e-6) when that is below 1.
     """
     grads = [p for p in params if p.grad is not None]
     sharded = [p.grad for p in grads if getattr(p, "_tp_dim", None) is not None]
@@ -78,6 +80,7 @@ def clip_grad_norm(params, max_norm: float, tp_group: Group) -> float:
     all_reduce(sq, tp_group)
     if replicated:
         sq = sq + torch.stack([g.pow(2).sum() for g in replicated]).sum()
+    all_reduce(sq, pp_group or Group.solo("pp"))
     norm = sq.sqrt()
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
@@ -87,24 +90,31 @@ def clip_grad_norm(params, max_norm: float, tp_group: Group) -> float:
 
 
 def train_step(model: DataParallel, optimizer, micro_batches, grad_clip: float = 0.0, autocast=nullcontext,
-               tp_group: Group | None = None):
-    """One optimizer step over this rank's micro-batches. Returns (mean loss, gradient norm).
+               tp_group: Group | None = None, pipeline: Pipeline | None = None):
+    """One optimizer step over this rank's micro-batches. Returns (mean loss, gradient norm); a
+    pipeline keeps the measured timeline of its step in `pipeline.timeline`.
 
     Each micro-batch's loss is divided by their number, so the accumulated gradient is the mean
-    over the rank's rows; the data-parallel average then makes it the global-batch mean.
+    over the rank's rows; the data-parallel average then makes it the global-batch mean. With a
+    pipeline the schedule runs the micro-batches (the loss is known on the last stage only) and
+    the data-parallel average waits until its last backward.
     """
     tp_group = tp_group or Group.solo("tp")
-    n = len(micro_batches)
-    total = 0.0  # becomes a device tensor: no host sync until the step's end
-    for i, (x, y) in enumerate(micro_batches):
-        with model.no_sync() if i < n - 1 else nullcontext():
-            with autocast():
-                loss = model(x, y) / n
-            loss.backward()
-        total = total + loss.detach()
+    if pipeline is not None:
+        with model.no_sync(), autocast():
+            total = pipeline.run(model.module, micro_batches)
+    else:
+        n = len(micro_batches)
+        total = 0.0  # becomes a device tensor: no host sync until the step's end
+        for i, (x, y) in enumerate(micro_batches):
+            with model.no_sync() if i < n - 1 else nullcontext():
+                with autocast():
+                    loss = model(x, y) / n
+                loss.backward()
+            total = total + loss.detach()
     model.finish_grad_sync()  # average over dp
     sync_partial_grads(model, tp_group)  # sum the partial gradients of replicated tp parameters
-    grad_norm = clip_grad_norm(model.parameters(), grad_clip, tp_group)
+    grad_norm = clip_grad_norm(model.parameters(), grad_clip, tp_group, pipeline.group if pipeline else None)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(total), grad_norm

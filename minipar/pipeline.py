@@ -1,0 +1,157 @@
+"""Pipeline parallelism: stages of layers, and the one executor that runs any schedule.
+
+Chapter 4 of the course, second half (the schedules themselves are in pipeline_schedules.py).
+
+    pp = 2, 4 layers:      rank 0 (stage 0)                 rank 1 (stage 1)
+                           tok_emb, layers 0-1   -- x -->   layers 2-3, norm, lm_head, loss
+                                                 <-- dx --
+
+Stages. `stage_layers` cuts n_layers into n_stages contiguous blocks (n_stages = pp x virtual
+stages): each gets n_layers // n_stages layers, and the first n_layers % n_stages stages one more.
+The extra layers go to the front because the last stage also carries the LM head and the loss,
+the costliest part of a small model, while the first stage's embedding is only a lookup. Each rank
+builds only the parameters of its own stages (model.Llama with `layer_ids`, `embed`, `head`).
+
+The executor walks this rank's action list in order:
+
+    F(i, k)  receive x from stage k-1 (or take the tokens), run stage k, send the output to k+1
+             (or, on the last stage, compute the loss of micro-batch i divided by m)
+    B(i, k)  receive dL/d(output) from stage k+1 (or start from the loss), backward through
+             stage k, send dL/dx to stage k-1
+    W(i, k)  (zero-bubble schedules only) B computed only dL/dx; W now computes the weight
+             gradients of stage k from the graph B kept
+
+Sends are non-blocking (isend), receives wait for their data, and every message carries a tag
+naming (direction, micro-batch, stage), so two messages between the same pair of ranks can never be
+confused, whatever order the schedule produces them in. The loss is the mean over all micro-batches
+(each micro-batch's loss is divided by m), gradients accumulate over micro-batches, and the
+data-parallel reduction runs once, after the last backward (train.py). The executor records each
+action's start and end, so a measured run draws the same timeline as the simulation.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from minipar.collectives import Group, irecv, isend
+from minipar.pipeline_schedules import Action, Timeline, build
+
+
+def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
+    """Contiguous, balanced blocks of layer ids, one per (virtual) stage."""
+    if n_stages > n_layers:
+        raise ValueError(
+            f"{n_stages} pipeline stages (--pp x --virtual-stages) but the model has {n_layers} layers: "
+            "every stage needs at least one layer"
+        )
+    base, extra = divmod(n_layers, n_stages)
+    sizes = [base + (1 if k < extra else 0) for k in range(n_stages)]
+    starts = [sum(sizes[:k]) for k in range(n_stages)]
+    return [list(range(start, start + size)) for start, size in zip(starts, sizes)]
+
+
+@dataclass
+class Pipeline:
+    """What one rank needs to run its part of a pipeline schedule."""
+
+    group: Group  # the pp group: group rank r runs virtual stages r, r + pp, r + 2 pp, ...
+    schedule: str
+    n_layers: int
+    virtual: int = 1
+    timeline: Timeline | None = None  # the last run's measured actions on this rank
+
+    @property
+    def n_stages(self) -> int:
+        return self.group.size * self.virtual
+
+    @property
+    def my_stages(self) -> list[int]:
+        return [self.group.rank + j * self.group.size for j in range(self.virtual)]
+
+    def layers_of(self, stage: int) -> list[int]:
+        return stage_layers(self.n_layers, self.n_stages)[stage]
+
+    def my_layers(self) -> list[int]:
+        return [i for k in self.my_stages for i in self.layers_of(k)]
+
+    def holds_first(self) -> bool:
+        return 0 in self.my_stages
+
+    def holds_last(self) -> bool:
+        return self.n_stages - 1 in self.my_stages
+
+    def actions(self, n_micro: int) -> list[Action]:
+        return build(self.schedule, self.group.size, n_micro, self.virtual)[self.group.rank]
+
+    def _tag(self, kind: str, microbatch: int, stage: int, n_micro: int) -> int:
+        # Unique per message: direction, receiving stage, micro-batch.
+        return ((0 if kind == "F" else 1) * self.n_stages + stage) * n_micro + microbatch
+
+    def run(self, model, micro_batches) -> torch.Tensor | float:
+        """Run this rank's actions on its stages of `model` (a model.Llama holding those stages).
+        Returns the sum over micro-batches of loss / m on the last stage (0 elsewhere); the
+        measured timeline of this rank is left in `self.timeline`."""
+        m, p, last = len(micro_batches), self.group.size, self.n_stages - 1
+        tokens = micro_batches[0][0]
+        tp = model.tp_group.size if model.sequence_parallel else 1
+        act_shape = (tokens.shape[0], tokens.shape[1] // tp, model.config.dim)  # what stages pass on
+        act_dtype, device = next(model.parameters()).dtype, tokens.device
+        actions = self.actions(m)
+        split = any(a.kind == "W" for a in actions)
+        stage_params = {k: self._params_of(model, k) for k in self.my_stages}
+        inputs, outputs, out_grads, pending_sends = {}, {}, {}, []
+        total = 0.0
+        rows = []
+        for a in actions:
+            start = time.perf_counter()
+            i, k = a.microbatch, a.stage
+            if a.kind == "F":
+                if k == 0:
+                    x = micro_batches[i][0]
+                else:
+                    x = torch.empty(act_shape, dtype=act_dtype, device=device)  # [b, s(/tp), d]
+                    irecv(x, self.group, (k - 1) % p, self._tag("F", i, k, m)).wait()
+                    x.requires_grad_()
+                out = model.forward_stage(x, self.layers_of(k), first=k == 0, last=k == last,
+                                          targets=micro_batches[i][1] if k == last else None)
+                if k == last:
+                    out = out / m  # the step's loss is the mean over all micro-batches
+                    total = total + out.detach()
+                else:
+                    send = out.detach()
+                    pending_sends.append((isend(send, self.group, (k + 1) % p, self._tag("F", i, k + 1, m)), send))
+                inputs[i, k], outputs[i, k] = x, out
+            elif a.kind == "B":
+                out, x = outputs[i, k], inputs[i, k]
+                grad = None
+                if k < last:
+                    grad = torch.empty_like(out)
+                    irecv(grad, self.group, (k + 1) % p, self._tag("B", i, k, m)).wait()
+                if split:  # input gradient only; the weight gradient waits for W
+                    dx = torch.autograd.grad(out, x, grad, retain_graph=True)[0] if k > 0 else None
+                    out_grads[i, k] = grad
+                else:
+                    torch.autograd.backward(out, grad)
+                    dx = x.grad if k > 0 else None
+                    del inputs[i, k], outputs[i, k]  # activations freed
+                if dx is not None:
+                    pending_sends.append((isend(dx, self.group, (k - 1) % p, self._tag("B", i, k - 1, m)), dx))
+            else:  # W
+                torch.autograd.backward(outputs[i, k], out_grads.pop((i, k)), inputs=stage_params[k])
+                del inputs[i, k], outputs[i, k]
+            rows.append((start, time.perf_counter(), a))
+        for work, _tensor in pending_sends:
+            work.wait()
+        self.timeline = Timeline([rows])
+        return total
+
+    def _params_of(self, model, stage: int) -> list[torch.nn.Parameter]:
+        prefixes = [f"layers.{i}." for i in self.layers_of(stage)]
+        if stage == 0:
+            prefixes.append("tok_emb.")
+        if stage == self.n_stages - 1:
+            prefixes += ["norm.", "lm_head."]
+        return [p for n, p in model.named_parameters() if n.startswith(tuple(prefixes))]
