@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 from minipar.mesh import MeshLayout
 from minipar.model import CONFIGS
+from minipar.pipeline import stage_layers
+from minipar.pipeline_schedules import SCHEDULES, ScheduleError
+from minipar.pipeline_schedules import build as build_schedule
 from minipar.tensor_parallel import check_tp_layout
 
 
@@ -21,7 +24,7 @@ class ConfigError(ValueError):
 
 
 # Degrees whose issues have not landed yet: refused with a clear line rather than ignored.
-NOT_YET = {"pp": "pipeline", "cp": "context"}
+NOT_YET = {"cp": "context"}
 
 
 @dataclass
@@ -31,6 +34,8 @@ class TrainConfig:
     pp: int = 1
     cp: int = 1
     sp: bool = False  # Megatron sequence parallelism inside the tp group
+    schedule: str = "1f1b"  # pipeline schedule, used when pp > 1
+    virtual_stages: int = 1
     model: str = "small"
     data: str | None = None
     vocab_size: int = 4096
@@ -79,6 +84,14 @@ class TrainConfig:
                 f"--global-batch {self.global_batch} is not divisible by --dp {self.dp} x --micro-batch "
                 f"{self.micro_batch}: every rank must run whole micro-batches"
             )
+        if self.pp > 1:
+            stage_layers(m.n_layers, self.pp * self.virtual_stages)  # raises: more stages than layers
+            try:
+                build_schedule(self.schedule, self.pp, self.accum_steps, self.virtual_stages)
+            except ScheduleError as e:
+                raise ConfigError(
+                    f"{e} (micro-batches per step = --global-batch / (--dp x --micro-batch) = {self.accum_steps})"
+                ) from None
         if self.dtype not in (None, "float32", "float64", "bfloat16"):
             raise ConfigError(f"--dtype {self.dtype}: choose float32, float64 or bfloat16")
 
@@ -94,6 +107,8 @@ def parser() -> argparse.ArgumentParser:
     for dim, help_ in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline"), ("cp", "context")):
         g.add_argument(f"--{dim}", type=int, default=1, help=f"{help_}-parallel degree")
     g.add_argument("--sp", action="store_true", help="sequence parallelism in the norm/residual regions (tp > 1)")
+    g.add_argument("--schedule", default=d.schedule, choices=SCHEDULES, help="pipeline schedule (pp > 1)")
+    g.add_argument("--virtual-stages", type=int, default=1, help="chunks per pipeline rank (interleaved)")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=d.model, choices=list(CONFIGS), help="named model size")
     g.add_argument("--data", default=None, help="text file or folder (default: the Python standard library)")

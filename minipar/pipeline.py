@@ -62,6 +62,7 @@ class Pipeline:
     n_layers: int
     virtual: int = 1
     timeline: Timeline | None = None  # the last run's measured actions on this rank
+    bubble: float = 0.0  # and the fraction of that run this rank spent waiting for its neighbours
 
     @property
     def n_stages(self) -> int:
@@ -105,9 +106,12 @@ class Pipeline:
         inputs, outputs, out_grads, pending_sends = {}, {}, {}, []
         total = 0.0
         rows = []
+        began = time.perf_counter()
         for a in actions:
-            start = time.perf_counter()
             i, k = a.microbatch, a.stage
+            # Time spent waiting for a neighbour is the bubble: an action's clock starts once its
+            # input has arrived.
+            start = time.perf_counter()
             if a.kind == "F":
                 if k == 0:
                     x = micro_batches[i][0]
@@ -115,6 +119,7 @@ class Pipeline:
                     x = torch.empty(act_shape, dtype=act_dtype, device=device)  # [b, s(/tp), d]
                     irecv(x, self.group, (k - 1) % p, self._tag("F", i, k, m)).wait()
                     x.requires_grad_()
+                    start = time.perf_counter()
                 out = model.forward_stage(x, self.layers_of(k), first=k == 0, last=k == last,
                                           targets=micro_batches[i][1] if k == last else None)
                 if k == last:
@@ -130,6 +135,7 @@ class Pipeline:
                 if k < last:
                     grad = torch.empty_like(out)
                     irecv(grad, self.group, (k + 1) % p, self._tag("B", i, k, m)).wait()
+                    start = time.perf_counter()
                 if split:  # input gradient only; the weight gradient waits for W
                     dx = torch.autograd.grad(out, x, grad, retain_graph=True)[0] if k > 0 else None
                     out_grads[i, k] = grad
@@ -146,6 +152,7 @@ class Pipeline:
         for work, _tensor in pending_sends:
             work.wait()
         self.timeline = Timeline([rows])
+        self.bubble = 1.0 - sum(end - start for start, end, _ in rows) / (time.perf_counter() - began)
         return total
 
     def _params_of(self, model, stage: int) -> list[torch.nn.Parameter]:

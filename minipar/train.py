@@ -226,13 +226,18 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
     param_dtype = torch.float32 if dtype == torch.bfloat16 else dtype  # bf16: fp32 master weights
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == torch.bfloat16 else nullcontext
     model_cfg = get_config(cfg.model, vocab_size=data.vocab_size)
-    model = Llama(model_cfg, seed=cfg.seed, tp_group=mesh.tp_group, sequence_parallel=cfg.sp)
+    # With pp > 1 this rank builds only its stages' layers (and the embedding / head if it has them).
+    pipeline = Pipeline(mesh.pp_group, cfg.schedule, model_cfg.n_layers, cfg.virtual_stages) if cfg.pp > 1 else None
+    model = Llama(model_cfg, seed=cfg.seed, tp_group=mesh.tp_group, sequence_parallel=cfg.sp,
+                  layer_ids=pipeline.my_layers() if pipeline else None,
+                  embed=pipeline.holds_first() if pipeline else True,
+                  head=pipeline.holds_last() if pipeline else True)
     model = model.to(device=device, dtype=param_dtype)
     optimizer = build_optimizer(model, cfg)
 
     start, consumed = 0, 0
     if resume is not None:
-        state = checkpoint.load(resume, model, optimizer, mesh.tp_group)
+        state = checkpoint.load(resume, model, optimizer, mesh.tp_group)  # each rank takes its shards
         start, consumed = state["step"], state["consumed"]
         say(f"resumed from {resume} at step {start}")
     dp_model = DataParallel(model, mesh.dp_group, bucket_mb=cfg.bucket_mb)
@@ -259,16 +264,19 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss, grad_norm = train_step(dp_model, optimizer, micro, cfg.grad_clip, autocast, mesh.tp_group)
+        loss, grad_norm = train_step(dp_model, optimizer, micro, cfg.grad_clip, autocast, mesh.tp_group, pipeline)
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         consumed += cfg.global_batch
 
-        # Every rank's loss and peak memory, gathered for the log: the loss is the dp mean.
-        metrics = all_gather(torch.tensor([loss, float(peak_memory_bytes(device))], dtype=torch.float64,
-                                          device=device), log_group).view(world, 2).cpu()
-        loss = metrics[:, 0].mean().item()
+        # Every rank's loss, peak memory and pipeline idle time, gathered for the log. The loss is
+        # the mean over the ranks that compute it (the last pipeline stage; all ranks without pp).
+        has_loss = pipeline is None or pipeline.holds_last()
+        mine = [loss, float(peak_memory_bytes(device)), float(has_loss), pipeline.bubble if pipeline else 0.0]
+        metrics = all_gather(torch.tensor(mine, dtype=torch.float64, device=device), log_group).view(world, 4).cpu()
+        loss = (metrics[:, 0] * metrics[:, 2]).sum().item() / metrics[:, 2].sum().item()
+        bubble = metrics[:, 3].mean().item() if pipeline else None
         losses.append(loss)
         sent = mesh.ledger.total_sent()
         record = {
@@ -277,12 +285,13 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
             "mfu": flops_per_step / dt / (world * peak) if peak else None,
             "bytes_sent": sent, "comm": mesh.ledger.snapshot(),
             "peak_memory": [int(m) for m in metrics[:, 1].tolist()],
+            "bubble": bubble,  # measured: the mean over ranks of the pipeline's time spent waiting
         }
         if log_file:
             log_file.write(json.dumps(record) + "\n")
             log_file.flush()
         if wandb_run:
-            wandb_run.log({k: v for k, v in record.items() if k not in ("comm", "peak_memory", "mfu")}
+            wandb_run.log({k: v for k, v in record.items() if k not in ("comm", "peak_memory", "mfu", "bubble")}
                           | {"peak_memory_max": max(record["peak_memory"])}, step=step + 1)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}")
@@ -291,11 +300,12 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
             tqdm.write(f"step {step + 1:>5}/{cfg.steps} | loss {loss:.4f} | lr {record['lr']:.2e} | "
                        f"grad {grad_norm:.3f} | {record['tokens_per_s']:,.0f} tok/s | mfu {mfu} | "
                        f"peak mem {max(record['peak_memory']) / 2**20:,.0f} MiB | "
+                       + (f"bubble {bubble:.0%} | " if pipeline else "") +
                        f"sent {sent / 2**20:.2f} MiB/step{per_group_sent(mesh.ledger)}", file=sys.stdout)
         last = step + 1 == cfg.steps
         if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
-            # Every rank helps gather the tp shards into full tensors; rank 0 writes them.
-            full = checkpoint.gather_full(model, optimizer, mesh.tp_group)
+            # Every rank helps gather the tp shards and pp stages into full tensors; rank 0 writes them.
+            full = checkpoint.gather_full(model, optimizer, mesh.tp_group, mesh.pp_group)
             if is_main:
                 path = checkpoint.save(cfg.out, step + 1, *full,
                                        {"step": step + 1, "consumed": consumed, "config": asdict(cfg)})
