@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minipar import collectives as C
 from minipar import tensor_parallel as T
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
@@ -126,7 +125,6 @@ def part_c(mesh: Mesh, vocab: int) -> None:
     logits = logits.detach().requires_grad_()
     loss, fwd = counted(mesh, lambda: T.vocab_parallel_cross_entropy(logits, y, g, vocab))
     _, bwd = counted(mesh, lambda: loss.backward())
-
     full = T.gather_logits(logits.detach(), g, vocab).requires_grad_()  # [b, s, V]: for this check only
     ref = F.cross_entropy(full.flatten(0, 1), y.flatten())
     ref.backward()
@@ -158,7 +156,6 @@ def part_d(mesh: Mesh) -> None:
     ref_loss.backward()
     say(f"\n(d) the whole tiny Llama ({cfg.n_layers} layers, {cfg.n_heads} heads, {cfg.n_kv_heads} kv heads), "
         f"b={B} s={S} h={cfg.dim}: one [b, s, h] = {B * S * cfg.dim * 8:,} B")
-    activations_sent = {}
     for sp in (False, True):
         model = Llama(cfg, seed=0, tp_group=g, sequence_parallel=sp).double()
         loss, snap = counted(mesh, forward_backward, model, x, y)
@@ -177,12 +174,6 @@ def part_d(mesh: Mesh) -> None:
         each_rank(f"  residual stream, wq, wk, loss (one device: {ref_loss.item():.12f}), max |grad - one device|",
                   f"{residual}  {list(attn.wq.weight.shape)}  {list(attn.wk.weight.shape)}  "
                   f"{loss.item():.12f}  {worst:.1e}")
-        # The [b, s, h] traffic: the all-reduces but the loss's three, or the all-gathers and reduce-scatters.
-        loss_sent = 3 * C.ring_bytes_sent("all_reduce", B * S * 8, g.size)
-        activations_sent[sp] = (snap["tp/all_gather"]["sent"] + snap["tp/reduce_scatter"]["sent"] if sp
-                                else snap["tp/all_reduce"]["sent"] - loss_sent)
-    say(f"\n  bytes sent for [b, s, h] activations: all-reduce {activations_sent[False]:,}, "
-        f"all-gather + reduce-scatter {activations_sent[True]:,}")
 
 
 def main() -> None:
