@@ -164,6 +164,8 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False,
                  sequence_parallel: bool = False):
         super().__init__()
+        if in_features % group.size:
+            raise ValueError(f"RowParallelLinear: {in_features} input features do not split over {group.size} ranks")
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = mark(nn.Parameter(torch.empty(out_features, in_features // group.size)),
                            (out_features, in_features), dim=1)

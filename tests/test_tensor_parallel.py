@@ -289,8 +289,10 @@ def test_bad_tp_layouts_are_refused_with_the_fix(kw, msg):
         T.check_tp_layout(**kw)
 
 
-def test_solo_group_model_is_the_plain_model():
+def test_solo_group_has_one_rank_at_index_zero_and_row_layer_checks_its_split():
     assert Group.solo("tp").size == 1 and Group.solo("tp").rank == 0
+    with pytest.raises(ValueError, match="10 input features do not split"):
+        T.RowParallelLinear(10, 4, Group("tp", None, [0, 1, 2, 3], None))
 
 
 def _save_at_tp(rank, world, out):
