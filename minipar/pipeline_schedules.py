@@ -198,18 +198,20 @@ class Timeline:
         busy = sum(end - start for row in self.rows for start, end, _ in row)
         return 1.0 - busy / (len(self.rows) * self.makespan)
 
+    def _virtual(self) -> bool:
+        return any(a.stage >= len(self.rows) for row in self.rows for _, _, a in row)
+
+    def label(self, a: Action) -> str:
+        """'F3', or with virtual stages 'F3a' / 'F3b': micro-batch 3 on the rank's first / second chunk."""
+        return f"{a}{'abcdefgh'[a.stage // len(self.rows)]}" if self._virtual() else str(a)
+
     def ascii(self, unit: float = 1.0) -> str:
         """One line per rank, one cell per time unit: "F3" forward of micro-batch 3, "." idle.
 
         With virtual stages the cell names the chunk too: "F3a" on a rank's first chunk, "F3b" its second.
         """
-        p = len(self.rows)
-        virtual = any(a.stage >= p for row in self.rows for _, _, a in row)
-        width = 4 if virtual else 3
-
-        def label(a: Action) -> str:
-            return f"{a}{'abcdefgh'[a.stage // p]}" if virtual else str(a)
-
+        width = 4 if self._virtual() else 3
+        label = self.label
         t0 = min(s for row in self.rows for s, _, _ in row)
         cells_per_rank = round(self.makespan / unit)
         lines = []
@@ -220,6 +222,32 @@ class Timeline:
                     cells[k] = label(a).rjust(width)
             lines.append(f"rank {r}: " + "".join(cells))
         return "\n".join(lines)
+
+
+    def draw(self, path: str, title: str = "") -> None:
+        """Save the timeline as a PNG: one row per rank, F blue, B orange, W green, gaps = bubble."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        colours = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+        t0 = min(s for row in self.rows for s, _, _ in row)
+        fig, ax = plt.subplots(figsize=(max(6.0, self.makespan / self._unit() * 0.35), 0.6 * len(self.rows) + 1))
+        for r, row in enumerate(self.rows):
+            for start, end, a in row:
+                ax.barh(r, end - start, left=start - t0, color=colours[a.kind], edgecolor="white")
+                ax.text((start + end) / 2 - t0, r, self.label(a), ha="center", va="center", fontsize=7, color="white")
+        ax.set_yticks(range(len(self.rows)), [f"rank {r}" for r in range(len(self.rows))])
+        ax.invert_yaxis()
+        ax.set_xlabel("time")
+        ax.set_title(title or f"idle fraction {self.idle_fraction():.1%}")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+    def _unit(self) -> float:
+        return min(end - start for row in self.rows for start, end, _ in row) or 1.0
 
 
 def simulate(schedule: list[list[Action]], durations: dict[str, float] | None = None) -> Timeline:

@@ -103,3 +103,8 @@ def test_ascii_timeline_shows_the_bubble():
 def test_bad_schedule_requests_are_refused(args, msg):
     with pytest.raises(ScheduleError, match=msg):
         build(*args)
+
+
+def test_timeline_draws_as_png(tmp_path):
+    simulate(build("interleaved", 2, 4, 2)).draw(str(tmp_path / "t.png"))
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
