@@ -147,3 +147,15 @@ def test_dp2_pp2_resumes_a_dp2_checkpoint_and_continues_its_losses(run_a):
     assert 0.0 <= rec["bubble"] < 1.0 and rec["comm"]["pp/send"]["calls"] > 0
     whole = load_file(tmp / "pp" / "step_000020" / "model.safetensors")
     assert whole.keys() == load_file(tmp / "a" / "step_000020" / "model.safetensors").keys()
+
+
+def test_headline_dp2_tp2_pp2_on_8_ranks_matches_one_process_in_float32(tmp_path):
+    # The README's headline layout, through train.py itself, in float32: the same losses as one
+    # process on the same global batch, to float32 rounding.
+    args = dict(dtype="float32", steps=8, micro_batch=2)
+    run(common(tmp_path, **args, out=tmp_path / "one", log_json=tmp_path / "one.jsonl"))
+    run(common(tmp_path, **args, dp=2, tp=2, pp=2, out=tmp_path / "3d", log_json=tmp_path / "3d.jsonl"), nproc=8)
+    one, three_d = losses(tmp_path / "one.jsonl"), losses(tmp_path / "3d.jsonl")
+    assert sorted(three_d) == list(range(1, 9))
+    for step in one:
+        assert three_d[step] == pytest.approx(one[step], rel=1e-5), step
