@@ -38,6 +38,7 @@ from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.pipeline import Pipeline
 from minipar.tensor_parallel import sync_partial_grads
+from minipar.zero import ZeroDataParallel
 
 # Dense bfloat16 peak FLOP/s, for model FLOPs utilisation (MFU) on known GPUs.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
@@ -57,12 +58,19 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not on norm gains), as is usual for transformers."""
+def param_groups(model: torch.nn.Module, cfg: TrainConfig) -> list[dict]:
+    """Weight decay on matrices only (not on norm gains), as is usual for transformers."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    return make_adamw(param_groups(model, cfg), cfg)
 
 
 def clip_grad_norm(params, max_norm: float, tp_group: Group, pp_group: Group | None = None) -> float:
@@ -89,8 +97,8 @@ def clip_grad_norm(params, max_norm: float, tp_group: Group, pp_group: Group | N
     return float(norm)
 
 
-def train_step(model: DataParallel, optimizer, micro_batches, grad_clip: float = 0.0, autocast=nullcontext,
-               tp_group: Group | None = None, pipeline: Pipeline | None = None):
+def train_step(model: DataParallel | ZeroDataParallel, optimizer, micro_batches, grad_clip: float = 0.0,
+               autocast=nullcontext, tp_group: Group | None = None, pipeline: Pipeline | None = None):
     """One optimizer step over this rank's micro-batches. Returns (mean loss, gradient norm); a
     pipeline keeps the measured timeline of its step in `pipeline.timeline`.
 
@@ -112,9 +120,12 @@ def train_step(model: DataParallel, optimizer, micro_batches, grad_clip: float =
                     loss = model(x, y) / n
                 loss.backward()
             total = total + loss.detach()
-    model.finish_grad_sync()  # average over dp
+    model.finish_grad_sync()  # average over dp (ZeRO: reduce-scatter to each rank's slice)
+    pp_group = pipeline.group if pipeline else None
+    if isinstance(model, ZeroDataParallel):  # it owns the optimizer and the gradient slices
+        return float(total), model.clip_and_step(grad_clip, pp_group)
     sync_partial_grads(model, tp_group)  # sum the partial gradients of replicated tp parameters
-    grad_norm = clip_grad_norm(model.parameters(), grad_clip, tp_group, pipeline.group if pipeline else None)
+    grad_norm = clip_grad_norm(model.parameters(), grad_clip, tp_group, pp_group)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(total), grad_norm

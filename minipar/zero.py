@@ -1,0 +1,189 @@
+"""ZeRO stages 1 and 2: shard the optimizer state, then the gradients, across the dp group.
+
+Chapter 5 of the course. Data parallelism keeps N identical copies of everything. Per parameter,
+in mixed precision, that is 2 bytes of weights, 2 of gradients and 12 of optimizer state (fp32
+master weight, Adam's two moments): the optimizer state is 3/4 of the memory, and every dp rank
+holds the same copy. ZeRO (Rajbhandari et al., 2020) gives each rank one N-th of it:
+
+    flat parameters, in buckets      [ bucket 0            ][ bucket 1            ] ...
+    each bucket cut in N slices      [ r0 | r1 | r2 | r3  ][ r0 | r1 | r2 | r3  ]
+    rank r owns slice r of each bucket: its optimizer state, its master weights, its gradients
+
+    stage 1  optimizer state sharded. After backward: reduce-scatter the gradients (each rank
+             receives the sum of its own slice), update the slice, all-gather the new weights.
+    stage 2  gradients sharded too. Each bucket is reduce-scattered *during* backward, as soon
+             as its gradients are complete, and the full gradients are freed right away.
+
+Bytes per rank per step, Psi parameters: reduce-scatter (N-1)/N Psi + all-gather (N-1)/N Psi =
+2 (N-1)/N Psi, exactly what plain data parallelism's one all-reduce costs. ZeRO saves memory for
+free. (Stage 3, which also shards the weights, costs 3 Psi; it is not built yet.)
+
+Gradient accumulation. Stage 1 keeps full gradients, so micro-batches inside `no_sync()`
+accumulate locally and the reduce-scatter runs once. Stage 2 cannot: keeping the full gradient
+until the last micro-batch is exactly the memory it exists to save. So in stage 2 every
+micro-batch's gradients are reduce-scattered and added into this rank's gradient slice;
+`no_sync()` has no effect, and accumulation costs one reduce-scatter per micro-batch.
+
+With tensor parallelism, each tp rank runs its own ZeRO over its dp group on its own shards (the
+layouts agree across tp ranks because their shards have the same shapes).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from minipar.collectives import Group, all_gather, all_reduce, broadcast, reduce_scatter
+
+
+class ZeroBucket:
+    """Some parameters as one flat vector, padded to a multiple of N; this rank owns 1/N of it."""
+
+    def __init__(self, params: list[nn.Parameter], group: Group):
+        self.params, self.group = params, group
+        numel = sum(p.numel() for p in params)
+        self.padded = -(-numel // group.size) * group.size
+        self.slice = slice(group.rank * self.padded // group.size, (group.rank + 1) * self.padded // group.size)
+        flat = self._flatten([p.detach() for p in params])
+        # This rank's slice of the weights, in fp32 (float64 stays float64): what the optimizer updates.
+        dtype = torch.promote_types(flat.dtype, torch.float32)
+        self.master = nn.Parameter(flat[self.slice].to(dtype).clone())
+        self.master.grad = torch.zeros_like(self.master)
+        self.ready: set[int] = set()
+
+    def _flatten(self, tensors) -> torch.Tensor:
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        return torch.nn.functional.pad(flat, (0, self.padded - flat.numel()))
+
+    def reduce_scatter_grads(self) -> None:
+        """Add this rank's slice of the dp-mean of the bucket's gradients to master.grad; free them."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        mine = reduce_scatter(self._flatten(grads).div_(self.group.size), self.group)
+        self.master.grad += mine.to(self.master.grad.dtype)
+        for p in self.params:
+            p.grad = None  # the full gradient is gone: only the slice remains
+        self.ready.clear()
+
+    def all_gather_params(self) -> None:
+        """Every rank's updated slice, joined and written back into the model's parameters."""
+        like = self.params[0]
+        full = all_gather(self.master.detach().to(like.device, like.dtype), self.group)
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(full[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+
+class ZeroDataParallel(nn.Module):
+    """Wraps a model like DataParallel; owns the optimizer, which sees only this rank's slices.
+
+    `make_optimizer(param_groups)` builds the torch optimizer (AdamW) for a list of param groups;
+    the wrapper calls it on its master slices, one group per weight-decay setting.
+    """
+
+    def __init__(self, module: nn.Module, group: Group, stage: int, make_optimizer, param_groups,
+                 bucket_mb: float = 25.0, tp_group: Group | None = None):
+        super().__init__()
+        if stage not in (1, 2):
+            raise ValueError(f"ZeRO stage {stage} is not built: choose 1 or 2 (0 is plain data parallelism)")
+        self.module, self.group, self.stage = module, group, stage
+        self.tp_group = tp_group or Group.solo("tp")
+        with torch.no_grad():  # start identical, as in DataParallel
+            for p in module.parameters():
+                broadcast(p.data, group, src=0)
+        # Buckets never mix weight-decay settings, nor tp-sharded with tp-replicated parameters:
+        # each bucket's slice then has one decay, and knows how its norm adds up over tp.
+        self.buckets: list[ZeroBucket] = []
+        groups = []
+        for pg in param_groups:
+            masters = []
+            for sharded in (True, False):
+                params = [p for p in pg["params"] if (getattr(p, "_tp_dim", None) is not None) == sharded]
+                for chunk in self._chunks(list(reversed(params)), bucket_mb):
+                    bucket = ZeroBucket(chunk, group)
+                    bucket.tp_sharded = sharded
+                    self.buckets.append(bucket)
+                    masters.append(bucket.master)
+            groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": masters})
+        self.optimizer = make_optimizer(groups)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        if stage == 2:
+            for p in module.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    @staticmethod
+    def _chunks(params, bucket_mb):
+        chunk, size = [], 0
+        for p in params:
+            chunk.append(p)
+            size += p.numel() * p.element_size()
+            if size >= bucket_mb * 2**20:
+                yield chunk
+                chunk, size = [], 0
+        if chunk:
+            yield chunk
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Stage 1 communicates only in finish_grad_sync anyway: full gradients accumulate locally.
+        Stage 2 reduce-scatters every micro-batch regardless (see the module docstring)."""
+        yield
+
+    def _sync_partial(self, params) -> None:
+        # Replicated tp parameters with partial gradients (sequence-parallel norms, shared kv heads)
+        # are summed over tp before their dp reduce-scatter.
+        partial = [p for p in params if getattr(p, "_tp_partial", False) and p.grad is not None]
+        for p in partial:
+            all_reduce(p.grad, self.tp_group)
+
+    def _grad_ready(self, p: nn.Parameter) -> None:
+        bucket = self._bucket_of[id(p)]
+        bucket.ready.add(id(p))
+        if len(bucket.ready) == len(bucket.params):  # stage 2: reduce-scatter now, free the full grads
+            self._sync_partial(bucket.params)
+            bucket.reduce_scatter_grads()
+
+    def finish_grad_sync(self) -> None:
+        """Reduce-scatter whatever backward has not (all of it in stage 1)."""
+        for bucket in self.buckets:
+            if any(p.grad is not None for p in bucket.params):
+                self._sync_partial(bucket.params)
+                bucket.reduce_scatter_grads()
+
+    def clip_and_step(self, max_norm: float, pp_group: Group | None = None) -> float:
+        """Global gradient norm from the slices (summed over dp; tp-sharded buckets also over tp;
+        stages over pp), clipping, the optimizer step on the slices, and the all-gather of weights."""
+        sharded = [b.master.grad.pow(2).sum() for b in self.buckets if b.tp_sharded]
+        replicated = [b.master.grad.pow(2).sum() for b in self.buckets if not b.tp_sharded]
+        zero = self.buckets[0].master.grad.new_zeros(())
+        sq_sharded = torch.stack(sharded).sum() if sharded else zero
+        all_reduce(sq_sharded, self.tp_group)
+        sq = sq_sharded + (torch.stack(replicated).sum() if replicated else zero)
+        all_reduce(sq, self.group)  # each dp rank holds different slices
+        all_reduce(sq, pp_group or Group.solo("pp"))
+        norm = sq.sqrt()
+        if max_norm > 0:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for b in self.buckets:
+                b.master.grad.mul_(coef)
+        self.optimizer.step()
+        for b in self.buckets:
+            b.master.grad.zero_()
+            b.all_gather_params()
+        return float(norm)
+
+    # -- what each rank holds, measured on the real tensors ----------------------------------------
+    def optimizer_state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
+                   if torch.is_tensor(t) and t.dim() > 0)
+
+    def gradient_bytes(self) -> int:
+        full = sum(p.grad.numel() * p.grad.element_size() for p in self.module.parameters() if p.grad is not None)
+        return full + sum(b.master.grad.numel() * b.master.grad.element_size() for b in self.buckets)

@@ -1,0 +1,130 @@
+"""ZeRO-1 and ZeRO-2 equal one device and PyTorch's ZeroRedundancyOptimizer, hold 1/N of the
+optimizer state (and, stage 2, of the gradients), and send 2 Psi (N-1)/N per step."""
+
+import pytest
+import torch
+from harness import run_ranks
+from test_data_parallel import GLOBAL_BATCH, OPT, STEPS, global_batch, new_model, single_device_params
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from minipar.collectives import ring_bytes_sent
+from minipar.mesh import Mesh
+from minipar.model import Llama, get_config
+from minipar.tensor_parallel import unshard
+from minipar.train import make_adamw, param_groups, train_step
+from minipar.zero import ZeroDataParallel
+
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+
+
+def zero_model(model, group, stage, tp_group=None, bucket_mb=0.02):
+    return ZeroDataParallel(model, group, stage, lambda groups: make_adamw(groups, OPT), param_groups(model, OPT),
+                            bucket_mb=bucket_mb, tp_group=tp_group)
+
+
+def _zero_run(rank, world, stage, accum):
+    with Mesh.build(dp=world) as mesh:
+        model = new_model()
+        zero = zero_model(model, mesh.dp_group, stage)
+        # PyTorch's ZeRO-1 on a second copy, same data (stage 1 only).
+        ref_model = new_model()
+        ref_opt = ZeroRedundancyOptimizer(param_groups(ref_model, OPT), optimizer_class=torch.optim.AdamW,
+                                          process_group=mesh.dp_group.pg, lr=OPT.lr, betas=(0.9, 0.95),
+                                          eps=1e-8)
+        per = GLOBAL_BATCH // world
+        psi = sum(p.numel() for p in model.parameters())
+        ledgers = []
+        for step in range(STEPS):
+            x, y = global_batch(step)
+            x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+            micro = list(zip(x.chunk(accum), y.chunk(accum)))
+            mesh.ledger.reset()
+            train_step(zero, None, micro, grad_clip=1.0)
+            ledgers.append({k: v["sent"] for k, v in mesh.ledger.snapshot().items()})
+            if stage == 1:  # the same step with PyTorch's ZeroRedundancyOptimizer
+                for mx, my in micro:
+                    (ref_model(mx, my) / accum).backward()
+                for p in ref_model.parameters():
+                    torch.distributed.all_reduce(p.grad, group=mesh.dp_group.pg)
+                    p.grad /= world
+                torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0)
+                ref_opt.step()
+                ref_opt.zero_grad()
+        return dict(
+            params={n: p.detach() for n, p in model.named_parameters()},
+            zro={n: p.detach() for n, p in ref_model.named_parameters()},
+            ledgers=ledgers, psi=psi,
+            opt_bytes=zero.optimizer_state_bytes(), grad_bytes=zero.gradient_bytes(),
+            full_grads=[p.grad for p in model.parameters() if p.grad is not None],
+            padded=sum(b.padded for b in zero.buckets),
+        )
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("world,accum", [(2, 1), (2, 2), (4, 1), (4, 2)])
+def test_zero_params_after_adamw_steps_equal_single_device(stage, world, accum):
+    reference = single_device_params()
+    for r in run_ranks(world, _zero_run, stage, accum):
+        for name, ref in reference.items():
+            torch.testing.assert_close(r["params"][name], ref, **TIGHT, msg=name)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero1_equals_torch_zero_redundancy_optimizer(world):
+    for r in run_ranks(world, _zero_run, 1, 2):
+        for name, p in r["params"].items():
+            torch.testing.assert_close(p, r["zro"][name], **TIGHT, msg=name)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("world", [2, 4])
+def test_memory_and_communication_per_rank(stage, world):
+    for r in run_ranks(world, _zero_run, stage, 1):
+        # Adam's two moments for this rank's slices only: 2 * Psi / N (plus padding to N).
+        assert r["opt_bytes"] == 2 * r["padded"] * 8 // world
+        # After the step no full gradient is left, only this rank's slice.
+        assert r["full_grads"] == []
+        assert r["grad_bytes"] == r["padded"] * 8 // world
+        # Per step: reduce-scatter and all-gather of Psi (padded to N per bucket), (N-1)/N each:
+        # 2 Psi (N-1)/N in all, the same as data parallelism's all-reduce.
+        assert 0 <= r["padded"] - r["psi"] < world * 100
+        for sent in r["ledgers"]:
+            rs, ag = sent["dp/reduce_scatter"], sent["dp/all_gather"]
+            assert rs == ag == (world - 1) * r["padded"] * 8 // world
+            # Besides, one float64 all-reduce: the squared gradient norm of the slices.
+            assert sent["dp/all_reduce"] == ring_bytes_sent("all_reduce", 8, world)
+            assert set(sent) == {"dp/reduce_scatter", "dp/all_gather", "dp/all_reduce"}
+
+
+def _zero_tp(rank, world, stage):
+    with Mesh.build(dp=2, tp=2) as mesh:
+        cfg = get_config("tiny", vocab_size=250)
+        model = Llama(cfg, seed=5, tp_group=mesh.tp_group, sequence_parallel=True).double()
+        zero = zero_model(model, mesh.dp_group, stage, mesh.tp_group)
+        for step in range(2):
+            x = torch.randint(0, 250, (4, 8), generator=torch.Generator().manual_seed(step))
+            y = torch.roll(x, -1, dims=1)
+            rows = slice(mesh.dp_rank * 2, mesh.dp_rank * 2 + 2)
+            train_step(zero, None, [(x[rows], y[rows])], 0.5, tp_group=mesh.tp_group)
+        return {n: unshard(p.detach(), p, mesh.tp_group) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_with_tp2_and_sequence_parallel_equals_single_device(stage):
+    cfg = get_config("tiny", vocab_size=250)
+    model = Llama(cfg, seed=5).double()
+    opt = make_adamw(param_groups(model, OPT), OPT)
+    for step in range(2):
+        x = torch.randint(0, 250, (4, 8), generator=torch.Generator().manual_seed(step))
+        model(x, torch.roll(x, -1, dims=1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    for r in run_ranks(4, _zero_tp, stage):
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(r[n], p.detach(), **TIGHT, msg=n)
+
+
+def test_stage_3_is_refused_not_faked():
+    with pytest.raises(ValueError, match="stage 3 is not built"):
+        ZeroDataParallel(new_model(), None, 3, None, [])
