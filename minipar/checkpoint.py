@@ -69,30 +69,46 @@ def verify(path: Path) -> dict:
     return state
 
 
-def gather_full(model: nn.Module, optimizer: torch.optim.Optimizer, tp_group: Group,
-                pp_group: Group | None = None):
-    """Every parameter and optimizer state at its single-device shape, by name.
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """A torch optimizer's state by parameter name: {name: {slot: tensor}}."""
+    return {n: dict(optimizer.state[p]) for n, p in model.named_parameters() if p in optimizer.state}
+
+
+def hyper_params(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Learning rate, betas, weight decay... of each parameter group (stored as metadata)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, states: dict) -> None:
+    params = dict(model.named_parameters())
+    for name, slots in states.items():
+        for slot, value in slots.items():
+            optimizer.state[params[name]][slot] = value
+
+
+def gather_full(model: nn.Module, states: dict, hyper: list, tp_group: Group, pp_group: Group | None = None):
+    """Every parameter and optimizer state (`states`: {name: {slot: tensor}}, this rank's shards) at
+    its single-device shape, by name.
 
     A collective over the tp group (shards joined) and the pp group (stages collected on pp rank
     0): call it on every rank; the result on global rank 0 is the whole model.
-    Returns (weights, optimizer tensors, optimizer hyper-parameters).
+    Returns (weights, optimizer tensors, optimizer hyper-parameters), the arguments of `save`.
     """
-    weights, states = {}, {}
+    weights, tensors = {}, {}
     for name, p in model.named_parameters():
         weights[name] = unshard(p.detach(), p, tp_group).cpu().contiguous()
-        for key, value in optimizer.state.get(p, {}).items():
+        for slot, value in states.get(name, {}).items():
             t = value if torch.is_tensor(value) else torch.tensor(value)
             if t.shape == p.shape:  # exp_avg, exp_avg_sq: sharded like the parameter
-                t = unshard(t.detach(), p, tp_group)
-            states[f"{name}/{key}"] = t.detach().cpu().contiguous()
-    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+                t = unshard(t.detach().to(p.device), p, tp_group)
+            tensors[f"{name}/{slot}"] = t.detach().cpu().contiguous()
     if pp_group is not None and pp_group.size > 1:  # each stage holds different layers: collect them
         parts = [None] * pp_group.size if pp_group.rank == 0 else None
-        torch.distributed.gather_object((weights, states), parts, dst=pp_group.ranks[0], group=pp_group.pg)
+        torch.distributed.gather_object((weights, tensors), parts, dst=pp_group.ranks[0], group=pp_group.pg)
         if pp_group.rank == 0:
             weights = {k: v for part_weights, _ in parts for k, v in part_weights.items()}
-            states = {k: v for _, part_states in parts for k, v in part_states.items()}
-    return weights, states, hyper
+            tensors = {k: v for _, part_tensors in parts for k, v in part_tensors.items()}
+    return weights, tensors, hyper
 
 
 def save(out: str | Path, step: int, weights: dict, optimizer_tensors: dict, hyper: list, train_state: dict) -> Path:
@@ -114,10 +130,13 @@ def save(out: str | Path, step: int, weights: dict, optimizer_tensors: dict, hyp
     return final
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         tp_group: Group | None = None) -> dict:
-    """Load weights (and optimizer state) into an already built model, each rank taking its tp
-    shard of the single-device tensors; return the train state."""
+def load(path: Path, model: nn.Module, tp_group: Group | None = None) -> tuple[dict, dict]:
+    """Load weights into an already built model, each rank taking its tp shard of the
+    single-device tensors (and only its pipeline stage's parameters).
+
+    Returns (the train state, this rank's optimizer state {name: {slot: tensor}}, sharded like the
+    parameters) for `set_optimizer_state` or ZeroDataParallel.load_state_by_name.
+    """
     tp_group = tp_group or Group.solo("tp")
     state = verify(path)
     weights = load_file(path / "model.safetensors")
@@ -134,13 +153,13 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None =
                     f"{tuple(full_shape)}: resume with the same --model and data"
                 )
             p.copy_(shard(weights[name], p, tp_group))
-    if optimizer is not None:
-        for key, value in load_file(path / "optimizer.safetensors").items():
-            name, slot = key.rsplit("/", 1)
-            if name not in params:
-                continue  # another pipeline stage's
-            p = params[name]
-            if slot != "step":
-                value = shard(value, p, tp_group).to(device=p.device, dtype=p.dtype).clone()
-            optimizer.state[p][slot] = value
-    return state
+    states: dict[str, dict] = {}
+    for key, value in load_file(path / "optimizer.safetensors").items():
+        name, slot = key.rsplit("/", 1)
+        if name not in params:
+            continue  # another pipeline stage's
+        p = params[name]
+        if slot != "step":
+            value = shard(value, p, tp_group).to(device=p.device, dtype=p.dtype).clone()
+        states.setdefault(name, {})[slot] = value
+    return state, states

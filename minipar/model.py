@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from einops import rearrange, repeat
 from torch import nn
 
@@ -247,11 +248,14 @@ class Llama(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, seed: int = 0, tp_group: Group | None = None,
-                 sequence_parallel: bool = False, layer_ids=None, embed: bool = True, head: bool = True):
+                 sequence_parallel: bool = False, layer_ids=None, embed: bool = True, head: bool = True,
+                 recompute: bool = False):
         super().__init__()
         config.validate()
         tp = self.tp_group = tp_group or Group.solo("tp")
         self.config, self.sequence_parallel = config, sequence_parallel
+        # Activation checkpointing: keep only each layer's input; redo its forward during backward.
+        self.recompute = recompute
         layer_ids = range(config.n_layers) if layer_ids is None else layer_ids
         self.tok_emb = VocabParallelEmbedding(config.vocab_size, config.dim, tp, sequence_parallel) if embed else None
         self.layers = nn.ModuleDict({str(i): Block(config, tp, sequence_parallel) for i in layer_ids})
@@ -283,7 +287,11 @@ class Llama(nn.Module):
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         cos, sin = cos.to(x.device), sin.to(x.device)
         for i in layer_ids:
-            x = self.layers[str(i)](x, cos, sin)
+            layer = self.layers[str(i)]
+            if self.recompute and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
         if not last:
             return x
         x = enter_parallel_region(self.norm(x), self.tp_group, self.sequence_parallel)

@@ -181,6 +181,19 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident set (Linux: KiB)
 
 
+def held_bytes(model, optimizer) -> dict[str, int]:
+    """Bytes this rank holds in parameters, gradients (during a step) and optimizer state."""
+    def nbytes(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    params = nbytes(model.module.parameters())
+    optim = nbytes(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
+    if isinstance(model, ZeroDataParallel):  # gradient slices and fp32 master slices
+        return {"params": params + nbytes(b.master for b in model.buckets), "grads": model.gradient_bytes(),
+                "optimizer": optim}
+    return {"params": params, "grads": params, "optimizer": optim}  # a full gradient per parameter
+
+
 def per_group_sent(ledger: Ledger) -> str:
     """' (dp 3.50, tp 1.20 MiB)': this rank's bytes sent this step, by group."""
     groups: dict[str, int] = {}
@@ -242,16 +255,24 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
     model = Llama(model_cfg, seed=cfg.seed, tp_group=mesh.tp_group, sequence_parallel=cfg.sp,
                   layer_ids=pipeline.my_layers() if pipeline else None,
                   embed=pipeline.holds_first() if pipeline else True,
-                  head=pipeline.holds_last() if pipeline else True)
+                  head=pipeline.holds_last() if pipeline else True, recompute=cfg.recompute)
     model = model.to(device=device, dtype=param_dtype)
-    optimizer = build_optimizer(model, cfg)
-
-    start, consumed = 0, 0
-    if resume is not None:
-        state = checkpoint.load(resume, model, optimizer, mesh.tp_group)  # each rank takes its shards
+    start, consumed, saved_states = 0, 0, None
+    if resume is not None:  # weights first: ZeRO builds its master slices from them
+        state, saved_states = checkpoint.load(resume, model, mesh.tp_group)  # each rank takes its shards
         start, consumed = state["step"], state["consumed"]
         say(f"resumed from {resume} at step {start}")
-    dp_model = DataParallel(model, mesh.dp_group, bucket_mb=cfg.bucket_mb)
+    if cfg.zero:
+        dp_model = ZeroDataParallel(model, mesh.dp_group, cfg.zero, lambda groups: make_adamw(groups, cfg),
+                                    param_groups(model, cfg), cfg.bucket_mb, mesh.tp_group, cfg.offload)
+        optimizer = dp_model.optimizer
+        if saved_states is not None:
+            dp_model.load_state_by_name(saved_states)
+    else:
+        dp_model = DataParallel(model, mesh.dp_group, bucket_mb=cfg.bucket_mb)
+        optimizer = build_optimizer(model, cfg)
+        if saved_states is not None:
+            checkpoint.set_optimizer_state(model, optimizer, saved_states)
 
     tokens_per_step = cfg.global_batch * cfg.seq_len
     flops_per_step = model_cfg.flops_per_token(cfg.seq_len) * tokens_per_step
@@ -297,15 +318,21 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
             "bytes_sent": sent, "comm": mesh.ledger.snapshot(),
             "peak_memory": [int(m) for m in metrics[:, 1].tolist()],
             "bubble": bubble,  # measured: the mean over ranks of the pipeline's time spent waiting
+            "held_bytes": held_bytes(dp_model, optimizer),  # this rank's, measured on its tensors
         }
         if log_file:
             log_file.write(json.dumps(record) + "\n")
             log_file.flush()
         if wandb_run:
-            wandb_run.log({k: v for k, v in record.items() if k not in ("comm", "peak_memory", "mfu", "bubble")}
+            skip = ("comm", "peak_memory", "mfu", "bubble", "held_bytes")
+            wandb_run.log({k: v for k, v in record.items() if k not in skip}
                           | {"peak_memory_max": max(record["peak_memory"])}, step=step + 1)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}")
+        if is_main and step == start:
+            held = record["held_bytes"]
+            tqdm.write(f"rank 0 holds {held['params'] / 2**20:.2f} MiB of parameters, {held['grads'] / 2**20:.2f} "
+                       f"MiB of gradients, {held['optimizer'] / 2**20:.2f} MiB of optimizer state", file=sys.stdout)
         if is_main and ((step + 1) % cfg.log_every == 0 or step == start or step + 1 == cfg.steps):
             mfu = f"{record['mfu']:.1%}" if record["mfu"] is not None else "n/a (cpu)"
             tqdm.write(f"step {step + 1:>5}/{cfg.steps} | loss {loss:.4f} | lr {record['lr']:.2e} | "
@@ -316,7 +343,9 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
         last = step + 1 == cfg.steps
         if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
             # Every rank helps gather the tp shards and pp stages into full tensors; rank 0 writes them.
-            full = checkpoint.gather_full(model, optimizer, mesh.tp_group, mesh.pp_group)
+            states = dp_model.state_by_name() if cfg.zero else checkpoint.optimizer_state(model, optimizer)
+            full = checkpoint.gather_full(model, states, checkpoint.hyper_params(optimizer), mesh.tp_group,
+                                          mesh.pp_group)
             if is_main:
                 path = checkpoint.save(cfg.out, step + 1, *full,
                                        {"step": step + 1, "consumed": consumed, "config": asdict(cfg)})

@@ -26,6 +26,11 @@ micro-batch's gradients are reduce-scattered and added into this rank's gradient
 
 With tensor parallelism, each tp rank runs its own ZeRO over its dp group on its own shards (the
 layouts agree across tp ranks because their shards have the same shapes).
+
+CPU offload (`offload=True`, stages 1-2): the slices of master weights, gradients and Adam's
+moments live in host memory and the optimizer step runs on the CPU; only the reduce-scattered
+gradient slice goes down and the updated slice comes back up. On a machine without a GPU the
+"device" is the CPU already, so offload changes nothing there but where the code says it is.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from minipar.collectives import Group, all_gather, all_reduce, broadcast, reduce
 class ZeroBucket:
     """Some parameters as one flat vector, padded to a multiple of N; this rank owns 1/N of it."""
 
-    def __init__(self, params: list[nn.Parameter], group: Group):
+    def __init__(self, params: list[nn.Parameter], group: Group, offload: bool = False):
         self.params, self.group = params, group
         numel = sum(p.numel() for p in params)
         self.padded = -(-numel // group.size) * group.size
@@ -49,7 +54,8 @@ class ZeroBucket:
         flat = self._flatten([p.detach() for p in params])
         # This rank's slice of the weights, in fp32 (float64 stays float64): what the optimizer updates.
         dtype = torch.promote_types(flat.dtype, torch.float32)
-        self.master = nn.Parameter(flat[self.slice].to(dtype).clone())
+        device = "cpu" if offload else flat.device  # CPU offload: state and update live in host memory
+        self.master = nn.Parameter(flat[self.slice].to(device=device, dtype=dtype).clone())
         self.master.grad = torch.zeros_like(self.master)
         self.ready: set[int] = set()
 
@@ -61,7 +67,7 @@ class ZeroBucket:
         """Add this rank's slice of the dp-mean of the bucket's gradients to master.grad; free them."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         mine = reduce_scatter(self._flatten(grads).div_(self.group.size), self.group)
-        self.master.grad += mine.to(self.master.grad.dtype)
+        self.master.grad += mine.to(self.master.grad.device, self.master.grad.dtype)
         for p in self.params:
             p.grad = None  # the full gradient is gone: only the slice remains
         self.ready.clear()
@@ -85,11 +91,11 @@ class ZeroDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, group: Group, stage: int, make_optimizer, param_groups,
-                 bucket_mb: float = 25.0, tp_group: Group | None = None):
+                 bucket_mb: float = 25.0, tp_group: Group | None = None, offload: bool = False):
         super().__init__()
         if stage not in (1, 2):
             raise ValueError(f"ZeRO stage {stage} is not built: choose 1 or 2 (0 is plain data parallelism)")
-        self.module, self.group, self.stage = module, group, stage
+        self.module, self.group, self.stage, self.offload = module, group, stage, offload
         self.tp_group = tp_group or Group.solo("tp")
         with torch.no_grad():  # start identical, as in DataParallel
             for p in module.parameters():
@@ -103,7 +109,7 @@ class ZeroDataParallel(nn.Module):
             for sharded in (True, False):
                 params = [p for p in pg["params"] if (getattr(p, "_tp_dim", None) is not None) == sharded]
                 for chunk in self._chunks(list(reversed(params)), bucket_mb):
-                    bucket = ZeroBucket(chunk, group)
+                    bucket = ZeroBucket(chunk, group, offload)
                     bucket.tp_sharded = sharded
                     self.buckets.append(bucket)
                     masters.append(bucket.master)
@@ -178,6 +184,33 @@ class ZeroDataParallel(nn.Module):
             b.master.grad.zero_()
             b.all_gather_params()
         return float(norm)
+
+    # -- checkpoints: the optimizer state by parameter name, as an unsharded optimizer would hold it --
+    def state_by_name(self) -> dict:
+        """{name: {slot: tensor}} with every dp rank's slices joined (a collective over dp)."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        out: dict[str, dict] = {}
+        for b in self.buckets:
+            for slot, value in self.optimizer.state.get(b.master, {}).items():
+                full = all_gather(value.detach(), self.group) if value.dim() else value
+                offset = 0
+                for p in b.params:
+                    piece = full if not value.dim() else full[offset : offset + p.numel()].view_as(p)
+                    out.setdefault(names[id(p)], {})[slot] = piece.clone()
+                    offset += p.numel()
+        return out
+
+    def load_state_by_name(self, states: dict) -> None:
+        """The inverse: take this rank's slice of each bucket's state."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        for b in self.buckets:
+            slots = states.get(names[id(b.params[0])], {})
+            for slot, value in slots.items():
+                if not value.dim():  # Adam's step count, the same for every parameter
+                    self.optimizer.state[b.master][slot] = value.clone()
+                    continue
+                flat = b._flatten([states[names[id(p)]][slot].to(b.master.device, b.master.dtype) for p in b.params])
+                self.optimizer.state[b.master][slot] = flat[b.slice].clone()
 
     # -- what each rank holds, measured on the real tensors ----------------------------------------
     def optimizer_state_bytes(self) -> int:

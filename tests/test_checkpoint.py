@@ -12,6 +12,10 @@ from minipar.train import build_optimizer
 SOLO = Group.solo("tp")
 
 
+def whole(model, opt):
+    return checkpoint.gather_full(model, checkpoint.optimizer_state(model, opt), checkpoint.hyper_params(opt), SOLO)
+
+
 def trained_model():
     model = Llama(get_config("tiny"), seed=0).double()
     opt = build_optimizer(model, TrainConfig(lr=1e-2))
@@ -25,10 +29,11 @@ def trained_model():
 
 def test_round_trip_restores_weights_and_adamw_state_exactly(tmp_path):
     model, opt = trained_model()
-    path = checkpoint.save(tmp_path, 2, *checkpoint.gather_full(model, opt, SOLO), {"step": 2, "consumed": 16})
+    path = checkpoint.save(tmp_path, 2, *whole(model, opt), {"step": 2, "consumed": 16})
     fresh = Llama(get_config("tiny"), seed=99).double()
     fresh_opt = build_optimizer(fresh, TrainConfig(lr=1e-2))
-    state = checkpoint.load(checkpoint.resolve(tmp_path), fresh, fresh_opt)
+    state, states = checkpoint.load(checkpoint.resolve(tmp_path), fresh)
+    checkpoint.set_optimizer_state(fresh, fresh_opt, states)
     assert state == {"step": 2, "consumed": 16} and path.name == "step_000002"
     for (n, p), q in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(p, q), n
@@ -44,9 +49,9 @@ def test_round_trip_restores_weights_and_adamw_state_exactly(tmp_path):
 
 def test_damaged_checkpoints_are_named_and_resave_keeps_a_whole_copy(tmp_path):
     model, opt = trained_model()
-    path = checkpoint.save(tmp_path, 5, *checkpoint.gather_full(model, opt, SOLO), {"step": 5, "consumed": 0})
+    path = checkpoint.save(tmp_path, 5, *whole(model, opt), {"step": 5, "consumed": 0})
     # re-save in place
-    checkpoint.save(tmp_path, 5, *checkpoint.gather_full(model, opt, SOLO), {"step": 5, "consumed": 0})
+    checkpoint.save(tmp_path, 5, *whole(model, opt), {"step": 5, "consumed": 0})
     assert checkpoint.verify(path)["step"] == 5
     assert [p.name for p in tmp_path.iterdir()] == ["step_000005"]  # no temporary left behind
 
@@ -63,7 +68,7 @@ def test_damaged_checkpoints_are_named_and_resave_keeps_a_whole_copy(tmp_path):
 
 def test_checkpoint_of_another_model_is_refused(tmp_path):
     model, opt = trained_model()
-    checkpoint.save(tmp_path, 1, *checkpoint.gather_full(model, opt, SOLO), {"step": 1, "consumed": 0})
+    checkpoint.save(tmp_path, 1, *whole(model, opt), {"step": 1, "consumed": 0})
     other = Llama(get_config("tiny", dim=64, ffn_dim=128), seed=0).double()
     with pytest.raises(checkpoint.CheckpointError, match="has shape"):
         checkpoint.load(tmp_path / "step_000001", other)

@@ -159,3 +159,15 @@ def test_headline_dp2_tp2_pp2_on_8_ranks_matches_one_process_in_float32(tmp_path
     assert sorted(three_d) == list(range(1, 9))
     for step in one:
         assert three_d[step] == pytest.approx(one[step], rel=1e-5), step
+
+
+def test_zero2_with_recompute_resumes_a_dp2_checkpoint_and_continues_its_losses(run_a):
+    tmp = run_a
+    run(common(tmp, dp=2, zero=2, steps=20, resume=tmp / "a" / "step_000010", out=tmp / "z",
+               log_json=tmp / "z.jsonl") + ["--recompute"], nproc=2)
+    a, z = losses(tmp / "a.jsonl"), losses(tmp / "z.jsonl")
+    for step in z:
+        assert z[step] == pytest.approx(a[step], rel=1e-10), step
+    held = json.loads((tmp / "z.jsonl").read_text().splitlines()[-1])["held_bytes"]
+    plain = json.loads((tmp / "a.jsonl").read_text().splitlines()[-1])["held_bytes"]
+    assert held["optimizer"] <= plain["optimizer"] // 2 + 1024  # Adam's moments: half per rank at dp=2
