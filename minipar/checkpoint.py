@@ -96,7 +96,8 @@ def gather_full(model: nn.Module, states: dict, hyper: list, tp_group: Group, pp
     """
     weights, tensors = {}, {}
     for name, p in model.named_parameters():
-        weights[name] = unshard(p.detach(), p, tp_group).cpu().contiguous()
+        # A copy, not a view: under ZeRO-3 the weights vanish again once gathered() ends.
+        weights[name] = unshard(p.detach(), p, tp_group).to("cpu", copy=True).contiguous()
         for slot, value in states.get(name, {}).items():
             t = value if torch.is_tensor(value) else torch.tensor(value)
             if t.shape == p.shape:  # exp_avg, exp_avg_sq: sharded like the parameter

@@ -150,6 +150,17 @@ def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: Group, async_op: bool = False):
+    """All-gather t into the flat buffer `out` (N times t's size), in place: rank j's t lands in
+    the j-th chunk. Returns a work handle when async_op (ZeRO-3 prefetches this way)."""
+    nbytes = out.numel() * out.element_size()
+    group.ledger.record(group.name, "all_gather", nbytes, ring_bytes_sent("all_gather", nbytes, group.size))
+    if group.size == 1:
+        out.copy_(t.reshape(-1))
+        return None
+    return dist.all_gather(list(out.chunk(group.size)), t.contiguous(), group=group.pg, async_op=async_op)
+
+
 def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Sum over the group, then keep this rank's 1/N slice along `dim`."""
     group._note("reduce_scatter", t)

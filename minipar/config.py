@@ -36,7 +36,7 @@ class TrainConfig:
     sp: bool = False  # Megatron sequence parallelism inside the tp group
     schedule: str = "1f1b"  # pipeline schedule, used when pp > 1
     virtual_stages: int = 1
-    zero: int = 0  # ZeRO stage over the dp group: 0 (plain data parallelism), 1, 2
+    zero: int = 0  # ZeRO stage over the dp group: 0 (plain data parallelism), 1, 2, 3
     offload: bool = False  # ZeRO 1-2: optimizer state and step on the CPU
     recompute: bool = False  # activation checkpointing per transformer layer
     model: str = "small"
@@ -95,11 +95,14 @@ class TrainConfig:
                 raise ConfigError(
                     f"{e} (micro-batches per step = --global-batch / (--dp x --micro-batch) = {self.accum_steps})"
                 ) from None
-        if self.zero == 3:
-            raise ConfigError("--zero 3: parameter sharding is not yet implemented; use --zero 1 or 2")
-        if self.zero not in (0, 1, 2):
-            raise ConfigError(f"--zero {self.zero}: choose 0, 1 or 2")
-        if self.offload and not self.zero:
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"--zero {self.zero}: choose 0, 1, 2 or 3")
+        if self.zero == 3 and self.pp > 1:
+            raise ConfigError("--zero 3 with --pp: every micro-batch would gather each layer twice; "
+                              "use --zero 1 with pipeline parallelism")
+        if self.zero == 3 and self.recompute:
+            raise ConfigError("--zero 3 with --recompute is not supported: choose one")
+        if self.offload and self.zero not in (1, 2):
             raise ConfigError("--offload needs --zero 1 or 2: it moves ZeRO's optimizer slices to the CPU")
         if self.dtype not in (None, "float32", "float64", "bfloat16"):
             raise ConfigError(f"--dtype {self.dtype}: choose float32, float64 or bfloat16")
@@ -137,7 +140,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16"],
                    help="compute dtype (default: bfloat16 autocast on CUDA, float32 on CPU)")
     g.add_argument("--bucket-mb", type=float, default=d.bucket_mb, help="data-parallel gradient bucket size")
-    g.add_argument("--zero", type=int, default=0, help="ZeRO stage over the dp group: 0, 1 or 2")
+    g.add_argument("--zero", type=int, default=0, help="ZeRO stage over the dp group: 0, 1, 2 or 3")
     g.add_argument("--offload", action="store_true", help="ZeRO 1-2: optimizer state and update on the CPU")
     g.add_argument("--recompute", action="store_true", help="activation checkpointing per transformer layer")
     g = p.add_argument_group("checkpoints and logs")

@@ -39,6 +39,7 @@ from minipar.model import Llama, get_config
 from minipar.pipeline import Pipeline
 from minipar.tensor_parallel import sync_partial_grads
 from minipar.zero import ZeroDataParallel
+from minipar.zero3 import Zero3DataParallel
 
 # Dense bfloat16 peak FLOP/s, for model FLOPs utilisation (MFU) on known GPUs.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
@@ -188,9 +189,8 @@ def held_bytes(model, optimizer) -> dict[str, int]:
 
     params = nbytes(model.module.parameters())
     optim = nbytes(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
-    if isinstance(model, ZeroDataParallel):  # gradient slices and fp32 master slices
-        return {"params": params + nbytes(b.master for b in model.buckets), "grads": model.gradient_bytes(),
-                "optimizer": optim}
+    if isinstance(model, ZeroDataParallel):  # weights present now (ZeRO-3: none), master and gradient slices
+        return {"params": model.param_bytes(), "grads": model.gradient_bytes(), "optimizer": optim}
     return {"params": params, "grads": params, "optimizer": optim}  # a full gradient per parameter
 
 
@@ -262,9 +262,13 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
         state, saved_states = checkpoint.load(resume, model, mesh.tp_group)  # each rank takes its shards
         start, consumed = state["step"], state["consumed"]
         say(f"resumed from {resume} at step {start}")
-    if cfg.zero:
+    if cfg.zero == 3:
+        dp_model = Zero3DataParallel(model, mesh.dp_group, lambda groups: make_adamw(groups, cfg),
+                                     param_groups(model, cfg), tp_group=mesh.tp_group)
+    if cfg.zero in (1, 2):
         dp_model = ZeroDataParallel(model, mesh.dp_group, cfg.zero, lambda groups: make_adamw(groups, cfg),
                                     param_groups(model, cfg), cfg.bucket_mb, mesh.tp_group, cfg.offload)
+    if cfg.zero:
         optimizer = dp_model.optimizer
         if saved_states is not None:
             dp_model.load_state_by_name(saved_states)
@@ -344,8 +348,9 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
         if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
             # Every rank helps gather the tp shards and pp stages into full tensors; rank 0 writes them.
             states = dp_model.state_by_name() if cfg.zero else checkpoint.optimizer_state(model, optimizer)
-            full = checkpoint.gather_full(model, states, checkpoint.hyper_params(optimizer), mesh.tp_group,
-                                          mesh.pp_group)
+            with dp_model.gathered() if cfg.zero else nullcontext():  # ZeRO-3: the weights are sharded
+                full = checkpoint.gather_full(model, states, checkpoint.hyper_params(optimizer), mesh.tp_group,
+                                              mesh.pp_group)
             if is_main:
                 path = checkpoint.save(cfg.out, step + 1, *full,
                                        {"step": step + 1, "consumed": consumed, "config": asdict(cfg)})

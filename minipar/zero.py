@@ -16,7 +16,7 @@ holds the same copy. ZeRO (Rajbhandari et al., 2020) gives each rank one N-th of
 
 Bytes per rank per step, Psi parameters: reduce-scatter (N-1)/N Psi + all-gather (N-1)/N Psi =
 2 (N-1)/N Psi, exactly what plain data parallelism's one all-reduce costs. ZeRO saves memory for
-free. (Stage 3, which also shards the weights, costs 3 Psi; it is not built yet.)
+free. Stage 3, which shards the weights too, is the subclass in zero3.py.
 
 Gradient accumulation. Stage 1 keeps full gradients, so micro-batches inside `no_sync()`
 accumulate locally and the reduce-scatter runs once. Stage 2 cannot: keeping the full gradient
@@ -90,11 +90,13 @@ class ZeroDataParallel(nn.Module):
     the wrapper calls it on its master slices, one group per weight-decay setting.
     """
 
+    STAGES = (1, 2)  # stage 3 is zero3.Zero3DataParallel, a subclass
+
     def __init__(self, module: nn.Module, group: Group, stage: int, make_optimizer, param_groups,
                  bucket_mb: float = 25.0, tp_group: Group | None = None, offload: bool = False):
         super().__init__()
-        if stage not in (1, 2):
-            raise ValueError(f"ZeRO stage {stage} is not built: choose 1 or 2 (0 is plain data parallelism)")
+        if stage not in self.STAGES:
+            raise ValueError(f"ZeRO stage {stage} is not built by {type(self).__name__}: choose from {self.STAGES}")
         self.module, self.group, self.stage, self.offload = module, group, stage, offload
         self.tp_group = tp_group or Group.solo("tp")
         with torch.no_grad():  # start identical, as in DataParallel
@@ -109,20 +111,23 @@ class ZeroDataParallel(nn.Module):
             for sharded in (True, False):
                 params = [p for p in pg["params"] if (getattr(p, "_tp_dim", None) is not None) == sharded]
                 for chunk in self._chunks(list(reversed(params)), bucket_mb):
-                    bucket = ZeroBucket(chunk, group, offload)
+                    bucket = self._new_bucket(chunk)
                     bucket.tp_sharded = sharded
                     self.buckets.append(bucket)
                     masters.append(bucket.master)
             groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": masters})
         self.optimizer = make_optimizer(groups)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        if stage == 2:
+        if stage >= 2:
             for p in module.parameters():
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._grad_ready)
 
-    @staticmethod
-    def _chunks(params, bucket_mb):
+    def _new_bucket(self, params) -> ZeroBucket:
+        return ZeroBucket(params, self.group, self.offload)
+
+    def _chunks(self, params, bucket_mb):
+        """Consecutive parameters (in backward order) of about bucket_mb each."""
         chunk, size = [], 0
         for p in params:
             chunk.append(p)
@@ -155,6 +160,10 @@ class ZeroDataParallel(nn.Module):
         if len(bucket.ready) == len(bucket.params):  # stage 2: reduce-scatter now, free the full grads
             self._sync_partial(bucket.params)
             bucket.reduce_scatter_grads()
+            self._bucket_done(bucket)
+
+    def _bucket_done(self, bucket: ZeroBucket) -> None:
+        """Called once a bucket's gradients are reduce-scattered during backward (stage 3 frees it)."""
 
     def finish_grad_sync(self) -> None:
         """Reduce-scatter whatever backward has not (all of it in stage 1)."""
@@ -182,8 +191,13 @@ class ZeroDataParallel(nn.Module):
         self.optimizer.step()
         for b in self.buckets:
             b.master.grad.zero_()
-            b.all_gather_params()
+        self._after_step()
         return float(norm)
+
+    def _after_step(self) -> None:
+        """Stages 1-2: every rank needs all the new weights: all-gather the updated slices."""
+        for b in self.buckets:
+            b.all_gather_params()
 
     # -- checkpoints: the optimizer state by parameter name, as an unsharded optimizer would hold it --
     def state_by_name(self) -> dict:
@@ -212,7 +226,17 @@ class ZeroDataParallel(nn.Module):
                 flat = b._flatten([states[names[id(p)]][slot].to(b.master.device, b.master.dtype) for p in b.params])
                 self.optimizer.state[b.master][slot] = flat[b.slice].clone()
 
+    @contextmanager
+    def gathered(self):
+        """Every full weight present inside the block (for checkpoints). Stages 1-2 always have them."""
+        yield
+
     # -- what each rank holds, measured on the real tensors ----------------------------------------
+    def param_bytes(self) -> int:
+        """Full weights held now, plus this rank's master slices."""
+        full = sum(p.untyped_storage().nbytes() for p in self.module.parameters())
+        return full + sum(b.master.numel() * b.master.element_size() for b in self.buckets)
+
     def optimizer_state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
                    if torch.is_tensor(t) and t.dim() > 0)

@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 
 TIMEOUT = 120.0
@@ -68,13 +69,21 @@ class _Pool:
         for q in self.tasks:
             q.put((fn, args, kwargs))
         out, failures = {}, {}
+        deadline = time.monotonic() + timeout
         while len(out) + len(failures) < self.world:
             # Once one rank failed, the others may be stuck in a collective: wait only briefly.
-            wait = 5.0 if failures else timeout
+            if failures:
+                deadline = min(deadline, time.monotonic() + 5.0)
             try:
-                rank, ok, value = self.results.get(timeout=wait)
+                rank, ok, value = self.results.get(timeout=1.0)
             except queue.Empty:
                 missing = sorted(set(range(self.world)) - set(out) - set(failures))
+                dead = [r for r in missing if not self.procs[r].is_alive()]
+                if dead and not failures:
+                    raise RuntimeError(f"ranks {dead} of {self.world} died (exit codes "
+                                       f"{[self.procs[r].exitcode for r in dead]})") from None
+                if time.monotonic() < deadline:
+                    continue
                 if failures:
                     break
                 raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s (a hang?)") from None

@@ -1,0 +1,152 @@
+"""ZeRO stage 3: the weights are sharded too, and each layer is gathered only while it is used.
+
+Chapter 5 of the course, second half. After stages 1 and 2, every rank still holds all the
+weights. Stage 3 keeps only this rank's 1/N slice of each layer's (flat, padded) weights, and
+rebuilds the full layer just in time, twice per step:
+
+    forward:   all-gather layer i  -> run it -> free its full weights   (and start layer i+1's
+                                                                          all-gather: prefetch)
+    backward:  all-gather layer i  -> its backward -> reduce-scatter its gradients -> free both
+                                                                        (prefetch layer i-1)
+
+so outside the layer in use a rank holds 1/N of the weights. The price is one more all-gather:
+3 (N-1)/N Psi bytes per step instead of 2 (the ZeRO paper's 3 Psi).
+
+How a layer's weights come and go. Each parameter is made a view into one flat buffer per bucket
+(a bucket: a layer's parameters of one kind, as in zero.py). Freeing resizes the buffer's storage
+to zero bytes; gathering resizes it back and all-gathers the slices into it. The parameters, and
+every tensor autograd saved that points at them, see the weights reappear without being replaced;
+the gather writes through `.data`, a second handle on the same memory that does not count as a
+change to the saved tensors.
+
+When. A forward pre-hook on each layer gathers it (and prefetches the next), a forward post-hook
+frees it and hooks the layer's output, so that the moment backward reaches that output the layer is
+gathered again (and the previous one prefetched). Each parameter's post-accumulate-grad hook
+reduce-scatters a bucket once all its gradients are in (stage 2's mechanism), then frees it.
+
+Stage 3 and pipeline parallelism fit poorly: a pipeline runs each stage's forward and backward
+once per micro-batch, interleaved, so the layers would be gathered 2m times per step instead of
+twice. minipar refuses the combination (as it refuses stage 3 with --recompute, whose second
+forward during backward these hooks do not follow).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from minipar.collectives import Group, all_gather_into
+from minipar.zero import ZeroBucket, ZeroDataParallel
+
+
+def units_of(model: nn.Module) -> list[nn.Module]:
+    """The model's top-level modules that hold parameters, in forward order (the embedding, each
+    transformer layer, the final norm, the LM head): what stage 3 gathers and frees as a whole."""
+    units = []
+    for child in model.children():
+        if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
+            units += [m for m in child.children() if any(True for _ in m.parameters())]
+        elif any(True for _ in child.parameters()):
+            units.append(child)
+    return units
+
+
+class ShardedBucket(ZeroBucket):
+    """A ZeRO bucket whose parameters are views into a flat buffer that exists only when gathered."""
+
+    def __init__(self, params: list[nn.Parameter], group: Group):
+        super().__init__(params, group)
+        self.full = self._flatten([p.detach() for p in params]).clone()  # [padded]
+        offset = 0
+        for p in params:
+            p.data = self.full[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.work = None
+        self.free()
+
+    @property
+    def is_gathered(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0 and self.work is None
+
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def start_gather(self) -> None:
+        if self.full.untyped_storage().nbytes() > 0:
+            return  # gathered, or on its way
+        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+        local = self.master.detach().to(self.full.dtype)
+        self.work = all_gather_into(self.full.data, local, self.group, async_op=True)
+
+    def gather(self) -> None:
+        self.start_gather()
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
+class Zero3DataParallel(ZeroDataParallel):
+    """ZeRO-3 over the dp group. `units`: the modules gathered as a whole (default: units_of)."""
+
+    STAGES = (3,)
+
+    def __init__(self, module: nn.Module, group: Group, make_optimizer, param_groups, units=None,
+                 tp_group: Group | None = None):
+        self._units = units if units is not None else units_of(module)  # plain list: set before Module init
+        super().__init__(module, group, 3, make_optimizer, param_groups, 0.0, tp_group)
+        self._unit_buckets = [[b for b in self.buckets if id(b.params[0]) in {id(p) for p in u.parameters()}]
+                              for u in self._units]
+        for i, unit in enumerate(self._units):
+            unit.register_forward_pre_hook(lambda mod, args, i=i: self._before(i, step=1))
+            unit.register_forward_hook(lambda mod, args, out, i=i: self._after_forward(i, out))
+
+    # Buckets: one per unit and kind of parameter, never spanning two units.
+    def _new_bucket(self, params) -> ShardedBucket:
+        return ShardedBucket(params, self.group)
+
+    def _chunks(self, params, bucket_mb):
+        ids = {id(p) for p in params}
+        for unit in reversed(self._units):
+            chunk = [p for p in unit.parameters() if id(p) in ids]
+            if chunk:
+                yield chunk
+
+    def _before(self, i: int, step: int) -> None:
+        """Gather unit i now; start gathering the unit that runs next (i+1 forward, i-1 backward)."""
+        for b in self._unit_buckets[i]:
+            b.gather()
+        if 0 <= i + step < len(self._units):
+            for b in self._unit_buckets[i + step]:
+                b.start_gather()
+
+    def _after_forward(self, i: int, out) -> None:
+        for b in self._unit_buckets[i]:
+            b.free()
+        if torch.is_tensor(out) and out.requires_grad:
+            out.register_hook(lambda grad, i=i: self._before(i, step=-1))
+
+    def _bucket_done(self, bucket: ShardedBucket) -> None:
+        bucket.free()  # its gradients are reduce-scattered, so its backward is over: the weights go too
+
+    def clip_and_step(self, max_norm: float, pp_group: Group | None = None) -> float:
+        """As stages 1-2, but no all-gather after the step: each layer is gathered when next used."""
+        for b in self.buckets:  # a prefetch that ran past the last unit must not outlive the step
+            if b.work is not None:
+                b.gather()
+            b.free()
+        return super().clip_and_step(max_norm, pp_group)
+
+    def _after_step(self) -> None:
+        pass  # no all-gather: each layer is gathered when it is next used
+
+    @contextmanager
+    def gathered(self):
+        for b in self.buckets:
+            b.gather()
+        try:
+            yield
+        finally:
+            for b in self.buckets:
+                b.free()

@@ -1,0 +1,126 @@
+"""ZeRO-3: equal to one device and to PyTorch's FSDP2; 1/N of the weights outside the layer in use;
+3 Psi (N-1)/N bytes per step."""
+
+import pytest
+import torch
+from harness import run_ranks
+from test_data_parallel import GLOBAL_BATCH, OPT, STEPS, global_batch, new_model, single_device_params
+
+from minipar.collectives import ring_bytes_sent
+from minipar.mesh import Mesh
+from minipar.model import Llama, get_config
+from minipar.tensor_parallel import unshard
+from minipar.train import make_adamw, param_groups, train_step
+from minipar.zero3 import Zero3DataParallel, units_of
+
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+
+
+def zero3(model, group, tp_group=None):
+    return Zero3DataParallel(model, group, lambda groups: make_adamw(groups, OPT), param_groups(model, OPT),
+                             tp_group=tp_group)
+
+
+def _run(rank, world, accum, with_fsdp):
+    with Mesh.build(dp=world) as mesh:
+        model = new_model()
+        z = zero3(model, mesh.dp_group)
+        full_bytes = sum(b.padded for b in z.buckets) * 8
+        per = GLOBAL_BATCH // world
+        ledgers, between = [], []
+        for step in range(STEPS):
+            x, y = global_batch(step)
+            x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+            mesh.ledger.reset()
+            train_step(z, None, list(zip(x.chunk(accum), y.chunk(accum))), grad_clip=1.0)
+            ledgers.append({k: v["sent"] for k, v in mesh.ledger.snapshot().items()})
+            between.append(z.param_bytes())
+        # The layer in use: during a forward, at most two units (this one and the prefetched next)
+        # are whole.
+        peaks = []
+        for unit in units_of(model):
+            unit.register_forward_hook(lambda *a: peaks.append(sum(b.full.untyped_storage().nbytes()
+                                                                   for b in z.buckets)))
+        with torch.no_grad():
+            model(*global_batch(0))
+        with z.gathered():
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        fsdp = fsdp_params(mesh, accum, world, rank) if with_fsdp else None
+        return dict(params=params, fsdp=fsdp, ledgers=ledgers, between=between, full_bytes=full_bytes,
+                    masters=sum(b.master.numel() * 8 for b in z.buckets), peaks=peaks,
+                    largest_unit=max(sum(b.padded * 8 for b in unit) for unit in z._unit_buckets))
+
+
+def fsdp_params(mesh, accum, world, rank):
+    """PyTorch's FSDP2 (fully_shard) on the same data, one unit per transformer layer."""
+    from torch.distributed.fsdp import fully_shard
+
+    device_mesh = torch.distributed.device_mesh.DeviceMesh.from_group(mesh.dp_group.pg, "cpu")
+    model = new_model()
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=device_mesh)
+    fully_shard(model, mesh=device_mesh)
+    opt = make_adamw(param_groups(model, OPT), OPT)
+    per = GLOBAL_BATCH // world
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        for mx, my in zip(x.chunk(accum), y.chunk(accum)):
+            (model(mx, my) / accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world,accum", [(2, 1), (2, 2), (4, 1), (4, 2)])
+def test_zero3_params_after_adamw_steps_equal_single_device_and_fsdp2(world, accum):
+    reference = single_device_params()
+    for r in run_ranks(world, _run, accum, accum == 2 and world == 2):
+        for name, ref in reference.items():
+            torch.testing.assert_close(r["params"][name], ref, **TIGHT, msg=name)
+            if r["fsdp"] is not None:
+                torch.testing.assert_close(r["params"][name], r["fsdp"][name], **TIGHT, msg=name)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero3_holds_a_slice_of_the_weights_and_sends_three_psi(world):
+    for r in run_ranks(world, _run, 1, False):
+        # Between steps: no whole weights at all, only this rank's master slices (1/N of Psi).
+        assert all(b == r["masters"] == r["full_bytes"] // world for b in r["between"])
+        # During forward: at most the layer in use and the prefetched next one are whole.
+        assert max(r["peaks"]) <= 2 * r["largest_unit"] < r["full_bytes"]
+        for sent in r["ledgers"]:
+            ag, rs = sent["dp/all_gather"], sent["dp/reduce_scatter"]
+            one_psi = (world - 1) * r["full_bytes"] // world
+            assert ag == 2 * one_psi and rs == one_psi  # forward and backward gathers, one reduce-scatter
+            assert sent["dp/all_reduce"] == ring_bytes_sent("all_reduce", 8, world)  # the norm
+
+
+def _zero3_tp(rank, world):
+    with Mesh.build(dp=2, tp=2) as mesh:
+        cfg = get_config("tiny", vocab_size=250)
+        model = Llama(cfg, seed=5, tp_group=mesh.tp_group, sequence_parallel=True).double()
+        z = zero3(model, mesh.dp_group, mesh.tp_group)
+        for step in range(2):
+            x = torch.randint(0, 250, (4, 8), generator=torch.Generator().manual_seed(step))
+            y = torch.roll(x, -1, dims=1)
+            rows = slice(mesh.dp_rank * 2, mesh.dp_rank * 2 + 2)
+            train_step(z, None, [(x[rows], y[rows])], 0.5, tp_group=mesh.tp_group)
+        with z.gathered():  # copies: the gathered weights are freed again when the block ends
+            return {n: unshard(p.detach(), p, mesh.tp_group).clone() for n, p in model.named_parameters()}
+
+
+def test_zero3_with_tp2_and_sequence_parallel_equals_single_device():
+    cfg = get_config("tiny", vocab_size=250)
+    model = Llama(cfg, seed=5).double()
+    opt = make_adamw(param_groups(model, OPT), OPT)
+    for step in range(2):
+        x = torch.randint(0, 250, (4, 8), generator=torch.Generator().manual_seed(step))
+        model(x, torch.roll(x, -1, dims=1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    for r in run_ranks(4, _zero3_tp):
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(r[n], p.detach(), **TIGHT, msg=n)
