@@ -180,3 +180,38 @@ def test_zero_optimizer_state_by_name_round_trips_and_has_parameter_shapes():
     shapes = run_ranks(4, _zero_state_round_trip)[0]
     for n, p in new_model().named_parameters():
         assert shapes[n]["exp_avg"] == p.shape and shapes[n]["exp_avg_sq"] == p.shape
+
+
+def _zero_pp(rank, world, stage):
+    from minipar.pipeline import Pipeline
+
+    with Mesh.build(dp=2, pp=2) as mesh:
+        cfg = get_config("tiny", n_layers=4, vocab_size=250)
+        pipeline = Pipeline(mesh.pp_group, "1f1b", cfg.n_layers)
+        model = Llama(cfg, seed=5, layer_ids=pipeline.my_layers(), embed=pipeline.holds_first(),
+                      head=pipeline.holds_last()).double()
+        zero = zero_model(model, mesh.dp_group, stage)
+        for step in range(2):
+            x = torch.randint(0, 250, (8, 8), generator=torch.Generator().manual_seed(step))
+            y = torch.roll(x, -1, dims=1)
+            rows = slice(mesh.dp_rank * 4, mesh.dp_rank * 4 + 4)
+            train_step(zero, None, list(zip(x[rows].chunk(2), y[rows].chunk(2))), 0.5, pipeline=pipeline)
+        return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_with_pipeline_pp2_equals_single_device(stage):
+    cfg = get_config("tiny", n_layers=4, vocab_size=250)
+    model = Llama(cfg, seed=5).double()
+    opt = make_adamw(param_groups(model, OPT), OPT)
+    for step in range(2):
+        x = torch.randint(0, 250, (8, 8), generator=torch.Generator().manual_seed(step))
+        model(x, torch.roll(x, -1, dims=1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    params = {}
+    for r in run_ranks(4, _zero_pp, stage):
+        params.update(r)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(params[n], p.detach(), **TIGHT, msg=n)
