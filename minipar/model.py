@@ -34,6 +34,7 @@ from einops import rearrange, repeat
 from torch import nn
 
 from minipar.collectives import Group
+from minipar.context_parallel import global_token_count, ring_attention, zigzag_positions
 from minipar.tensor_parallel import (
     ColumnParallelLinear,
     ReplicatedRowsLinear,
@@ -178,9 +179,9 @@ def apply_rope(x, cos, sin):
 class Attention(nn.Module):
     """Heads split across tp: q, k, v column-parallel (whole heads per rank), wo row-parallel."""
 
-    def __init__(self, config: ModelConfig, tp: Group, sequence_parallel: bool):
+    def __init__(self, config: ModelConfig, tp: Group, sequence_parallel: bool, cp: Group):
         super().__init__()
-        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.tp, self.sequence_parallel, self.cp = tp, sequence_parallel, cp
         hd = self.head_dim = config.head_dim
         self.local_heads = config.n_heads // tp.size
         self.wq = ColumnParallelLinear(config.dim, config.n_heads * hd, tp)
@@ -202,6 +203,9 @@ class Attention(nn.Module):
         k = rearrange(self.wk(x), "b s (h d) -> b h s d", d=self.head_dim)
         v = rearrange(self.wv(x), "b s (h d) -> b h s d", d=self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.cp.size > 1:  # this rank holds s/cp tokens: the K/V blocks go round the cp ring
+            out = ring_attention(q, k, v, self.cp, seq_len=q.shape[2] * self.cp.size)
+            return self.wo(rearrange(out, "b h s d -> b s (h d)"))
         # Grouped-query attention: each kv head is shared by n_heads / n_kv_heads query heads.
         group = self.local_heads // self.local_kv_heads
         k = repeat(k, "b h s d -> b (h g) s d", g=group)
@@ -226,11 +230,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, tp: Group, sequence_parallel: bool):
+    def __init__(self, config: ModelConfig, tp: Group, sequence_parallel: bool, cp: Group):
         super().__init__()
         partial = sequence_parallel and tp.size > 1
         self.attn_norm = RMSNorm(config.dim, config.norm_eps, partial)
-        self.attn = Attention(config, tp, sequence_parallel)
+        self.attn = Attention(config, tp, sequence_parallel, cp)
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps, partial)
         self.mlp = MLP(config, tp, sequence_parallel)
 
@@ -249,16 +253,17 @@ class Llama(nn.Module):
 
     def __init__(self, config: ModelConfig, seed: int = 0, tp_group: Group | None = None,
                  sequence_parallel: bool = False, layer_ids=None, embed: bool = True, head: bool = True,
-                 recompute: bool = False):
+                 recompute: bool = False, cp_group: Group | None = None):
         super().__init__()
         config.validate()
         tp = self.tp_group = tp_group or Group.solo("tp")
+        cp = self.cp_group = cp_group or Group.solo("cp")  # context parallel: this rank's share of the sequence
         self.config, self.sequence_parallel = config, sequence_parallel
         # Activation checkpointing: keep only each layer's input; redo its forward during backward.
         self.recompute = recompute
         layer_ids = range(config.n_layers) if layer_ids is None else layer_ids
         self.tok_emb = VocabParallelEmbedding(config.vocab_size, config.dim, tp, sequence_parallel) if embed else None
-        self.layers = nn.ModuleDict({str(i): Block(config, tp, sequence_parallel) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): Block(config, tp, sequence_parallel, cp) for i in layer_ids})
         if head:
             self.norm = RMSNorm(config.dim, config.norm_eps, sequence_parallel and tp.size > 1)
             self.lm_head = ColumnParallelLinear(config.dim, config.vocab_size, tp)  # untied, vocab-parallel
@@ -278,12 +283,13 @@ class Llama(nn.Module):
         activations [b, s, d] ([b, s/tp, d] with sequence parallelism). If `last`, finish with the
         norm, the LM head and (given targets) the loss."""
         if first:
-            seq_len = x.shape[1]
+            local_len = x.shape[1]
             x = self.tok_emb(x)  # [b, s, d], or [b, s/tp, d] with sequence parallelism
         else:
-            seq_len = x.shape[1] * (self.tp_group.size if self.sequence_parallel else 1)
-        if positions is None:
-            positions = torch.arange(seq_len, device=x.device)
+            local_len = x.shape[1] * (self.tp_group.size if self.sequence_parallel else 1)
+        if positions is None:  # global positions: with cp, this rank's zigzag share of the sequence
+            cp = self.cp_group
+            positions = zigzag_positions(cp.rank, cp.size, local_len * cp.size, x.device)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         cos, sin = cos.to(x.device), sin.to(x.device)
         for i in layer_ids:
@@ -300,4 +306,11 @@ class Llama(nn.Module):
             return logits
         # The loss in at least float32, even when the model computes in bfloat16.
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.config.vocab_size)
+        loss = vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.config.vocab_size)
+        if self.cp_group.size == 1:
+            return loss
+        # The mean over the whole sequence, not a mean of the cp ranks' means: weigh this rank's
+        # mean by its share of the tokens, times cp so that averaging over cp (dp x cp data
+        # parallelism does) gives the token mean.
+        local = (targets != -100).sum()
+        return loss * local * self.cp_group.size / global_token_count(targets, self.cp_group).to(loss.dtype)

@@ -226,22 +226,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # logits [N, V/tp] (this rank's vocabulary block), targets [N] (global ids)
         local = logits.shape[-1]
         first = group.rank * local
-        logits = logits.clone()
-        padded = torch.arange(first, first + local, device=logits.device) >= vocab_size
-        logits[:, padded] = float("-inf")  # padding columns take no part in the softmax
+        if first + local > vocab_size:  # this rank holds padding columns: they take no part in the softmax
+            logits = logits.clone()
+            logits[:, max(0, vocab_size - first):] = float("-inf")
 
-        max_logit = logits.max(dim=-1).values
+        max_logit = logits.amax(dim=-1)
         all_reduce(max_logit, group, op="max")  # [N]: subtracted for a stable exp
-        logits -= max_logit.unsqueeze(-1)
-        exp = logits.exp()
-        sum_exp = exp.sum(dim=-1)
-        all_reduce(sum_exp, group)  # [N]
+        shifted = logits - max_logit.unsqueeze(-1)  # [N, V/tp]
 
         valid = targets != ignore_index
         mine = valid & (targets >= first) & (targets < first + local)
         local_target = (targets - first).masked_fill(~mine, 0)
-        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * mine
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * mine
         all_reduce(target_logit, group)  # [N]: only the owning rank contributed
+
+        exp = shifted.exp_()  # in place: shifted is ours, and no longer needed
+        sum_exp = exp.sum(dim=-1)
+        all_reduce(sum_exp, group)  # [N]
 
         count = valid.sum().clamp(min=1)
         loss = ((sum_exp.log() - target_logit) * valid).sum() / count

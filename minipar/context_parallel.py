@@ -1,0 +1,161 @@
+"""Context parallelism: the sequence split across ranks, attention computed by passing K/V around a ring.
+
+Chapter 6 of the course. Everything in a transformer layer but attention treats each token on its
+own, so a long sequence can simply be cut into pieces, one per cp rank. Attention needs every
+earlier token's key and value: ring attention passes the K/V blocks around the cp group, one hop
+per step, and each rank attends its queries to each block as it passes by:
+
+    step 0: rank r attends to its own K/V block      send it right, receive from the left
+    step 1: the block of rank r-1                    ...
+    step cp-1: the block of rank r+1                 every query has now seen every key
+
+Partial results are merged with the online-softmax rule: for two blocks with outputs o1, o2 and
+log-sum-exps l1, l2, the merged lse is l = log(e^l1 + e^l2) and o = o1 e^(l1-l) + o2 e^(l2-l).
+No rank ever holds the whole sequence's K/V, nor its [s, s] scores.
+
+Load balance (zigzag). With a causal mask the last tokens attend to the most keys; cut the
+sequence contiguously and the last rank works cp times longer than the first. Cut it instead into
+2 cp chunks and give rank i chunks i and 2cp-1-i: every rank holds one early and one late chunk,
+and all do the same work.
+
+    cp = 2, 8 tokens, 4 chunks:   [0 1][2 3][4 5][6 7]   rank 0: chunks 0, 3   rank 1: chunks 1, 2
+
+RoPE and the causal mask use the tokens' global positions (`zigzag_positions`); labels are shifted
+before the split (the data pipeline's targets are already the next tokens).
+
+Backward, by hand: the K/V blocks go around the ring once more, each carrying its own running dK
+and dV; every rank adds the gradient of its queries' attention to that block, and after the last
+hop each block comes home with its complete dK and dV.
+
+Gradients of everything outside attention are partial too (each cp rank saw only its tokens), so
+replicated parameters are reduced over cp as well as dp: data parallelism runs over the dp x cp
+group (mesh.dp_cp_group), and so does ZeRO.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange, repeat
+
+from minipar.collectives import Group, all_reduce, irecv, isend
+
+
+def check_cp_layout(seq_len: int, cp: int) -> None:
+    if cp > 1 and seq_len % (2 * cp):
+        raise ValueError(f"--seq-len {seq_len} is not divisible by 2 x --cp = {2 * cp}: the zigzag split cuts "
+                         f"the sequence into 2 cp equal chunks")
+
+
+def zigzag_positions(rank: int, cp: int, seq_len: int, device=None) -> torch.Tensor:
+    """Global positions of the tokens rank `rank` holds: chunks rank and 2cp-1-rank."""
+    c = seq_len // (2 * cp)
+    first = torch.arange(rank * c, (rank + 1) * c, device=device)
+    second = torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)
+    return torch.cat([first, second])  # [s/cp]
+
+
+def split_sequence(t: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    """This rank's zigzag share of a full-sequence tensor (tokens, targets) along `dim`."""
+    if group.size == 1:
+        return t
+    chunks = t.chunk(2 * group.size, dim=dim)
+    return torch.cat([chunks[group.rank], chunks[2 * group.size - 1 - group.rank]], dim=dim)
+
+
+def _block_attention(q, k, v, q_pos, k_pos, scale):
+    """Causal attention of q to one K/V block: (output, lse). Rows that see no key get lse = -inf."""
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale  # [b, h, sq, sk]
+    visible = q_pos[:, None] >= k_pos[None, :]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [b, h, sq]
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))  # 0 where masked
+    return torch.einsum("bhqk,bhkd->bhqd", probs, v), lse
+
+
+def _merge(out, lse, block_out, block_lse):
+    """The online-softmax merge of two partial attentions."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    safe = torch.where(torch.isinf(new_lse), 0.0, new_lse)
+    w_old = torch.exp(lse - safe).unsqueeze(-1)
+    w_new = torch.exp(block_lse - safe).unsqueeze(-1)
+    return out * w_old + block_out * w_new, new_lse
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, seq_len):
+        # q [b, h, s/cp, d]; k, v [b, h_kv, s/cp, d] (this rank's tokens); h = g * h_kv
+        cp, r = group.size, group.rank
+        scale = q.shape[-1] ** -0.5
+        g = q.shape[1] // k.shape[1]
+        q_pos = zigzag_positions(r, cp, seq_len, q.device)
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        kv = torch.stack([k, v])  # travels as one message
+        for step in range(cp):
+            if step < cp - 1:  # start passing the block on before computing with it: overlap
+                incoming = torch.empty_like(kv)
+                works = [isend(kv, group, (r + 1) % cp, tag=step), irecv(incoming, group, (r - 1) % cp, tag=step)]
+            owner = (r - step) % cp
+            k_pos = zigzag_positions(owner, cp, seq_len, q.device)
+            block_k, block_v = (repeat(t, "b h s d -> b (h g) s d", g=g) for t in kv)
+            block_out, block_lse = _block_attention(q, block_k, block_v, q_pos, k_pos, scale)
+            out, lse = _merge(out, lse, block_out, block_lse)
+            if step < cp - 1:
+                for w in works:
+                    w.wait()
+                kv = incoming
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.seq_len = group, seq_len
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, seq_len = ctx.group, ctx.seq_len
+        cp, r = group.size, group.rank
+        scale = q.shape[-1] ** -0.5
+        g = q.shape[1] // k.shape[1]
+        q_pos = zigzag_positions(r, cp, seq_len, q.device)
+        delta = (d_out * out).sum(-1, keepdim=True)  # [b, h, sq, 1]: rowsum(dO * O)
+        safe_lse = torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1)
+        dq = torch.zeros_like(q)
+        # The block, with its running gradients, travels the ring once and comes home complete.
+        block = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])
+        for step in range(cp):
+            owner = (r - step) % cp
+            k_pos = zigzag_positions(owner, cp, seq_len, q.device)
+            bk, bv = (repeat(t, "b h s d -> b (h g) s d", g=g) for t in block[:2])
+            scores = torch.einsum("bhqd,bhkd->bhqk", q, bk) * scale
+            visible = q_pos[:, None] >= k_pos[None, :]
+            probs = torch.exp(scores - safe_lse).masked_fill(~visible, 0.0)  # the forward's softmax, this block
+            dv = torch.einsum("bhqk,bhqd->bhkd", probs, d_out)
+            dp = torch.einsum("bhqd,bhkd->bhqk", d_out, bv)
+            ds = probs * (dp - delta) * scale
+            dq += torch.einsum("bhqk,bhkd->bhqd", ds, bk)
+            dk = torch.einsum("bhqk,bhqd->bhkd", ds, q)
+            block[2] += rearrange(dk, "b (h g) s d -> b h g s d", g=g).sum(2)
+            block[3] += rearrange(dv, "b (h g) s d -> b h g s d", g=g).sum(2)
+            if cp > 1:  # pass it on (after the last step, this hop brings each block home)
+                incoming = torch.empty_like(block)
+                works = [isend(block, group, (r + 1) % cp, tag=100 + step),
+                         irecv(incoming, group, (r - 1) % cp, tag=100 + step)]
+                for w in works:
+                    w.wait()
+                block = incoming
+        return dq, block[2], block[3], None, None
+
+
+def ring_attention(q, k, v, group: Group, seq_len: int) -> torch.Tensor:
+    """Causal attention over the whole sequence, each cp rank holding its zigzag share of it.
+
+    q [b, h, s/cp, d], k and v [b, h_kv, s/cp, d] -> [b, h, s/cp, d]. `seq_len` is the full length.
+    """
+    return _RingAttention.apply(q, k, v, group, seq_len)
+
+
+def global_token_count(targets: torch.Tensor, group: Group, ignore_index: int = -100) -> torch.Tensor:
+    """Non-ignored target tokens over the whole sequence (summed over cp)."""
+    count = (targets != ignore_index).sum().to(torch.float64)
+    all_reduce(count, group)
+    return count

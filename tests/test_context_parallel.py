@@ -1,0 +1,191 @@
+"""Context parallelism: ring attention equals SDPA; the model at cp equals one device; 4D training."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from einops import repeat
+from harness import run_ranks
+
+from minipar import context_parallel as C
+from minipar.config import TrainConfig
+from minipar.data_parallel import DataParallel
+from minipar.mesh import Mesh
+from minipar.model import Llama, get_config
+from minipar.tensor_parallel import unshard
+from minipar.train import build_optimizer, train_step
+
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+S = 16
+
+
+def qkv(seed=0, b=2, h=4, h_kv=2, d=8):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, n, S, d, generator=g, dtype=torch.float64) for n in (h, h_kv, h_kv)]
+
+
+def reference_attention(q, k, v):
+    g = q.shape[1] // k.shape[1]
+    k, v = (repeat(t, "b h s d -> b (h g) s d", g=g) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_zigzag_gives_each_rank_an_early_and_a_late_chunk_and_equal_causal_work():
+    assert C.zigzag_positions(0, 2, 8).tolist() == [0, 1, 6, 7]
+    assert C.zigzag_positions(1, 2, 8).tolist() == [2, 3, 4, 5]
+    for cp in (2, 4):
+        positions = [C.zigzag_positions(r, cp, 64) for r in range(cp)]
+        assert sorted(torch.cat(positions).tolist()) == list(range(64))
+        work = [int((p + 1).sum()) for p in positions]  # keys each rank's queries attend to
+        assert len(set(work)) == 1
+    with pytest.raises(ValueError, match="not divisible by 2 x --cp"):
+        C.check_cp_layout(10, 4)
+
+
+def _ring(rank, world):
+    with Mesh.build(cp=world) as mesh:
+        g = mesh.cp_group
+        q, k, v = qkv()
+        d_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+        local = [C.split_sequence(t, g, dim=2).clone().requires_grad_() for t in (q, k, v)]
+        out = C.ring_attention(*local, g, S)
+        out.backward(C.split_sequence(d_out, g, dim=2))
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_out = reference_attention(*ref)
+        ref_out.backward(d_out)
+        torch.testing.assert_close(out, C.split_sequence(ref_out, g, dim=2), **TIGHT)
+        for mine, theirs, name in zip(local, ref, "qkv"):
+            torch.testing.assert_close(mine.grad, C.split_sequence(theirs.grad, g, dim=2), **TIGHT, msg=name)
+        kv_bytes = 2 * k.numel() // world * 8
+        return dict(sent=mesh.ledger.get("cp", "send").bytes, kv_bytes=kv_bytes)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_forward_and_backward_equal_sdpa_causal_gqa(cp):
+    for r in run_ranks(cp, _ring):
+        # forward: cp-1 hops of this rank's K/V; backward: cp hops of K, V, dK, dV
+        assert r["sent"] == (cp - 1) * r["kv_bytes"] + cp * 2 * r["kv_bytes"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------
+
+CFG = get_config("tiny", n_layers=2, vocab_size=250)
+
+
+def batch(seed=0, rows=4, ignore=True):
+    x = torch.randint(0, 250, (rows, S), generator=torch.Generator().manual_seed(seed))
+    y = torch.roll(x, -1, dims=1)
+    if ignore:  # ignored targets, unevenly spread over the cp ranks
+        y[0, 3] = y[1, 9] = -100
+    return x, y
+
+
+def _model_at_cp(rank, world):
+    with Mesh.build(cp=world) as mesh:
+        g = mesh.cp_group
+        model = Llama(CFG, seed=2, cp_group=g).double()
+        x, y = batch()
+        loss = model(C.split_sequence(x, g), C.split_sequence(y, g))
+        loss.backward()
+        return dict(loss=loss.item(), grads={n: p.grad for n, p in model.named_parameters()})
+
+
+def test_model_loss_and_every_gradient_at_cp2_equal_single_device():
+    model = Llama(CFG, seed=2).double()
+    loss = model(*batch())
+    loss.backward()
+    out = run_ranks(2, _model_at_cp)
+    # Each rank's loss is its token share of the mean, times cp: their average is the token mean,
+    # and the dp x cp gradient average (here: cp only) is the single-device gradient.
+    assert sum(r["loss"] for r in out) / 2 == pytest.approx(loss.item(), rel=1e-12)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(sum(r["grads"][n] for r in out) / 2, p.grad, **TIGHT, msg=n)
+
+
+def _attention_memory(rank, world):
+    """Bytes ring attention keeps for backward on this rank (q, k, v, out, lse of its tokens)."""
+    with Mesh.build(cp=world) as mesh:
+        local = [C.split_sequence(t, mesh.cp_group, dim=2).requires_grad_() for t in qkv()]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            C.ring_attention(*local, mesh.cp_group, S)
+        return dict(bytes=sum(t.numel() * t.element_size() for t in saved),
+                    longest=max(t.shape[2] for t in saved))  # q, k, v, out [b, h, s, d]; lse [b, h, s]
+
+
+def test_attention_activation_memory_per_rank_falls_as_one_over_cp():
+    one, two, four = (run_ranks(cp, _attention_memory)[0] for cp in (1, 2, 4))
+    assert two["bytes"] * 2 == one["bytes"] and four["bytes"] * 4 == one["bytes"]
+    assert four["longest"] == S // 4  # nothing kept spans the whole sequence (no [s, s] scores, no full K/V)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training: cp2 with dp2, tp2, pp2 (4 ranks) and two at once (8 ranks) equal one device
+# ----------------------------------------------------------------------------------------------
+
+OPT = TrainConfig(lr=1e-2, weight_decay=0.1)
+STEPS, ROWS = 2, 4
+
+
+def single_device_training(n_layers):
+    model = Llama(get_config("tiny", n_layers=n_layers, vocab_size=250), seed=2).double()
+    opt = build_optimizer(model, OPT)
+    for step in range(STEPS):
+        model(*batch(step, ROWS, ignore=False)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _train(rank, world, degrees, zero, sp):
+    from minipar.pipeline import Pipeline
+    from minipar.train import make_adamw, param_groups
+    from minipar.zero import ZeroDataParallel
+
+    with Mesh.build(**degrees) as mesh:
+        cfg = get_config("tiny", n_layers=4, vocab_size=250)
+        pipeline = Pipeline(mesh.pp_group, "1f1b", cfg.n_layers) if mesh.layout.pp > 1 else None
+        model = Llama(cfg, seed=2, tp_group=mesh.tp_group, sequence_parallel=sp, cp_group=mesh.cp_group,
+                      layer_ids=pipeline.my_layers() if pipeline else None,
+                      embed=pipeline.holds_first() if pipeline else True,
+                      head=pipeline.holds_last() if pipeline else True).double()
+        if zero:
+            wrapped = ZeroDataParallel(model, mesh.dp_cp_group, zero, lambda gr: make_adamw(gr, OPT),
+                                       param_groups(model, OPT), tp_group=mesh.tp_group)
+            opt = None
+        else:
+            wrapped, opt = DataParallel(model, mesh.dp_cp_group), build_optimizer(model, OPT)
+        dp = mesh.layout.dp
+        per = ROWS // dp
+        for step in range(STEPS):
+            # No ignored targets here: across dp ranks (unlike cp) the mean is of equal-sized means.
+            x, y = batch(step, ROWS, ignore=False)
+            rows = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
+            x, y = C.split_sequence(x[rows], mesh.cp_group), C.split_sequence(y[rows], mesh.cp_group)
+            micro = list(zip(x.chunk(2), y.chunk(2))) if pipeline else [(x, y)]
+            train_step(wrapped, opt, micro, 0.5, tp_group=mesh.tp_group, pipeline=pipeline)
+        return {n: unshard(p.detach(), p, mesh.tp_group) for n, p in model.named_parameters()}
+
+
+LAYOUTS = [
+    (4, dict(dp=2, cp=2), 0, False),
+    (4, dict(tp=2, cp=2), 0, True),
+    (4, dict(pp=2, cp=2), 0, False),
+    (4, dict(dp=2, cp=2), 2, False),
+    (8, dict(dp=2, tp=2, cp=2), 1, True),
+    (8, dict(tp=2, pp=2, cp=2), 0, False),
+]
+
+
+@pytest.mark.parametrize("world,degrees,zero,sp", LAYOUTS,
+                         ids=[f"{'x'.join(f'{k}{v}' for k, v in d.items())}-zero{z}-sp{int(s)}" for _, d, z, s in LAYOUTS])
+def test_cp2_training_composed_with_dp_tp_pp_and_zero_equals_single_device(world, degrees, zero, sp):
+    ref = single_device_training(4)
+    params = {}
+    for r in run_ranks(world, _train, degrees, zero, sp, timeout=300):
+        params.update(r)
+    assert params.keys() == ref.keys()
+    for n, p in ref.items():
+        torch.testing.assert_close(params[n], p, **TIGHT, msg=n)
