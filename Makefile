@@ -24,6 +24,10 @@ train: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
+# The full 4D layout on 16 ranks through train.py: minutes on a laptop, so not in `make test`.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow tests
+
 lint: $(STAMP)
 	$(BIN)/ruff check minipar scripts tests
 

@@ -11,6 +11,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from minipar.context_parallel import check_cp_layout
 from minipar.mesh import MeshLayout
 from minipar.model import CONFIGS
 from minipar.pipeline import stage_layers
@@ -21,10 +22,6 @@ from minipar.tensor_parallel import check_tp_layout
 
 class ConfigError(ValueError):
     """A bad command line; the message says what to change."""
-
-
-# Degrees whose issues have not landed yet: refused with a clear line rather than ignored.
-NOT_YET = {"cp": "context"}
 
 
 @dataclass
@@ -68,12 +65,7 @@ class TrainConfig:
         return self.global_batch // (self.dp * self.micro_batch)
 
     def validate(self, world_size: int) -> None:
-        for dim, kind in NOT_YET.items():
-            if getattr(self, dim) > 1:
-                raise ConfigError(
-                    f"--{dim} {getattr(self, dim)}: {kind} parallelism is not yet implemented; use --{dim} 1"
-                )
-        MeshLayout(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)  # raises LayoutError
+        """What the model and data can take first, then whether the world has the right size."""
         m = CONFIGS[self.model]
         try:
             check_tp_layout(m.n_heads, m.n_kv_heads, m.dim, m.ffn_dim, self.tp, self.sp, self.seq_len)
@@ -87,6 +79,13 @@ class TrainConfig:
                 f"--global-batch {self.global_batch} is not divisible by --dp {self.dp} x --micro-batch "
                 f"{self.micro_batch}: every rank must run whole micro-batches"
             )
+        try:
+            check_cp_layout(self.seq_len, self.cp)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.sp and (self.seq_len // self.cp) % self.tp:
+            raise ConfigError(f"--sp with --cp {self.cp}: each rank's {self.seq_len // self.cp} tokens do not "
+                              f"split over --tp {self.tp}")
         if self.pp > 1:
             stage_layers(m.n_layers, self.pp * self.virtual_stages)  # raises: more stages than layers
             try:
@@ -106,6 +105,7 @@ class TrainConfig:
             raise ConfigError("--offload needs --zero 1 or 2: it moves ZeRO's optimizer slices to the CPU")
         if self.dtype not in (None, "float32", "float64", "bfloat16"):
             raise ConfigError(f"--dtype {self.dtype}: choose float32, float64 or bfloat16")
+        MeshLayout(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)  # raises LayoutError
 
 
 def parser() -> argparse.ArgumentParser:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from minipar import checkpoint
 from minipar.collectives import Group, Ledger, all_gather, all_reduce
 from minipar.config import ConfigError, TrainConfig, parse_args
+from minipar.context_parallel import split_sequence
 from minipar.data import TokenData, find_files, prepare
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
@@ -252,7 +253,7 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
     model_cfg = get_config(cfg.model, vocab_size=data.vocab_size)
     # With pp > 1 this rank builds only its stages' layers (and the embedding / head if it has them).
     pipeline = Pipeline(mesh.pp_group, cfg.schedule, model_cfg.n_layers, cfg.virtual_stages) if cfg.pp > 1 else None
-    model = Llama(model_cfg, seed=cfg.seed, tp_group=mesh.tp_group, sequence_parallel=cfg.sp,
+    model = Llama(model_cfg, seed=cfg.seed, tp_group=mesh.tp_group, sequence_parallel=cfg.sp, cp_group=mesh.cp_group,
                   layer_ids=pipeline.my_layers() if pipeline else None,
                   embed=pipeline.holds_first() if pipeline else True,
                   head=pipeline.holds_last() if pipeline else True, recompute=cfg.recompute)
@@ -262,18 +263,21 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
         state, saved_states = checkpoint.load(resume, model, mesh.tp_group)  # each rank takes its shards
         start, consumed = state["step"], state["consumed"]
         say(f"resumed from {resume} at step {start}")
+    # Replicated parameters are averaged over data *and* context replicas: each cp rank saw only
+    # its share of the tokens (context_parallel.py). ZeRO shards over the same group.
+    grad_group = mesh.dp_cp_group if cfg.cp > 1 else mesh.dp_group
     if cfg.zero == 3:
-        dp_model = Zero3DataParallel(model, mesh.dp_group, lambda groups: make_adamw(groups, cfg),
+        dp_model = Zero3DataParallel(model, grad_group, lambda groups: make_adamw(groups, cfg),
                                      param_groups(model, cfg), tp_group=mesh.tp_group)
     if cfg.zero in (1, 2):
-        dp_model = ZeroDataParallel(model, mesh.dp_group, cfg.zero, lambda groups: make_adamw(groups, cfg),
+        dp_model = ZeroDataParallel(model, grad_group, cfg.zero, lambda groups: make_adamw(groups, cfg),
                                     param_groups(model, cfg), cfg.bucket_mb, mesh.tp_group, cfg.offload)
     if cfg.zero:
         optimizer = dp_model.optimizer
         if saved_states is not None:
             dp_model.load_state_by_name(saved_states)
     else:
-        dp_model = DataParallel(model, mesh.dp_group, bucket_mb=cfg.bucket_mb)
+        dp_model = DataParallel(model, grad_group, bucket_mb=cfg.bucket_mb)
         optimizer = build_optimizer(model, cfg)
         if saved_states is not None:
             checkpoint.set_optimizer_state(model, optimizer, saved_states)
@@ -295,6 +299,7 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         x, y = data.rank_batch(consumed, cfg.global_batch, mesh.dp_rank, cfg.dp)
+        x, y = split_sequence(x, mesh.cp_group), split_sequence(y, mesh.cp_group)  # zigzag share (cp)
         micro = list(zip(x.to(device).split(cfg.micro_batch), y.to(device).split(cfg.micro_batch)))
         mesh.ledger.reset()
         if device.type == "cuda":

@@ -89,9 +89,13 @@ def test_missing_data_path_is_one_line(tmp_path):
     assert "no such file or directory" in line
 
 
-def test_degrees_not_yet_built_are_refused(tmp_path):
-    for flag in ("--cp=2",):
-        assert "not yet implemented" in one_line_error(run(common(tmp_path) + [flag], check=False))
+def test_layouts_the_model_or_sequence_cannot_take_are_one_line(tmp_path):
+    def line(**kw):
+        return one_line_error(run(common(tmp_path, **kw), check=False))
+
+    assert "not divisible by 2 x --cp = 4" in line(cp=2, seq_len=30)
+    assert "does not divide the model's 4 attention heads" in line(tp=3)
+    assert "pipeline stages" in line(pp=4)  # tiny has 2 layers
 
 
 def test_indivisible_batch_is_one_line(tmp_path):
@@ -182,3 +186,14 @@ def test_zero_resumes_a_dp2_checkpoint_and_continues_its_losses(run_a, zero, ext
     assert mine.keys() == theirs.keys()
     for key in theirs:
         assert mine[key].shape == theirs[key].shape
+
+
+def test_dp2_cp2_resumes_a_dp2_checkpoint_and_continues_its_losses(run_a):
+    tmp = run_a
+    run(common(tmp, dp=2, cp=2, steps=20, resume=tmp / "a" / "step_000010", out=tmp / "cp",
+               log_json=tmp / "cp.jsonl"), nproc=4)
+    a, c = losses(tmp / "a.jsonl"), losses(tmp / "cp.jsonl")
+    for step in c:
+        assert c[step] == pytest.approx(a[step], rel=1e-10), step
+    rec = json.loads((tmp / "cp.jsonl").read_text().splitlines()[-1])
+    assert rec["comm"]["cp/send"]["calls"] > 0 and "dp_cp/all_reduce" in rec["comm"]
