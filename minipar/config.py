@@ -98,7 +98,7 @@ class TrainConfig:
             raise ConfigError(f"--zero {self.zero}: choose 0, 1, 2 or 3")
         if self.zero == 3 and self.pp > 1:
             raise ConfigError("--zero 3 with --pp: every micro-batch would gather each layer twice; "
-                              "use --zero 1 with pipeline parallelism")
+                              "use --zero 1 or 2 with pipeline parallelism")
         if self.zero == 3 and self.recompute:
             raise ConfigError("--zero 3 with --recompute is not supported: choose one")
         if self.offload and self.zero not in (1, 2):

@@ -131,7 +131,9 @@ class MeshLayout:
 
 
 # The groups every rank builds, by name -> the dimensions they vary along.
-GROUP_DIMS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp_cp": ("dp", "cp")}
+# pp_grad: the pipeline's ranks again, a second channel so activations and gradients never share one.
+GROUP_DIMS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "pp_grad": ("pp",),
+              "dp_cp": ("dp", "cp")}
 
 
 @dataclass

@@ -23,7 +23,12 @@ The executor walks this rank's action list in order:
 
 Sends are non-blocking (isend), receives wait for their data, and every message carries a tag
 naming (direction, micro-batch, stage), so two messages between the same pair of ranks can never be
-confused, whatever order the schedule produces them in. The loss is the mean over all micro-batches
+confused, whatever order the schedule produces them in. Activations and gradients travel on two
+process groups over the same ranks (mesh.pp_group and mesh.pp_grad_group), so each channel carries
+messages one way only: on NCCL, where a send and a receive between the same two ranks on one
+communicator are queued behind each other, a stage sending forward while its neighbour sends
+backward could otherwise wait on each other. (On gloo both designs run; this session had no GPU to
+check the NCCL path.) The loss is the mean over all micro-batches
 (each micro-batch's loss is divided by m), gradients accumulate over micro-batches, and the
 data-parallel reduction runs once, after the last backward (train.py). The executor records each
 action's start and end, so a measured run draws the same timeline as the simulation.
@@ -61,8 +66,14 @@ class Pipeline:
     schedule: str
     n_layers: int
     virtual: int = 1
+    grad_group: Group | None = None  # the same ranks, a second channel for gradients (see above)
     timeline: Timeline | None = None  # the last run's measured actions on this rank
     bubble: float = 0.0  # and the fraction of that run this rank spent waiting for its neighbours
+
+    @property
+    def back(self) -> Group:
+        """Where gradients travel: grad_group if given, else the pp group itself."""
+        return self.grad_group or self.group
 
     @property
     def n_stages(self) -> int:
@@ -134,7 +145,7 @@ class Pipeline:
                 grad = None
                 if k < last:
                     grad = torch.empty_like(out)
-                    irecv(grad, self.group, (k + 1) % p, self._tag("B", i, k, m)).wait()
+                    irecv(grad, self.back, (k + 1) % p, self._tag("B", i, k, m)).wait()
                     start = time.perf_counter()
                 if split:  # input gradient only; the weight gradient waits for W
                     dx = torch.autograd.grad(out, x, grad, retain_graph=True)[0] if k > 0 else None
@@ -144,7 +155,7 @@ class Pipeline:
                     dx = x.grad if k > 0 else None
                     del inputs[i, k], outputs[i, k]  # activations freed
                 if dx is not None:
-                    pending_sends.append((isend(dx, self.group, (k - 1) % p, self._tag("B", i, k - 1, m)), dx))
+                    pending_sends.append((isend(dx, self.back, (k - 1) % p, self._tag("B", i, k - 1, m)), dx))
             else:  # W
                 torch.autograd.backward(outputs[i, k], out_grads.pop((i, k)), inputs=stage_params[k])
                 del inputs[i, k], outputs[i, k]

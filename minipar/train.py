@@ -192,7 +192,9 @@ def held_bytes(model, optimizer) -> dict[str, int]:
     optim = nbytes(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
     if isinstance(model, ZeroDataParallel):  # weights present now (ZeRO-3: none), master and gradient slices
         return {"params": model.param_bytes(), "grads": model.gradient_bytes(), "optimizer": optim}
-    return {"params": params, "grads": params, "optimizer": optim}  # a full gradient per parameter
+    # A full gradient per parameter, plus DataParallel's flat bucket buffers (kept between steps).
+    buffers = nbytes(b.buffer for b in getattr(model, "buckets", []) if b.buffer is not None)
+    return {"params": params, "grads": params + buffers, "optimizer": optim}
 
 
 def per_group_sent(ledger: Ledger) -> str:
@@ -252,7 +254,8 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == torch.bfloat16 else nullcontext
     model_cfg = get_config(cfg.model, vocab_size=data.vocab_size)
     # With pp > 1 this rank builds only its stages' layers (and the embedding / head if it has them).
-    pipeline = Pipeline(mesh.pp_group, cfg.schedule, model_cfg.n_layers, cfg.virtual_stages) if cfg.pp > 1 else None
+    pipeline = Pipeline(mesh.pp_group, cfg.schedule, model_cfg.n_layers, cfg.virtual_stages,
+                        grad_group=mesh.pp_grad_group) if cfg.pp > 1 else None
     model = Llama(model_cfg, seed=cfg.seed, tp_group=mesh.tp_group, sequence_parallel=cfg.sp, cp_group=mesh.cp_group,
                   layer_ids=pipeline.my_layers() if pipeline else None,
                   embed=pipeline.holds_first() if pipeline else True,

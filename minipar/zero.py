@@ -234,7 +234,8 @@ class ZeroDataParallel(nn.Module):
     # -- what each rank holds, measured on the real tensors ----------------------------------------
     def param_bytes(self) -> int:
         """Full weights held now, plus this rank's master slices."""
-        full = sum(p.untyped_storage().nbytes() for p in self.module.parameters())
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.module.parameters()}
+        full = sum(storages.values())  # by storage: under ZeRO-3 a bucket's parameters share one buffer
         return full + sum(b.master.numel() * b.master.element_size() for b in self.buckets)
 
     def optimizer_state_bytes(self) -> int:

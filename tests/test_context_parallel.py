@@ -179,8 +179,12 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("world,degrees,zero,sp", LAYOUTS,
-                         ids=[f"{'x'.join(f'{k}{v}' for k, v in d.items())}-zero{z}-sp{int(s)}" for _, d, z, s in LAYOUTS])
+def layout_id(case):
+    _, degrees, zero, sp = case
+    return "x".join(f"{k}{v}" for k, v in degrees.items()) + f"-zero{zero}-sp{int(sp)}"
+
+
+@pytest.mark.parametrize("world,degrees,zero,sp", LAYOUTS, ids=[layout_id(c) for c in LAYOUTS])
 def test_cp2_training_composed_with_dp_tp_pp_and_zero_equals_single_device(world, degrees, zero, sp):
     ref = single_device_training(4)
     params = {}

@@ -36,7 +36,7 @@ def test_stage_layers_are_balanced_contiguous_and_refuse_too_many_stages():
 
 def _one_step(rank, world, schedule, m, v):
     with Mesh.build(pp=world) as mesh:
-        pipeline = Pipeline(mesh.pp_group, schedule, CFG.n_layers, v)
+        pipeline = Pipeline(mesh.pp_group, schedule, CFG.n_layers, v, grad_group=mesh.pp_grad_group)
         model = stage_model(pipeline)
         x, y = batch()
         loss = pipeline.run(model, list(zip(x.chunk(m), y.chunk(m))))
@@ -94,7 +94,8 @@ def single_device_training():
 
 def _three_d(rank, world, schedule, sp):
     with Mesh.build(dp=2, tp=2, pp=2) as mesh:
-        pipeline = Pipeline(mesh.pp_group, schedule, CFG.n_layers, 2 if schedule == "interleaved" else 1)
+        pipeline = Pipeline(mesh.pp_group, schedule, CFG.n_layers, 2 if schedule == "interleaved" else 1,
+                            grad_group=mesh.pp_grad_group)
         model = stage_model(pipeline, mesh.tp_group, sp)
         dp_model = DataParallel(model, mesh.dp_group)
         opt = build_optimizer(model, OPT)
