@@ -218,6 +218,17 @@ def irecv(t: torch.Tensor, group: Group, src: int, tag: int = 0):
     return dist.irecv(t, src=group.ranks[src], group=group.pg, tag=tag)
 
 
+def send_recv(send_t: torch.Tensor, dst: int, recv_t: torch.Tensor, src: int, group: Group):
+    """Send to group rank `dst` and receive from `src` as one batched operation (a ring hop).
+    Returns the work handles. Batched, so that two ranks exchanging with each other cannot each sit
+    in a send waiting for the other's receive (NCCL queues p2p calls between a pair in order)."""
+    group._note("send", send_t)
+    group._note("recv", recv_t)
+    ops = [dist.P2POp(dist.isend, send_t.contiguous(), group.ranks[dst], group.pg),
+           dist.P2POp(dist.irecv, recv_t, group.ranks[src], group.pg)]
+    return dist.batch_isend_irecv(ops)
+
+
 def ring_all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
     """All-reduce (sum) written out with send/recv, as the ring algorithm does it. In place.
 

@@ -25,7 +25,10 @@ before the split (the data pipeline's targets are already the next tokens).
 
 Backward, by hand: the K/V blocks go around the ring once more, each carrying its own running dK
 and dV; every rank adds the gradient of its queries' attention to that block, and after the last
-hop each block comes home with its complete dK and dV.
+hop each block comes home with its complete dK and dV. (Unlike the forward, the backward does not
+overlap a hop with compute: the block's dK and dV must be updated before it leaves.)
+
+Every hop is one batched send-and-receive (collectives.send_recv).
 
 Gradients of everything outside attention are partial too (each cp rank saw only its tokens), so
 replicated parameters are reduced over cp as well as dp: data parallelism runs over the dp x cp
@@ -37,7 +40,7 @@ from __future__ import annotations
 import torch
 from einops import rearrange, repeat
 
-from minipar.collectives import Group, all_reduce, irecv, isend
+from minipar.collectives import Group, all_reduce, send_recv
 
 
 def check_cp_layout(seq_len: int, cp: int) -> None:
@@ -95,7 +98,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             if step < cp - 1:  # start passing the block on before computing with it: overlap
                 incoming = torch.empty_like(kv)
-                works = [isend(kv, group, (r + 1) % cp, tag=step), irecv(incoming, group, (r - 1) % cp, tag=step)]
+                works = send_recv(kv, (r + 1) % cp, incoming, (r - 1) % cp, group)
             owner = (r - step) % cp
             k_pos = zigzag_positions(owner, cp, seq_len, q.device)
             block_k, block_v = (repeat(t, "b h s d -> b (h g) s d", g=g) for t in kv)
@@ -138,9 +141,7 @@ class _RingAttention(torch.autograd.Function):
             block[3] += rearrange(dv, "b (h g) s d -> b h g s d", g=g).sum(2)
             if cp > 1:  # pass it on (after the last step, this hop brings each block home)
                 incoming = torch.empty_like(block)
-                works = [isend(block, group, (r + 1) % cp, tag=100 + step),
-                         irecv(incoming, group, (r - 1) % cp, tag=100 + step)]
-                for w in works:
+                for w in send_recv(block, (r + 1) % cp, incoming, (r - 1) % cp, group):
                     w.wait()
                 block = incoming
         return dq, block[2], block[3], None, None
