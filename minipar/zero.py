@@ -40,23 +40,30 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from minipar.collectives import Group, all_gather, all_reduce, broadcast, reduce_scatter
+from minipar.collectives import Group, all_gather, all_gather_into, all_reduce, broadcast, reduce_scatter
 
 
 class ZeroBucket:
-    """Some parameters as one flat vector, padded to a multiple of N; this rank owns 1/N of it."""
+    """Some parameters as one flat vector, padded to a multiple of N; this rank owns 1/N of it.
+
+    The parameters become views into that flat vector (`full`), so the all-gather after the step
+    writes the new weights straight into them, with no copy.
+    """
 
     def __init__(self, params: list[nn.Parameter], group: Group, offload: bool = False):
         self.params, self.group = params, group
         numel = sum(p.numel() for p in params)
         self.padded = -(-numel // group.size) * group.size
         self.slice = slice(group.rank * self.padded // group.size, (group.rank + 1) * self.padded // group.size)
-        flat = self._flatten([p.detach() for p in params])
+        self.full = self._flatten([p.detach() for p in params])  # [padded]
+        offset = 0
+        for p in params:
+            p.data = self.full[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
         # This rank's slice of the weights, in fp32 (float64 stays float64): what the optimizer updates.
-        dtype = torch.promote_types(flat.dtype, torch.float32)
-        device = "cpu" if offload else flat.device  # CPU offload: state and update live in host memory
-        self.master = nn.Parameter(flat[self.slice].to(device=device, dtype=dtype).clone())
-        self.master.grad = torch.zeros_like(self.master)
+        dtype = torch.promote_types(self.full.dtype, torch.float32)
+        device = "cpu" if offload else self.full.device  # CPU offload: state and update live in host memory
+        self.master = nn.Parameter(self.full[self.slice].to(device=device, dtype=dtype).clone())
         self.ready: set[int] = set()
 
     def _flatten(self, tensors) -> torch.Tensor:
@@ -67,20 +74,22 @@ class ZeroBucket:
         """Add this rank's slice of the dp-mean of the bucket's gradients to master.grad; free them."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         mine = reduce_scatter(self._flatten(grads).div_(self.group.size), self.group)
-        self.master.grad += mine.to(self.master.grad.device, self.master.grad.dtype)
+        mine = mine.to(self.master.device, self.master.dtype)
+        if self.master.grad is None:
+            self.master.grad = mine
+        else:
+            self.master.grad += mine  # accumulation: one reduce-scatter per micro-batch (stage 2)
         for p in self.params:
             p.grad = None  # the full gradient is gone: only the slice remains
         self.ready.clear()
 
     def all_gather_params(self) -> None:
-        """Every rank's updated slice, joined and written back into the model's parameters."""
-        like = self.params[0]
-        full = all_gather(self.master.detach().to(like.device, like.dtype), self.group)
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                p.copy_(full[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+        """Every rank's updated slice, gathered straight into the parameters' flat vector.
+
+        Written through `.data`: a second handle on the same memory, so autograd does not count
+        it as an in-place change of the parameters.
+        """
+        all_gather_into(self.full.data, self.master.detach().to(self.full.device, self.full.dtype), self.group)
 
 
 class ZeroDataParallel(nn.Module):
@@ -175,9 +184,10 @@ class ZeroDataParallel(nn.Module):
     def clip_and_step(self, max_norm: float, pp_group: Group | None = None) -> float:
         """Global gradient norm from the slices (summed over dp; tp-sharded buckets also over tp;
         stages over pp), clipping, the optimizer step on the slices, and the all-gather of weights."""
-        sharded = [b.master.grad.pow(2).sum() for b in self.buckets if b.tp_sharded]
-        replicated = [b.master.grad.pow(2).sum() for b in self.buckets if not b.tp_sharded]
-        zero = self.buckets[0].master.grad.new_zeros(())
+        with_grad = [b for b in self.buckets if b.master.grad is not None]
+        sharded = [b.master.grad.pow(2).sum() for b in with_grad if b.tp_sharded]
+        replicated = [b.master.grad.pow(2).sum() for b in with_grad if not b.tp_sharded]
+        zero = self.buckets[0].master.new_zeros(())
         sq_sharded = torch.stack(sharded).sum() if sharded else zero
         all_reduce(sq_sharded, self.tp_group)
         sq = sq_sharded + (torch.stack(replicated).sum() if replicated else zero)
@@ -186,11 +196,11 @@ class ZeroDataParallel(nn.Module):
         norm = sq.sqrt()
         if max_norm > 0:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for b in self.buckets:
+            for b in with_grad:
                 b.master.grad.mul_(coef)
         self.optimizer.step()
         for b in self.buckets:
-            b.master.grad.zero_()
+            b.master.grad = None  # between steps a rank holds no gradient at all
         self._after_step()
         return float(norm)
 
@@ -243,5 +253,7 @@ class ZeroDataParallel(nn.Module):
                    if torch.is_tensor(t) and t.dim() > 0)
 
     def gradient_bytes(self) -> int:
+        """Full gradients not yet reduce-scattered, plus this rank's gradient slices."""
         full = sum(p.grad.numel() * p.grad.element_size() for p in self.module.parameters() if p.grad is not None)
-        return full + sum(b.master.grad.numel() * b.master.grad.element_size() for b in self.buckets)
+        return full + sum(b.master.grad.numel() * b.master.grad.element_size() for b in self.buckets
+                          if b.master.grad is not None)

@@ -12,8 +12,8 @@ rebuilds the full layer just in time, twice per step:
 so outside the layer in use a rank holds 1/N of the weights. The price is one more all-gather:
 3 (N-1)/N Psi bytes per step instead of 2 (the ZeRO paper's 3 Psi).
 
-How a layer's weights come and go. Each parameter is made a view into one flat buffer per bucket
-(a bucket: a layer's parameters of one kind, as in zero.py). Freeing resizes the buffer's storage
+How a layer's weights come and go. Each parameter is a view into one flat buffer per bucket (a
+bucket: a layer's parameters of one kind, as in zero.py). Freeing resizes the buffer's storage
 to zero bytes; gathering resizes it back and all-gathers the slices into it. The parameters, and
 every tensor autograd saved that points at them, see the weights reappear without being replaced;
 the gather writes through `.data`, a second handle on the same memory that does not count as a
@@ -57,12 +57,7 @@ class ShardedBucket(ZeroBucket):
     """A ZeRO bucket whose parameters are views into a flat buffer that exists only when gathered."""
 
     def __init__(self, params: list[nn.Parameter], group: Group):
-        super().__init__(params, group)
-        self.full = self._flatten([p.detach() for p in params]).clone()  # [padded]
-        offset = 0
-        for p in params:
-            p.data = self.full[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
+        super().__init__(params, group)  # the parameters are views into self.full
         self.work = None
         self.free()
 

@@ -50,13 +50,18 @@ def _zero_run(rank, world, stage, accum):
                 torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0)
                 ref_opt.step()
                 ref_opt.zero_grad()
+        between_steps = zero.gradient_bytes()
+        # One more backward, measured once its gradients are reduce-scattered (before the update).
+        model(*micro[0]).backward()
+        zero.finish_grad_sync()
+        after_backward = zero.gradient_bytes()
+        full_grads = [p.grad for p in model.parameters() if p.grad is not None]
         return dict(
             params={n: p.detach() for n, p in model.named_parameters()},
             zro={n: p.detach() for n, p in ref_model.named_parameters()},
             ledgers=ledgers, psi=psi,
-            opt_bytes=zero.optimizer_state_bytes(), grad_bytes=zero.gradient_bytes(),
-            full_grads=[p.grad for p in model.parameters() if p.grad is not None],
-            padded=sum(b.padded for b in zero.buckets),
+            opt_bytes=zero.optimizer_state_bytes(), grad_bytes=after_backward, between_steps=between_steps,
+            full_grads=full_grads, padded=sum(b.padded for b in zero.buckets),
         )
 
 
@@ -82,9 +87,10 @@ def test_memory_and_communication_per_rank(stage, world):
     for r in run_ranks(world, _zero_run, stage, 1):
         # Adam's two moments for this rank's slices only: 2 * Psi / N (plus padding to N).
         assert r["opt_bytes"] == 2 * r["padded"] * 8 // world
-        # After the step no full gradient is left, only this rank's slice.
+        # After backward no full gradient is left, only this rank's slice; between steps, nothing.
         assert r["full_grads"] == []
         assert r["grad_bytes"] == r["padded"] * 8 // world
+        assert r["between_steps"] == 0
         # Per step: reduce-scatter and all-gather of Psi (padded to N per bucket), (N-1)/N each:
         # 2 Psi (N-1)/N in all, the same as data parallelism's all-reduce.
         assert 0 <= r["padded"] - r["psi"] < world * 100
