@@ -13,7 +13,8 @@ All ranks form one dp group. The small Llama (seed 0) trains on a fixed global b
     stages 0-2 and 3 Psi (N-1)/N for stage 3 (Psi padded to a multiple of N in every bucket);
 (c) activation memory: every tensor autograd saves for backward during one forward, counted with
     saved_tensors_hooks, per unit, without and with activation checkpointing (recompute); and
-    where CPU offload puts ZeRO's slices;
+    where CPU offload puts ZeRO's slices (the gradient slices exist only from the reduce-scatter
+    to the optimizer step, so they are looked at in between);
 (d) in float64, three AdamW steps with 2 micro-batches per rank at each stage: the largest
     parameter difference from stage 0 (they are one optimizer), and the bytes of each step.
 
@@ -86,7 +87,8 @@ def wrap(model: Llama, mesh: Mesh, stage: int, offload: bool = False):
 
 
 def grad_bytes(wrapper) -> int:
-    """Gradients held now: full .grad tensors (and, for ZeRO, this rank's gradient slices)."""
+    """Gradients held now: full .grad tensors (and, for ZeRO, this rank's gradient slices: they
+    exist from a bucket's first reduce-scatter of the step until the optimizer step frees them)."""
     if isinstance(wrapper, ZeroDataParallel):
         return wrapper.gradient_bytes()
     return nbytes(p.grad for p in wrapper.module.parameters() if p.grad is not None)
@@ -169,15 +171,17 @@ def paper_bytes(stage: int, psi: int, n: int) -> tuple[int, int, int]:
 
 def minipar_bytes(stage: int, psi: int, padded: int, n: int) -> tuple[int, int, int]:
     """What minipar holds in float32 at the moment backward ends. Stages 1-2 keep every weight
-    *and* a float32 master slice of it; every ZeRO stage keeps a gradient slice next to the full
-    .grad tensors of stage 1; Adam's two moments are the whole optimizer state (the master copy is
-    counted with the parameters)."""
+    (views of the buckets' padded flat vectors) *and* a float32 master slice of it. Stage 1 holds
+    the full .grad tensors: it reduce-scatters only after backward, so no gradient slice exists
+    yet. Stages 2-3 have reduce-scattered every bucket during backward: only the slices are left.
+    Adam's two moments are the whole optimizer state (the master copy is counted with the
+    parameters)."""
     mine = 4 * padded // n  # one float32 slice of every bucket
     if stage == 0:
         return 4 * psi, 4 * psi, 8 * psi
-    weights = 0 if stage == 3 else 4 * psi
-    full_grads = 4 * psi if stage == 1 else 0
-    return weights + mine, full_grads + mine, 2 * mine
+    weights = 0 if stage == 3 else 4 * padded
+    grads = 4 * psi if stage == 1 else mine
+    return weights + mine, grads, 2 * mine
 
 
 def part_a_b(mesh: Mesh) -> None:
@@ -266,16 +270,20 @@ def part_c(mesh: Mesh) -> None:
         wrapper, _ = wrap(model, mesh, 2, offload=offload)
         loss, by_unit = saved_for_backward(model, wrapper, x, y)
         loss.backward()  # with recompute, each layer runs its forward again here
+        wrapper.finish_grad_sync()  # nothing left to do: stage 2 reduce-scattered during backward
+        # The gradient slices exist from the reduce-scatter until the step: look at them now.
+        first = wrapper.buckets[0]
         grads[recompute, offload] = torch.cat([b.master.grad for b in wrapper.buckets])
-        wrapper.finish_grad_sync()
+        grad_device = first.master.grad.device
+        slices = nbytes(t for b in wrapper.buckets for t in (b.master, b.master.grad))
         wrapper.clip_and_step(CLIP)
+        freed = all(b.master.grad is None for b in wrapper.buckets)
         runs[recompute, offload] = by_unit
         params[recompute, offload] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        state = wrapper.optimizer.state[wrapper.buckets[0].master]
-        places[offload] = (f"weights on {model.lm_head.weight.device}, master slices on "
-                           f"{wrapper.buckets[0].master.device}, their gradients on "
-                           f"{wrapper.buckets[0].master.grad.device}, Adam moments on {state['exp_avg'].device}")
-        slices = nbytes(t for b in wrapper.buckets for t in (b.master, b.master.grad))
+        state = wrapper.optimizer.state[first.master]
+        places[offload] = (f"weights on {model.lm_head.weight.device}, master slices on {first.master.device}, "
+                           f"their gradients on {grad_device} ({'freed' if freed else 'kept'} by the step), "
+                           f"Adam moments on {state['exp_avg'].device}")
         offloaded = slices + state_bytes(wrapper.optimizer)
 
     plain, checkpointed = runs[False, False], runs[True, False]
@@ -292,7 +300,8 @@ def part_c(mesh: Mesh) -> None:
               f"{(grads[False, False] - grads[True, False]).abs().max().item():.1e}")
     each_rank("\n  where the tensors live, offload=False", places[False])
     each_rank("  offload=True (on a machine without a GPU the model's device is the CPU already)", places[True])
-    each_rank("  bytes offload puts in host memory (master + gradient slices + Adam); same parameters after a step?",
+    each_rank("  bytes offload puts in host memory during a step (master + gradient slices + Adam); "
+              "same parameters after a step?",
               f"{offloaded:,} bytes; {torch.equal(params[False, False], params[False, True])}")
 
 
