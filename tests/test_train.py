@@ -118,10 +118,10 @@ def test_corrupt_checkpoint_is_one_line_and_earlier_checkpoints_are_kept(run_a, 
 
 def test_torchrun_layout_error_prints_our_line_once_before_any_work(tmp_path):
     proc = run(common(tmp_path, dp=4, micro_batch=2), nproc=2, check=False)
-    assert proc.returncode != 0
+    assert proc.returncode != 0, proc.stderr
     ours = [l for l in proc.stderr.splitlines() if l.startswith("minipar: error:")]
-    assert len(ours) == 1 and "= 4 ranks, but the world has 2" in ours[0]
-    assert "scripts/train.py\", line" not in proc.stderr  # no traceback from our workers
+    assert len(ours) == 1 and "= 4 ranks, but the world has 2" in ours[0], proc.stderr
+    assert "scripts/train.py\", line" not in proc.stderr, proc.stderr  # no traceback from our workers
 
 
 def test_dp2_tp2_sp_run_gives_the_losses_of_the_dp2_run(run_a):
