@@ -1,7 +1,7 @@
 """Benchmark: minipar's hand-written tensor parallelism against PyTorch's DTensor tensor parallelism.
 
-    torchrun --standalone --nproc-per-node 2 scripts/bench_tp.py                  # about 1-2 minutes on 2 CPU cores
-    torchrun --standalone --nproc-per-node 8 scripts/bench_tp.py --model 125m --json tp.json   # a GPU node (NCCL)
+    torchrun --standalone --nproc-per-node 2 scripts/bench_tp.py                  # about 2 minutes on 2 CPU cores
+    torchrun --standalone --nproc-per-node 4 scripts/bench_tp.py --model 125m --json tp.json   # 4 GPUs (NCCL)
 
 One launch trains two copies of the same model side by side, every rank a tp rank (tp = world, dp = 1):
 
