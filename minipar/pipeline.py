@@ -24,13 +24,16 @@ The executor walks this rank's action list in order:
 Sends are non-blocking (isend), receives wait for their data, and every message carries a tag
 naming (direction, micro-batch, stage), so two messages between the same pair of ranks can never be
 confused, whatever order the schedule produces them in. Activations and gradients travel on two
-process groups over the same ranks (mesh.pp_group and mesh.pp_grad_group), so each channel carries
-messages one way only: on NCCL, where a send and a receive between the same two ranks on one
-communicator are queued behind each other, a stage sending forward while its neighbour sends
-backward could otherwise wait on each other. (On gloo both designs run; this session had no GPU to
-check the NCCL path.) The loss is the mean over all micro-batches
-(each micro-batch's loss is divided by m), gradients accumulate over micro-batches, and the
-data-parallel reduction runs once, after the last backward (train.py). The executor records each
+process groups over the same ranks (mesh.pp_group and mesh.pp_grad_group), so for the
+non-interleaved schedules each channel carries messages one way only (interleaved at pp = 2 still
+sends both ways on each: its ring wraps from the last rank to the first). On NCCL, where a send
+and a receive between the same two ranks on one communicator queue behind each other, a stage
+sending forward while its neighbour sends backward could otherwise wait on each other. (On gloo
+both designs run; this session had no GPU to check the NCCL path.)
+
+The loss is the mean over all micro-batches (each micro-batch's loss is divided by m), gradients
+accumulate over micro-batches, and the data-parallel reduction runs once, after the last backward
+(train.py). The executor records each
 action's start and end, so a measured run draws the same timeline as the simulation.
 """
 

@@ -19,8 +19,8 @@ one executor that runs any of them. The schedules, p = 4 ranks, m = 8 micro-batc
     interleaved  each rank holds v chunks of layers (virtual stages s, s+p, s+2p, ...): the fill
                  and drain take 1/v as long, so the bubble shrinks about v times
     zb1          zero-bubble ZB-H1: backward split into B (input gradient: the next stage waits
-                 for it) and W (weight gradient: nobody waits); W's fill the bubbles, with the
-                 same activation memory as 1F1B
+                 for it) and W (weight gradient: nobody waits); W's fill the bubbles, with no
+                 stage holding more activations than 1F1B's first stage (p micro-batches)
 
 An action carries its virtual stage `stage` (for non-interleaved schedules, the rank). With v
 chunks per rank, virtual stage k lives on rank k % p as chunk k // p.
@@ -115,7 +115,8 @@ def zero_bubble_h1(p: int, m: int) -> list[list[Action]]:
 
     Built by simulating unit-time actions: a rank runs its next F or B when its inputs have
     arrived; when it would idle, it runs the oldest pending W instead. Activations are freed by W,
-    so a rank never has more than p - s micro-batches between F and W: 1F1B's memory.
+    and a rank holds at most p micro-batches between F and W: the peak of 1F1B (its first stage),
+    now on every stage. With F = B = W the idle fraction is then (p-1) / (3m + p-1), the paper's.
     """
     plan = [[a for a in acts] for acts in one_f_one_b(p, m)]
     done: dict[Action, int] = {}
@@ -128,7 +129,7 @@ def zero_bubble_h1(p: int, m: int) -> list[list[Action]]:
             nxt = plan[s][0] if plan[s] else None
             in_flight = sum(1 for a in out[s] if a.kind == "F") - sum(1 for a in out[s] if a.kind == "W")
             ready = nxt is not None and _deps_done(nxt, p, done, t, split=True)
-            if nxt is not None and nxt.kind == "F" and in_flight >= p - s:
+            if nxt is not None and nxt.kind == "F" and in_flight >= p:
                 ready = False  # memory cap: retire a W first
             if ready:
                 act = plan[s].pop(0)
@@ -218,7 +219,9 @@ class Timeline:
         for r, row in enumerate(self.rows):
             cells = [".".rjust(width)] * cells_per_rank
             for start, end, a in row:
-                for k in range(round((start - t0) / unit), round((end - t0) / unit)):
+                first = min(round((start - t0) / unit), cells_per_rank - 1)
+                last = max(round((end - t0) / unit), first + 1)  # an action shorter than a cell keeps one
+                for k in range(first, min(last, cells_per_rank)):
                     cells[k] = label(a).rjust(width)
             lines.append(f"rank {r}: " + "".join(cells))
         return "\n".join(lines)
@@ -233,7 +236,8 @@ class Timeline:
 
         colours = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
         t0 = min(s for row in self.rows for s, _, _ in row)
-        fig, ax = plt.subplots(figsize=(max(6.0, self.makespan / self._unit() * 0.35), 0.6 * len(self.rows) + 1))
+        width = min(40.0, max(6.0, self.makespan / self._unit() * 0.35))  # measured runs have tiny actions
+        fig, ax = plt.subplots(figsize=(width, 0.6 * len(self.rows) + 1))
         for r, row in enumerate(self.rows):
             for start, end, a in row:
                 ax.barh(r, end - start, left=start - t0, color=colours[a.kind], edgecolor="white")

@@ -63,14 +63,15 @@ def test_interleaved_bubble_is_about_one_vth_and_zb1_smaller_than_1f1b(p, m):
         # Megatron's figure: (p-1) / (v*m + p-1) - about 1/v of 1F1B's when m >> p.
         assert inter == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
         assert inter < one_f_one_b
-    assert simulate(build("zb1", p, m)).idle_fraction() < one_f_one_b
+    zb1 = simulate(build("zb1", p, m)).idle_fraction()
+    assert zb1 < one_f_one_b and zb1 == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)  # the paper's
 
 
 @pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (4, 16), (8, 32)])
 def test_1f1b_holds_at_most_p_micro_batches_while_gpipe_holds_m(p, m):
     assert [peak_activations(acts) for acts in build("gpipe", p, m)] == [m] * p
     assert [peak_activations(acts) for acts in build("1f1b", p, m)] == [p - s for s in range(p)]
-    assert [peak_activations(acts) for acts in build("zb1", p, m)] == [p - s for s in range(p)]
+    assert [peak_activations(acts) for acts in build("zb1", p, m)] == [p] * p  # 1F1B's peak, every stage
 
 
 def test_a_wrong_order_is_caught_as_deadlock():
