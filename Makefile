@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: all setup train test test-slow lint bench clean
+.PHONY: all setup train test test-slow test-gpu bench-gpu lint bench clean
 
 all: test
 
@@ -22,11 +22,24 @@ train: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc-per-node 2 scripts/train.py --dp 2
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests --ignore=tests/gpu
 
 # The full 4D layout on 16 ranks through train.py: minutes on a laptop, so not in `make test`.
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow tests
+
+# GPU checks use the Python that has CUDA torch: .venv's if there is one, else python3 (GPU_PY=...).
+# Without CUDA both say "no GPU" and exit 0. Neither is part of `make test`.
+GPU_PY  ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+
+# NCCL collectives, DP/ZeRO/TP against one GPU, bf16 against fp32, the largest layout; a report.
+test-gpu:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -p no:cacheprovider tests/gpu
+
+# 125m and 1b, bf16, seq 2048: minipar against DDP / FSDP2 per strategy; appends to docs/benchmarks.md.
+# More flags for scripts/bench_gpu.py in ARGS, e.g. make bench-gpu ARGS="--models 1b --strategies dp".
+bench-gpu:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) scripts/bench_gpu.py --compile --fused-adamw --append docs/benchmarks.md $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check minipar scripts tests

@@ -163,7 +163,7 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) ->
     Positions are passed in (not assumed to be 0..s-1) so a rank holding a slice of the sequence
     (context parallelism) rotates by the tokens' global positions.
     """
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
     angles = positions.to(torch.float64)[:, None] * freqs[None, :]  # [s, hd/2]
     angles = torch.cat([angles, angles], dim=-1)  # [s, hd]
     return angles.cos().to(dtype), angles.sin().to(dtype)

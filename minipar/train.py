@@ -148,8 +148,8 @@ def start_distributed() -> torch.device:
     """NCCL on GPUs, gloo on CPU. Without torchrun, a world of one."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" in os.environ:
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if backend == "nccl":  # one GPU per local rank (ranks beyond the GPU count share them)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         dist.init_process_group(backend)
     else:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)

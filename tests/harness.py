@@ -30,14 +30,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world: int, port: int, tasks, results, backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # N ranks share 2 cores; more threads only contend
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if backend == "nccl":  # tests/gpu: one GPU per rank, shared round-robin when ranks outnumber GPUs
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     while True:
         task = tasks.get()
@@ -52,14 +54,14 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
 
 
 class _Pool:
-    def __init__(self, world: int):
+    def __init__(self, world: int, backend: str = "gloo"):
         ctx = mp.get_context("spawn")
         self.world = world
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         port = _free_port()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results, backend), daemon=True)
             for r in range(world)
         ]
         for p in self.procs:
@@ -105,21 +107,23 @@ class _Pool:
                 p.join()
 
 
-_pools: dict[int, _Pool] = {}
+_pools: dict[tuple[int, str], _Pool] = {}
 
 
-def run_ranks(world: int, fn, *args, timeout: float = TIMEOUT, **kwargs):
-    """Run fn(rank, world, *args, **kwargs) on `world` gloo ranks; return the per-rank results."""
-    pool = _pools.get(world)
+def run_ranks(world: int, fn, *args, timeout: float = TIMEOUT, backend: str = "gloo", **kwargs):
+    """Run fn(rank, world, *args, **kwargs) on `world` ranks (gloo on CPU; "nccl" for tests/gpu);
+    return the per-rank results."""
+    key = (world, backend)
+    pool = _pools.get(key)
     if pool is None or not all(p.is_alive() for p in pool.procs):
         if pool is not None:
             pool.close(kill=True)
-        pool = _pools[world] = _Pool(world)
+        pool = _pools[key] = _Pool(world, backend)
     try:
         return pool.run(fn, args, kwargs, timeout)
     except BaseException:
         pool.close(kill=True)  # ranks may be mid-collective: never reuse them
-        del _pools[world]
+        del _pools[key]
         raise
 
 
