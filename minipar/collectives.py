@@ -24,7 +24,11 @@ rather than believed (scripts/step_01_collectives.py does that).
 
 The `Ledger` counts, per (group, op): the number of calls, the payload bytes (the tensor handed to
 the call) and the bytes this rank sends by the ring formula above. Tests assert on it, benchmarks
-print it and the training log shows it per step.
+print it and the training log shows it per step. Its debug mode (`ledger.trace = []`) also keeps
+every operation in the order this rank posted it, with its communicator and peer: NCCL matches
+point-to-point messages by posting order alone (it ignores tags) and needs every rank of a
+communicator to issue the same collectives in the same order, and `order_check.py` proves both
+from the traces of a gloo run.
 
 The second half of the file holds the autograd-aware operators of Megatron-LM's tensor and sequence
 parallelism: a collective in forward whose conjugate runs in backward.
@@ -65,9 +69,15 @@ def ring_bytes_sent(op: str, nbytes: int, n: int) -> int:
 
 @dataclass
 class Ledger:
-    """Calls and bytes per (group name, op). Shared by all groups of one mesh."""
+    """Calls and bytes per (group name, op). Shared by all groups of one mesh.
+
+    `trace`: None, or a list that receives (communicator, op, peer, bytes) for every operation,
+    in posting order; communicator is (name, ranks), peer the other rank's global number for
+    send/recv, else None.
+    """
 
     entries: dict[tuple[str, str], Entry] = field(default_factory=lambda: defaultdict(Entry))
+    trace: list[tuple] | None = None
 
     def record(self, group: str, op: str, nbytes: int, sent: int) -> None:
         e = self.entries[(group, op)]
@@ -118,9 +128,17 @@ class Group:
         """A group of one, needing no process group: a model built with it is the plain model."""
         return cls(name, None, [0], Ledger())
 
-    def _note(self, op: str, t: torch.Tensor) -> None:
-        nbytes = t.numel() * t.element_size()
+    @property
+    def communicator(self) -> tuple[str, tuple[int, ...]]:
+        """Names the process group itself (groups of other names may share WORLD's), and its ranks."""
+        return ("world" if self.pg is dist.group.WORLD else self.name), tuple(self.ranks)
+
+    def _note(self, op: str, t: torch.Tensor, peer: int | None = None, nbytes: int | None = None) -> None:
+        """Write the ledger line of one operation (peer: a group rank, for send and recv)."""
+        nbytes = t.numel() * t.element_size() if nbytes is None else nbytes
         self.ledger.record(self.name, op, nbytes, ring_bytes_sent(op, nbytes, self.size))
+        if self.ledger.trace is not None and self.size > 1:
+            self.ledger.trace.append((self.communicator, op, None if peer is None else self.ranks[peer], nbytes))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,8 +159,7 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", async_op: bool = 
 
 def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's t along `dim`, in group order. The ledger counts the output, S."""
-    nbytes = t.numel() * t.element_size() * group.size
-    group.ledger.record(group.name, "all_gather", nbytes, ring_bytes_sent("all_gather", nbytes, group.size))
+    group._note("all_gather", t, nbytes=t.numel() * t.element_size() * group.size)
     if group.size == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(group.size)]
@@ -153,8 +170,7 @@ def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
 def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: Group, async_op: bool = False):
     """All-gather t into the flat buffer `out` (N times t's size), in place: rank j's t lands in
     the j-th chunk. Returns a work handle when async_op (ZeRO-3 prefetches this way)."""
-    nbytes = out.numel() * out.element_size()
-    group.ledger.record(group.name, "all_gather", nbytes, ring_bytes_sent("all_gather", nbytes, group.size))
+    group._note("all_gather", out)
     if group.size == 1:
         out.copy_(t.reshape(-1))
         return None
@@ -195,35 +211,36 @@ def all_to_all(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
 
 def send(t: torch.Tensor, group: Group, dst: int) -> None:
     """Send to group rank `dst`."""
-    group._note("send", t)
+    group._note("send", t, dst)
     dist.send(t.contiguous(), dst=group.ranks[dst], group=group.pg)
 
 
 def recv(t: torch.Tensor, group: Group, src: int) -> torch.Tensor:
     """Receive into t from group rank `src`."""
-    group._note("recv", t)
+    group._note("recv", t, src)
     dist.recv(t, src=group.ranks[src], group=group.pg)
     return t
 
 
-def isend(t: torch.Tensor, group: Group, dst: int, tag: int = 0):
-    """Start sending to group rank `dst`; returns the work handle (keep t alive until it is done)."""
-    group._note("send", t)
-    return dist.isend(t.contiguous(), dst=group.ranks[dst], group=group.pg, tag=tag)
+def isend(t: torch.Tensor, group: Group, dst: int):
+    """Start sending to group rank `dst`; returns the work handle (keep t alive until it is done).
+    No tag: the peer's receives take messages in the order they were sent, as on NCCL."""
+    group._note("send", t, dst)
+    return dist.isend(t.contiguous(), dst=group.ranks[dst], group=group.pg)
 
 
-def irecv(t: torch.Tensor, group: Group, src: int, tag: int = 0):
+def irecv(t: torch.Tensor, group: Group, src: int):
     """Start receiving into t from group rank `src`; returns the work handle."""
-    group._note("recv", t)
-    return dist.irecv(t, src=group.ranks[src], group=group.pg, tag=tag)
+    group._note("recv", t, src)
+    return dist.irecv(t, src=group.ranks[src], group=group.pg)
 
 
 def send_recv(send_t: torch.Tensor, dst: int, recv_t: torch.Tensor, src: int, group: Group):
     """Send to group rank `dst` and receive from `src` as one batched operation (a ring hop).
     Returns the work handles. Batched, so that two ranks exchanging with each other cannot each sit
     in a send waiting for the other's receive (NCCL queues p2p calls between a pair in order)."""
-    group._note("send", send_t)
-    group._note("recv", recv_t)
+    group._note("send", send_t, dst)
+    group._note("recv", recv_t, src)
     ops = [dist.P2POp(dist.isend, send_t.contiguous(), group.ranks[dst], group.pg),
            dist.P2POp(dist.irecv, recv_t, group.ranks[src], group.pg)]
     return dist.batch_isend_irecv(ops)

@@ -155,7 +155,10 @@ class Mesh:
         mesh = cls(layout, dist.get_rank(), ledger or Ledger())
         for name, dims in GROUP_DIMS.items():
             for ranks in layout.groups(*dims):  # every rank creates every group, in one order
-                pg = dist.new_group(ranks) if len(ranks) < layout.world_size else dist.group.WORLD
+                # The pipeline's gradient channel is always a communicator of its own, even when
+                # its ranks are the whole world (pipeline.py says why).
+                own = len(ranks) < layout.world_size or name == "pp_grad"
+                pg = dist.new_group(ranks) if own else dist.group.WORLD
                 if mesh.rank in ranks:
                     mesh._groups[name] = Group(name, pg, ranks, mesh.ledger)
         return mesh

@@ -21,15 +21,17 @@ The executor walks this rank's action list in order:
     W(i, k)  (zero-bubble schedules only) B computed only dL/dx; W now computes the weight
              gradients of stage k from the graph B kept
 
-Sends are non-blocking (isend), receives wait for their data, and every message carries a tag
-naming (direction, micro-batch, stage), so two messages between the same pair of ranks can never be
-confused, whatever order the schedule produces them in. Activations and gradients travel on two
-process groups over the same ranks (mesh.pp_group and mesh.pp_grad_group), so for the
-non-interleaved schedules each channel carries messages one way only (interleaved at pp = 2 still
-sends both ways on each: its ring wraps from the last rank to the first). On NCCL, where a send
-and a receive between the same two ranks on one communicator queue behind each other, a stage
-sending forward while its neighbour sends backward could otherwise wait on each other. (On gloo
-both designs run; this session had no GPU to check the NCCL path.)
+Sends are non-blocking (isend), receives wait for their data. Messages carry no tags: as NCCL
+does, a receive takes the next message its peer posted on that channel, so every schedule must
+make each rank post its receives in the order its neighbour posts the matching sends.
+tests/test_order_check.py proves it from the ledger's trace for every schedule, and because no
+tags are used, gloo also matches by order and every CPU test of the pipeline runs under NCCL's
+rule. Activations and gradients travel on two process groups over the same ranks
+(mesh.pp_group and mesh.pp_grad_group, always distinct), so for the non-interleaved schedules
+each channel carries messages one way only (interleaved at pp = 2 still sends both ways on each:
+its ring wraps from the last rank to the first). On NCCL, where a send and a receive between the
+same two ranks on one communicator queue behind each other, a stage sending forward while its
+neighbour sends backward could otherwise wait on each other.
 
 The loss is the mean over all micro-batches (each micro-batch's loss is divided by m), gradients
 accumulate over micro-batches, and the data-parallel reduction runs once, after the last backward
@@ -101,10 +103,6 @@ class Pipeline:
     def actions(self, n_micro: int) -> list[Action]:
         return build(self.schedule, self.group.size, n_micro, self.virtual)[self.group.rank]
 
-    def _tag(self, kind: str, microbatch: int, stage: int, n_micro: int) -> int:
-        # Unique per message: direction, receiving stage, micro-batch.
-        return ((0 if kind == "F" else 1) * self.n_stages + stage) * n_micro + microbatch
-
     def run(self, model, micro_batches) -> torch.Tensor | float:
         """Run this rank's actions on its stages of `model` (a model.Llama holding those stages).
         Returns the sum over micro-batches of loss / m on the last stage (0 elsewhere); the
@@ -131,7 +129,7 @@ class Pipeline:
                     x = micro_batches[i][0]
                 else:
                     x = torch.empty(act_shape, dtype=act_dtype, device=device)  # [b, s(/tp), d]
-                    irecv(x, self.group, (k - 1) % p, self._tag("F", i, k, m)).wait()
+                    irecv(x, self.group, (k - 1) % p).wait()
                     x.requires_grad_()
                     start = time.perf_counter()
                 out = model.forward_stage(x, self.layers_of(k), first=k == 0, last=k == last,
@@ -141,14 +139,14 @@ class Pipeline:
                     total = total + out.detach()
                 else:
                     send = out.detach()
-                    pending_sends.append((isend(send, self.group, (k + 1) % p, self._tag("F", i, k + 1, m)), send))
+                    pending_sends.append((isend(send, self.group, (k + 1) % p), send))
                 inputs[i, k], outputs[i, k] = x, out
             elif a.kind == "B":
                 out, x = outputs[i, k], inputs[i, k]
                 grad = None
                 if k < last:
                     grad = torch.empty_like(out)
-                    irecv(grad, self.back, (k + 1) % p, self._tag("B", i, k, m)).wait()
+                    irecv(grad, self.back, (k + 1) % p).wait()
                     start = time.perf_counter()
                 if split:  # input gradient only; the weight gradient waits for W
                     dx = torch.autograd.grad(out, x, grad, retain_graph=True)[0] if k > 0 else None
@@ -158,7 +156,7 @@ class Pipeline:
                     dx = x.grad if k > 0 else None
                     del inputs[i, k], outputs[i, k]  # activations freed
                 if dx is not None:
-                    pending_sends.append((isend(dx, self.back, (k - 1) % p, self._tag("B", i, k - 1, m)), dx))
+                    pending_sends.append((isend(dx, self.back, (k - 1) % p), dx))
             else:  # W
                 torch.autograd.backward(outputs[i, k], out_grads.pop((i, k)), inputs=stage_params[k])
                 del inputs[i, k], outputs[i, k]

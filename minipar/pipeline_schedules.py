@@ -167,6 +167,31 @@ def build(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     return zero_bubble_h1(p, m)
 
 
+def messages(schedule: list[list[Action]]) -> list[list[tuple]]:
+    """The point-to-point operations each rank posts when it runs its actions, in order, as
+    order_check traces: (channel, "send" or "recv", peer rank, micro-batch). The channel is the
+    activations' or the gradients' (pipeline.py sends them on two process groups), and the
+    micro-batch stands in for the message size, so that a receive matched with the wrong message
+    is caught even when the sizes agree. Virtual stage k lives on rank k % p."""
+    p = len(schedule)
+    n_stages = 1 + max(a.stage for acts in schedule for a in acts)
+    ranks = tuple(range(p))
+    act, grad = ("pp", ranks), ("pp_grad", ranks)
+    traces = []
+    for acts in schedule:
+        trace = []
+        for a in acts:
+            i, k = a.microbatch, a.stage
+            if a.kind == "F":
+                trace += [(act, "recv", (k - 1) % p, i)] if k > 0 else []
+                trace += [(act, "send", (k + 1) % p, i)] if k < n_stages - 1 else []
+            elif a.kind == "B":
+                trace += [(grad, "recv", (k + 1) % p, i)] if k < n_stages - 1 else []
+                trace += [(grad, "send", (k - 1) % p, i)] if k > 0 else []
+        traces.append(trace)
+    return traces
+
+
 # ----------------------------------------------------------------------------------------------
 # Simulation: unit-time actions, to find deadlocks, bubbles and memory without any process
 # ----------------------------------------------------------------------------------------------

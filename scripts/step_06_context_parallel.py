@@ -136,7 +136,7 @@ def ring_trace(mesh: Mesh, q, k, v, ref_out, ref_lse) -> None:
     for step in range(cp):
         if step < cp - 1:
             incoming = torch.empty_like(kv)
-            works = [isend(kv, g, (r + 1) % cp, tag=step), irecv(incoming, g, (r - 1) % cp, tag=step)]
+            works = [isend(kv, g, (r + 1) % cp), irecv(incoming, g, (r - 1) % cp)]  # in order, no tags
         owner = (r - step) % cp
         k_pos = C.zigzag_positions(owner, cp, S)
         block_k, block_v = (repeat(t, "b h s d -> b (h g) s d", g=H // H_KV) for t in kv)

@@ -2,11 +2,13 @@
 
 import pytest
 
+from minipar.order_check import order_problems
 from minipar.pipeline_schedules import (
     Action,
     ScheduleError,
     bubble_formula,
     build,
+    messages,
     peak_activations,
     simulate,
 )
@@ -109,3 +111,23 @@ def test_bad_schedule_requests_are_refused(args, msg):
 def test_timeline_draws_as_png(tmp_path):
     simulate(build("interleaved", 2, 4, 2)).draw(str(tmp_path / "t.png"))
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# NCCL matches point-to-point messages by posting order: for every schedule, pp and micro-batch
+# count, the receives each rank posts from a neighbour come in the order that neighbour sends.
+ORDER_CASES = [(name, p, m, v) for p in range(2, 9) for m in (p, 2 * p, 2 * p + 1)
+               for name, v in (("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2))
+               if not (name == "interleaved" and m % p)] + [("naive", p, 1, 1) for p in range(2, 9)]
+
+
+@pytest.mark.parametrize("name,p,m,v", ORDER_CASES, ids=[f"{n}-p{p}-m{m}-v{v}" for n, p, m, v in ORDER_CASES])
+def test_every_schedule_receives_in_the_order_its_neighbour_sends(name, p, m, v):
+    traces = messages(build(name, p, m, v))
+    assert order_problems(traces) == []
+    assert sum(op == "send" for trace in traces for _, op, _, _ in trace) == 2 * m * (p * v - 1)
+
+
+def test_a_receive_out_of_order_is_caught():
+    traces = messages(build("1f1b", 2, 2))
+    traces[1][0], traces[1][2] = traces[1][2], traces[1][0]  # rank 1 asks for micro-batch 1 first
+    assert order_problems(traces)
