@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from minipar.collectives import Group
+from minipar.placement import placement_of
 from minipar.tensor_parallel import shard, unshard
 
 FILES = ("model.safetensors", "optimizer.safetensors", "train_state.json")
@@ -147,7 +148,7 @@ def load(path: Path, model: nn.Module, tp_group: Group | None = None) -> tuple[d
         raise CheckpointError(f"checkpoint {path} does not match the model (lacks {sorted(missing)[:3]}...)")
     with torch.no_grad():
         for name, p in params.items():
-            full_shape = getattr(p, "_tp_full", tuple(p.shape))
+            full_shape = placement_of(p).full_shape
             if tuple(weights[name].shape) != tuple(full_shape):
                 raise CheckpointError(
                     f"checkpoint {path}: {name} has shape {tuple(weights[name].shape)}, the model "

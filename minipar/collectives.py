@@ -30,8 +30,8 @@ point-to-point messages by posting order alone (it ignores tags) and needs every
 communicator to issue the same collectives in the same order, and `order_check.py` proves both
 from the traces of a gloo run.
 
-The second half of the file holds the autograd-aware operators of Megatron-LM's tensor and sequence
-parallelism: a collective in forward whose conjugate runs in backward.
+The autograd-aware operators built on these (a collective in forward whose conjugate runs in
+backward: Megatron-LM's f and g, and the all-to-all of expert parallelism) are in autograd_ops.py.
 """
 
 from __future__ import annotations
@@ -198,15 +198,25 @@ def broadcast(t: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
     return t
 
 
-def all_to_all(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
-    """Split t into N chunks along `dim`; chunk j goes to rank j; received chunks are concatenated."""
-    group._note("all_to_all", t)
+def all_to_all(t: torch.Tensor, group: Group, dim: int = 0, send_splits: list[int] | None = None,
+               recv_splits: list[int] | None = None) -> torch.Tensor:
+    """Cut t along `dim` into N pieces (equal, or of sizes `send_splits`); piece j goes to rank j;
+    the pieces received (of sizes `recv_splits`: what each rank sends this one) are concatenated.
+    The ledger counts the pieces this rank sends to others, whatever their sizes."""
+    if send_splits is None:
+        send_splits = [t.shape[dim] // group.size] * group.size
+        recv_splits = send_splits
+    row_bytes = t.numel() // max(1, t.shape[dim]) * t.element_size()
+    payload = t.shape[dim] * row_bytes
+    group.ledger.record(group.name, "all_to_all", payload, (t.shape[dim] - send_splits[group.rank]) * row_bytes)
+    if group.ledger.trace is not None and group.size > 1:
+        group.ledger.trace.append((group.communicator, "all_to_all", None, payload))
     if group.size == 1:
         return t
-    inputs = [c.contiguous() for c in t.chunk(group.size, dim=dim)]
-    outputs = [torch.empty_like(c) for c in inputs]
-    dist.all_to_all(outputs, inputs, group=group.pg)
-    return torch.cat(outputs, dim=dim)
+    rows = t.movedim(dim, 0).contiguous()  # the pieces are runs of rows along dim 0
+    out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group.pg)
+    return out.movedim(0, dim)
 
 
 def send(t: torch.Tensor, group: Group, dst: int) -> None:
@@ -282,118 +292,3 @@ def ring_all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
     for step in range(n - 1):  # all-gather
         exchange((i + 1 - step) % n, (i - step) % n, reduce=False)
     return t
-
-
-# ----------------------------------------------------------------------------------------------
-# Autograd-aware operators (Megatron-LM's f and g, and the split/gather pair).
-#
-# A column-parallel linear needs its input on every tp rank (forward: nothing to do) but each
-# rank's backward only produces the input-gradient of its own output columns, so the gradients
-# must be summed: identity forward, all-reduce backward ("f", copy_to_parallel). A row-parallel
-# linear produces partial sums that must be added (forward all-reduce), while the gradient of a
-# sum reaches every addend unchanged (identity backward): "g", reduce_from_parallel. Split and
-# gather along a dimension are each other's backward.
-# ----------------------------------------------------------------------------------------------
-
-
-class _CopyToParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        all_reduce(grad, ctx.group)
-        return grad, None
-
-
-class _ReduceFromParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous().clone()
-        all_reduce(x, group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _SplitAlongDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        if x.shape[dim] % group.size:
-            raise ValueError(f"split: dim {dim} of size {x.shape[dim]} is not divisible by {group.size}")
-        return x.chunk(group.size, dim=dim)[group.rank].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad.contiguous(), ctx.group, dim=ctx.dim), None, None
-
-
-class _GatherAlongDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x.contiguous(), group, dim=dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.chunk(ctx.group.size, dim=ctx.dim)[ctx.group.rank].contiguous(), None, None
-
-
-class _GatherFromSequenceParallel(torch.autograd.Function):
-    # Each rank's gradient of the gathered sequence is partial (it saw only its own weight
-    # shard), so backward must sum over ranks *and* split: a reduce-scatter.
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x.contiguous(), group, dim=dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad.contiguous(), ctx.group, dim=ctx.dim), None, None
-
-
-class _ReduceScatterToSequenceParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter(x.contiguous(), group, dim=dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad.contiguous(), ctx.group, dim=ctx.dim), None, None
-
-
-def copy_to_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """f: identity forward, all-reduce backward."""
-    return x if group.size == 1 else _CopyToParallel.apply(x, group)
-
-
-def reduce_from_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """g: all-reduce forward, identity backward."""
-    return x if group.size == 1 else _ReduceFromParallel.apply(x, group)
-
-
-def split_along_dim(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    """Keep this rank's 1/N slice forward; all-gather the gradient backward."""
-    return x if group.size == 1 else _SplitAlongDim.apply(x, group, dim)
-
-
-def gather_along_dim(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    """All-gather forward; keep this rank's slice of the gradient backward."""
-    return x if group.size == 1 else _GatherAlongDim.apply(x, group, dim)
-
-
-def gather_from_sequence_parallel(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    """Sequence parallelism's f: all-gather the sequence forward, reduce-scatter backward."""
-    return x if group.size == 1 else _GatherFromSequenceParallel.apply(x, group, dim)
-
-
-def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    """Sequence parallelism's g: reduce-scatter the partial sums forward, all-gather backward."""
-    return x if group.size == 1 else _ReduceScatterToSequenceParallel.apply(x, group, dim)

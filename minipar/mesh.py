@@ -26,8 +26,8 @@ neighbours, so they can cross the slower network between nodes.
 A *group* is a line through the grid along one dimension: all ranks that share every coordinate
 but one. Each dimension's groups partition the world. We also build the dp x cp groups, because
 replicated parameters get their gradients averaged over data *and* context replicas (chapter 6).
-Expert parallelism (ep) will be carved out of dp x cp later; the layout leaves room for it by
-keeping the dimension list in one place, `DIMS`.
+Expert parallelism carves its dimensions out of dp x cp: `Mesh.unflatten(("dp", "cp"), edp=..,
+ep=..)` reshapes each dp x cp group and builds a group per new dimension.
 
 `MeshLayout` is the pure arithmetic (no processes: testable for every layout); `Mesh` adds this
 rank's process groups. There is no global mesh: the object is passed to whoever needs it.
@@ -108,6 +108,26 @@ class MeshLayout:
             result.append(sorted(members))
         return result
 
+    def unflatten_groups(self, dims: tuple[str, ...], sizes: dict[str, int]) -> dict[str, list[list[int]]]:
+        """Each group along `dims` reshaped to `sizes` (last fastest): {new dim: its groups}."""
+        product = 1
+        for n in sizes.values():
+            product *= n
+        span = len(self.groups(*dims)[0])
+        if product != span:
+            raise LayoutError(f"{' x '.join(f'{k} {v}' for k, v in sizes.items())} = {product}, but the "
+                              f"{' x '.join(dims)} groups have {span} ranks: choose sizes whose product is {span}")
+        names, out = list(sizes), {name: [] for name in sizes}
+        for members in self.groups(*dims):
+            for i, name in enumerate(names):
+                stride = 1
+                for later in names[i + 1:]:
+                    stride *= sizes[later]
+                for start in range(product):  # a group: the members that differ only along `name`
+                    if (start // stride) % sizes[name] == 0:
+                        out[name].append([members[start + j * stride] for j in range(sizes[name])])
+        return out
+
     def group_of(self, rank: int, *dims: str) -> list[int]:
         return next(g for g in self.groups(*dims) if rank in g)
 
@@ -163,18 +183,45 @@ class Mesh:
                     mesh._groups[name] = Group(name, pg, ranks, mesh.ledger)
         return mesh
 
-    # -- coordinates ---------------------------------------------------------------------------
+    # -- groups and coordinates ----------------------------------------------------------------
+    def group(self, *dims: str, channel: str = "") -> Group:
+        """This rank's group along `dims`: mesh.group("tp"), mesh.group("dp", "cp"); a dimension made
+        by `unflatten` too. channel="grad": the pipeline's second communicator over the pp ranks."""
+        name = "_".join(dims) + (f"_{channel}" if channel else "")
+        if name not in self._groups:
+            raise KeyError(f"no {name} group in this mesh: it has {', '.join(self._groups)}")
+        return self._groups[name]
+
+    def coord(self, dim: str) -> int:
+        """This rank's coordinate along `dim` (its rank inside the group of that dimension)."""
+        return self.coords[dim] if dim in DIMS else self.group(dim).rank
+
     @property
     def coords(self) -> dict[str, int]:
         return self.layout.coords(self.rank)
 
-    def __getattr__(self, name: str):
-        # mesh.dp_rank, mesh.tp_rank, ... and mesh.dp_group, mesh.tp_group, ...
-        if name.endswith("_rank") and name[:-5] in DIMS:
-            return self.layout.coords(self.rank)[name[:-5]]
-        if name.endswith("_group") and name[:-6] in GROUP_DIMS:
-            return self._groups[name[:-6]]
-        raise AttributeError(name)
+    # The usual ones, by name.
+    tp_group = property(lambda self: self.group("tp"))
+    cp_group = property(lambda self: self.group("cp"))
+    dp_group = property(lambda self: self.group("dp"))
+    pp_group = property(lambda self: self.group("pp"))
+    pp_grad_group = property(lambda self: self.group("pp", channel="grad"))
+    dp_cp_group = property(lambda self: self.group("dp", "cp"))
+    tp_rank = property(lambda self: self.coord("tp"))
+    cp_rank = property(lambda self: self.coord("cp"))
+    dp_rank = property(lambda self: self.coord("dp"))
+    pp_rank = property(lambda self: self.coord("pp"))
+
+    def unflatten(self, dims: tuple[str, ...], **sizes: int) -> None:
+        """Carve new named dimensions out of a product of existing ones: the group along `dims`
+        is reshaped to `sizes` (in order, the last varying fastest), and a group is built for each
+        new dimension. Expert parallelism does mesh.unflatten(("dp", "cp"), edp=2, ep=4).
+        Every rank must call it at the same time (creating groups is a collective)."""
+        for name, groups in self.layout.unflatten_groups(dims, sizes).items():
+            for ranks in groups:
+                pg = dist.new_group(ranks) if len(ranks) < self.layout.world_size else dist.group.WORLD
+                if self.rank in ranks:
+                    self._groups[name] = Group(name, pg, ranks, self.ledger)
 
     # -- neighbours ----------------------------------------------------------------------------
     @property

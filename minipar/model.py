@@ -16,9 +16,12 @@ own random generator, seeded by (seed, parameter name), at its full single-devic
 parallel shard is then *the slice* of that full tensor, whatever tp is: a sharded run starts from
 exactly the weights of the single-device run, which is what lets tests compare them.
 
-The layers are minipar's tensor-parallel ones (tensor_parallel.py). Built with no tp group (a
-group of one) they are exactly nn.Linear and nn.Embedding, so this file is the plain single-device
-model and, given a tp group, the tensor-parallel one: the same code, proven equal by the tests.
+This file knows nothing of parallelism: nn.Linear, nn.Embedding, SDPA. `parallelize.py` turns
+it into this rank's part of a parallel model by swapping modules and functions, and the tests
+prove every such model equal to this one. The seams it leaves for that are plain attributes:
+`Attention.attend` (the attention function: ring attention under context parallelism),
+`Attention.positions` (the global positions of the tokens this rank holds) and `Llama.loss_fn`
+(the loss from the logits: vocabulary-parallel under tensor parallelism).
 """
 
 from __future__ import annotations
@@ -29,22 +32,8 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from einops import rearrange, repeat
 from torch import nn
-
-from minipar.collectives import Group
-from minipar.context_parallel import global_token_count, ring_attention, zigzag_positions
-from minipar.tensor_parallel import (
-    ColumnParallelLinear,
-    ReplicatedRowsLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    enter_parallel_region,
-    mark,
-    shard,
-    vocab_parallel_cross_entropy,
-)
 
 
 @dataclass(frozen=True)
@@ -131,13 +120,10 @@ def init_std(name: str, config: ModelConfig) -> float | None:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, config: ModelConfig, seed: int, tp_group: Group) -> None:
-    """Draw each parameter at its full single-device shape; keep this tp rank's shard of it."""
+def init_weights(model: nn.Module, config: ModelConfig, seed: int) -> None:
     for name, p in model.named_parameters():
-        full_shape = getattr(p, "_tp_full", tuple(p.shape))
         std = init_std(name, config)
-        full = torch.ones(full_shape) if std is None else init_tensor(name, full_shape, std, seed)
-        p.copy_(shard(full, p, tp_group))
+        p.copy_(torch.ones(p.shape) if std is None else init_tensor(name, tuple(p.shape), std, seed))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,12 +132,10 @@ def init_weights(model: nn.Module, config: ModelConfig, seed: int, tp_group: Gro
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, partial_grad: bool = False):
+    def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
-        # With sequence parallelism each tp rank normalises different tokens: its gradient of
-        # the (replicated) gain is a partial sum, all-reduced over tp after backward.
-        self.weight = mark(nn.Parameter(torch.ones(dim)), (dim,), partial_grad=partial_grad)
+        self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
@@ -176,141 +160,112 @@ def apply_rope(x, cos, sin):
     return x * cos + rotated * sin
 
 
+def causal_attention(q, k, v):
+    """softmax(q k^T / sqrt(hd)) v over earlier positions. Grouped-query: each kv head serves
+    q's heads / k's heads query heads. q [b, h, s, hd]; k, v [b, h_kv, s, hd]."""
+    group = q.shape[1] // k.shape[1]
+    k = repeat(k, "b h s d -> b (h g) s d", g=group)
+    v = repeat(v, "b h s d -> b (h g) s d", g=group)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def sequence_positions(seq_len: int, device) -> torch.Tensor:
+    return torch.arange(seq_len, device=device)
+
+
 class Attention(nn.Module):
-    """Heads split across tp: q, k, v column-parallel (whole heads per rank), wo row-parallel."""
+    """q, k, v projections, RoPE, causal attention, output projection. The number of heads is read
+    off the projections' shapes, so a tensor-parallel rank holding some heads runs the same code."""
 
-    def __init__(self, config: ModelConfig, tp: Group, sequence_parallel: bool, cp: Group):
+    def __init__(self, config: ModelConfig):
         super().__init__()
-        self.tp, self.sequence_parallel, self.cp = tp, sequence_parallel, cp
-        hd = self.head_dim = config.head_dim
-        self.local_heads = config.n_heads // tp.size
-        self.wq = ColumnParallelLinear(config.dim, config.n_heads * hd, tp)
-        if config.n_kv_heads % tp.size == 0:  # each rank holds its own kv heads
-            self.local_kv_heads = config.n_kv_heads // tp.size
-            self.wk = ColumnParallelLinear(config.dim, config.n_kv_heads * hd, tp)
-            self.wv = ColumnParallelLinear(config.dim, config.n_kv_heads * hd, tp)
-        else:  # fewer kv heads than ranks: each rank uses the one kv head its query heads read
-            self.local_kv_heads = 1
-            head = tp.rank * config.n_kv_heads // tp.size
-            rows = slice(head * hd, (head + 1) * hd)
-            self.wk = ReplicatedRowsLinear(config.dim, config.n_kv_heads * hd, tp, rows)
-            self.wv = ReplicatedRowsLinear(config.dim, config.n_kv_heads * hd, tp, rows)
-        self.wo = RowParallelLinear(config.n_heads * hd, config.dim, tp, sequence_parallel=sequence_parallel)
+        hd, self.head_dim, self.rope_theta = config.head_dim, config.head_dim, config.rope_theta
+        self.wq = nn.Linear(config.dim, config.n_heads * hd, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(config.n_heads * hd, config.dim, bias=False)
+        self.attend = causal_attention  # context parallelism swaps in ring attention
+        self.positions = sequence_positions  # ... and the global positions of its share of tokens
 
-    def forward(self, x, cos, sin):
-        x = enter_parallel_region(x, self.tp, self.sequence_parallel)  # [b, s, d] on every tp rank
-        q = rearrange(self.wq(x), "b s (h d) -> b h s d", d=self.head_dim)  # local heads only
+    def forward(self, x):
+        q = rearrange(self.wq(x), "b s (h d) -> b h s d", d=self.head_dim)
         k = rearrange(self.wk(x), "b s (h d) -> b h s d", d=self.head_dim)
         v = rearrange(self.wv(x), "b s (h d) -> b h s d", d=self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.cp.size > 1:  # this rank holds s/cp tokens: the K/V blocks go round the cp ring
-            out = ring_attention(q, k, v, self.cp, seq_len=q.shape[2] * self.cp.size)
-            return self.wo(rearrange(out, "b h s d -> b s (h d)"))
-        # Grouped-query attention: each kv head is shared by n_heads / n_kv_heads query heads.
-        group = self.local_heads // self.local_kv_heads
-        k = repeat(k, "b h s d -> b (h g) s d", g=group)
-        v = repeat(v, "b h s d -> b (h g) s d", g=group)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, h/tp, s, hd]
+        cos, sin = rope_cos_sin(self.positions(x.shape[1], x.device), self.head_dim, self.rope_theta, x.dtype)
+        out = self.attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)  # [b, h, s, hd]
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))
 
 
 class MLP(nn.Module):
-    """SwiGLU with gate and up column-parallel, down row-parallel: one g per forward."""
+    """SwiGLU: w_down( silu(w_gate x) * w_up x )."""
 
-    def __init__(self, config: ModelConfig, tp: Group, sequence_parallel: bool):
+    def __init__(self, config: ModelConfig):
         super().__init__()
-        self.tp, self.sequence_parallel = tp, sequence_parallel
-        self.w_gate = ColumnParallelLinear(config.dim, config.ffn_dim, tp)
-        self.w_up = ColumnParallelLinear(config.dim, config.ffn_dim, tp)
-        self.w_down = RowParallelLinear(config.ffn_dim, config.dim, tp, sequence_parallel=sequence_parallel)
+        self.w_gate = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.w_up = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.w_down = nn.Linear(config.ffn_dim, config.dim, bias=False)
 
     def forward(self, x):
-        x = enter_parallel_region(x, self.tp, self.sequence_parallel)
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))  # [b, s, ffn/tp] inside
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, tp: Group, sequence_parallel: bool, cp: Group):
+    def __init__(self, config: ModelConfig):
         super().__init__()
-        partial = sequence_parallel and tp.size > 1
-        self.attn_norm = RMSNorm(config.dim, config.norm_eps, partial)
-        self.attn = Attention(config, tp, sequence_parallel, cp)
-        self.mlp_norm = RMSNorm(config.dim, config.norm_eps, partial)
-        self.mlp = MLP(config, tp, sequence_parallel)
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
         return x + self.mlp(self.mlp_norm(x))
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss over the targets that are not -100, in at least float32."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=-100)
+
+
 class Llama(nn.Module):
-    """The decoder. `tp_group=None` builds the plain single-device model.
+    """The decoder on one device. `forward_stage` runs any contiguous part of it, which is all a
+    pipeline stage needs (parallelize.py removes the layers a stage does not hold)."""
 
-    A pipeline stage builds only part of it: the layers in `layer_ids` (keeping their global
-    numbers, so parameter names match the single-device model's), the embedding if `embed`, the
-    final norm and LM head if `head`. Memory for parameters then falls as 1/pp.
-    """
-
-    def __init__(self, config: ModelConfig, seed: int = 0, tp_group: Group | None = None,
-                 sequence_parallel: bool = False, layer_ids=None, embed: bool = True, head: bool = True,
-                 recompute: bool = False, cp_group: Group | None = None):
+    def __init__(self, config: ModelConfig, seed: int = 0):
         super().__init__()
         config.validate()
-        tp = self.tp_group = tp_group or Group.solo("tp")
-        cp = self.cp_group = cp_group or Group.solo("cp")  # context parallel: this rank's share of the sequence
-        self.config, self.sequence_parallel = config, sequence_parallel
-        # Activation checkpointing: keep only each layer's input; redo its forward during backward.
-        self.recompute = recompute
-        layer_ids = range(config.n_layers) if layer_ids is None else layer_ids
-        self.tok_emb = VocabParallelEmbedding(config.vocab_size, config.dim, tp, sequence_parallel) if embed else None
-        self.layers = nn.ModuleDict({str(i): Block(config, tp, sequence_parallel, cp) for i in layer_ids})
-        if head:
-            self.norm = RMSNorm(config.dim, config.norm_eps, sequence_parallel and tp.size > 1)
-            self.lm_head = ColumnParallelLinear(config.dim, config.vocab_size, tp)  # untied, vocab-parallel
-        init_weights(self, config, seed, tp)
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)  # untied
+        self.loss_fn = cross_entropy  # tensor parallelism swaps in the vocabulary-parallel loss
+        init_weights(self, config, seed)
 
-    def forward(self, tokens, targets=None, positions=None):
-        """tokens [b, s] -> this tp rank's logits [b, s, V/tp], or the mean next-token loss.
+    def forward(self, tokens, targets=None):
+        """tokens [b, s] -> logits [b, s, V], or, given targets, the mean next-token loss.
 
         targets are the tokens shifted by one (the data pipeline does the shift); -100 is ignored.
-        With tp = 1 the logits are the whole [b, s, V]; `tensor_parallel.gather_logits` joins shards.
         """
-        return self.forward_stage(tokens, list(self.layers), first=True, last=True, targets=targets,
-                                  positions=positions)
+        return self.forward_stage(tokens, list(self.layers), first=True, last=True, targets=targets)
 
-    def forward_stage(self, x, layer_ids, first: bool, last: bool, targets=None, positions=None):
-        """Run layers `layer_ids` on x: tokens if `first` (embed them), else the previous stage's
-        activations [b, s, d] ([b, s/tp, d] with sequence parallelism). If `last`, finish with the
-        norm, the LM head and (given targets) the loss."""
+    def forward_stage(self, x, layer_ids, first: bool, last: bool, targets=None):
+        """Run layers `layer_ids` on x: tokens if `first` (embed them), else the activations [b, s, d]
+        from the layer before. If `last`, finish with the norm, the LM head and (given targets)
+        the loss."""
         if first:
-            local_len = x.shape[1]
-            x = self.tok_emb(x)  # [b, s, d], or [b, s/tp, d] with sequence parallelism
-        else:
-            local_len = x.shape[1] * (self.tp_group.size if self.sequence_parallel else 1)
-        if positions is None:  # global positions: with cp, this rank's zigzag share of the sequence
-            cp = self.cp_group
-            positions = zigzag_positions(cp.rank, cp.size, local_len * cp.size, x.device)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
-        cos, sin = cos.to(x.device), sin.to(x.device)
+            x = self.tok_emb(x)
         for i in layer_ids:
-            layer = self.layers[str(i)]
-            if self.recompute and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin)
+            x = self.layers[str(i)](x)
         if not last:
             return x
-        x = enter_parallel_region(self.norm(x), self.tp_group, self.sequence_parallel)
-        logits = self.lm_head(x)  # [b, s, V/tp]: the full vocabulary never sits on one rank
-        if targets is None:
-            return logits
-        # The loss in at least float32, even when the model computes in bfloat16.
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        loss = vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.config.vocab_size)
-        if self.cp_group.size == 1:
-            return loss
-        # The mean over the whole sequence, not a mean of the cp ranks' means: weigh this rank's
-        # mean by its share of the tokens, times cp so that averaging over cp (dp x cp data
-        # parallelism does) gives the token mean.
-        local = (targets != -100).sum()
-        return loss * local * self.cp_group.size / global_token_count(targets, self.cp_group).to(loss.dtype)
+        logits = self.lm_head(self.norm(x))
+        return logits if targets is None else self.loss_fn(logits, targets)
+
+    def stage_parameters(self, layer_ids, first: bool, last: bool) -> list[nn.Parameter]:
+        """The parameters `forward_stage` with these arguments uses."""
+        modules = [self.layers[str(i)] for i in layer_ids]
+        modules += [self.tok_emb] if first else []
+        modules += [self.norm, self.lm_head] if last else []
+        return [p for m in modules for p in m.parameters()]

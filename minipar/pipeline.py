@@ -72,6 +72,7 @@ class Pipeline:
     n_layers: int
     virtual: int = 1
     grad_group: Group | None = None  # the same ranks, a second channel for gradients (see above)
+    seq_shards: int = 1  # tp under sequence parallelism: stages pass on [b, s/tp, d]
     timeline: Timeline | None = None  # the last run's measured actions on this rank
     bubble: float = 0.0  # and the fraction of that run this rank spent waiting for its neighbours
 
@@ -109,12 +110,12 @@ class Pipeline:
         measured timeline of this rank is left in `self.timeline`."""
         m, p, last = len(micro_batches), self.group.size, self.n_stages - 1
         tokens = micro_batches[0][0]
-        tp = model.tp_group.size if model.sequence_parallel else 1
-        act_shape = (tokens.shape[0], tokens.shape[1] // tp, model.config.dim)  # what stages pass on
+        act_shape = (tokens.shape[0], tokens.shape[1] // self.seq_shards, model.config.dim)  # what stages pass on
         act_dtype, device = next(model.parameters()).dtype, tokens.device
         actions = self.actions(m)
         split = any(a.kind == "W" for a in actions)
-        stage_params = {k: self._params_of(model, k) for k in self.my_stages}
+        stage_params = {k: model.stage_parameters(self.layers_of(k), first=k == 0, last=k == last)
+                        for k in self.my_stages}
         inputs, outputs, out_grads, pending_sends = {}, {}, {}, []
         total = 0.0
         rows = []
@@ -166,11 +167,3 @@ class Pipeline:
         self.timeline = Timeline([rows])
         self.bubble = 1.0 - sum(end - start for start, end, _ in rows) / (time.perf_counter() - began)
         return total
-
-    def _params_of(self, model, stage: int) -> list[torch.nn.Parameter]:
-        prefixes = [f"layers.{i}." for i in self.layers_of(stage)]
-        if stage == 0:
-            prefixes.append("tok_emb.")
-        if stage == self.n_stages - 1:
-            prefixes += ["norm.", "lm_head."]
-        return [p for n, p in model.named_parameters() if n.startswith(tuple(prefixes))]

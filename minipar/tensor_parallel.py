@@ -34,10 +34,10 @@ per token, so the [b, s, V] logits never exist on any rank. A vocabulary that tp
 padded to the next multiple: padded embedding rows are never looked up, and padded logits are set
 to -inf before the softmax, so they change neither the loss nor any gradient.
 
-Sharding. Each parameter records which dimension is split (`_tp_dim`) and its full, unpadded
-shape (`_tp_full`); `shard` and `unshard` turn a single-device tensor into this rank's piece and
-back. The model's initialisation draws the full tensor and keeps the shard, so a shard always
-equals the slice of the single-device parameter.
+Sharding. Each parameter's `Placement` (placement.py) records which tensor dimension tp splits
+and its full, unpadded shape; `shard` and `unshard` turn a single-device tensor into this rank's
+piece and back. `parallelize` builds these layers from the plain model's own layers, cutting each
+shard from the single-device weight, so a shard always equals the slice of the plain parameter.
 """
 
 from __future__ import annotations
@@ -48,15 +48,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minipar.collectives import (
-    Group,
-    all_gather,
-    all_reduce,
+from minipar.autograd_ops import (
     copy_to_parallel,
     gather_from_sequence_parallel,
     reduce_from_parallel,
     reduce_scatter_to_sequence_parallel,
 )
+from minipar.collectives import Group, all_gather, all_reduce
+from minipar.placement import Placement, place, placement_of
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
 
@@ -83,15 +82,15 @@ def check_tp_layout(n_heads: int, n_kv_heads: int, dim: int, ffn_dim: int, tp: i
 
 
 def mark(p: nn.Parameter, full_shape, dim: int | None = None, partial_grad: bool = False) -> nn.Parameter:
-    p._tp_full = tuple(full_shape)  # the single-device shape, before padding
-    p._tp_dim = dim  # None: every tp rank holds all of it
-    p._tp_partial = partial_grad  # replicated, but each rank's gradient is only part of the sum
-    return p
+    """State p's tensor-parallel placement: split along `dim` over tp (None: every tp rank holds
+    all of it), and whether each rank's gradient is only part of the sum over tp."""
+    return place(p, Placement(tuple(full_shape), shards=(("tp", dim),) if dim is not None else (),
+                              partial=("tp",) if partial_grad else ()))
 
 
 def shard(full: torch.Tensor, p: nn.Parameter, group: Group) -> torch.Tensor:
     """This rank's piece of a single-device tensor (padded with zeros to a multiple of tp)."""
-    dim = getattr(p, "_tp_dim", None)
+    dim = placement_of(p).dim_of("tp")
     if dim is None:
         return full
     local = p.shape[dim]
@@ -105,15 +104,15 @@ def shard(full: torch.Tensor, p: nn.Parameter, group: Group) -> torch.Tensor:
 
 def unshard(local: torch.Tensor, p: nn.Parameter, group: Group) -> torch.Tensor:
     """The single-device tensor, gathered from every rank's piece (a collective over tp)."""
-    dim = getattr(p, "_tp_dim", None)
+    dim = placement_of(p).dim_of("tp")
     if dim is None:
         return local
-    return all_gather(local.contiguous(), group, dim=dim).narrow(dim, 0, p._tp_full[dim])
+    return all_gather(local.contiguous(), group, dim=dim).narrow(dim, 0, placement_of(p).full_shape[dim])
 
 
 def sync_partial_grads(module: nn.Module, group: Group) -> None:
     """All-reduce, in one flat message, the gradients that each tp rank holds only part of."""
-    params = [p for p in module.parameters() if getattr(p, "_tp_partial", False) and p.grad is not None]
+    params = [p for p in module.parameters() if "tp" in placement_of(p).partial and p.grad is not None]
     if group.size == 1 or not params:
         return
     flat = torch.cat([p.grad.reshape(-1) for p in params])

@@ -37,7 +37,9 @@ from minipar.data import TokenData, find_files, prepare
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import parallelize
 from minipar.pipeline import Pipeline
+from minipar.placement import placement_of
 from minipar.tensor_parallel import sync_partial_grads
 from minipar.zero import ZeroDataParallel
 from minipar.zero3 import Zero3DataParallel
@@ -84,8 +86,8 @@ def clip_grad_norm(params, max_norm: float, tp_group: Group, pp_group: Group | N
     scale by max_norm / (norm + 1e-6) when that is below 1.
     """
     grads = [p for p in params if p.grad is not None]
-    sharded = [p.grad for p in grads if getattr(p, "_tp_dim", None) is not None]
-    replicated = [p.grad for p in grads if getattr(p, "_tp_dim", None) is None]
+    sharded = [p.grad for p in grads if placement_of(p).is_sharded("tp")]
+    replicated = [p.grad for p in grads if not placement_of(p).is_sharded("tp")]
     sq = torch.stack([g.pow(2).sum() for g in sharded]).sum() if sharded else grads[0].grad.new_zeros(())
     all_reduce(sq, tp_group)
     if replicated:
@@ -255,11 +257,8 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
     model_cfg = get_config(cfg.model, vocab_size=data.vocab_size)
     # With pp > 1 this rank builds only its stages' layers (and the embedding / head if it has them).
     pipeline = Pipeline(mesh.pp_group, cfg.schedule, model_cfg.n_layers, cfg.virtual_stages,
-                        grad_group=mesh.pp_grad_group) if cfg.pp > 1 else None
-    model = Llama(model_cfg, seed=cfg.seed, tp_group=mesh.tp_group, sequence_parallel=cfg.sp, cp_group=mesh.cp_group,
-                  layer_ids=pipeline.my_layers() if pipeline else None,
-                  embed=pipeline.holds_first() if pipeline else True,
-                  head=pipeline.holds_last() if pipeline else True, recompute=cfg.recompute)
+                        grad_group=mesh.pp_grad_group, seq_shards=cfg.tp if cfg.sp else 1) if cfg.pp > 1 else None
+    model = parallelize(Llama(model_cfg, seed=cfg.seed), mesh, sp=cfg.sp, recompute=cfg.recompute, pipeline=pipeline)
     model = model.to(device=device, dtype=param_dtype)
     start, consumed, saved_states = 0, 0, None
     if resume is not None:  # weights first: ZeRO builds its master slices from them

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from minipar.collectives import Group, all_gather, all_gather_into, all_reduce, broadcast, reduce_scatter
+from minipar.placement import placement_of
 
 
 class ZeroBucket:
@@ -118,7 +119,7 @@ class ZeroDataParallel(nn.Module):
         for pg in param_groups:
             masters = []
             for sharded in (True, False):
-                params = [p for p in pg["params"] if (getattr(p, "_tp_dim", None) is not None) == sharded]
+                params = [p for p in pg["params"] if placement_of(p).is_sharded("tp") == sharded]
                 for chunk in self._chunks(list(reversed(params)), bucket_mb):
                     bucket = self._new_bucket(chunk)
                     bucket.tp_sharded = sharded
@@ -159,7 +160,7 @@ class ZeroDataParallel(nn.Module):
     def _sync_partial(self, params) -> None:
         # Replicated tp parameters with partial gradients (sequence-parallel norms, shared kv heads)
         # are summed over tp before their dp reduce-scatter.
-        partial = [p for p in params if getattr(p, "_tp_partial", False) and p.grad is not None]
+        partial = [p for p in params if "tp" in placement_of(p).partial and p.grad is not None]
         for p in partial:
             all_reduce(p.grad, self.tp_group)
 

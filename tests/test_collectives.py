@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 from harness import run_ranks
 
+from minipar import autograd_ops as A
 from minipar import collectives as C
 from minipar.mesh import Mesh
 
@@ -84,26 +85,26 @@ def _autograd_ops(rank, world):
         grads = [_rank_tensor(r + 50) for r in range(world)]
 
         x = inputs[rank].clone().requires_grad_()
-        y = C.copy_to_parallel(x, g)
+        y = A.copy_to_parallel(x, g)
         y.backward(grads[rank])
         torch.testing.assert_close(y, inputs[rank], rtol=0, atol=0)
         torch.testing.assert_close(x.grad, sum(grads), rtol=1e-12, atol=1e-12)
 
         x = inputs[rank].clone().requires_grad_()
-        y = C.reduce_from_parallel(x, g)
+        y = A.reduce_from_parallel(x, g)
         y.backward(grads[rank])
         torch.testing.assert_close(y, sum(inputs), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(x.grad, grads[rank], rtol=0, atol=0)
 
         full = torch.cat(inputs, dim=1)
         x = full.clone().requires_grad_()
-        y = C.split_along_dim(x, g, dim=1)
+        y = A.split_along_dim(x, g, dim=1)
         torch.testing.assert_close(y, inputs[rank], rtol=0, atol=0)
         y.backward(grads[rank])
         torch.testing.assert_close(x.grad, torch.cat(grads, dim=1), rtol=0, atol=0)
 
         x = inputs[rank].clone().requires_grad_()
-        y = C.gather_along_dim(x, g, dim=1)
+        y = A.gather_along_dim(x, g, dim=1)
         torch.testing.assert_close(y, full, rtol=0, atol=0)
         y.backward(torch.cat(grads, dim=1))
         torch.testing.assert_close(x.grad, grads[rank], rtol=0, atol=0)
@@ -122,3 +123,28 @@ def test_single_rank_ops_send_nothing():
     assert ledger.get("tp", "all_reduce").calls == 2
     ledger.reset()
     assert ledger.get("tp", "all_reduce").calls == 0
+
+
+def _uneven_all_to_all(rank, world):
+    """Rank r sends r + j + 1 rows to rank j; the backward sends each gradient row home."""
+    with Mesh.build(dp=world) as mesh:
+        g = mesh.dp_group
+        send = [rank + j + 1 for j in range(world)]
+        recv = [r + rank + 1 for r in range(world)]  # what rank r sends to this one
+        x = (torch.arange(sum(send), dtype=torch.float64) + 100 * rank).unsqueeze(1).repeat(1, 3).requires_grad_()
+        y = A.all_to_all_with_grad(x, g, 0, send, recv)
+        expected = torch.cat([(torch.arange(sum(r + j + 1 for j in range(world)), dtype=torch.float64) + 100 * r)
+                              .split([r + j + 1 for j in range(world)])[rank] for r in range(world)])
+        torch.testing.assert_close(y[:, 0], expected, rtol=0, atol=0)
+        (y * (rank + 1)).sum().backward()  # each received row's gradient names the receiver
+        owners = torch.cat([torch.full((n,), j + 1.0, dtype=torch.float64) for j, n in enumerate(send)])
+        torch.testing.assert_close(x.grad[:, 0], owners, rtol=0, atol=0)
+        entry = mesh.ledger.get("dp", "all_to_all")
+        row = 3 * 8
+        return entry.calls, entry.sent, (sum(send) - send[rank]) * row + (sum(recv) - recv[rank]) * row
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_to_all_with_uneven_splits_and_its_backward(world):
+    for calls, sent, expected in run_ranks(world, _uneven_all_to_all):
+        assert calls == 2 and sent == expected  # forward and backward, each counting what it sent away

@@ -11,6 +11,7 @@ from minipar.config import TrainConfig
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import parallel_llama
 from minipar.tensor_parallel import unshard
 from minipar.train import build_optimizer, train_step
 
@@ -84,7 +85,7 @@ def batch(seed=0, rows=4, ignore=True):
 def _model_at_cp(rank, world):
     with Mesh.build(cp=world) as mesh:
         g = mesh.cp_group
-        model = Llama(CFG, seed=2, cp_group=g).double()
+        model = parallel_llama(CFG, seed=2, cp_group=g).double()
         x, y = batch()
         loss = model(C.split_sequence(x, g), C.split_sequence(y, g))
         loss.backward()
@@ -146,8 +147,9 @@ def _train(rank, world, degrees, zero, sp):
 
     with Mesh.build(**degrees) as mesh:
         cfg = get_config("tiny", n_layers=4, vocab_size=250)
-        pipeline = Pipeline(mesh.pp_group, "1f1b", cfg.n_layers) if mesh.layout.pp > 1 else None
-        model = Llama(cfg, seed=2, tp_group=mesh.tp_group, sequence_parallel=sp, cp_group=mesh.cp_group,
+        pipeline = (Pipeline(mesh.pp_group, "1f1b", cfg.n_layers, seq_shards=mesh.layout.tp if sp else 1)
+                    if mesh.layout.pp > 1 else None)
+        model = parallel_llama(cfg, seed=2, tp_group=mesh.tp_group, sequence_parallel=sp, cp_group=mesh.cp_group,
                       layer_ids=pipeline.my_layers() if pipeline else None,
                       embed=pipeline.holds_first() if pipeline else True,
                       head=pipeline.holds_last() if pipeline else True).double()

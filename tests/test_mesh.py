@@ -86,7 +86,8 @@ def _check_real_groups(rank, world, degrees):
     with Mesh.build(**degrees) as mesh:
         assert mesh.rank == rank
         for name, dims in GROUP_DIMS.items():
-            group = getattr(mesh, f"{name}_group")
+            group = mesh.group(*name.split("_")[:len(dims)], channel="grad" if name == "pp_grad" else "")
+            assert group is getattr(mesh, f"{name}_group")  # the named shorthand is the same group
             assert group.ranks == mesh.layout.group_of(rank, *dims)
             t = torch.tensor([float(rank)])
             all_reduce(t, group)
@@ -95,6 +96,8 @@ def _check_real_groups(rank, world, degrees):
         assert (pp_prev is None) == (mesh.pp_rank == 0)
         assert (pp_next is None) == (mesh.pp_rank == mesh.layout.pp - 1)
         left, right = mesh.cp_ring
+        # Activations and gradients of the pipeline never share a communicator.
+        assert mesh.pp_grad_group.pg is not mesh.pp_group.pg
         return dict(coords=mesh.coords, prev=pp_prev, next=pp_next, ring=(left, right))
 
 
@@ -121,3 +124,33 @@ def test_mesh_build_rejects_mismatch_before_any_collective():
     msgs = run_ranks(2, _mesh_with_wrong_world)
     assert all("= 4 ranks, but the world has 2" in m for m in msgs)
     assert dist.is_available()
+
+
+def test_mesh_has_no_hidden_accessors():
+    assert "__getattr__" not in vars(Mesh)
+
+
+def test_unflatten_reshapes_each_dp_cp_group_into_new_dimensions():
+    layout = MeshLayout(8, dp=4, cp=2)  # one dp x cp group: ranks 0..7, cp fastest
+    groups = layout.unflatten_groups(("dp", "cp"), dict(edp=2, ep=4))
+    assert groups["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    two = MeshLayout(8, dp=2, tp=2, pp=2)  # four dp groups of two: ep 2 inside each, edp 1
+    assert two.unflatten_groups(("dp",), dict(edp=1, ep=2))["ep"] == two.groups("dp")
+    with pytest.raises(LayoutError, match="edp 3 x ep 2 = 6, but the dp x cp groups have 8 ranks"):
+        layout.unflatten_groups(("dp", "cp"), dict(edp=3, ep=2))
+
+
+def _unflattened(rank, world):
+    with Mesh.build(dp=2, cp=2) as mesh:
+        mesh.unflatten(("dp", "cp"), edp=2, ep=2)
+        t = torch.tensor([float(rank)])
+        all_reduce(t, mesh.group("ep"))
+        return mesh.group("ep").ranks, mesh.group("edp").ranks, mesh.coord("ep"), t.item()
+
+
+def test_unflatten_builds_real_groups():
+    out = run_ranks(4, _unflattened)
+    assert [o[0] for o in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [o[1] for o in out] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [o[2] for o in out] == [0, 1, 0, 1] and [o[3] for o in out] == [1, 1, 5, 5]

@@ -72,3 +72,31 @@ def test_named_configs_have_real_shapes():
     assert 1.0e9 < CONFIGS["1b"].num_params() < 1.6e9
     with pytest.raises(ValueError, match="unknown model"):
         get_config("nope")
+
+
+def test_the_plain_model_imports_nothing_parallel():
+    # model.py is the single-device reference: parallelize.py applies every parallel idea to it.
+    import ast
+    from pathlib import Path
+
+    import minipar.model
+
+    tree = ast.parse(Path(minipar.model.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m.startswith("minipar")}, imported
+    assert "torch.distributed" not in imported
+
+
+def test_parallelize_with_every_degree_one_returns_the_plain_model():
+    from minipar.collectives import Group
+    from minipar.parallelize import parallelize_groups
+
+    plain = Llama(tiny(), seed=2).double()
+    same = parallelize_groups(Llama(tiny(), seed=2).double(), tp=Group.solo("tp"), cp=Group.solo("cp"))
+    assert [type(m) for m in same.modules()] == [type(m) for m in plain.modules()]
+    assert same.state_dict().keys() == plain.state_dict().keys()
+    for name, t in plain.state_dict().items():
+        assert torch.equal(same.state_dict()[name], t), name
+    x = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(same(x, torch.roll(x, -1, 1)), plain(x, torch.roll(x, -1, 1)), rtol=0, atol=0)

@@ -11,8 +11,9 @@ from harness import run_ranks
 from minipar.config import TrainConfig
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
-from minipar.model import Llama, get_config
+from minipar.model import get_config
 from minipar.order_check import order_problems
+from minipar.parallelize import parallel_llama
 from minipar.pipeline import Pipeline
 from minipar.train import build_optimizer, make_adamw, param_groups, train_step
 from minipar.zero3 import Zero3DataParallel
@@ -65,9 +66,9 @@ def _traced_step(rank, world, degrees, schedule=None, m=4, v=1, sp=False, zero3=
     from minipar.context_parallel import split_sequence
 
     with Mesh.build(**degrees) as mesh:
-        pipeline = (Pipeline(mesh.pp_group, schedule, CFG.n_layers, v, grad_group=mesh.pp_grad_group)
-                    if mesh.layout.pp > 1 else None)
-        model = Llama(CFG, seed=3, tp_group=mesh.tp_group, sequence_parallel=sp, cp_group=mesh.cp_group,
+        pipeline = (Pipeline(mesh.pp_group, schedule, CFG.n_layers, v, grad_group=mesh.pp_grad_group,
+                             seq_shards=mesh.layout.tp if sp else 1) if mesh.layout.pp > 1 else None)
+        model = parallel_llama(CFG, seed=3, tp_group=mesh.tp_group, sequence_parallel=sp, cp_group=mesh.cp_group,
                       layer_ids=pipeline.my_layers() if pipeline else None,
                       embed=pipeline.holds_first() if pipeline else True,
                       head=pipeline.holds_last() if pipeline else True).double()

@@ -8,6 +8,7 @@ from minipar.config import TrainConfig
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import parallel_llama
 from minipar.pipeline import Pipeline, stage_layers
 from minipar.tensor_parallel import unshard
 from minipar.train import build_optimizer, train_step
@@ -23,7 +24,7 @@ def batch(seed=0, rows=B):
 
 
 def stage_model(pipeline, tp_group=None, sp=False):
-    return Llama(CFG, seed=3, tp_group=tp_group, sequence_parallel=sp, layer_ids=pipeline.my_layers(),
+    return parallel_llama(CFG, seed=3, tp_group=tp_group, sequence_parallel=sp, layer_ids=pipeline.my_layers(),
                  embed=pipeline.holds_first(), head=pipeline.holds_last()).double()
 
 
@@ -95,7 +96,7 @@ def single_device_training():
 def _three_d(rank, world, schedule, sp):
     with Mesh.build(dp=2, tp=2, pp=2) as mesh:
         pipeline = Pipeline(mesh.pp_group, schedule, CFG.n_layers, 2 if schedule == "interleaved" else 1,
-                            grad_group=mesh.pp_grad_group)
+                            grad_group=mesh.pp_grad_group, seq_shards=2 if sp else 1)
         model = stage_model(pipeline, mesh.tp_group, sp)
         dp_model = DataParallel(model, mesh.dp_group)
         opt = build_optimizer(model, OPT)

@@ -11,6 +11,7 @@ from minipar.config import TrainConfig
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import parallel_llama
 from minipar.train import build_optimizer, clip_grad_norm, train_step
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
@@ -147,7 +148,7 @@ def reference_model():
 def _whole_model(rank, world, sp):
     with Mesh.build(tp=world) as mesh:
         g = mesh.tp_group
-        model = Llama(gqa_config(), seed=5, tp_group=g, sequence_parallel=sp).double()
+        model = parallel_llama(gqa_config(), seed=5, tp_group=g, sequence_parallel=sp).double()
         x, y = batch(vocab=250)
         logits = T.gather_logits(model(x), g, 250)
         mesh.ledger.reset()
@@ -236,7 +237,7 @@ def single_device_training():
 
 def _dp_tp_training(rank, world, sp):
     with Mesh.build(dp=2, tp=world // 2) as mesh:
-        model = Llama(gqa_config(), seed=5, tp_group=mesh.tp_group, sequence_parallel=sp).double()
+        model = parallel_llama(gqa_config(), seed=5, tp_group=mesh.tp_group, sequence_parallel=sp).double()
         dp_model = DataParallel(model, mesh.dp_group)
         opt = build_optimizer(model, OPT)
         per = GLOBAL_BATCH // 2
@@ -257,7 +258,7 @@ def test_dp2_tp2_training_steps_equal_single_device(sp):
 
 def _clip(rank, world):
     with Mesh.build(tp=world) as mesh:
-        model = Llama(gqa_config(), seed=5, tp_group=mesh.tp_group).double()
+        model = parallel_llama(gqa_config(), seed=5, tp_group=mesh.tp_group).double()
         model(*batch(vocab=250)).backward()
         T.sync_partial_grads(model, mesh.tp_group)
         return clip_grad_norm(model.parameters(), 0.0, mesh.tp_group)
@@ -299,7 +300,7 @@ def _save_at_tp(rank, world, out):
     from minipar import checkpoint
 
     with Mesh.build(tp=world) as mesh:
-        model = Llama(gqa_config(), seed=5, tp_group=mesh.tp_group).double()
+        model = parallel_llama(gqa_config(), seed=5, tp_group=mesh.tp_group).double()
         opt = build_optimizer(model, OPT)
         dp_model = DataParallel(model, mesh.dp_group)
         train_step(dp_model, opt, [batch(vocab=250)], 1.0, tp_group=mesh.tp_group)
@@ -308,7 +309,7 @@ def _save_at_tp(rank, world, out):
         if rank == 0:
             checkpoint.save(out, 1, *full, {"step": 1, "consumed": 0})
         # and load it back at this layout: every shard returns exactly
-        fresh = Llama(gqa_config(), seed=9, tp_group=mesh.tp_group).double()
+        fresh = parallel_llama(gqa_config(), seed=9, tp_group=mesh.tp_group).double()
         fresh_opt = build_optimizer(fresh, OPT)
         torch.distributed.barrier()
         _, states = checkpoint.load(checkpoint.resolve(out), fresh, mesh.tp_group)

@@ -10,6 +10,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from minipar.collectives import ring_bytes_sent
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import parallel_llama
 from minipar.tensor_parallel import unshard
 from minipar.train import make_adamw, param_groups, train_step
 from minipar.zero import ZeroDataParallel
@@ -105,7 +106,7 @@ def test_memory_and_communication_per_rank(stage, world):
 def _zero_tp(rank, world, stage):
     with Mesh.build(dp=2, tp=2) as mesh:
         cfg = get_config("tiny", vocab_size=250)
-        model = Llama(cfg, seed=5, tp_group=mesh.tp_group, sequence_parallel=True).double()
+        model = parallel_llama(cfg, seed=5, tp_group=mesh.tp_group, sequence_parallel=True).double()
         zero = zero_model(model, mesh.dp_group, stage, mesh.tp_group)
         for step in range(2):
             x = torch.randint(0, 250, (4, 8), generator=torch.Generator().manual_seed(step))
@@ -140,7 +141,7 @@ def test_recompute_gives_identical_gradients():
     cfg = get_config("tiny", vocab_size=250)
     grads = []
     for recompute in (False, True):
-        model = Llama(cfg, seed=5, recompute=recompute).double()
+        model = parallel_llama(cfg, seed=5, recompute=recompute).double()
         x = torch.randint(0, 250, (2, 8), generator=torch.Generator().manual_seed(0))
         model(x, torch.roll(x, -1, dims=1)).backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
@@ -194,7 +195,7 @@ def _zero_pp(rank, world, stage):
     with Mesh.build(dp=2, pp=2) as mesh:
         cfg = get_config("tiny", n_layers=4, vocab_size=250)
         pipeline = Pipeline(mesh.pp_group, "1f1b", cfg.n_layers)
-        model = Llama(cfg, seed=5, layer_ids=pipeline.my_layers(), embed=pipeline.holds_first(),
+        model = parallel_llama(cfg, seed=5, layer_ids=pipeline.my_layers(), embed=pipeline.holds_first(),
                       head=pipeline.holds_last()).double()
         zero = zero_model(model, mesh.dp_group, stage)
         for step in range(2):

@@ -9,6 +9,7 @@ from test_data_parallel import GLOBAL_BATCH, OPT, STEPS, global_batch, new_model
 from minipar.collectives import ring_bytes_sent
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import parallel_llama
 from minipar.tensor_parallel import unshard
 from minipar.train import make_adamw, param_groups, train_step
 from minipar.zero3 import Zero3DataParallel, units_of
@@ -100,7 +101,7 @@ def test_zero3_holds_a_slice_of_the_weights_and_sends_three_psi(world):
 def _zero3_tp(rank, world):
     with Mesh.build(dp=2, tp=2) as mesh:
         cfg = get_config("tiny", vocab_size=250)
-        model = Llama(cfg, seed=5, tp_group=mesh.tp_group, sequence_parallel=True).double()
+        model = parallel_llama(cfg, seed=5, tp_group=mesh.tp_group, sequence_parallel=True).double()
         z = zero3(model, mesh.dp_group, mesh.tp_group)
         for step in range(2):
             x = torch.randint(0, 250, (4, 8), generator=torch.Generator().manual_seed(step))

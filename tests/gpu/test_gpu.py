@@ -24,6 +24,7 @@ from minipar import collectives as C
 from minipar.config import TrainConfig
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import parallel_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -119,7 +120,7 @@ def _wrapper_equals_one_device(rank, world, kind):
     ref_opt = build_optimizer(reference, OPT)
     tp = world if kind == "tp" else 1
     with Mesh.build(dp=world // tp, tp=tp) as mesh:
-        model = Llama(cfg, seed=1, tp_group=mesh.tp_group).to(device=device, dtype=torch.float64)
+        model = parallel_llama(cfg, seed=1, tp_group=mesh.tp_group).to(device=device, dtype=torch.float64)
 
         def adamw(groups):
             return make_adamw(groups, OPT)

@@ -1,0 +1,48 @@
+"""Where each parameter lives: one typed object per parameter, stated once, read by everyone.
+
+The plain model's parameters are whole, and every rank of a data-parallel group holds the same
+copy. Parallelism changes that in three ways, and each is a fact about one parameter:
+
+    shards     the parameter is cut along a tensor dimension across the ranks of a mesh
+               dimension: ("tp", 0) for a column-parallel weight, ("tp", 1) for a row-parallel one
+    partial    every rank holds the whole parameter, but each rank's gradient is only part of
+               the sum over a mesh dimension (a norm under sequence parallelism sees only its
+               rank's tokens): the gradients are summed over it after backward
+    grad_mean  the mesh dimensions over which its gradient is averaged: ("dp", "cp") for the
+               dense model (every data and context replica saw different tokens)
+
+`Placement` holds these with the single-device shape. `parallelize` (and the tensor-parallel
+layers it installs) writes it; initialisation, gradient clipping, checkpoints, ZeRO's bucketing
+and gradient sync read it, through `placement_of(p)`. A parameter no one placed is whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Placement:
+    full_shape: tuple[int, ...]  # the single-device shape (before any padding of a shard)
+    shards: tuple[tuple[str, int], ...] = ()  # (mesh dimension, tensor dimension) pairs
+    partial: tuple[str, ...] = ()  # mesh dimensions over which the gradient is a partial sum
+    grad_mean: tuple[str, ...] = ("dp", "cp")  # mesh dimensions over which the gradient is averaged
+
+    def dim_of(self, mesh_dim: str) -> int | None:
+        """The tensor dimension that `mesh_dim` cuts, or None if its ranks hold the whole of it."""
+        return next((t for m, t in self.shards if m == mesh_dim), None)
+
+    def is_sharded(self, mesh_dim: str = "tp") -> bool:
+        return self.dim_of(mesh_dim) is not None
+
+
+def placement_of(p: torch.Tensor) -> Placement:
+    """p's placement; a parameter never placed is whole (its own shape, no shards, no partial sums)."""
+    return getattr(p, "placement", None) or Placement(tuple(p.shape))
+
+
+def place(p: torch.nn.Parameter, placement: Placement) -> torch.nn.Parameter:
+    p.placement = placement
+    return p
