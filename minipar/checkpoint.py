@@ -137,7 +137,7 @@ def load(path: Path, model: nn.Module, tp_group: Group | None = None) -> tuple[d
     single-device tensors (and only its pipeline stage's parameters).
 
     Returns (the train state, this rank's optimizer state {name: {slot: tensor}}, sharded like the
-    parameters) for `set_optimizer_state` or ZeroDataParallel.load_state_by_name.
+    parameters) for the gradient-sync wrapper's `load_state_by_name`.
     """
     tp_group = tp_group or Group.solo("tp")
     state = verify(path)

@@ -24,6 +24,27 @@ Three ideas make it fast, as in PyTorch's DDP:
 
 Traffic per optimizer step: one all-reduce of every gradient, 2 (dp-1)/dp * 4 * Psi bytes per
 rank in float32 for Psi parameters (the ledger shows it under "dp/all_reduce").
+
+One interface for every way of syncing gradients. DataParallel here and ZeRO 1/2/3 (zero.py,
+zero3.py) are wrappers with the same small protocol, so the training loop never asks which one
+it holds:
+
+    no_sync()              backward inside it only accumulates (ZeRO-2/3: still reduce-scatters)
+    finish_grad_sync()     after the step's last backward: every gradient averaged (or its slice)
+    clip_and_step(max_norm, pp_group) -> norm
+                           tp partial sums, the global gradient norm, clipping, the optimizer's
+                           step, and whatever the weights need after it (ZeRO-1/2: all-gather)
+    optimizer              the torch optimizer (ZeRO's sees only this rank's slices)
+    state_by_name() / load_state_by_name(states)
+                           the optimizer state as an unsharded optimizer would hold it, by name
+    gathered()             a block inside which every full weight is present (ZeRO-3 gathers)
+
+Why wrappers, not an optimizer that shards itself (DeepSpeed's and nanochat's ZeRO-1/2): the
+reduction must start inside backward (overlap, ZeRO-2's freeing), which only a wrapper that
+owns the gradient hooks can do, and ZeRO-3 must gather weights before each forward, which only
+a wrapper can do. One shape for all four keeps the loop one shape. The pieces they share live
+here: `bucket_params` (consecutive parameters of about bucket_mb) and `clip_grads` (the global
+norm of gradients some of which are tp shards, clipped).
 """
 
 from __future__ import annotations
@@ -33,7 +54,45 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from minipar import checkpoint
 from minipar.collectives import Group, all_reduce, broadcast
+from minipar.placement import placement_of
+from minipar.tensor_parallel import sync_partial_grads
+
+
+def bucket_params(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.Parameter]]:
+    """Consecutive parameters (callers pass them in backward order) in chunks of about bucket_mb."""
+    chunks, current, size = [], [], 0
+    for p in params:
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= bucket_mb * 2**20:
+            chunks.append(current)
+            current, size = [], 0
+    return chunks + [current] if current else chunks
+
+
+def clip_grads(grads: list[torch.Tensor], tp_sharded: list[bool], max_norm: float, tp_group: Group,
+               groups=()) -> float:
+    """The global norm of `grads`, scaled in place to at most max_norm (0: no clipping); returns it.
+
+    A tp shard holds only part of its parameter, so the squares of sharded gradients are summed
+    over tp, and replicated ones are counted once; the sum is then added over `groups` whose
+    ranks hold different gradients (pp stages; dp for ZeRO's slices). The same formula as
+    torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
+    """
+    zero = grads[0].new_zeros(()) if grads else torch.zeros((), dtype=torch.float64)
+    sq = sum((g.pow(2).sum() for g, s in zip(grads, tp_sharded) if s), zero)
+    all_reduce(sq, tp_group)
+    sq = sq + sum((g.pow(2).sum() for g, s in zip(grads, tp_sharded) if not s), zero)
+    for group in groups:
+        all_reduce(sq, group or Group.solo("pp"))
+    norm = sq.sqrt()
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef)
+    return float(norm)
 
 
 class GradBucket:
@@ -70,7 +129,30 @@ class GradBucket:
         self.ready.clear()
 
 
-class DataParallel(nn.Module):
+class GradSync(nn.Module):
+    """What every gradient-sync wrapper shares (the protocol is in the module docstring)."""
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def gathered(self):
+        """Every full weight present inside the block (for checkpoints). Only ZeRO-3 must gather."""
+        yield
+
+    def optimizer_state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
+                   if torch.is_tensor(t) and t.dim() > 0)
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds in weights, gradients and optimizer state, measured on its tensors."""
+        return {"params": self.param_bytes(), "grads": self.gradient_bytes(), "optimizer": self.optimizer_state_bytes()}
+
+
+class DataParallel(GradSync):
     """Wraps a model; averages its gradients over `group` during backward.
 
     Usage per optimizer step:
@@ -81,10 +163,11 @@ class DataParallel(nn.Module):
         optimizer.step()
     """
 
-    def __init__(self, module: nn.Module, group: Group, bucket_mb: float = 25.0):
+    def __init__(self, module: nn.Module, group: Group, bucket_mb: float = 25.0, tp_group: Group | None = None,
+                 optimizer: torch.optim.Optimizer | None = None):
         super().__init__()
-        self.module = module
-        self.group = group
+        self.module, self.group, self.optimizer = module, group, optimizer
+        self.tp_group = tp_group or Group.solo("tp")
         self.sync = True
         # Start identical: every replica takes rank 0's weights (and buffers).
         with torch.no_grad():
@@ -100,20 +183,8 @@ class DataParallel(nn.Module):
 
     @staticmethod
     def _make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[GradBucket]:
-        buckets, current, size = [], [], 0
-        limit = bucket_mb * 2**20
-        for p in reversed(params):  # backward meets the last layers first
-            current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= limit:
-                buckets.append(GradBucket(len(buckets), current))
-                current, size = [], 0
-        if current:
-            buckets.append(GradBucket(len(buckets), current))
-        return buckets
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        # Backward meets the last layers first.
+        return [GradBucket(i, chunk) for i, chunk in enumerate(bucket_params(list(reversed(params)), bucket_mb))]
 
     @contextmanager
     def no_sync(self):
@@ -160,3 +231,28 @@ class DataParallel(nn.Module):
         for bucket in self.buckets:
             bucket.finish()
         self._next_to_launch = 0
+
+    def clip_and_step(self, max_norm: float, pp_group: Group | None = None) -> float:
+        """Sum the tp partial gradients, clip by the global norm (over tp and pp), step."""
+        sync_partial_grads(self.module, self.tp_group)
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = clip_grads([p.grad for p in params], [placement_of(p).is_sharded("tp") for p in params],
+                          max_norm, self.tp_group, [pp_group])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    # -- the optimizer state by parameter name, and the weights (always whole here) --------------
+    def state_by_name(self) -> dict:
+        return checkpoint.optimizer_state(self.module, self.optimizer)
+
+    def load_state_by_name(self, states: dict) -> None:
+        checkpoint.set_optimizer_state(self.module, self.optimizer, states)
+
+    def param_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.module.parameters())
+
+    def gradient_bytes(self) -> int:
+        """A full gradient per parameter, plus the flat bucket buffers (kept between steps)."""
+        return self.param_bytes() + sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets
+                                        if b.buffer is not None)

@@ -110,9 +110,11 @@ def unshard(local: torch.Tensor, p: nn.Parameter, group: Group) -> torch.Tensor:
     return all_gather(local.contiguous(), group, dim=dim).narrow(dim, 0, placement_of(p).full_shape[dim])
 
 
-def sync_partial_grads(module: nn.Module, group: Group) -> None:
-    """All-reduce, in one flat message, the gradients that each tp rank holds only part of."""
-    params = [p for p in module.parameters() if "tp" in placement_of(p).partial and p.grad is not None]
+def sync_partial_grads(params, group: Group) -> None:
+    """All-reduce, in one flat message, the gradients that each tp rank holds only part of.
+    `params`: a module's, or any list of parameters (a ZeRO bucket's)."""
+    params = params.parameters() if isinstance(params, nn.Module) else params
+    params = [p for p in params if "tp" in placement_of(p).partial and p.grad is not None]
     if group.size == 1 or not params:
         return
     flat = torch.cat([p.grad.reshape(-1) for p in params])

@@ -1,4 +1,4 @@
-"""The training loop: config -> mesh -> data -> model -> data-parallel wrapper -> steps.
+"""The training loop: config -> mesh -> data -> plain model -> parallelize -> gradient sync -> steps.
 
 The last chapter of each part of the course: every piece built so far, run together.
 
@@ -7,10 +7,12 @@ The last chapter of each part of the course: every piece built so far, run toget
         for each micro-batch:            (all but the last inside model.no_sync())
             loss = model(x, y) / accum_steps; loss.backward()       (buckets all-reduce on the last)
         model.finish_grad_sync()                                   (data_parallel.py)
-        clip the global gradient norm; AdamW step; lr <- warm-up then cosine
+        model.clip_and_step(): clip the global gradient norm; AdamW step
+        lr <- warm-up then cosine
 
-Everything that can be checked is checked before torch.distributed starts (config.py), so a bad
-command line costs one line, not a hang.
+`run` reads as the outline of a run; logging, metrics and the checkpoint policy are the helpers
+below it. Everything that can be checked is checked before torch.distributed starts
+(config.py), so a bad command line costs one line, not a hang.
 """
 
 from __future__ import annotations
@@ -30,17 +32,15 @@ import torch
 import torch.distributed as dist
 
 from minipar import checkpoint
-from minipar.collectives import Group, Ledger, all_gather, all_reduce
+from minipar.collectives import Group, Ledger, all_gather
 from minipar.config import ConfigError, TrainConfig, parse_args
 from minipar.context_parallel import split_sequence
 from minipar.data import TokenData, find_files, prepare
-from minipar.data_parallel import DataParallel
+from minipar.data_parallel import DataParallel, GradSync
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.parallelize import parallelize
 from minipar.pipeline import Pipeline
-from minipar.placement import placement_of
-from minipar.tensor_parallel import sync_partial_grads
 from minipar.zero import ZeroDataParallel
 from minipar.zero3 import Zero3DataParallel
 
@@ -77,41 +77,17 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
     return make_adamw(param_groups(model, cfg), cfg)
 
 
-def clip_grad_norm(params, max_norm: float, tp_group: Group, pp_group: Group | None = None) -> float:
-    """The global gradient norm, and clipping to max_norm (0: no clipping).
-
-    A tensor-parallel shard holds only part of its parameter, so the squares of sharded gradients
-    are summed over tp; replicated parameters are counted once; pipeline stages hold different
-    parameters, so their sums are added over pp. Same formula as torch.nn.utils.clip_grad_norm_:
-    scale by max_norm / (norm + 1e-6) when that is below 1.
-    """
-    grads = [p for p in params if p.grad is not None]
-    sharded = [p.grad for p in grads if placement_of(p).is_sharded("tp")]
-    replicated = [p.grad for p in grads if not placement_of(p).is_sharded("tp")]
-    sq = torch.stack([g.pow(2).sum() for g in sharded]).sum() if sharded else grads[0].grad.new_zeros(())
-    all_reduce(sq, tp_group)
-    if replicated:
-        sq = sq + torch.stack([g.pow(2).sum() for g in replicated]).sum()
-    all_reduce(sq, pp_group or Group.solo("pp"))
-    norm = sq.sqrt()
-    if max_norm > 0:
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in grads:
-            p.grad.mul_(coef)
-    return float(norm)
-
-
-def train_step(model: DataParallel | ZeroDataParallel, optimizer, micro_batches, grad_clip: float = 0.0,
-               autocast=nullcontext, tp_group: Group | None = None, pipeline: Pipeline | None = None):
+def train_step(model: GradSync, micro_batches, grad_clip: float = 0.0, autocast=nullcontext,
+               pipeline: Pipeline | None = None):
     """One optimizer step over this rank's micro-batches. Returns (mean loss, gradient norm); a
     pipeline keeps the measured timeline of its step in `pipeline.timeline`.
 
     Each micro-batch's loss is divided by their number, so the accumulated gradient is the mean
     over the rank's rows; the data-parallel average then makes it the global-batch mean. With a
     pipeline the schedule runs the micro-batches (the loss is known on the last stage only) and
-    the data-parallel average waits until its last backward.
+    the data-parallel average waits until its last backward. `model` is any gradient-sync
+    wrapper (DataParallel, ZeRO 1/2/3): they share one protocol (data_parallel.py).
     """
-    tp_group = tp_group or Group.solo("tp")
     if pipeline is not None:
         with model.no_sync(), autocast():
             total = pipeline.run(model.module, micro_batches)
@@ -125,14 +101,7 @@ def train_step(model: DataParallel | ZeroDataParallel, optimizer, micro_batches,
                 loss.backward()
             total = total + loss.detach()
     model.finish_grad_sync()  # average over dp (ZeRO: reduce-scatter to each rank's slice)
-    pp_group = pipeline.group if pipeline else None
-    if isinstance(model, ZeroDataParallel):  # it owns the optimizer and the gradient slices
-        return float(total), model.clip_and_step(grad_clip, pp_group)
-    sync_partial_grads(model, tp_group)  # sum the partial gradients of replicated tp parameters
-    grad_norm = clip_grad_norm(model.parameters(), grad_clip, tp_group, pp_group)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(total), grad_norm
+    return float(total), model.clip_and_step(grad_clip, pipeline.group if pipeline else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -179,24 +148,223 @@ def check_paths(cfg: TrainConfig) -> Path | None:
     return resume
 
 
+def load_data(cfg: TrainConfig) -> TokenData:
+    """Tokenised once per machine (local rank 0); the other ranks wait and read the cache."""
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        prepare(cfg.data, cfg.vocab_size, cfg.cache_dir)
+    dist.barrier()
+    return TokenData(prepare(cfg.data, cfg.vocab_size, cfg.cache_dir), cfg.seq_len, cfg.seed)
+
+
+def precision(cfg: TrainConfig, device: torch.device):
+    """(compute dtype, parameter dtype, autocast context): bf16 autocast keeps fp32 master weights."""
+    dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[
+        cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    if dtype == torch.bfloat16:
+        return dtype, torch.float32, lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return dtype, dtype, nullcontext
+
+
+def build_model(cfg: TrainConfig, mesh: Mesh, model_cfg, device, param_dtype):
+    """The plain model, parallelized for this rank: (model, pipeline or None)."""
+    pipeline = Pipeline(mesh.pp_group, cfg.schedule, model_cfg.n_layers, cfg.virtual_stages,
+                        grad_group=mesh.pp_grad_group, seq_shards=cfg.tp if cfg.sp else 1) if cfg.pp > 1 else None
+    model = parallelize(Llama(model_cfg, seed=cfg.seed), mesh, sp=cfg.sp, recompute=cfg.recompute, pipeline=pipeline)
+    return model.to(device=device, dtype=param_dtype), pipeline
+
+
+def wrap(model, mesh: Mesh, cfg: TrainConfig) -> GradSync:
+    """The gradient-sync wrapper for --zero. Replicated parameters are averaged over data *and*
+    context replicas: each cp rank saw only its share of the tokens (context_parallel.py)."""
+    group = mesh.dp_cp_group if cfg.cp > 1 else mesh.dp_group
+    groups, tp = param_groups(model, cfg), mesh.tp_group
+
+    def adamw(g):
+        return make_adamw(g, cfg)
+    if cfg.zero == 3:
+        return Zero3DataParallel(model, group, adamw, groups, tp_group=tp)
+    if cfg.zero:
+        return ZeroDataParallel(model, group, cfg.zero, adamw, groups, cfg.bucket_mb, tp, cfg.offload)
+    return DataParallel(model, group, cfg.bucket_mb, tp, optimizer=adamw(groups))
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------
+
+
+def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
+    device = start_distributed()
+    torch.manual_seed(cfg.seed)
+    mesh = Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
+    log = RunLog(cfg, mesh, device)
+    log.say(mesh.layout.table())
+    data = load_data(cfg)
+    dtype, param_dtype, autocast = precision(cfg, device)
+    model_cfg = get_config(cfg.model, vocab_size=data.vocab_size)
+    model, pipeline = build_model(cfg, mesh, model_cfg, device, param_dtype)
+    start, consumed, saved_states = 0, 0, None
+    if resume is not None:  # weights first: ZeRO builds its master slices from them
+        state, saved_states = checkpoint.load(resume, model, mesh.tp_group)  # each rank takes its shards
+        start, consumed = state["step"], state["consumed"]
+        log.say(f"resumed from {resume} at step {start}")
+    wrapper = wrap(model, mesh, cfg)
+    if saved_states is not None:
+        wrapper.load_state_by_name(saved_states)
+    log.start(model_cfg, data, dtype, start)
+
+    for step in range(start, cfg.steps):
+        for group in wrapper.optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        x, y = data.rank_batch(consumed, cfg.global_batch, mesh.dp_rank, cfg.dp)
+        x, y = split_sequence(x, mesh.cp_group), split_sequence(y, mesh.cp_group)  # zigzag share (cp)
+        micro = list(zip(x.to(device).split(cfg.micro_batch), y.to(device).split(cfg.micro_batch)))
+        mesh.ledger.reset()
+        log.tick()
+        loss, grad_norm = train_step(wrapper, micro, cfg.grad_clip, autocast, pipeline)
+        consumed += cfg.global_batch
+        log.step(step, loss, grad_norm, wrapper, pipeline)
+        if step + 1 == cfg.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+            save(cfg, step + 1, consumed, wrapper, mesh, log)
+    log.close()
+    mesh.destroy()
+    dist.destroy_process_group()
+    return log.losses
+
+
+def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Mesh, log: RunLog) -> None:
+    """Every rank helps gather the tp shards and pp stages into full tensors; rank 0 writes them."""
+    states = wrapper.state_by_name()
+    with wrapper.gathered():  # ZeRO-3: the weights are sharded
+        full = checkpoint.gather_full(wrapper.module, states, checkpoint.hyper_params(wrapper.optimizer),
+                                      mesh.tp_group, mesh.pp_group)
+    if log.is_main:
+        path = checkpoint.save(cfg.out, step, *full, {"step": step, "consumed": consumed, "config": asdict(cfg)})
+        log.say(f"saved {path}")
+    dist.barrier()
+
+
+def main(argv=None) -> int:
+    """Parse, check, run. A bad command line or input prints one line and exits 2."""
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    try:
+        cfg = parse_args(argv)
+        resume = check_paths(cfg)
+    except ValueError as e:  # ConfigError, LayoutError, DataError, CheckpointError
+        if is_main:
+            print(f"minipar: error: {e}", file=sys.stderr)
+        return 2
+    run(cfg, resume)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# What a run shows: the progress bar, log lines, the JSON log and wandb
+# ----------------------------------------------------------------------------------------------
+
+
+class RunLog:
+    """Per-step metrics, gathered from every rank, written where the user asked for them."""
+
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, device: torch.device):
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        self.world = dist.get_world_size()
+        self.is_main = dist.get_rank() == 0
+        # Per-step metrics travel over their own group with its own ledger, so the model's ledger
+        # shows only the traffic of training itself.
+        self.group = Group("log", dist.group.WORLD, list(range(self.world)), Ledger())
+        self.losses: list[float] = []
+        self.wandb = self.file = self.bar = None
+
+    def say(self, text: str) -> None:
+        if self.is_main:
+            from tqdm import tqdm
+
+            tqdm.write(text, file=sys.stdout)
+
+    def start(self, model_cfg, data: TokenData, dtype, start: int) -> None:
+        cfg = self.cfg
+        self.tokens_per_step = cfg.global_batch * cfg.seq_len
+        self.flops_per_step = model_cfg.flops_per_token(cfg.seq_len) * self.tokens_per_step
+        self.peak = peak_flops(self.device)
+        self.first = start
+        self.say(f"model {cfg.model}: {model_cfg.num_params() / 1e6:.2f}M parameters, vocab {data.vocab_size}, "
+                 f"{data.num_windows} windows of {cfg.seq_len} tokens; {cfg.accum_steps} micro-batch(es) of "
+                 f"{cfg.micro_batch} per rank per step; {self.device.type}, {dtype}")
+        if self.is_main:
+            from tqdm import tqdm
+
+            self.wandb = start_wandb(cfg) if cfg.wandb else None
+            self.file = open(cfg.log_json, "a") if cfg.log_json else None
+            self.bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
+
+    def tick(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.t0 = time.perf_counter()
+
+    def step(self, step: int, loss: float, grad_norm: float, wrapper: GradSync, pipeline) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        record = self.record(step, loss, grad_norm, time.perf_counter() - self.t0, wrapper, pipeline)
+        self.losses.append(record["loss"])
+        if not self.is_main:
+            return
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.wandb:
+            skip = ("comm", "peak_memory", "mfu", "bubble", "held_bytes")
+            self.wandb.log({k: v for k, v in record.items() if k not in skip}
+                           | {"peak_memory_max": max(record["peak_memory"])}, step=step + 1)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}")
+        if step == self.first:
+            held = record["held_bytes"]
+            self.say(f"rank 0 holds {held['params'] / 2**20:.2f} MiB of parameters, {held['grads'] / 2**20:.2f} "
+                     f"MiB of gradients, {held['optimizer'] / 2**20:.2f} MiB of optimizer state")
+        if (step + 1) % self.cfg.log_every == 0 or step == self.first or step + 1 == self.cfg.steps:
+            self.say(log_line(record, self.cfg.steps, self.mesh.ledger))
+
+    def record(self, step, loss, grad_norm, dt, wrapper, pipeline) -> dict:
+        """Every rank's loss, peak memory and pipeline idle time, gathered. The loss is the mean
+        over the ranks that compute it (the last pipeline stage; all ranks without pp)."""
+        has_loss = pipeline is None or pipeline.holds_last()
+        mine = [loss, float(peak_memory_bytes(self.device)), float(has_loss), pipeline.bubble if pipeline else 0.0]
+        metrics = all_gather(torch.tensor(mine, dtype=torch.float64, device=self.device), self.group)
+        metrics = metrics.view(self.world, 4).cpu()
+        return {
+            "step": step + 1, "grad_norm": grad_norm, "lr": lr_at(step, self.cfg),
+            "loss": (metrics[:, 0] * metrics[:, 2]).sum().item() / metrics[:, 2].sum().item(),
+            "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
+            "mfu": self.flops_per_step / dt / (self.world * self.peak) if self.peak else None,
+            "bytes_sent": self.mesh.ledger.total_sent(), "comm": self.mesh.ledger.snapshot(),
+            "peak_memory": [int(m) for m in metrics[:, 1].tolist()],
+            "bubble": metrics[:, 3].mean().item() if pipeline else None,  # measured: mean time spent waiting
+            "held_bytes": wrapper.held_bytes(),  # this rank's, measured on its tensors
+        }
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.close()
+        if self.file:
+            self.file.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def log_line(r: dict, steps: int, ledger: Ledger) -> str:
+    mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (cpu)"
+    bubble = f"bubble {r['bubble']:.0%} | " if r["bubble"] is not None else ""
+    return (f"step {r['step']:>5}/{steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.3f} | "
+            f"{r['tokens_per_s']:,.0f} tok/s | mfu {mfu} | peak mem {max(r['peak_memory']) / 2**20:,.0f} MiB | "
+            f"{bubble}sent {r['bytes_sent'] / 2**20:.2f} MiB/step{per_group_sent(ledger)}")
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident set (Linux: KiB)
-
-
-def held_bytes(model, optimizer) -> dict[str, int]:
-    """Bytes this rank holds in parameters, gradients (during a step) and optimizer state."""
-    def nbytes(tensors):
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    params = nbytes(model.module.parameters())
-    optim = nbytes(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
-    if isinstance(model, ZeroDataParallel):  # weights present now (ZeRO-3: none), master and gradient slices
-        return {"params": model.param_bytes(), "grads": model.gradient_bytes(), "optimizer": optim}
-    # A full gradient per parameter, plus DataParallel's flat bucket buffers (kept between steps).
-    buffers = nbytes(b.buffer for b in getattr(model, "buckets", []) if b.buffer is not None)
-    return {"params": params, "grads": params + buffers, "optimizer": optim}
 
 
 def per_group_sent(ledger: Ledger) -> str:
@@ -222,166 +390,3 @@ def start_wandb(cfg: TrainConfig):
     mode = os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False) else "offline")
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     return wandb.init(project="minipar", config=asdict(cfg), mode=mode, dir=cfg.out)
-
-
-# ----------------------------------------------------------------------------------------------
-# The run
-# ----------------------------------------------------------------------------------------------
-
-
-def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
-    device = start_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    is_main = rank == 0
-    say = print if is_main else (lambda *a, **k: None)
-    torch.manual_seed(cfg.seed)
-
-    mesh = Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
-    say(mesh.layout.table())
-    # Per-step metrics travel over their own group with its own ledger, so the model's ledger
-    # shows only the traffic of training itself.
-    log_group = Group("log", dist.group.WORLD, list(range(world)), Ledger())
-
-    # Data: tokenised once per machine (local rank 0), the other ranks wait and read the cache.
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        folder = prepare(cfg.data, cfg.vocab_size, cfg.cache_dir)
-    dist.barrier()
-    folder = prepare(cfg.data, cfg.vocab_size, cfg.cache_dir)
-    data = TokenData(folder, cfg.seq_len, cfg.seed)
-
-    dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[
-        cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    ]
-    param_dtype = torch.float32 if dtype == torch.bfloat16 else dtype  # bf16: fp32 master weights
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == torch.bfloat16 else nullcontext
-    model_cfg = get_config(cfg.model, vocab_size=data.vocab_size)
-    # With pp > 1 this rank builds only its stages' layers (and the embedding / head if it has them).
-    pipeline = Pipeline(mesh.pp_group, cfg.schedule, model_cfg.n_layers, cfg.virtual_stages,
-                        grad_group=mesh.pp_grad_group, seq_shards=cfg.tp if cfg.sp else 1) if cfg.pp > 1 else None
-    model = parallelize(Llama(model_cfg, seed=cfg.seed), mesh, sp=cfg.sp, recompute=cfg.recompute, pipeline=pipeline)
-    model = model.to(device=device, dtype=param_dtype)
-    start, consumed, saved_states = 0, 0, None
-    if resume is not None:  # weights first: ZeRO builds its master slices from them
-        state, saved_states = checkpoint.load(resume, model, mesh.tp_group)  # each rank takes its shards
-        start, consumed = state["step"], state["consumed"]
-        say(f"resumed from {resume} at step {start}")
-    # Replicated parameters are averaged over data *and* context replicas: each cp rank saw only
-    # its share of the tokens (context_parallel.py). ZeRO shards over the same group.
-    grad_group = mesh.dp_cp_group if cfg.cp > 1 else mesh.dp_group
-    if cfg.zero == 3:
-        dp_model = Zero3DataParallel(model, grad_group, lambda groups: make_adamw(groups, cfg),
-                                     param_groups(model, cfg), tp_group=mesh.tp_group)
-    if cfg.zero in (1, 2):
-        dp_model = ZeroDataParallel(model, grad_group, cfg.zero, lambda groups: make_adamw(groups, cfg),
-                                    param_groups(model, cfg), cfg.bucket_mb, mesh.tp_group, cfg.offload)
-    if cfg.zero:
-        optimizer = dp_model.optimizer
-        if saved_states is not None:
-            dp_model.load_state_by_name(saved_states)
-    else:
-        dp_model = DataParallel(model, grad_group, bucket_mb=cfg.bucket_mb)
-        optimizer = build_optimizer(model, cfg)
-        if saved_states is not None:
-            checkpoint.set_optimizer_state(model, optimizer, saved_states)
-
-    tokens_per_step = cfg.global_batch * cfg.seq_len
-    flops_per_step = model_cfg.flops_per_token(cfg.seq_len) * tokens_per_step
-    peak = peak_flops(device)
-    say(f"model {cfg.model}: {model_cfg.num_params() / 1e6:.2f}M parameters, vocab {data.vocab_size}, "
-        f"{data.num_windows} windows of {cfg.seq_len} tokens; {cfg.accum_steps} micro-batch(es) of "
-        f"{cfg.micro_batch} per rank per step; {device.type}, {dtype}")
-
-    wandb_run = start_wandb(cfg) if (cfg.wandb and is_main) else None
-    log_file = open(cfg.log_json, "a") if (cfg.log_json and is_main) else None
-    from tqdm import tqdm
-
-    bar = tqdm(total=cfg.steps, initial=start, disable=not is_main or None, desc="train", unit="step")
-    losses = []
-    for step in range(start, cfg.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        x, y = data.rank_batch(consumed, cfg.global_batch, mesh.dp_rank, cfg.dp)
-        x, y = split_sequence(x, mesh.cp_group), split_sequence(y, mesh.cp_group)  # zigzag share (cp)
-        micro = list(zip(x.to(device).split(cfg.micro_batch), y.to(device).split(cfg.micro_batch)))
-        mesh.ledger.reset()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss, grad_norm = train_step(dp_model, optimizer, micro, cfg.grad_clip, autocast, mesh.tp_group, pipeline)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        consumed += cfg.global_batch
-
-        # Every rank's loss, peak memory and pipeline idle time, gathered for the log. The loss is
-        # the mean over the ranks that compute it (the last pipeline stage; all ranks without pp).
-        has_loss = pipeline is None or pipeline.holds_last()
-        mine = [loss, float(peak_memory_bytes(device)), float(has_loss), pipeline.bubble if pipeline else 0.0]
-        metrics = all_gather(torch.tensor(mine, dtype=torch.float64, device=device), log_group).view(world, 4).cpu()
-        loss = (metrics[:, 0] * metrics[:, 2]).sum().item() / metrics[:, 2].sum().item()
-        bubble = metrics[:, 3].mean().item() if pipeline else None
-        losses.append(loss)
-        sent = mesh.ledger.total_sent()
-        record = {
-            "step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr_at(step, cfg),
-            "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-            "mfu": flops_per_step / dt / (world * peak) if peak else None,
-            "bytes_sent": sent, "comm": mesh.ledger.snapshot(),
-            "peak_memory": [int(m) for m in metrics[:, 1].tolist()],
-            "bubble": bubble,  # measured: the mean over ranks of the pipeline's time spent waiting
-            "held_bytes": held_bytes(dp_model, optimizer),  # this rank's, measured on its tensors
-        }
-        if log_file:
-            log_file.write(json.dumps(record) + "\n")
-            log_file.flush()
-        if wandb_run:
-            skip = ("comm", "peak_memory", "mfu", "bubble", "held_bytes")
-            wandb_run.log({k: v for k, v in record.items() if k not in skip}
-                          | {"peak_memory_max": max(record["peak_memory"])}, step=step + 1)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}")
-        if is_main and step == start:
-            held = record["held_bytes"]
-            tqdm.write(f"rank 0 holds {held['params'] / 2**20:.2f} MiB of parameters, {held['grads'] / 2**20:.2f} "
-                       f"MiB of gradients, {held['optimizer'] / 2**20:.2f} MiB of optimizer state", file=sys.stdout)
-        if is_main and ((step + 1) % cfg.log_every == 0 or step == start or step + 1 == cfg.steps):
-            mfu = f"{record['mfu']:.1%}" if record["mfu"] is not None else "n/a (cpu)"
-            tqdm.write(f"step {step + 1:>5}/{cfg.steps} | loss {loss:.4f} | lr {record['lr']:.2e} | "
-                       f"grad {grad_norm:.3f} | {record['tokens_per_s']:,.0f} tok/s | mfu {mfu} | "
-                       f"peak mem {max(record['peak_memory']) / 2**20:,.0f} MiB | "
-                       + (f"bubble {bubble:.0%} | " if pipeline else "") +
-                       f"sent {sent / 2**20:.2f} MiB/step{per_group_sent(mesh.ledger)}", file=sys.stdout)
-        last = step + 1 == cfg.steps
-        if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
-            # Every rank helps gather the tp shards and pp stages into full tensors; rank 0 writes them.
-            states = dp_model.state_by_name() if cfg.zero else checkpoint.optimizer_state(model, optimizer)
-            with dp_model.gathered() if cfg.zero else nullcontext():  # ZeRO-3: the weights are sharded
-                full = checkpoint.gather_full(model, states, checkpoint.hyper_params(optimizer), mesh.tp_group,
-                                              mesh.pp_group)
-            if is_main:
-                path = checkpoint.save(cfg.out, step + 1, *full,
-                                       {"step": step + 1, "consumed": consumed, "config": asdict(cfg)})
-                tqdm.write(f"saved {path}", file=sys.stdout)
-            dist.barrier()
-    bar.close()
-    if log_file:
-        log_file.close()
-    if wandb_run:
-        wandb_run.finish()
-    mesh.destroy()
-    dist.destroy_process_group()
-    return losses
-
-
-def main(argv=None) -> int:
-    """Parse, check, run. A bad command line or input prints one line and exits 2."""
-    is_main = int(os.environ.get("RANK", "0")) == 0
-    try:
-        cfg = parse_args(argv)
-        resume = check_paths(cfg)
-    except ValueError as e:  # ConfigError, LayoutError, DataError, CheckpointError
-        if is_main:
-            print(f"minipar: error: {e}", file=sys.stderr)
-        return 2
-    run(cfg, resume)
-    return 0

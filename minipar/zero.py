@@ -40,8 +40,10 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from minipar.collectives import Group, all_gather, all_gather_into, all_reduce, broadcast, reduce_scatter
+from minipar.collectives import Group, all_gather, all_gather_into, broadcast, reduce_scatter
+from minipar.data_parallel import GradSync, bucket_params, clip_grads
 from minipar.placement import placement_of
+from minipar.tensor_parallel import sync_partial_grads
 
 
 class ZeroBucket:
@@ -93,7 +95,7 @@ class ZeroBucket:
         all_gather_into(self.full.data, self.master.detach().to(self.full.device, self.full.dtype), self.group)
 
 
-class ZeroDataParallel(nn.Module):
+class ZeroDataParallel(GradSync):
     """Wraps a model like DataParallel; owns the optimizer, which sees only this rank's slices.
 
     `make_optimizer(param_groups)` builds the torch optimizer (AdamW) for a list of param groups;
@@ -137,19 +139,7 @@ class ZeroDataParallel(nn.Module):
         return ZeroBucket(params, self.group, self.offload)
 
     def _chunks(self, params, bucket_mb):
-        """Consecutive parameters (in backward order) of about bucket_mb each."""
-        chunk, size = [], 0
-        for p in params:
-            chunk.append(p)
-            size += p.numel() * p.element_size()
-            if size >= bucket_mb * 2**20:
-                yield chunk
-                chunk, size = [], 0
-        if chunk:
-            yield chunk
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        return bucket_params(params, bucket_mb)
 
     @contextmanager
     def no_sync(self):
@@ -157,18 +147,11 @@ class ZeroDataParallel(nn.Module):
         Stage 2 reduce-scatters every micro-batch regardless (see the module docstring)."""
         yield
 
-    def _sync_partial(self, params) -> None:
-        # Replicated tp parameters with partial gradients (sequence-parallel norms, shared kv heads)
-        # are summed over tp before their dp reduce-scatter.
-        partial = [p for p in params if "tp" in placement_of(p).partial and p.grad is not None]
-        for p in partial:
-            all_reduce(p.grad, self.tp_group)
-
     def _grad_ready(self, p: nn.Parameter) -> None:
         bucket = self._bucket_of[id(p)]
         bucket.ready.add(id(p))
         if len(bucket.ready) == len(bucket.params):  # stage 2: reduce-scatter now, free the full grads
-            self._sync_partial(bucket.params)
+            sync_partial_grads(bucket.params, self.tp_group)  # tp partial sums first
             bucket.reduce_scatter_grads()
             self._bucket_done(bucket)
 
@@ -179,31 +162,20 @@ class ZeroDataParallel(nn.Module):
         """Reduce-scatter whatever backward has not (all of it in stage 1)."""
         for bucket in self.buckets:
             if any(p.grad is not None for p in bucket.params):
-                self._sync_partial(bucket.params)
+                sync_partial_grads(bucket.params, self.tp_group)  # tp partial sums first
                 bucket.reduce_scatter_grads()
 
     def clip_and_step(self, max_norm: float, pp_group: Group | None = None) -> float:
         """Global gradient norm from the slices (summed over dp; tp-sharded buckets also over tp;
         stages over pp), clipping, the optimizer step on the slices, and the all-gather of weights."""
         with_grad = [b for b in self.buckets if b.master.grad is not None]
-        sharded = [b.master.grad.pow(2).sum() for b in with_grad if b.tp_sharded]
-        replicated = [b.master.grad.pow(2).sum() for b in with_grad if not b.tp_sharded]
-        zero = self.buckets[0].master.new_zeros(())
-        sq_sharded = torch.stack(sharded).sum() if sharded else zero
-        all_reduce(sq_sharded, self.tp_group)
-        sq = sq_sharded + (torch.stack(replicated).sum() if replicated else zero)
-        all_reduce(sq, self.group)  # each dp rank holds different slices
-        all_reduce(sq, pp_group or Group.solo("pp"))
-        norm = sq.sqrt()
-        if max_norm > 0:
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for b in with_grad:
-                b.master.grad.mul_(coef)
+        norm = clip_grads([b.master.grad for b in with_grad], [b.tp_sharded for b in with_grad], max_norm,
+                          self.tp_group, [self.group, pp_group])  # each dp rank holds different slices
         self.optimizer.step()
         for b in self.buckets:
             b.master.grad = None  # between steps a rank holds no gradient at all
         self._after_step()
-        return float(norm)
+        return norm
 
     def _after_step(self) -> None:
         """Stages 1-2: every rank needs all the new weights: all-gather the updated slices."""
@@ -237,21 +209,12 @@ class ZeroDataParallel(nn.Module):
                 flat = b._flatten([states[names[id(p)]][slot].to(b.master.device, b.master.dtype) for p in b.params])
                 self.optimizer.state[b.master][slot] = flat[b.slice].clone()
 
-    @contextmanager
-    def gathered(self):
-        """Every full weight present inside the block (for checkpoints). Stages 1-2 always have them."""
-        yield
-
     # -- what each rank holds, measured on the real tensors ----------------------------------------
     def param_bytes(self) -> int:
         """Full weights held now, plus this rank's master slices."""
         storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.module.parameters()}
         full = sum(storages.values())  # by storage: under ZeRO-3 a bucket's parameters share one buffer
         return full + sum(b.master.numel() * b.master.element_size() for b in self.buckets)
-
-    def optimizer_state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
-                   if torch.is_tensor(t) and t.dim() > 0)
 
     def gradient_bytes(self) -> int:
         """Full gradients not yet reduce-scattered, plus this rank's gradient slices."""

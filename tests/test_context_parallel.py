@@ -156,9 +156,9 @@ def _train(rank, world, degrees, zero, sp):
         if zero:
             wrapped = ZeroDataParallel(model, mesh.dp_cp_group, zero, lambda gr: make_adamw(gr, OPT),
                                        param_groups(model, OPT), tp_group=mesh.tp_group)
-            opt = None
         else:
-            wrapped, opt = DataParallel(model, mesh.dp_cp_group), build_optimizer(model, OPT)
+            wrapped = DataParallel(model, mesh.dp_cp_group, tp_group=mesh.tp_group,
+                                   optimizer=build_optimizer(model, OPT))
         dp = mesh.layout.dp
         per = ROWS // dp
         for step in range(STEPS):
@@ -167,7 +167,7 @@ def _train(rank, world, degrees, zero, sp):
             rows = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
             x, y = C.split_sequence(x[rows], mesh.cp_group), C.split_sequence(y[rows], mesh.cp_group)
             micro = list(zip(x.chunk(2), y.chunk(2))) if pipeline else [(x, y)]
-            train_step(wrapped, opt, micro, 0.5, tp_group=mesh.tp_group, pipeline=pipeline)
+            train_step(wrapped, micro, 0.5, pipeline=pipeline)
         return {n: unshard(p.detach(), p, mesh.tp_group) for n, p in model.named_parameters()}
 
 

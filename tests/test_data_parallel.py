@@ -45,8 +45,8 @@ def _dp_run(rank, world, accum):
     with Mesh.build(dp=world) as mesh:
         model = new_model()
         ddp_model = DDP(copy.deepcopy(model), process_group=mesh.dp_group.pg)
-        dp_model = DataParallel(model, mesh.dp_group, bucket_mb=0.02)  # several buckets
-        opt, ddp_opt = build_optimizer(model, OPT), build_optimizer(ddp_model.module, OPT)
+        dp_model = DataParallel(model, mesh.dp_group, bucket_mb=0.02, optimizer=build_optimizer(model, OPT))
+        ddp_opt = build_optimizer(ddp_model.module, OPT)  # several buckets, above
         per_rank = GLOBAL_BATCH // world
         psi_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         ledgers, launched_in_backward = [], []
@@ -56,7 +56,7 @@ def _dp_run(rank, world, accum):
             micro = list(zip(x.chunk(accum), y.chunk(accum)))
 
             mesh.ledger.reset()
-            train_step(dp_model, opt, micro, grad_clip=1.0)
+            train_step(dp_model, micro, grad_clip=1.0)
             ledgers.append(mesh.ledger.get("dp", "all_reduce"))
 
             for i, (mx, my) in enumerate(micro):  # the same step with PyTorch's DDP

@@ -75,14 +75,13 @@ def _traced_step(rank, world, degrees, schedule=None, m=4, v=1, sp=False, zero3=
         group = mesh.dp_cp_group if mesh.layout.cp > 1 else mesh.dp_group
         if zero3:
             wrapped = Zero3DataParallel(model, group, lambda g: make_adamw(g, OPT), param_groups(model, OPT))
-            opt = wrapped.optimizer
         else:
-            wrapped, opt = DataParallel(model, group, bucket_mb=0.01), build_optimizer(model, OPT)
+            wrapped = DataParallel(model, group, 0.01, mesh.tp_group, optimizer=build_optimizer(model, OPT))
         per = B // mesh.layout.dp
         x, y = _batch(slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per))
         x, y = split_sequence(x, mesh.cp_group), split_sequence(y, mesh.cp_group)
         mesh.ledger.trace = []
-        train_step(wrapped, opt, list(zip(x.chunk(m), y.chunk(m))), 1.0, tp_group=mesh.tp_group, pipeline=pipeline)
+        train_step(wrapped, list(zip(x.chunk(m), y.chunk(m))), 1.0, pipeline=pipeline)
         return mesh.ledger.trace
 
 

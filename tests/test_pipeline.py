@@ -98,14 +98,12 @@ def _three_d(rank, world, schedule, sp):
         pipeline = Pipeline(mesh.pp_group, schedule, CFG.n_layers, 2 if schedule == "interleaved" else 1,
                             grad_group=mesh.pp_grad_group, seq_shards=2 if sp else 1)
         model = stage_model(pipeline, mesh.tp_group, sp)
-        dp_model = DataParallel(model, mesh.dp_group)
-        opt = build_optimizer(model, OPT)
+        dp_model = DataParallel(model, mesh.dp_group, tp_group=mesh.tp_group, optimizer=build_optimizer(model, OPT))
         per = B // 2
         for step in range(STEPS):
             x, y = batch(step)
             x, y = x[mesh.dp_rank * per : (mesh.dp_rank + 1) * per], y[mesh.dp_rank * per : (mesh.dp_rank + 1) * per]
-            train_step(dp_model, opt, list(zip(x.chunk(2), y.chunk(2))), 0.5, tp_group=mesh.tp_group,
-                       pipeline=pipeline)
+            train_step(dp_model, list(zip(x.chunk(2), y.chunk(2))), 0.5, pipeline=pipeline)
         return {n: unshard(p.detach(), p, mesh.tp_group) for n, p in model.named_parameters()}
 
 

@@ -8,11 +8,12 @@ from harness import run_ranks
 from minipar import tensor_parallel as T
 from minipar.collectives import Group
 from minipar.config import TrainConfig
-from minipar.data_parallel import DataParallel
+from minipar.data_parallel import DataParallel, clip_grads
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.parallelize import parallel_llama
-from minipar.train import build_optimizer, clip_grad_norm, train_step
+from minipar.placement import placement_of
+from minipar.train import build_optimizer, train_step
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 
@@ -238,13 +239,12 @@ def single_device_training():
 def _dp_tp_training(rank, world, sp):
     with Mesh.build(dp=2, tp=world // 2) as mesh:
         model = parallel_llama(gqa_config(), seed=5, tp_group=mesh.tp_group, sequence_parallel=sp).double()
-        dp_model = DataParallel(model, mesh.dp_group)
-        opt = build_optimizer(model, OPT)
+        dp_model = DataParallel(model, mesh.dp_group, tp_group=mesh.tp_group, optimizer=build_optimizer(model, OPT))
         per = GLOBAL_BATCH // 2
         for step in range(STEPS):
             x, y = global_batch(step)
             x, y = x[mesh.dp_rank * per : (mesh.dp_rank + 1) * per], y[mesh.dp_rank * per : (mesh.dp_rank + 1) * per]
-            train_step(dp_model, opt, list(zip(x.chunk(2), y.chunk(2))), 0.5, tp_group=mesh.tp_group)
+            train_step(dp_model, list(zip(x.chunk(2), y.chunk(2))), 0.5)
         return {n: T.unshard(p.detach(), p, mesh.tp_group) for n, p in model.named_parameters()}
 
 
@@ -261,7 +261,9 @@ def _clip(rank, world):
         model = parallel_llama(gqa_config(), seed=5, tp_group=mesh.tp_group).double()
         model(*batch(vocab=250)).backward()
         T.sync_partial_grads(model, mesh.tp_group)
-        return clip_grad_norm(model.parameters(), 0.0, mesh.tp_group)
+        params = list(model.parameters())
+        return clip_grads([p.grad for p in params], [placement_of(p).is_sharded("tp") for p in params], 0.0,
+                          mesh.tp_group)
 
 
 def test_grad_norm_counts_each_shard_once_and_replicas_once():
@@ -302,8 +304,8 @@ def _save_at_tp(rank, world, out):
     with Mesh.build(tp=world) as mesh:
         model = parallel_llama(gqa_config(), seed=5, tp_group=mesh.tp_group).double()
         opt = build_optimizer(model, OPT)
-        dp_model = DataParallel(model, mesh.dp_group)
-        train_step(dp_model, opt, [batch(vocab=250)], 1.0, tp_group=mesh.tp_group)
+        dp_model = DataParallel(model, mesh.dp_group, tp_group=mesh.tp_group, optimizer=opt)
+        train_step(dp_model, [batch(vocab=250)], 1.0)
         full = checkpoint.gather_full(model, checkpoint.optimizer_state(model, opt), checkpoint.hyper_params(opt),
                                       mesh.tp_group)
         if rank == 0:

@@ -40,7 +40,7 @@ def _zero_run(rank, world, stage, accum):
             x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
             micro = list(zip(x.chunk(accum), y.chunk(accum)))
             mesh.ledger.reset()
-            train_step(zero, None, micro, grad_clip=1.0)
+            train_step(zero, micro, grad_clip=1.0)
             ledgers.append({k: v["sent"] for k, v in mesh.ledger.snapshot().items()})
             if stage == 1:  # the same step with PyTorch's ZeroRedundancyOptimizer
                 for mx, my in micro:
@@ -112,7 +112,7 @@ def _zero_tp(rank, world, stage):
             x = torch.randint(0, 250, (4, 8), generator=torch.Generator().manual_seed(step))
             y = torch.roll(x, -1, dims=1)
             rows = slice(mesh.dp_rank * 2, mesh.dp_rank * 2 + 2)
-            train_step(zero, None, [(x[rows], y[rows])], 0.5, tp_group=mesh.tp_group)
+            train_step(zero, [(x[rows], y[rows])], 0.5)
         return {n: unshard(p.detach(), p, mesh.tp_group) for n, p in model.named_parameters()}
 
 
@@ -156,7 +156,7 @@ def _offload(rank, world, offload):
                                 param_groups(model, OPT), bucket_mb=0.02, offload=offload)
         for step in range(STEPS):
             x, y = global_batch(step)
-            train_step(zero, None, [(x[rank::world], y[rank::world])], grad_clip=1.0)
+            train_step(zero, [(x[rank::world], y[rank::world])], grad_clip=1.0)
         return dict(params={n: p.detach() for n, p in model.named_parameters()},
                     where={str(b.master.device) for b in zero.buckets})
 
@@ -173,7 +173,7 @@ def _zero_state_round_trip(rank, world):
         model = new_model()
         zero = zero_model(model, mesh.dp_group, 2)
         x, y = global_batch(0)
-        train_step(zero, None, [(x[rank::world], y[rank::world])], grad_clip=1.0)
+        train_step(zero, [(x[rank::world], y[rank::world])], grad_clip=1.0)
         states = zero.state_by_name()  # every slice joined: the unsharded optimizer's state
         fresh = zero_model(new_model(), mesh.dp_group, 2)
         fresh.load_state_by_name(states)
@@ -202,7 +202,7 @@ def _zero_pp(rank, world, stage):
             x = torch.randint(0, 250, (8, 8), generator=torch.Generator().manual_seed(step))
             y = torch.roll(x, -1, dims=1)
             rows = slice(mesh.dp_rank * 4, mesh.dp_rank * 4 + 4)
-            train_step(zero, None, list(zip(x[rows].chunk(2), y[rows].chunk(2))), 0.5, pipeline=pipeline)
+            train_step(zero, list(zip(x[rows].chunk(2), y[rows].chunk(2))), 0.5, pipeline=pipeline)
         return {n: p.detach() for n, p in model.named_parameters()}
 
 

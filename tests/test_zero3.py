@@ -33,7 +33,7 @@ def _run(rank, world, accum, with_fsdp):
             x, y = global_batch(step)
             x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
             mesh.ledger.reset()
-            train_step(z, None, list(zip(x.chunk(accum), y.chunk(accum))), grad_clip=1.0)
+            train_step(z, list(zip(x.chunk(accum), y.chunk(accum))), grad_clip=1.0)
             ledgers.append({k: v["sent"] for k, v in mesh.ledger.snapshot().items()})
             between.append(z.param_bytes())
         # The layer in use: during a forward, at most two units (this one and the prefetched next)
@@ -107,7 +107,7 @@ def _zero3_tp(rank, world):
             x = torch.randint(0, 250, (4, 8), generator=torch.Generator().manual_seed(step))
             y = torch.roll(x, -1, dims=1)
             rows = slice(mesh.dp_rank * 2, mesh.dp_rank * 2 + 2)
-            train_step(z, None, [(x[rows], y[rows])], 0.5, tp_group=mesh.tp_group)
+            train_step(z, [(x[rows], y[rows])], 0.5)
         with z.gathered():  # copies: the gathered weights are freed again when the block ends
             return {n: unshard(p.detach(), p, mesh.tp_group).clone() for n, p in model.named_parameters()}
 

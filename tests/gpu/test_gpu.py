@@ -125,13 +125,12 @@ def _wrapper_equals_one_device(rank, world, kind):
         def adamw(groups):
             return make_adamw(groups, OPT)
         wrapped = {
-            "dp": lambda: DataParallel(model, mesh.dp_group, bucket_mb=0.02),
-            "tp": lambda: DataParallel(model, mesh.dp_group, bucket_mb=0.02),
+            "dp": lambda: DataParallel(model, mesh.dp_group, 0.02, optimizer=build_optimizer(model, OPT)),
+            "tp": lambda: DataParallel(model, mesh.dp_group, 0.02, mesh.tp_group, build_optimizer(model, OPT)),
             "zero1": lambda: ZeroDataParallel(model, mesh.dp_group, 1, adamw, param_groups(model, OPT), 0.02),
             "zero2": lambda: ZeroDataParallel(model, mesh.dp_group, 2, adamw, param_groups(model, OPT), 0.02),
             "zero3": lambda: Zero3DataParallel(model, mesh.dp_group, adamw, param_groups(model, OPT)),
         }[kind]()
-        opt = getattr(wrapped, "optimizer", None) or build_optimizer(model, OPT)
         per = GLOBAL_BATCH // mesh.layout.dp
         for step in range(STEPS):
             x, y = batch(step, device)
@@ -141,7 +140,7 @@ def _wrapper_equals_one_device(rank, world, kind):
             ref_opt.zero_grad()
             rows = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
             micro = list(zip(x[rows].chunk(2), y[rows].chunk(2)))
-            train_step(wrapped, opt, micro, 1.0, tp_group=mesh.tp_group)
+            train_step(wrapped, micro, 1.0)
         ctx = wrapped.gathered() if kind == "zero3" else __import__("contextlib").nullcontext()
         with ctx, torch.no_grad():
             worst = 0.0
