@@ -17,7 +17,7 @@ from minipar.model import CONFIGS
 from minipar.pipeline import stage_layers
 from minipar.pipeline_schedules import SCHEDULES, ScheduleError
 from minipar.pipeline_schedules import build as build_schedule
-from minipar.tensor_parallel import check_tp_layout
+from minipar.tensor_parallel import check_tensor_layout
 
 
 class ConfigError(ValueError):
@@ -68,7 +68,7 @@ class TrainConfig:
         """What the model and data can take first, then whether the world has the right size."""
         m = CONFIGS[self.model]
         try:
-            check_tp_layout(m.n_heads, m.n_kv_heads, m.dim, m.ffn_dim, self.tp, self.sp, self.seq_len)
+            check_tensor_layout(m.n_heads, m.n_kv_heads, m.dim, m.ffn_dim, self.tp, self.sp, self.seq_len)
         except ValueError as e:
             raise ConfigError(f"{e} (--model {self.model})") from None
         for name in ("steps", "seq_len", "global_batch", "micro_batch"):

@@ -118,7 +118,7 @@ def tensor_parallel(model: Llama, tp: Group, sp: bool) -> None:
     for name, module in list(model.named_modules()):
         style = next((s for pattern, s in TP_PLAN.items() if fnmatch.fnmatchcase(name, pattern)), None)
         if style is not None and module is not None:
-            _swap(model, name, _tp_layer(module, style, tp, sp, config))
+            _swap(model, name, _sharded_layer(module, style, tp, sp, config))
     for name, module in model.named_modules():
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in TP_REGIONS):
             module.register_forward_pre_hook(partial(_enter_region, group=tp, sp=sp))
@@ -127,7 +127,7 @@ def tensor_parallel(model: Llama, tp: Group, sp: bool) -> None:
     model.loss_fn = partial(_vocab_parallel_loss, group=tp, vocab_size=config.vocab_size)
 
 
-def _tp_layer(plain: nn.Module, style: str, tp: Group, sp: bool, config) -> nn.Module:
+def _sharded_layer(plain: nn.Module, style: str, tp: Group, sp: bool, config) -> nn.Module:
     """The tensor-parallel layer for a plain one, holding this rank's shard of its weight."""
     out_features, in_features = plain.weight.shape if style != "vocab" else (None, None)
     if style == "vocab":

@@ -60,7 +60,7 @@ from minipar.placement import Placement, place, placement_of
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
 
 
-def check_tp_layout(n_heads: int, n_kv_heads: int, dim: int, ffn_dim: int, tp: int,
+def check_tensor_layout(n_heads: int, n_kv_heads: int, dim: int, ffn_dim: int, tp: int,
                     sequence_parallel: bool, seq_len: int) -> None:
     """Raise ValueError, with the fix, if the model cannot be split tp ways."""
     if n_heads % tp:

@@ -289,7 +289,7 @@ def test_grad_norm_counts_each_shard_once_and_replicas_once():
 def test_bad_tp_layouts_are_refused_with_the_fix(kw, msg):
     kw = dict(sequence_parallel=False, seq_len=16) | kw
     with pytest.raises(ValueError, match=msg):
-        T.check_tp_layout(**kw)
+        T.check_tensor_layout(**kw)
 
 
 def test_solo_group_has_one_rank_at_index_zero_and_row_layer_checks_its_split():
