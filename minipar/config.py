@@ -17,6 +17,7 @@ from minipar.model import CONFIGS
 from minipar.pipeline import stage_layers
 from minipar.pipeline_schedules import SCHEDULES, ScheduleError
 from minipar.pipeline_schedules import build as build_schedule
+from minipar.pipeline_schedules import placement as schedule_placement
 from minipar.tensor_parallel import check_tensor_layout
 
 
@@ -87,8 +88,9 @@ class TrainConfig:
             raise ConfigError(f"--sp with --cp {self.cp}: each rank's {self.seq_len // self.cp} tokens do not "
                               f"split over --tp {self.tp}")
         if self.pp > 1:
-            stage_layers(m.n_layers, self.pp * self.virtual_stages)  # raises: more stages than layers
             try:
+                stages = len(schedule_placement(self.schedule, self.pp, self.virtual_stages))  # zbv: 2 per rank
+                stage_layers(m.n_layers, stages)  # raises: more stages than layers
                 build_schedule(self.schedule, self.pp, self.accum_steps, self.virtual_stages)
             except ScheduleError as e:
                 raise ConfigError(

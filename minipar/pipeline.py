@@ -43,18 +43,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from minipar.collectives import Group, irecv, isend
-from minipar.pipeline_schedules import Action, Timeline, build
+from minipar.pipeline_schedules import Action, Timeline, make, placement
 
 
 def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
     """Contiguous, balanced blocks of layer ids, one per (virtual) stage."""
     if n_stages > n_layers:
         raise ValueError(
-            f"{n_stages} pipeline stages (--pp x --virtual-stages) but the model has {n_layers} layers: "
+            f"{n_stages} pipeline stages (--pp x chunks per rank) but the model has {n_layers} layers: "
             "every stage needs at least one layer"
         )
     base, extra = divmod(n_layers, n_stages)
@@ -67,7 +68,7 @@ def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
 class Pipeline:
     """What one rank needs to run its part of a pipeline schedule."""
 
-    group: Group  # the pp group: group rank r runs virtual stages r, r + pp, r + 2 pp, ...
+    group: Group  # the pp group: group rank r runs the stages the schedule places on it
     schedule: str
     n_layers: int
     virtual: int = 1
@@ -81,13 +82,18 @@ class Pipeline:
         """Where gradients travel: grad_group if given, else the pp group itself."""
         return self.grad_group or self.group
 
+    @cached_property
+    def placement(self) -> tuple[int, ...]:
+        """placement[k]: the pp rank of stage k (the schedule's: looped, or a V for zbv)."""
+        return placement(self.schedule, self.group.size, self.virtual)
+
     @property
     def n_stages(self) -> int:
-        return self.group.size * self.virtual
+        return len(self.placement)
 
     @property
     def my_stages(self) -> list[int]:
-        return [self.group.rank + j * self.group.size for j in range(self.virtual)]
+        return [k for k, r in enumerate(self.placement) if r == self.group.rank]
 
     def layers_of(self, stage: int) -> list[int]:
         return stage_layers(self.n_layers, self.n_stages)[stage]
@@ -102,13 +108,27 @@ class Pipeline:
         return self.n_stages - 1 in self.my_stages
 
     def actions(self, n_micro: int) -> list[Action]:
-        return build(self.schedule, self.group.size, n_micro, self.virtual)[self.group.rank]
+        return make(self.schedule, self.group.size, n_micro, self.virtual).actions[self.group.rank]
+
+    # Messages between stages. Two stages on one rank (zbv's turn of the V) hand tensors over
+    # directly; every other message goes to or comes from the rank the placement names.
+    def _receive(self, like: torch.Tensor, channel: Group, stage: int, key, local: dict) -> torch.Tensor:
+        if self.placement[stage] == self.group.rank:
+            return local.pop(key)
+        irecv(like, channel, self.placement[stage]).wait()
+        return like
+
+    def _send(self, t: torch.Tensor, channel: Group, stage: int, key, local: dict, pending: list) -> None:
+        if self.placement[stage] == self.group.rank:
+            local[key] = t.clone()
+        else:
+            pending.append((isend(t, channel, self.placement[stage]), t))
 
     def run(self, model, micro_batches) -> torch.Tensor | float:
         """Run this rank's actions on its stages of `model` (a model.Llama holding those stages).
         Returns the sum over micro-batches of loss / m on the last stage (0 elsewhere); the
         measured timeline of this rank is left in `self.timeline`."""
-        m, p, last = len(micro_batches), self.group.size, self.n_stages - 1
+        m, last = len(micro_batches), self.n_stages - 1
         tokens = micro_batches[0][0]
         act_shape = (tokens.shape[0], tokens.shape[1] // self.seq_shards, model.config.dim)  # what stages pass on
         act_dtype, device = next(model.parameters()).dtype, tokens.device
@@ -116,7 +136,7 @@ class Pipeline:
         split = any(a.kind == "W" for a in actions)
         stage_params = {k: model.stage_parameters(self.layers_of(k), first=k == 0, last=k == last)
                         for k in self.my_stages}
-        inputs, outputs, out_grads, pending_sends = {}, {}, {}, []
+        inputs, outputs, out_grads, pending_sends, local = {}, {}, {}, [], {}
         total = 0.0
         rows = []
         began = time.perf_counter()
@@ -129,9 +149,8 @@ class Pipeline:
                 if k == 0:
                     x = micro_batches[i][0]
                 else:
-                    x = torch.empty(act_shape, dtype=act_dtype, device=device)  # [b, s(/tp), d]
-                    irecv(x, self.group, (k - 1) % p).wait()
-                    x.requires_grad_()
+                    buffer = torch.empty(act_shape, dtype=act_dtype, device=device)  # [b, s(/tp), d]
+                    x = self._receive(buffer, self.group, k - 1, ("F", i, k), local).requires_grad_()
                     start = time.perf_counter()
                 out = model.forward_stage(x, self.layers_of(k), first=k == 0, last=k == last,
                                           targets=micro_batches[i][1] if k == last else None)
@@ -139,15 +158,13 @@ class Pipeline:
                     out = out / m  # the step's loss is the mean over all micro-batches
                     total = total + out.detach()
                 else:
-                    send = out.detach()
-                    pending_sends.append((isend(send, self.group, (k + 1) % p), send))
+                    self._send(out.detach(), self.group, k + 1, ("F", i, k + 1), local, pending_sends)
                 inputs[i, k], outputs[i, k] = x, out
             elif a.kind == "B":
                 out, x = outputs[i, k], inputs[i, k]
                 grad = None
                 if k < last:
-                    grad = torch.empty_like(out)
-                    irecv(grad, self.back, (k + 1) % p).wait()
+                    grad = self._receive(torch.empty_like(out), self.back, k + 1, ("B", i, k), local)
                     start = time.perf_counter()
                 if split:  # input gradient only; the weight gradient waits for W
                     dx = torch.autograd.grad(out, x, grad, retain_graph=True)[0] if k > 0 else None
@@ -157,7 +174,7 @@ class Pipeline:
                     dx = x.grad if k > 0 else None
                     del inputs[i, k], outputs[i, k]  # activations freed
                 if dx is not None:
-                    pending_sends.append((isend(dx, self.back, (k - 1) % p), dx))
+                    self._send(dx, self.back, k - 1, ("B", i, k - 1), local, pending_sends)
             else:  # W
                 torch.autograd.backward(outputs[i, k], out_grads.pop((i, k)), inputs=stage_params[k])
                 del inputs[i, k], outputs[i, k]

@@ -21,16 +21,21 @@ one executor that runs any of them. The schedules, p = 4 ranks, m = 8 micro-batc
     zb1          zero-bubble ZB-H1: backward split into B (input gradient: the next stage waits
                  for it) and W (weight gradient: nobody waits); W's fill the bubbles, with no
                  stage holding more activations than 1F1B's first stage (p micro-batches)
+    zbv          zero-bubble ZB-V: two chunks per rank placed in a V (rank r holds stages r and
+                 2p-1-r), so the first and the last stage share rank 0: the forward goes down the
+                 ranks and back up, the backward the same, and W's fill what is left
 
-An action carries its virtual stage `stage` (for non-interleaved schedules, the rank). With v
-chunks per rank, virtual stage k lives on rank k % p as chunk k // p.
+A `Schedule` is the actions of every rank *and* the placement of the stages on the ranks. An
+action carries its (virtual) stage; `placement[k]` is the rank that runs stage k: k % p for the
+looped schedules (with v chunks per rank, rank r holds stages r, r+p, r+2p, ...), a V for zbv.
+The executor and the message check read the placement; nothing assumes "stage k on rank k".
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1")
+from minipar.pipeline_timeline import Timeline
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,30 @@ class Action:
 
 class ScheduleError(ValueError):
     """A schedule that cannot be built for these sizes; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    actions: list[list[Action]]  # actions[r]: what rank r runs, in order
+    placement: tuple[int, ...]  # placement[k]: the rank that holds stage k
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.placement)
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [k for k, r in enumerate(self.placement) if r == rank]
+
+
+def inputs_of(a: Action, n_stages: int) -> list[Action]:
+    """The actions whose results `a` needs: the one dependency rule of every builder and the
+    simulator. F needs the previous stage's F; B needs its own F and the next stage's B; W its B."""
+    i, k = a.microbatch, a.stage
+    if a.kind == "F":
+        return [Action("F", i, k - 1)] if k > 0 else []
+    if a.kind == "B":
+        return [Action("F", i, k)] + ([Action("B", i, k + 1)] if k < n_stages - 1 else [])
+    return [Action("B", i, k)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,7 +157,7 @@ def zero_bubble_h1(p: int, m: int) -> list[list[Action]]:
         for s in range(p):
             nxt = plan[s][0] if plan[s] else None
             in_flight = sum(1 for a in out[s] if a.kind == "F") - sum(1 for a in out[s] if a.kind == "W")
-            ready = nxt is not None and _deps_done(nxt, p, done, t, split=True)
+            ready = nxt is not None and _deps_done(nxt, p, done, t)
             if nxt is not None and nxt.kind == "F" and in_flight >= p:
                 ready = False  # memory cap: retire a W first
             if ready:
@@ -148,46 +177,113 @@ def zero_bubble_h1(p: int, m: int) -> list[list[Action]]:
     return out
 
 
-def build(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
-    """Each rank's action list for schedule `name` on p stages and m micro-batches."""
+def zero_bubble_v(p: int, m: int) -> list[list[Action]]:
+    """ZB-V: 2p stages in a V over p ranks, split backward, built by simulating unit-time actions.
+
+    At each time step a rank runs, among the actions whose inputs are done: a B (the stages
+    before it wait for its input gradient), else an F, else its oldest pending W. Among B's or
+    F's, the lowest micro-batch first, so that each stage handles micro-batches in order (its
+    neighbours' messages then arrive in the order it asks for them). A rank runs an F on its
+    first chunk only while it holds fewer than 2p chunk activations (p micro-batches of all its
+    layers: 1F1B's peak on its first stage); F's on the way back up are never held up, or the
+    loss could never be reached. So the peak can pass 2p (about 1.4x at m >= 2p): the paper's
+    hand-made ZB-V keeps 1F1B's peak exactly, this greedy one spends memory for fewer idle slots.
+    """
+    n, placement = 2 * p, v_placement(p)
+    todo = [[Action(kind, i, k) for i in range(m) for k in (r, n - 1 - r) for kind in "FB"] for r in range(p)]
+    done: dict[Action, int] = {}
+    out: list[list[Action]] = [[] for _ in range(p)]
+    pending_w: list[list[Action]] = [[] for _ in range(p)]
+    t = 0
+    while any(todo) or any(pending_w):
+        finished_now = {}
+        for r in range(p):
+            held = sum(a.kind == "F" for a in out[r]) - sum(a.kind == "W" for a in out[r])
+            ready = [a for a in todo[r] if _deps_done(a, n, done, t)
+                     and not (a.kind == "F" and a.stage == r and held >= n)]
+            ready.sort(key=lambda a: (a.kind != "B", a.microbatch, -a.stage))
+            if ready:
+                act = ready[0]
+                todo[r].remove(act)
+                if act.kind == "B":
+                    pending_w[r].append(Action("W", act.microbatch, act.stage))
+            elif pending_w[r]:
+                act = pending_w[r].pop(0)
+            else:
+                continue
+            out[r].append(act)
+            finished_now[act] = t + 1
+        done.update(finished_now)
+        t += 1
+        if t > 10 * (m + p) * 6:
+            raise ScheduleError("zbv schedule construction did not finish")  # cannot happen; a guard
+    assert all(placement[a.stage] == r for r, acts in enumerate(out) for a in acts)
+    return out
+
+
+def looped_placement(p: int, v: int = 1) -> tuple[int, ...]:
+    """Stage k on rank k % p: with v chunks per rank, rank r holds r, r+p, r+2p, ..."""
+    return tuple(k % p for k in range(p * v))
+
+
+def v_placement(p: int) -> tuple[int, ...]:
+    """Stages 0..p-1 down the ranks, p..2p-1 back up: rank r holds r and 2p-1-r."""
+    return tuple(range(p)) + tuple(reversed(range(p)))
+
+
+# name -> (the stage placement for p ranks and v chunks, the action builder for p, m, v)
+SCHEDULES = {
+    "naive": (looped_placement, lambda p, m, v: naive(p, m)),
+    "gpipe": (looped_placement, lambda p, m, v: gpipe(p, m)),
+    "1f1b": (looped_placement, lambda p, m, v: one_f_one_b(p, m)),
+    "interleaved": (looped_placement, interleaved),
+    "zb1": (looped_placement, lambda p, m, v: zero_bubble_h1(p, m)),
+    "zbv": (lambda p, v: v_placement(p), lambda p, m, v: zero_bubble_v(p, m)),
+}
+
+
+def placement(name: str, p: int, v: int = 1) -> tuple[int, ...]:
+    """Which rank holds each stage under schedule `name` (it does not depend on m)."""
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule '{name}': choose one of {', '.join(SCHEDULES)}")
-    if m < 1 or p < 1:
-        raise ScheduleError("pp and the number of micro-batches must be at least 1")
     if name != "interleaved" and v != 1:
         raise ScheduleError("--virtual-stages above 1 needs --schedule interleaved")
-    if name == "naive":
-        return naive(p, m)
-    if name == "gpipe":
-        return gpipe(p, m)
-    if name == "1f1b":
-        return one_f_one_b(p, m)
-    if name == "interleaved":
-        return interleaved(p, m, v)
-    return zero_bubble_h1(p, m)
+    return SCHEDULES[name][0](p, v)
 
 
-def messages(schedule: list[list[Action]]) -> list[list[tuple]]:
+def make(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """Schedule `name` on p ranks and m micro-batches: every rank's actions and the placement."""
+    stages = placement(name, p, v)
+    if m < 1 or p < 1:
+        raise ScheduleError("pp and the number of micro-batches must be at least 1")
+    return Schedule(SCHEDULES[name][1](p, m, v), stages)
+
+
+def build(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
+    """Each rank's action list for schedule `name` on p ranks and m micro-batches."""
+    return make(name, p, m, v).actions
+
+
+def messages(schedule: Schedule) -> list[list[tuple]]:
     """The point-to-point operations each rank posts when it runs its actions, in order, as
     order_check traces: (channel, "send" or "recv", peer rank, micro-batch). The channel is the
     activations' or the gradients' (pipeline.py sends them on two process groups), and the
     micro-batch stands in for the message size, so that a receive matched with the wrong message
-    is caught even when the sizes agree. Virtual stage k lives on rank k % p."""
-    p = len(schedule)
-    n_stages = 1 + max(a.stage for acts in schedule for a in acts)
-    ranks = tuple(range(p))
+    is caught even when the sizes agree. Two stages on one rank pass their tensors by hand."""
+    where, last = schedule.placement, schedule.n_stages - 1
+    ranks = tuple(range(len(schedule.actions)))
     act, grad = ("pp", ranks), ("pp_grad", ranks)
     traces = []
-    for acts in schedule:
+    for rank, acts in enumerate(schedule.actions):
         trace = []
         for a in acts:
             i, k = a.microbatch, a.stage
             if a.kind == "F":
-                trace += [(act, "recv", (k - 1) % p, i)] if k > 0 else []
-                trace += [(act, "send", (k + 1) % p, i)] if k < n_stages - 1 else []
+                trace += [(act, "recv", where[k - 1], i)] if k > 0 and where[k - 1] != rank else []
+                trace += [(act, "send", where[k + 1], i)] if k < last and where[k + 1] != rank else []
             elif a.kind == "B":
-                trace += [(grad, "recv", (k + 1) % p, i)] if k < n_stages - 1 else []
-                trace += [(grad, "send", (k - 1) % p, i)] if k > 0 else []
+                trace += [(grad, "recv", where[k + 1], i)] if k < last and where[k + 1] != rank else []
+                trace += [(grad, "send", where[k - 1], i)] if k > 0 and where[k - 1] != rank else []
         traces.append(trace)
     return traces
 
@@ -197,86 +293,9 @@ def messages(schedule: list[list[Action]]) -> list[list[tuple]]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _deps_done(a: Action, n_stages: int, done: dict, t: int, split: bool) -> bool:
-    """Are the inputs of action `a` available at time t? (n_stages: virtual stages in total.)"""
-    def ok(x: Action) -> bool:
-        return x in done and done[x] <= t
-
-    if a.kind == "F":
-        return a.stage == 0 or ok(Action("F", a.microbatch, a.stage - 1))
-    if a.kind == "B":
-        after = Action("B", a.microbatch, a.stage + 1) if a.stage < n_stages - 1 else None
-        return ok(Action("F", a.microbatch, a.stage)) and (after is None or ok(after))
-    return ok(Action("B", a.microbatch, a.stage))  # W
-
-
-@dataclass
-class Timeline:
-    """When each action ran: rows[rank] = [(start, end, action)], from a simulation or a real run."""
-
-    rows: list[list[tuple[float, float, Action]]]
-
-    @property
-    def makespan(self) -> float:
-        return max(end for row in self.rows for _, end, _ in row) - min(s for row in self.rows for s, _, _ in row)
-
-    def idle_fraction(self) -> float:
-        busy = sum(end - start for row in self.rows for start, end, _ in row)
-        return 1.0 - busy / (len(self.rows) * self.makespan)
-
-    def _virtual(self) -> bool:
-        return any(a.stage >= len(self.rows) for row in self.rows for _, _, a in row)
-
-    def label(self, a: Action) -> str:
-        """'F3', or with virtual stages 'F3a' / 'F3b': micro-batch 3 on the rank's first / second chunk."""
-        return f"{a}{'abcdefgh'[a.stage // len(self.rows)]}" if self._virtual() else str(a)
-
-    def ascii(self, unit: float = 1.0) -> str:
-        """One line per rank, one cell per time unit: "F3" forward of micro-batch 3, "." idle.
-
-        With virtual stages the cell names the chunk too: "F3a" on a rank's first chunk, "F3b" its second.
-        """
-        width = 4 if self._virtual() else 3
-        label = self.label
-        t0 = min(s for row in self.rows for s, _, _ in row)
-        cells_per_rank = round(self.makespan / unit)
-        lines = []
-        for r, row in enumerate(self.rows):
-            cells = [".".rjust(width)] * cells_per_rank
-            for start, end, a in row:
-                first = min(round((start - t0) / unit), cells_per_rank - 1)
-                last = max(round((end - t0) / unit), first + 1)  # an action shorter than a cell keeps one
-                for k in range(first, min(last, cells_per_rank)):
-                    cells[k] = label(a).rjust(width)
-            lines.append(f"rank {r}: " + "".join(cells))
-        return "\n".join(lines)
-
-
-    def draw(self, path: str, title: str = "") -> None:
-        """Save the timeline as a PNG: one row per rank, F blue, B orange, W green, gaps = bubble."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        colours = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
-        t0 = min(s for row in self.rows for s, _, _ in row)
-        width = min(40.0, max(6.0, self.makespan / self._unit() * 0.35))  # measured runs have tiny actions
-        fig, ax = plt.subplots(figsize=(width, 0.6 * len(self.rows) + 1))
-        for r, row in enumerate(self.rows):
-            for start, end, a in row:
-                ax.barh(r, end - start, left=start - t0, color=colours[a.kind], edgecolor="white")
-                ax.text((start + end) / 2 - t0, r, self.label(a), ha="center", va="center", fontsize=7, color="white")
-        ax.set_yticks(range(len(self.rows)), [f"rank {r}" for r in range(len(self.rows))])
-        ax.invert_yaxis()
-        ax.set_xlabel("time")
-        ax.set_title(title or f"idle fraction {self.idle_fraction():.1%}")
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-
-    def _unit(self) -> float:
-        return min(end - start for row in self.rows for start, end, _ in row) or 1.0
+def _deps_done(a: Action, n_stages: int, done: dict, t: int) -> bool:
+    """Have the inputs of action `a` finished by time t?"""
+    return all(x in done and done[x] <= t for x in inputs_of(a, n_stages))
 
 
 def simulate(schedule: list[list[Action]], durations: dict[str, float] | None = None) -> Timeline:
@@ -314,14 +333,7 @@ def simulate(schedule: list[list[Action]], durations: dict[str, float] | None = 
 
 def _input_times(a: Action, n_stages: int, done: dict) -> list[float] | None:
     """Finish times of the actions `a` waits for, or None if one of them has not been placed yet."""
-    if a.kind == "F":
-        needs = [Action("F", a.microbatch, a.stage - 1)] if a.stage > 0 else []
-    elif a.kind == "B":
-        needs = [Action("F", a.microbatch, a.stage)]
-        if a.stage < n_stages - 1:
-            needs.append(Action("B", a.microbatch, a.stage + 1))
-    else:
-        needs = [Action("B", a.microbatch, a.stage)]
+    needs = inputs_of(a, n_stages)
     if any(n not in done for n in needs):
         return None
     return [done[n] for n in needs]

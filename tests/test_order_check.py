@@ -86,7 +86,7 @@ def _traced_step(rank, world, degrees, schedule=None, m=4, v=1, sp=False, zero3=
 
 
 SCHEDULES = [("naive", 1, 1), ("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 8, 1), ("interleaved", 4, 2),
-             ("zb1", 4, 1)]
+             ("zb1", 4, 1), ("zbv", 4, 1)]
 PIPELINES = [dict(pp=2), dict(pp=4), dict(dp=2, pp=2), dict(tp=2, pp=2), dict(cp=2, pp=2)]
 
 

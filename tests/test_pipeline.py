@@ -55,7 +55,7 @@ def reference():
 
 
 SCHEDULES = [("naive", 1, 1), ("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 8, 1), ("interleaved", 4, 2),
-             ("zb1", 4, 1), ("zb1", 8, 1)]
+             ("zb1", 4, 1), ("zb1", 8, 1), ("zbv", 4, 1), ("zbv", 8, 1)]
 
 
 @pytest.mark.parametrize("pp", [2, 4])

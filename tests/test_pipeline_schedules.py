@@ -8,6 +8,7 @@ from minipar.pipeline_schedules import (
     ScheduleError,
     bubble_formula,
     build,
+    make,
     messages,
     peak_activations,
     simulate,
@@ -21,6 +22,8 @@ def cases():
         yield "gpipe", p, m, 1
         yield "1f1b", p, m, 1
         yield "zb1", p, m, 1
+        if p > 1:
+            yield "zbv", p, m, 1
         if m % p == 0 and p > 1:
             yield "interleaved", p, m, 2
             yield "interleaved", p, m, 3
@@ -33,14 +36,18 @@ CASES = list(cases())
 
 @pytest.mark.parametrize("name,p,m,v", CASES, ids=[f"{n}-p{p}-m{m}-v{v}" for n, p, m, v in CASES])
 def test_every_action_once_forward_before_backward_and_no_deadlock(name, p, m, v):
-    sched = build(name, p, m, v)
+    schedule = make(name, p, m, v)
+    sched = schedule.actions
     assert len(sched) == p
-    split = name == "zb1"
+    split = name in ("zb1", "zbv")
+    chunks = 2 if name == "zbv" else v
     for rank, acts in enumerate(sched):
         stages = {a.stage for a in acts}
-        assert stages == {rank + k * p for k in range(v)}  # virtual stage k*p + rank lives here
+        assert stages == set(schedule.stages_of(rank))  # the placement says where each stage lives
+        expected = {rank + k * p for k in range(v)} if name != "zbv" else {rank, 2 * p - 1 - rank}  # looped, or a V
+        assert stages == expected
         kinds = "FBW" if split else "FB"
-        assert sorted(map(str, acts)) == sorted(f"{k}{i}" for k in kinds for i in range(m) for _ in range(v))
+        assert sorted(map(str, acts)) == sorted(f"{k}{i}" for k in kinds for i in range(m) for _ in range(chunks))
         assert len(set(acts)) == len(acts)
         position = {a: i for i, a in enumerate(acts)}
         for a in acts:
@@ -67,6 +74,7 @@ def test_interleaved_bubble_is_about_one_vth_and_zb1_smaller_than_1f1b(p, m):
         assert inter < one_f_one_b
     zb1 = simulate(build("zb1", p, m)).idle_fraction()
     assert zb1 < one_f_one_b and zb1 == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)  # the paper's
+    assert simulate(build("zbv", p, m)).idle_fraction() < zb1  # the V fills what ZB-H1 leaves
 
 
 @pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (4, 16), (8, 32)])
@@ -116,18 +124,30 @@ def test_timeline_draws_as_png(tmp_path):
 # NCCL matches point-to-point messages by posting order: for every schedule, pp and micro-batch
 # count, the receives each rank posts from a neighbour come in the order that neighbour sends.
 ORDER_CASES = [(name, p, m, v) for p in range(2, 9) for m in (p, 2 * p, 2 * p + 1)
-               for name, v in (("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2))
+               for name, v in (("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("zbv", 1), ("interleaved", 2))
                if not (name == "interleaved" and m % p)] + [("naive", p, 1, 1) for p in range(2, 9)]
 
 
 @pytest.mark.parametrize("name,p,m,v", ORDER_CASES, ids=[f"{n}-p{p}-m{m}-v{v}" for n, p, m, v in ORDER_CASES])
 def test_every_schedule_receives_in_the_order_its_neighbour_sends(name, p, m, v):
-    traces = messages(build(name, p, m, v))
+    schedule = make(name, p, m, v)
+    traces = messages(schedule)
     assert order_problems(traces) == []
-    assert sum(op == "send" for trace in traces for _, op, _, _ in trace) == 2 * m * (p * v - 1)
+    # Every stage boundary between two ranks carries m activations and m gradients (zbv's turn
+    # of the V, two stages on one rank, carries none).
+    crossings = sum(schedule.placement[k] != schedule.placement[k + 1] for k in range(schedule.n_stages - 1))
+    assert sum(op == "send" for trace in traces for _, op, _, _ in trace) == 2 * m * crossings
 
 
 def test_a_receive_out_of_order_is_caught():
-    traces = messages(build("1f1b", 2, 2))
+    traces = messages(make("1f1b", 2, 2))
     traces[1][0], traces[1][2] = traces[1][2], traces[1][0]  # rank 1 asks for micro-batch 1 first
     assert order_problems(traces)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 16)])
+def test_zbv_places_stages_in_a_v_and_its_peak_is_bounded(p, m):
+    schedule = make("zbv", p, m)
+    assert schedule.placement == tuple(range(p)) + tuple(reversed(range(p)))  # rank 0: first and last stage
+    peaks = [peak_activations(acts) for acts in schedule.actions]  # in chunks, half a rank's layers each
+    assert max(peaks) <= 3 * p  # 1.5x 1F1B's 2p chunks at most (see zero_bubble_v)
