@@ -49,6 +49,7 @@ norm of gradients some of which are tp shards, clipped).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -56,7 +57,7 @@ from torch import nn
 
 from minipar import checkpoint
 from minipar.collectives import Group, all_reduce, broadcast
-from minipar.placement import placement_of
+from minipar.placement import DENSE, placement_of
 from minipar.tensor_parallel import sync_partial_grads
 
 
@@ -72,19 +73,45 @@ def bucket_params(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.
     return chunks + [current] if current else chunks
 
 
+def group_chooser(group) -> Callable[[tuple[str, ...]], Group]:
+    """A wrapper's `group` argument as a function of a parameter's `Placement.grad_mean`: one
+    Group averages every parameter over itself; a function (train.py passes the mesh's) lets
+    parameters with other grad_mean dimensions (experts) be averaged over other groups."""
+    return group if callable(group) else (lambda dims: group)
+
+
+def by_grad_mean(params: list[nn.Parameter]) -> dict[tuple[str, ...], list[nn.Parameter]]:
+    """Parameters split by the dimensions their gradient is averaged over, order kept."""
+    out: dict[tuple[str, ...], list[nn.Parameter]] = {}
+    for p in params:
+        out.setdefault(placement_of(p).grad_mean, []).append(p)
+    return out
+
+
 def clip_grads(grads: list[torch.Tensor], tp_sharded: list[bool], max_norm: float, tp_group: Group,
-               groups=()) -> float:
+               groups=(), slice_groups: list[Group] | None = None) -> float:
     """The global norm of `grads`, scaled in place to at most max_norm (0: no clipping); returns it.
 
     A tp shard holds only part of its parameter, so the squares of sharded gradients are summed
-    over tp, and replicated ones are counted once; the sum is then added over `groups` whose
-    ranks hold different gradients (pp stages; dp for ZeRO's slices). The same formula as
+    over tp, and replicated ones are counted once. ZeRO's gradients are slices: each one's squares
+    are also summed over its `slice_groups` entry, whose ranks hold the other slices. The total is
+    then added over `groups` whose ranks hold different gradients (pp stages). The same formula as
     torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
     """
     zero = grads[0].new_zeros(()) if grads else torch.zeros((), dtype=torch.float64)
-    sq = sum((g.pow(2).sum() for g, s in zip(grads, tp_sharded) if s), zero)
-    all_reduce(sq, tp_group)
-    sq = sq + sum((g.pow(2).sum() for g, s in zip(grads, tp_sharded) if not s), zero)
+    # Squares summed per slice group (sorted by name, so that every rank issues the same
+    # collectives in the same order), sharded and replicated apart.
+    parts: dict[str, list] = {"": [None, zero.clone(), zero.clone()]} if not grads else {}
+    for g, sharded, sg in zip(grads, tp_sharded, slice_groups or [None] * len(grads)):
+        part = parts.setdefault(sg.name if sg else "", [sg, zero.clone(), zero.clone()])
+        part[1 if sharded else 2] = part[1 if sharded else 2] + g.pow(2).sum()
+    sq = zero
+    for _, (sg, sharded_sq, replicated_sq) in sorted(parts.items(), key=lambda kv: kv[0]):
+        all_reduce(sharded_sq, tp_group)  # a shard's squares: summed over tp
+        part = sharded_sq + replicated_sq
+        if sg is not None:
+            all_reduce(part, sg)  # ZeRO: the other slices are on the other ranks of the group
+        sq = sq + part
     for group in groups:
         all_reduce(sq, group or Group.solo("pp"))
     norm = sq.sqrt()
@@ -98,15 +125,15 @@ def clip_grads(grads: list[torch.Tensor], tp_sharded: list[bool], max_norm: floa
 class GradBucket:
     """A few parameters whose gradients are averaged together, in one flat buffer."""
 
-    def __init__(self, index: int, params: list[nn.Parameter]):
-        self.index = index
-        self.params = params
+    def __init__(self, index: int, params: list[nn.Parameter], group: Group):
+        self.index, self.params, self.group = index, params, group
         self.ready: set[int] = set()  # ids of params whose gradient is complete
         self.buffer: torch.Tensor | None = None
         self.work = None
 
-    def launch(self, group: Group) -> None:
+    def launch(self) -> None:
         """Copy the gradients into the bucket's flat buffer, pre-divided by dp, and start its all-reduce."""
+        group = self.group
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         if self.buffer is None:  # allocated once, reused every step
             self.buffer = torch.empty(sum(p.numel() for p in self.params), dtype=grads[0].dtype,
@@ -116,6 +143,9 @@ class GradBucket:
 
     def finish(self) -> None:
         """Wait for the all-reduce, then write the averaged gradients back into .grad."""
+        if self.work is None:  # a group of one: the gradients are already the mean
+            self.ready.clear()
+            return
         self.work.wait()
         offset = 0
         for p in self.params:
@@ -166,14 +196,18 @@ class DataParallel(GradSync):
     def __init__(self, module: nn.Module, group: Group, bucket_mb: float = 25.0, tp_group: Group | None = None,
                  optimizer: torch.optim.Optimizer | None = None):
         super().__init__()
-        self.module, self.group, self.optimizer = module, group, optimizer
+        self.group_for = group_chooser(group)  # a parameter's group, from its Placement.grad_mean
+        self.module, self.group, self.optimizer = module, self.group_for(DENSE), optimizer
         self.tp_group = tp_group or Group.solo("tp")
         self.sync = True
+        self.buckets = self._make_buckets([p for p in module.parameters() if p.requires_grad], bucket_mb)
         # Start identical: every replica takes rank 0's weights (and buffers).
         with torch.no_grad():
-            for t in list(module.parameters()) + list(module.buffers()):
-                broadcast(t.data, group, src=0)
-        self.buckets = self._make_buckets([p for p in module.parameters() if p.requires_grad], bucket_mb)
+            for b in self.buckets:
+                for p in b.params:
+                    broadcast(p.data, b.group, src=0)
+            for t in module.buffers():
+                broadcast(t.data, self.group, src=0)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next_to_launch = 0
         self._grads_pending = False  # a backward ran since the last finish_grad_sync
@@ -181,10 +215,11 @@ class DataParallel(GradSync):
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
 
-    @staticmethod
-    def _make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[GradBucket]:
-        # Backward meets the last layers first.
-        return [GradBucket(i, chunk) for i, chunk in enumerate(bucket_params(list(reversed(params)), bucket_mb))]
+    def _make_buckets(self, params: list[nn.Parameter], bucket_mb: float) -> list[GradBucket]:
+        # Backward meets the last layers first; a bucket never mixes reduction groups.
+        chunks = [(chunk, self.group_for(dims)) for dims, ps in by_grad_mean(list(reversed(params))).items()
+                  for chunk in bucket_params(ps, bucket_mb)]
+        return [GradBucket(i, chunk, group) for i, (chunk, group) in enumerate(chunks)]
 
     @contextmanager
     def no_sync(self):
@@ -197,9 +232,9 @@ class DataParallel(GradSync):
 
     def _grad_ready(self, p: nn.Parameter) -> None:
         self._grads_pending = True
-        if not self.sync or self.group.size == 1:
-            return
         bucket = self._bucket_of[id(p)]
+        if not self.sync or bucket.group.size == 1:
+            return
         if bucket.index < self._next_to_launch:
             # Its all-reduce is already in flight with the previous backward's gradient: averaging
             # now would silently drop this one. DDP allows it; we refuse it, loudly.
@@ -213,7 +248,7 @@ class DataParallel(GradSync):
             self._next_to_launch < len(self.buckets)
             and len(self.buckets[self._next_to_launch].ready) == len(self.buckets[self._next_to_launch].params)
         ):
-            self.buckets[self._next_to_launch].launch(self.group)
+            self.buckets[self._next_to_launch].launch()
             self._next_to_launch += 1
 
     def finish_grad_sync(self) -> None:
@@ -223,11 +258,11 @@ class DataParallel(GradSync):
         when all backwards ran inside no_sync() (as a pipeline step does: its micro-batches'
         backwards interleave with forwards, so it averages once at the very end).
         """
-        if self.group.size == 1 or not self._grads_pending:
+        if all(b.group.size == 1 for b in self.buckets) or not self._grads_pending:
             return  # no backward since the last call: nothing to average
         self._grads_pending = False
         for bucket in self.buckets[self._next_to_launch :]:
-            bucket.launch(self.group)
+            bucket.launch()
         for bucket in self.buckets:
             bucket.finish()
         self._next_to_launch = 0

@@ -192,6 +192,13 @@ class Mesh:
             raise KeyError(f"no {name} group in this mesh: it has {', '.join(self._groups)}")
         return self._groups[name]
 
+    def reduction_group(self, dims: tuple[str, ...]) -> Group:
+        """Where a gradient averaged over `dims` (its Placement.grad_mean) is reduced: ("dp", "cp")
+        is the dp x cp group, or the dp group alone when cp is 1."""
+        if all(self.group(d).size == 1 for d in dims[1:]):
+            return self.group(dims[0])
+        return self.group(*dims)
+
     def coord(self, dim: str) -> int:
         """This rank's coordinate along `dim` (its rank inside the group of that dimension)."""
         return self.coords[dim] if dim in DIMS else self.group(dim).rank

@@ -13,7 +13,8 @@ copy. Parallelism changes that in three ways, and each is a fact about one param
 
 `Placement` holds these with the single-device shape. `parallelize` (and the tensor-parallel
 layers it installs) writes it; initialisation, gradient clipping, checkpoints, ZeRO's bucketing
-and gradient sync read it, through `placement_of(p)`. A parameter no one placed is whole.
+and the gradient-sync wrappers (each bucket reduced over the group of its parameters'
+grad_mean) read it, through `placement_of(p)`. A parameter no one placed is whole and dense.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
+DENSE = ("dp", "cp")  # what a dense parameter's gradient is averaged over
+
 
 @dataclass(frozen=True)
 class Placement:
     full_shape: tuple[int, ...]  # the single-device shape (before any padding of a shard)
     shards: tuple[tuple[str, int], ...] = ()  # (mesh dimension, tensor dimension) pairs
     partial: tuple[str, ...] = ()  # mesh dimensions over which the gradient is a partial sum
-    grad_mean: tuple[str, ...] = ("dp", "cp")  # mesh dimensions over which the gradient is averaged
+    grad_mean: tuple[str, ...] = DENSE  # mesh dimensions over which the gradient is averaged
 
     def dim_of(self, mesh_dim: str) -> int | None:
         """The tensor dimension that `mesh_dim` cuts, or None if its ranks hold the whole of it."""

@@ -174,10 +174,10 @@ def build_model(cfg: TrainConfig, mesh: Mesh, model_cfg, device, param_dtype):
 
 
 def wrap(model, mesh: Mesh, cfg: TrainConfig) -> GradSync:
-    """The gradient-sync wrapper for --zero. Replicated parameters are averaged over data *and*
-    context replicas: each cp rank saw only its share of the tokens (context_parallel.py)."""
-    group = mesh.dp_cp_group if cfg.cp > 1 else mesh.dp_group
-    groups, tp = param_groups(model, cfg), mesh.tp_group
+    """The gradient-sync wrapper for --zero. Each parameter's gradient is averaged over the group
+    its Placement names: dense ones over data *and* context replicas, since each cp rank saw only
+    its share of the tokens (context_parallel.py)."""
+    group, groups, tp = mesh.reduction_group, param_groups(model, cfg), mesh.tp_group
 
     def adamw(g):
         return make_adamw(g, cfg)

@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from minipar.collectives import Group, all_gather, all_gather_into, broadcast, reduce_scatter
-from minipar.data_parallel import GradSync, bucket_params, clip_grads
-from minipar.placement import placement_of
+from minipar.data_parallel import GradSync, bucket_params, by_grad_mean, clip_grads, group_chooser
+from minipar.placement import DENSE, placement_of
 from minipar.tensor_parallel import sync_partial_grads
 
 
@@ -109,24 +109,28 @@ class ZeroDataParallel(GradSync):
         super().__init__()
         if stage not in self.STAGES:
             raise ValueError(f"ZeRO stage {stage} is not built by {type(self).__name__}: choose from {self.STAGES}")
-        self.module, self.group, self.stage, self.offload = module, group, stage, offload
+        self.group_for = group_chooser(group)  # a parameter's group, from its Placement.grad_mean
+        self.module, self.stage, self.offload = module, stage, offload
+        self.group = self.group_for(DENSE)  # the dense parameters' group
         self.tp_group = tp_group or Group.solo("tp")
         with torch.no_grad():  # start identical, as in DataParallel
             for p in module.parameters():
-                broadcast(p.data, group, src=0)
-        # Buckets never mix weight-decay settings, nor tp-sharded with tp-replicated parameters:
-        # each bucket's slice then has one decay, and knows how its norm adds up over tp.
+                broadcast(p.data, self.group_for(placement_of(p).grad_mean), src=0)
+        # Buckets never mix weight-decay settings, tp-sharded with tp-replicated parameters, nor
+        # reduction groups: each bucket's slice has one decay, one group, and knows how its norm
+        # adds up over tp.
         self.buckets: list[ZeroBucket] = []
         groups = []
         for pg in param_groups:
             masters = []
             for sharded in (True, False):
                 params = [p for p in pg["params"] if placement_of(p).is_sharded("tp") == sharded]
-                for chunk in self._chunks(list(reversed(params)), bucket_mb):
-                    bucket = self._new_bucket(chunk)
-                    bucket.tp_sharded = sharded
-                    self.buckets.append(bucket)
-                    masters.append(bucket.master)
+                for dims, same_group in by_grad_mean(list(reversed(params))).items():
+                    for chunk in self._chunks(same_group, bucket_mb):
+                        bucket = self._new_bucket(chunk, self.group_for(dims))
+                        bucket.tp_sharded = sharded
+                        self.buckets.append(bucket)
+                        masters.append(bucket.master)
             groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": masters})
         self.optimizer = make_optimizer(groups)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -135,8 +139,8 @@ class ZeroDataParallel(GradSync):
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._grad_ready)
 
-    def _new_bucket(self, params) -> ZeroBucket:
-        return ZeroBucket(params, self.group, self.offload)
+    def _new_bucket(self, params, group: Group) -> ZeroBucket:
+        return ZeroBucket(params, group, self.offload)
 
     def _chunks(self, params, bucket_mb):
         return bucket_params(params, bucket_mb)
@@ -170,7 +174,7 @@ class ZeroDataParallel(GradSync):
         stages over pp), clipping, the optimizer step on the slices, and the all-gather of weights."""
         with_grad = [b for b in self.buckets if b.master.grad is not None]
         norm = clip_grads([b.master.grad for b in with_grad], [b.tp_sharded for b in with_grad], max_norm,
-                          self.tp_group, [self.group, pp_group])  # each dp rank holds different slices
+                          self.tp_group, [pp_group], [b.group for b in with_grad])  # slices differ over dp
         self.optimizer.step()
         for b in self.buckets:
             b.master.grad = None  # between steps a rank holds no gradient at all
@@ -189,7 +193,7 @@ class ZeroDataParallel(GradSync):
         out: dict[str, dict] = {}
         for b in self.buckets:
             for slot, value in self.optimizer.state.get(b.master, {}).items():
-                full = all_gather(value.detach(), self.group) if value.dim() else value
+                full = all_gather(value.detach(), b.group) if value.dim() else value
                 offset = 0
                 for p in b.params:
                     piece = full if not value.dim() else full[offset : offset + p.numel()].view_as(p)

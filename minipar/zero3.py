@@ -98,8 +98,8 @@ class Zero3DataParallel(ZeroDataParallel):
             unit.register_forward_hook(lambda mod, args, out, i=i: self._after_forward(i, out))
 
     # Buckets: one per unit and kind of parameter, never spanning two units.
-    def _new_bucket(self, params) -> ShardedBucket:
-        return ShardedBucket(params, self.group)
+    def _new_bucket(self, params, group: Group) -> ShardedBucket:
+        return ShardedBucket(params, group)
 
     def _chunks(self, params, bucket_mb):
         ids = {id(p) for p in params}
