@@ -101,14 +101,14 @@ def clip_grads(grads: list[torch.Tensor], tp_sharded: list[bool], max_norm: floa
     zero = grads[0].new_zeros(()) if grads else torch.zeros((), dtype=torch.float64)
     # Squares summed per slice group (sorted by name, so that every rank issues the same
     # collectives in the same order), sharded and replicated apart.
-    parts: dict[str, list] = {"": [None, zero.clone(), zero.clone()]} if not grads else {}
+    parts: dict[str, list] = {"": [None, [], []]} if not grads else {}
     for g, sharded, sg in zip(grads, tp_sharded, slice_groups or [None] * len(grads)):
-        part = parts.setdefault(sg.name if sg else "", [sg, zero.clone(), zero.clone()])
-        part[1 if sharded else 2] = part[1 if sharded else 2] + g.pow(2).sum()
+        parts.setdefault(sg.name if sg else "", [sg, [], []])[1 if sharded else 2].append(g.pow(2).sum())
     sq = zero
-    for _, (sg, sharded_sq, replicated_sq) in sorted(parts.items(), key=lambda kv: kv[0]):
+    for _, (sg, sharded, replicated) in sorted(parts.items(), key=lambda kv: kv[0]):
+        sharded_sq = torch.stack(sharded).sum() if sharded else zero.clone()
         all_reduce(sharded_sq, tp_group)  # a shard's squares: summed over tp
-        part = sharded_sq + replicated_sq
+        part = sharded_sq + (torch.stack(replicated).sum() if replicated else zero)
         if sg is not None:
             all_reduce(part, sg)  # ZeRO: the other slices are on the other ranks of the group
         sq = sq + part

@@ -36,11 +36,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import statistics
-import time
 
+import bench_common as bench
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -125,18 +124,82 @@ def peak_rss_rise(fn, inputs, d_out) -> int:
     return (_status_kb("VmHWM") - before) * 1024
 
 
-def timed(fn, inputs, d_out) -> float:
+def timed(fn, inputs, d_out, group: Group) -> float:
     """Seconds of one forward + backward on the slowest rank."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    forward_backward(fn, inputs, d_out)
-    dt = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return dt.item()
+    dt, _ = bench.timed(forward_backward, fn, inputs, d_out, device=CPU)
+    return bench.across_ranks(dt, group, CPU).item()
 
 
 LIBC = ctypes.CDLL("libc.so.6")
 M_MMAP_THRESHOLD = -3
+CPU = torch.device("cpu")
+
+
+# ---- one sequence length ----
+
+
+def make_inputs(s: int, args, g: Group, variants) -> tuple[dict, dict]:
+    """q, k, v for every variant (the ring: this rank's zigzag share), and the output gradient."""
+    gen = torch.Generator().manual_seed(s)
+    full = [torch.randn(1, n, s, args.head_dim, generator=gen) for n in (args.heads, args.kv_heads, args.kv_heads)]
+    d_full = torch.randn(1, args.heads, s, args.head_dim, generator=gen)
+    inputs = {name: [t.clone().requires_grad_() for t in full] for name in variants}
+    inputs["ring"] = [C.split_sequence(t, g, dim=2).requires_grad_() for t in full]  # [1, h, s/cp, d]
+    d_out = {name: d_full for name in variants} | {"ring": C.split_sequence(d_full, g, dim=2)}
+    return inputs, d_out
+
+
+def check_against_sdpa(ring, inputs: dict, d_out: dict, g: Group) -> list[float]:
+    """The same attention? max |diff| of the ring's output and gradients against sdpa's share of them."""
+    ring_out = ring(*inputs["ring"])
+    ring_out.backward(d_out["ring"])
+    ref_out = sdpa(*inputs["sdpa"])
+    ref_out.backward(d_out["sdpa"])
+    check = [(ring_out - C.split_sequence(ref_out, g, dim=2)).abs().max().item()]
+    check += [(a.grad - C.split_sequence(b.grad, g, dim=2)).abs().max().item()
+              for a, b in zip(inputs["ring"], inputs["sdpa"])]
+    return bench.across_ranks(check, g, CPU).tolist()
+
+
+def measure(variants: dict, inputs: dict, d_out: dict, repeats: int, g: Group) -> tuple[dict, torch.Tensor]:
+    """({variant: median seconds}, [variant, (saved bytes, peak rise)]), each the largest rank's."""
+    saved = {name: saved_bytes(fn, inputs[name]) for name, fn in variants.items()}
+    peak = {name: peak_rss_rise(fn, inputs[name], d_out[name]) for name, fn in variants.items()}
+    mem = bench.across_ranks([[saved[n], peak[n]] for n in variants], g, CPU)
+    times = {name: [] for name in variants}
+    for name, fn in variants.items():  # warm-up
+        forward_backward(fn, inputs[name], d_out[name])
+    order = list(variants)
+    for rep in range(repeats):
+        for name in order[rep % len(order):] + order[:rep % len(order)]:
+            times[name].append(timed(variants[name], inputs[name], d_out[name], g))
+    return {n: statistics.median(t) for n, t in times.items()}, mem
+
+
+def print_row(row: dict, cp: int) -> None:
+    t, sv, pk = row["time_s"], row["saved_bytes"], row["peak_rss_rise_bytes"]
+    say(f"\ns = {row['s']}: ring vs sdpa, max |diff| of out dq dk dv: "
+        + " ".join(f"{d:.1e}" for d in row["max_abs_diff_out_dq_dk_dv"]))
+    say(f"  {'':<11}{'fwd+bwd ms':>11}{'ring /':>8}{'saved MiB':>11}{'ring /':>8}{'peak MiB':>10}{'ring /':>8}")
+    for n in t:
+        ratios = [f"{'':>8}" if n == "ring" else f"{t['ring'] / t[n]:>7.2f}x",
+                  f"{'':>8}" if n == "ring" else f"{sv['ring'] / sv[n]:>7.2f}x",
+                  f"{'':>8}" if n == "ring" else f"{pk['ring'] / pk[n]:>7.2f}x"]
+        label = f"ring cp={cp}" if n == "ring" else n
+        say(f"  {label:<11}{t[n] * 1e3:>11.1f}{ratios[0]}{sv[n] / 2**20:>11.2f}{ratios[1]}"
+            f"{pk[n] / 2**20:>10.1f}{ratios[2]}")
+
+
+def one_length(s: int, variants: dict, args, g: Group) -> dict:
+    C.check_cp_layout(s, g.size)
+    inputs, d_out = make_inputs(s, args, g, variants)
+    check = check_against_sdpa(variants["ring"], inputs, d_out, g)
+    times, mem = measure(variants, inputs, d_out, args.repeats, g)
+    row = {"s": s, "max_abs_diff_out_dq_dk_dv": check, "time_s": times,
+           "saved_bytes": {n: int(mem[i, 0]) for i, n in enumerate(variants)},
+           "peak_rss_rise_bytes": {n: int(mem[i, 1]) for i, n in enumerate(variants)}}
+    print_row(row, g.size)
+    return row
 
 
 def main() -> None:
@@ -155,61 +218,12 @@ def main() -> None:
         return C.ring_attention(q, k, v, g, q.shape[2] * cp)
 
     variants = {"ring": ring, "minipar": one_device_minipar, "sdpa": sdpa, "sdpa-math": sdpa_math}
-    results = []
-    for s in args.seq_lens:
-        C.check_cp_layout(s, cp)
-        gen = torch.Generator().manual_seed(s)
-        full = [torch.randn(1, n, s, args.head_dim, generator=gen) for n in (args.heads, args.kv_heads, args.kv_heads)]
-        d_full = torch.randn(1, args.heads, s, args.head_dim, generator=gen)
-        inputs = {name: [t.clone().requires_grad_() for t in full] for name in variants}
-        inputs["ring"] = [C.split_sequence(t, g, dim=2).requires_grad_() for t in full]  # [1, h, s/cp, d]
-        d_out = {name: d_full for name in variants} | {"ring": C.split_sequence(d_full, g, dim=2)}
-
-        # The same attention? The ring's output and gradients against sdpa's share of them.
-        ring_out = ring(*inputs["ring"])
-        ring_out.backward(d_out["ring"])
-        ref_out = sdpa(*inputs["sdpa"])
-        ref_out.backward(d_full)
-        check = [(ring_out - C.split_sequence(ref_out, g, dim=2)).abs().max().item()]
-        check += [(a.grad - C.split_sequence(b.grad, g, dim=2)).abs().max().item()
-                  for a, b in zip(inputs["ring"], inputs["sdpa"])]
-        check = torch.tensor(check, dtype=torch.float64)
-        dist.all_reduce(check, op=dist.ReduceOp.MAX)
-        del ring_out, ref_out
-
-        saved = {name: saved_bytes(fn, inputs[name]) for name, fn in variants.items()}
-        peak = {name: peak_rss_rise(fn, inputs[name], d_out[name]) for name, fn in variants.items()}
-        mem = torch.tensor([[saved[n], peak[n]] for n in variants], dtype=torch.float64)
-        dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the largest rank's figure
-        times = {name: [] for name in variants}
-        for name, fn in variants.items():  # warm-up
-            forward_backward(fn, inputs[name], d_out[name])
-        order = list(variants)
-        for rep in range(args.repeats):
-            for name in order[rep % len(order):] + order[:rep % len(order)]:
-                times[name].append(timed(variants[name], inputs[name], d_out[name]))
-        row = {"s": s, "max_abs_diff_out_dq_dk_dv": check.tolist(),
-               "time_s": {n: statistics.median(t) for n, t in times.items()},
-               "saved_bytes": {n: int(mem[i, 0]) for i, n in enumerate(variants)},
-               "peak_rss_rise_bytes": {n: int(mem[i, 1]) for i, n in enumerate(variants)}}
-        results.append(row)
-        t, sv, pk = row["time_s"], row["saved_bytes"], row["peak_rss_rise_bytes"]
-        say(f"\ns = {s}: ring vs sdpa, max |diff| of out dq dk dv: " + " ".join(f"{d:.1e}" for d in check.tolist()))
-        say(f"  {'':<11}{'fwd+bwd ms':>11}{'ring /':>8}{'saved MiB':>11}{'ring /':>8}{'peak MiB':>10}{'ring /':>8}")
-        for n in variants:
-            ratios = [f"{'':>8}" if n == "ring" else f"{t['ring'] / t[n]:>7.2f}x",
-                      f"{'':>8}" if n == "ring" else f"{sv['ring'] / sv[n]:>7.2f}x",
-                      f"{'':>8}" if n == "ring" else f"{pk['ring'] / pk[n]:>7.2f}x"]
-            label = f"ring cp={cp}" if n == "ring" else n
-            say(f"  {label:<11}{t[n] * 1e3:>11.1f}{ratios[0]}{sv[n] / 2**20:>11.2f}{ratios[1]}"
-                f"{pk[n] / 2**20:>10.1f}{ratios[2]}")
+    results = [one_length(s, variants, args, g) for s in args.seq_lens]
     say(f"\nload average at the end {os.getloadavg()[0]:.1f}")
-    if args.json and dist.get_rank() == 0:
-        with open(args.json, "w") as f:
-            json.dump({"cp": cp, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-                       "results": results}, f, indent=1)
-    mesh.destroy()
-    dist.destroy_process_group()
+    if dist.get_rank() == 0:
+        bench.write_json(args.json, {"cp": cp, "heads": args.heads, "kv_heads": args.kv_heads,
+                                     "head_dim": args.head_dim, "results": results})
+    bench.finish(mesh)
 
 
 if __name__ == "__main__":

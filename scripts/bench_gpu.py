@@ -96,16 +96,14 @@ def build_side(strategy: str, side: str, model, groups_of, adamw, mesh, device):
     from minipar.zero3 import Zero3DataParallel
 
     group = mesh.dp_group
-    if side == "minipar":
+    if side == "minipar":  # every wrapper holds its optimizer (minipar/data_parallel.py's protocol)
         if strategy == "dp":
-            wrapped, opt = DataParallel(model, group), adamw(groups_of(model))
+            wrapped = DataParallel(model, group, optimizer=adamw(groups_of(model)))
         elif strategy in ("zero1", "zero2"):
             wrapped = ZeroDataParallel(model, group, int(strategy[-1]), adamw, groups_of(model))
-            opt = wrapped.optimizer
         else:
             wrapped = Zero3DataParallel(model, group, adamw, groups_of(model))
-            opt = wrapped.optimizer
-        return wrapped, opt, lambda micro: train_step(wrapped, opt, micro, 1.0, autocast)[0]
+        return wrapped, wrapped.optimizer, lambda micro: train_step(wrapped, micro, 1.0, autocast)[0]
     if strategy in ("dp", "zero1"):
         wrapped = TorchDDP(model, process_group=group.pg, device_ids=[device.index])
         if strategy == "dp":

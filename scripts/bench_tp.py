@@ -5,11 +5,12 @@
 
 One launch trains two copies of the same model side by side, every rank a tp rank (tp = world, dp = 1):
 
-    (a) minipar   Llama(config, seed, tp_group=mesh.tp_group): each rank builds only its shards;
-                  DataParallel(model, mesh.dp_group) (a no-op at dp = 1); step: minipar.train.train_step
-    (b) PyTorch   the single-device Llama(config, seed), its layers swapped for nn.Linear / nn.Embedding
-                  holding the same weights, then parallelize_module(model, device_mesh, plan) below;
-                  step: `dtensor_train_step`, written with torch's own tools
+    (a) minipar   parallel_llama(config, seed, tp_group=mesh.tp_group): the plain Llama(config, seed)
+                  with its layers swapped for minipar's tensor-parallel ones, each holding its shard;
+                  DataParallel(model, mesh.dp_group, tp_group=..., optimizer=...) (no traffic at dp = 1);
+                  step: minipar.train.train_step
+    (b) PyTorch   the same plain Llama(config, seed), then parallelize_module(model, device_mesh, plan)
+                  below; step: `dtensor_train_step`, written with torch's own tools
 
 The DTensor plan is torchtitan's Llama plan with sequence parallelism left out (Replicate where
 torchtitan has Shard(1)), and puts every collective where minipar puts it:
@@ -29,10 +30,11 @@ torchtitan has Shard(1)), and puts every collective where minipar puts it:
                             logit reduced across ranks: [b, s, V] never built)   all-reduces)
 
 Linear outputs come back as plain local tensors (use_local_output=True), so minipar's Attention,
-MLP and Block code runs unchanged on the DTensor side; only the attention's local head counts are
-set to n_heads / tp after parallelising (as torchtitan does), because the model computed them for
-one device. parallelize_module accepts only nn.Linear and nn.Embedding (it checks the class), hence
-the swap: minipar's single-device layers are the same F.linear / F.embedding on the same weights.
+MLP and Block code runs unchanged on the DTensor side. The attention reads its head counts off the
+shapes of the q, k and v projections' outputs, here the local [b, s, h/tp * hd]: each rank runs its
+n_heads / tp heads with nothing to set (torchtitan must set them by hand, its model stores them).
+The plain model is made of nn.Linear and nn.Embedding, the only classes parallelize_module's styles
+accept, so it is parallelised as it is.
 
 Both sides start from the same weights (a shard of minipar's is the slice of the single-device
 tensor), see the same random batches, and step with the same AdamW (build_optimizer on one
@@ -60,14 +62,12 @@ to the cores per rank. Both sides compute in float32.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
-import time
 from collections import defaultdict
 from contextlib import nullcontext
 
+import bench_common as bench
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -83,27 +83,20 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minipar.collectives import all_reduce, ring_bytes_sent
+from minipar.collectives import ring_bytes_sent
 from minipar.config import ConfigError, TrainConfig
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
-from minipar.model import CONFIGS, Attention, Block, Llama, get_config
-from minipar.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, unshard
-from minipar.train import build_optimizer, start_distributed, train_step
+from minipar.model import CONFIGS, Block, Llama, get_config
+from minipar.parallelize import parallel_llama
+from minipar.tensor_parallel import unshard
+from minipar.train import build_optimizer, train_step
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="small", choices=list(CONFIGS), help="named model size")
-    p.add_argument("--steps", type=int, default=100, help="measured optimizer steps, each of the two")
-    p.add_argument("--warmup", type=int, default=5,
-                   help="unmeasured optimizer steps first, each of the two (the first counts DTensor's collectives)")
+    p = bench.command_line(__doc__, "two", steps=100, warmup=5, warmup_note=" (the first counts DTensor's collectives)")
     p.add_argument("--batch", type=int, default=16, help="sequences per step (every tp rank sees all of them)")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0, help="model weights and token batches")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
-    return p.parse_args(argv)
+    return bench.parse(p, argv)
 
 
 def check_layout(args, world: int) -> None:
@@ -124,39 +117,9 @@ def check_layout(args, world: int) -> None:
                               f"launch with a --nproc-per-node that divides it")
 
 
-def batch(step: int, args, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens and targets of step `step`: random, the same on every rank and for both sides."""
-    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-    tokens = torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=gen).to(device)
-    return tokens[:, :-1], tokens[:, 1:]  # [b, s] each: targets are the inputs shifted by one
-
-
 # ----------------------------------------------------------------------------------------------
 # The DTensor side
 # ----------------------------------------------------------------------------------------------
-
-
-def to_torch_layers(module: nn.Module) -> nn.Module:
-    """Replace minipar's single-device layers by nn.Linear / nn.Embedding holding the same Parameters.
-
-    parallelize_module's styles only accept those two classes. With a tp group of one, minipar's
-    ColumnParallelLinear, RowParallelLinear and VocabParallelEmbedding compute exactly F.linear and
-    F.embedding, so the model computes the same function before and after.
-    """
-    for name, child in module.named_children():
-        if isinstance(child, (ColumnParallelLinear, RowParallelLinear)):
-            assert child.group.size == 1 and child.bias is None
-            torch_layer = nn.Linear(child.weight.shape[1], child.weight.shape[0], bias=False,
-                                    device=child.weight.device)
-        elif isinstance(child, VocabParallelEmbedding):
-            assert child.group.size == 1
-            torch_layer = nn.Embedding(*child.weight.shape, device=child.weight.device)
-        else:
-            to_torch_layers(child)
-            continue
-        torch_layer.weight = child.weight
-        setattr(module, name, torch_layer)
-    return module
 
 
 def tp_plan(model: nn.Module) -> dict:
@@ -167,9 +130,8 @@ def tp_plan(model: nn.Module) -> dict:
     }
     for layer in (name for name, m in model.named_modules() if isinstance(m, Block)):  # "layers.0", ...
         plan |= {
-            # attn(x, cos, sin), mlp(x): x becomes one replicated DTensor that the linears share.
-            f"{layer}.attn": PrepareModuleInput(input_layouts=(Replicate(), None, None),
-                                                desired_input_layouts=(Replicate(), None, None)),
+            # attn(x), mlp(x): x becomes one replicated DTensor that the linears share.
+            f"{layer}.attn": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
             f"{layer}.attn.wq": ColwiseParallel(),
             f"{layer}.attn.wk": ColwiseParallel(),
             f"{layer}.attn.wv": ColwiseParallel(),
@@ -183,13 +145,10 @@ def tp_plan(model: nn.Module) -> dict:
 
 
 def build_dtensor_model(config, seed: int, device, device_mesh) -> nn.Module:
-    model = to_torch_layers(Llama(config, seed=seed).to(device))
-    parallelize_module(model, device_mesh, tp_plan(model))
-    tp = device_mesh.size()
-    for attn in (m for m in model.modules() if isinstance(m, Attention)):
-        attn.local_heads = config.n_heads // tp  # the attention reshapes by these: 1/tp of the heads here
-        attn.local_kv_heads = config.n_kv_heads // tp
-    return model
+    """The plain Llama, parallelised by torch. Each attention then sees h/tp heads in its local
+    projections' outputs, and reshapes by them: nothing of the model needs setting after."""
+    model = Llama(config, seed=seed).to(device)
+    return parallelize_module(model, device_mesh, tp_plan(model))
 
 
 def clip_grad_norm_mixed(params, max_norm: float) -> torch.Tensor:
@@ -280,141 +239,124 @@ def gradient_difference(ours: DataParallel, theirs: nn.Module, x, y, tp_group) -
     return worst
 
 
-def barrier(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        dist.barrier(device_ids=[device.index])
-    else:
-        dist.barrier()
-
-
-def timed(step_fn, x, y, device) -> tuple[float, float]:
-    """Run one optimizer step from a barrier: (seconds on this rank, loss)."""
-    barrier(device)
-    t0 = time.perf_counter()
-    loss, _ = step_fn(x, y)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0, loss
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = TrainConfig(tp=world, model=args.model, seed=args.seed, seq_len=args.seq_len, global_batch=args.batch,
-                      micro_batch=args.batch)
-    try:
-        cfg.validate(world)
-        check_layout(args, world)
-    except ValueError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"bench_tp: error: {e}", file=sys.stderr)
-        return 2
-
-    # Ranks on one machine share its cores: one rank's threads beyond its share only contend.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    device = start_distributed()
-    rank = dist.get_rank()
-    mesh = Mesh.build(tp=world)
-    device_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
-
-    model_cfg = get_config(cfg.model)
-    ours = DataParallel(Llama(model_cfg, seed=cfg.seed, tp_group=mesh.tp_group).to(device), mesh.dp_group)
+def build_sides(cfg: TrainConfig, model_cfg, mesh: Mesh, device) -> tuple:
+    """Both models from the same weights, each with an AdamW of its own from the same TrainConfig.
+    Returns (minipar's model, the DTensor model, {side: step function})."""
+    device_mesh = init_device_mesh(device.type, (mesh.tp_group.size,), mesh_dim_names=("tp",))
+    model = parallel_llama(model_cfg, seed=cfg.seed, tp_group=mesh.tp_group).to(device)
+    ours = DataParallel(model, mesh.dp_group, tp_group=mesh.tp_group, optimizer=build_optimizer(model, cfg))
     theirs = build_dtensor_model(model_cfg, cfg.seed, device, device_mesh)
-    opt_ours, opt_theirs = build_optimizer(ours.module, cfg), build_optimizer(theirs, cfg)
-    sides = {
-        "minipar": lambda x, y: train_step(ours, opt_ours, [(x, y)], cfg.grad_clip, tp_group=mesh.tp_group),
+    opt_theirs = build_optimizer(theirs, cfg)
+    steps = {
+        "minipar": lambda x, y: train_step(ours, [(x, y)], cfg.grad_clip),
         "dtensor": lambda x, y: dtensor_train_step(theirs, opt_theirs, x, y, cfg.grad_clip),
     }
+    return ours, theirs, steps
 
-    grad_diff = gradient_difference(ours, theirs, *batch(0, args, model_cfg.vocab_size, device), mesh.tp_group)
-    times = {name: [] for name in sides}
-    losses = {name: [] for name in sides}
-    sent, snapshot, counter = [], {}, CollectiveCounter(world)
-    for step in range(args.warmup + args.steps):
-        x, y = batch(step, args, model_cfg.vocab_size, device)
-        order = ("minipar", "dtensor") if step % 2 == 0 else ("dtensor", "minipar")
-        for name in order:
-            mesh.ledger.reset()
-            # DTensor's collectives are counted once, in the first (unmeasured) step.
-            with counter if (name == "dtensor" and step == 0) else nullcontext():
-                dt, loss = timed(sides[name], x, y, device)
-            losses[name].append(loss)
-            if name == "minipar":
-                sent.append(mesh.ledger.total_sent())
-                snapshot = mesh.ledger.snapshot()
-            if step >= args.warmup:
-                times[name].append(dt)
 
-    # A step takes as long as its slowest rank.
-    step_times = torch.tensor([times["minipar"], times["dtensor"]], dtype=torch.float64, device=device)
-    all_reduce(step_times, mesh.tp_group, op="max")
-    step_times = step_times.cpu()
+def counted_once(step_fn, counter: CollectiveCounter):
+    """step_fn, its first call under the counter: DTensor's collectives are counted in the first
+    (unmeasured) step."""
+    pending = [counter]
 
+    def step(x, y):
+        with pending.pop() if pending else nullcontext():
+            return step_fn(x, y)
+    return step
+
+
+def run_steps(steps: dict, args, vocab: int, mesh: Mesh, device) -> dict:
+    """Both sides in turn on the same batches. Returns this rank's measured step times and the losses
+    of every step, per side; minipar's bytes sent per step (the ledger); DTensor's counted collectives."""
+    counter = CollectiveCounter(mesh.tp_group.size)
+    steps = steps | {"dtensor": counted_once(steps["dtensor"], counter)}
+    traffic = {"sent": [], "ledger": {}}
+
+    def note(side: str, measured: bool) -> None:  # right after each step, warm-up included
+        if side == "minipar":
+            traffic["sent"].append(mesh.ledger.total_sent())
+            traffic["ledger"] = mesh.ledger.snapshot()
+
+    def batch(step: int) -> tuple:
+        return bench.random_batch(step, args.seed, args.batch, args.seq_len, vocab, device)
+
+    times, losses = bench.take_turns(steps, batch, args.warmup, args.steps, device, mesh.ledger, note)
+    return {"times": times, "losses": losses, "dtensor_comm": dict(sorted(counter.entries.items()))} | traffic
+
+
+def summarise(run: dict, ours, theirs, grad_diff: float, args, mesh: Mesh, device) -> dict:
+    """The results on every rank: the slowest rank's step times, and how far apart the sides' losses
+    and parameters are."""
+    step_times = bench.across_ranks([run["times"]["minipar"], run["times"]["dtensor"]], mesh.tp_group, device)
     # The same computation? Every parameter, gathered whole on every rank, compared by name.
     with torch.no_grad():
         full_theirs = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in theirs.named_parameters()}
         param_diff = max((unshard(p.detach(), p, mesh.tp_group) - full_theirs[n]).abs().max().item()
                          for n, p in ours.module.named_parameters())
+    losses = run["losses"]
     loss_rel = [abs(a - b) / abs(b) for a, b in zip(losses["minipar"], losses["dtensor"], strict=True)]
-
-    tokens_per_step = args.batch * args.seq_len
-    psi = model_cfg.num_params()
-    dtensor_comm = dict(sorted(counter.entries.items()))
+    dtensor_comm = run["dtensor_comm"]
     results = {
-        "model": cfg.model, "params": psi, "tp": world, "backend": dist.get_backend(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "threads_per_rank": torch.get_num_threads(),
+        "model": args.model, "params": get_config(args.model).num_params(), "tp": mesh.tp_group.size,
+        **bench.machine(device),
         "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq_len": args.seq_len,
-        "minipar_bytes_sent_per_step": statistics.median(sent), "minipar_ledger": snapshot,
+        "minipar_bytes_sent_per_step": statistics.median(run["sent"]), "minipar_ledger": run["ledger"],
         "dtensor_bytes_sent_per_step": sum(e["sent"] for e in dtensor_comm.values()), "dtensor_comm": dtensor_comm,
         "first_loss": {"minipar": losses["minipar"][0], "dtensor": losses["dtensor"][0]},
         "first_loss_rel_diff": loss_rel[0], "max_loss_rel_diff_first_10": max(loss_rel[:10]),
         "max_loss_rel_diff": max(loss_rel),
         "first_grad_max_rel_diff": grad_diff, "max_abs_param_diff": param_diff,
     }
-    for i, name in enumerate(sides):
-        t = step_times[i].tolist()
-        results[name] = {"median_step_s": statistics.median(t), "min_step_s": min(t), "max_step_s": max(t),
-                         "tokens_per_s": tokens_per_step / statistics.median(t), "step_times_s": t}
-    results["ratio_minipar_over_dtensor"] = results["minipar"]["median_step_s"] / results["dtensor"]["median_step_s"]
-    # The same ratio step by step (the two steps of a pair ran back to back on the same batch):
-    # less sensitive to slow drifts in the machine's load.
-    results["median_paired_ratio"] = statistics.median((step_times[0] / step_times[1]).tolist())
+    for name, t in zip(("minipar", "dtensor"), step_times, strict=True):
+        results[name] = bench.step_stats(t.tolist(), args.batch * args.seq_len)
+    results["ratio_minipar_over_dtensor"], results["median_paired_ratio"] = bench.ratios(step_times[0], step_times[1])
+    return results
 
-    if rank == 0:
-        print(f"model {cfg.model} ({psi / 1e6:.2f}M params, float32) | tp {world} (dp 1), {results['backend']}, "
-              f"{results['device']}, {results['threads_per_rank']} thread(s)/rank | batch {args.batch} x "
-              f"{args.seq_len} tokens | {args.steps} measured steps each after {args.warmup} warm-up")
-        print(f"{'':<22}{'median step':>13}{'min':>11}{'max':>11}{'tokens/s':>11}")
-        for name, label in (("minipar", "minipar TP"), ("dtensor", "torch DTensor TP")):
-            r = results[name]
-            print(f"{label:<22}{r['median_step_s'] * 1e3:>10.1f} ms{r['min_step_s'] * 1e3:>8.1f} ms"
-                  f"{r['max_step_s'] * 1e3:>8.1f} ms{r['tokens_per_s']:>11,.0f}")
-        print(f"ratio minipar / DTensor {results['ratio_minipar_over_dtensor']:>8.3f}x   (goal: <= 1.0x); "
-              f"median of step-by-step ratios {results['median_paired_ratio']:.3f}x")
 
-        def calls(entries: dict) -> str:
-            return ", ".join(f"{k} {e['calls']} calls, payload {e['bytes'] / 2**20:.2f} MiB"
-                             for k, e in entries.items())
+def calls(entries: dict) -> str:
+    return ", ".join(f"{k} {e['calls']} calls, payload {e['bytes'] / 2**20:.2f} MiB" for k, e in entries.items())
 
-        print("collectives per step, one rank (sent: by the ring formula of minipar's ledger)")
-        for label, key, entries in (("minipar (ledger)", "minipar", snapshot),
-                                    ("DTensor (counted)", "dtensor", dtensor_comm)):
-            print(f"  {label:<20}{results[key + '_bytes_sent_per_step'] / 2**20:>6.2f} MiB sent; {calls(entries)}")
-        print(f"gradients of the first batch: max |minipar - DTensor| / max |DTensor|, worst parameter: "
-              f"{grad_diff:.2g}")
-        print(f"loss, relative difference: step 1 {loss_rel[0]:.2g} (minipar {losses['minipar'][0]:.7f}, DTensor "
-              f"{losses['dtensor'][0]:.7f}), largest in steps 1-10 {max(loss_rel[:10]):.2g}, "
-              f"in all {len(loss_rel)} steps {max(loss_rel):.2g}")
-        print(f"after {args.warmup + args.steps} steps: max |param minipar - param DTensor| = {param_diff:.3g} "
-              f"(float32 drift, for scale: see the docstring)")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
-            print(f"wrote {args.json}")
-    mesh.destroy()
-    dist.destroy_process_group()
+
+def report(r: dict, args) -> None:
+    print(f"model {r['model']} ({r['params'] / 1e6:.2f}M params, float32) | tp {r['tp']} (dp 1), {r['backend']}, "
+          f"{r['device']}, {r['threads_per_rank']} thread(s)/rank | batch {args.batch} x "
+          f"{args.seq_len} tokens | {args.steps} measured steps each after {args.warmup} warm-up")
+    print(bench.table_header(22))
+    for name, label in (("minipar", "minipar TP"), ("dtensor", "torch DTensor TP")):
+        print(bench.table_row(label, r[name], 22))
+    print(bench.ratio_line("ratio minipar / DTensor", r["ratio_minipar_over_dtensor"], r["median_paired_ratio"], 22))
+    print("collectives per step, one rank (sent: by the ring formula of minipar's ledger)")
+    for label, key, entries in (("minipar (ledger)", "minipar", r["minipar_ledger"]),
+                                ("DTensor (counted)", "dtensor", r["dtensor_comm"])):
+        print(f"  {label:<20}{r[key + '_bytes_sent_per_step'] / 2**20:>6.2f} MiB sent; {calls(entries)}")
+    print(f"gradients of the first batch: max |minipar - DTensor| / max |DTensor|, worst parameter: "
+          f"{r['first_grad_max_rel_diff']:.2g}")
+    first = r["first_loss"]
+    print(f"loss, relative difference: step 1 {r['first_loss_rel_diff']:.2g} (minipar {first['minipar']:.7f}, "
+          f"DTensor {first['dtensor']:.7f}), largest in steps 1-10 {r['max_loss_rel_diff_first_10']:.2g}, "
+          f"in all {args.warmup + args.steps} steps {r['max_loss_rel_diff']:.2g}")
+    print(f"after {args.warmup + args.steps} steps: max |param minipar - param DTensor| = "
+          f"{r['max_abs_param_diff']:.3g} (float32 drift, for scale: see the docstring)")
+    bench.write_json(args.json, r)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    world = bench.world_size()
+    cfg = TrainConfig(tp=world, model=args.model, seed=args.seed, seq_len=args.seq_len, global_batch=args.batch,
+                      micro_batch=args.batch)
+    if not bench.valid("bench_tp", lambda: cfg.validate(world), lambda: check_layout(args, world)):
+        return 2
+    device, mesh = bench.start(tp=world)
+    model_cfg = get_config(cfg.model)
+    ours, theirs, steps = build_sides(cfg, model_cfg, mesh, device)
+    first = bench.random_batch(0, args.seed, args.batch, args.seq_len, model_cfg.vocab_size, device)
+    grad_diff = gradient_difference(ours, theirs, *first, mesh.tp_group)
+    run = run_steps(steps, args, model_cfg.vocab_size, mesh, device)
+    results = summarise(run, ours, theirs, grad_diff, args, mesh, device)
+    if dist.get_rank() == 0:
+        report(results, args)
+    bench.finish(mesh)
     return 0
 
 

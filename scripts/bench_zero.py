@@ -58,27 +58,23 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
-import os
 import statistics
 import sys
-import time
 from contextlib import nullcontext
 
+import bench_common as bench
 import torch
 import torch.distributed as dist
-from bench_dp import rank_micro_batches  # the same batches as the DataParallel benchmark
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from minipar.collectives import all_reduce
 from minipar.config import ConfigError, TrainConfig
 from minipar.mesh import Mesh
-from minipar.model import CONFIGS, Llama, get_config
-from minipar.train import make_adamw, param_groups, start_distributed, train_step
+from minipar.model import Llama, get_config
+from minipar.train import make_adamw, param_groups, train_step
 from minipar.zero import ZeroDataParallel
 from minipar.zero3 import Zero3DataParallel
 
@@ -86,21 +82,14 @@ PAIRS = {"zero1": ("minipar ZeRO-1", "torch DDP+ZeRO-1"), "zero3": ("minipar ZeR
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="small", choices=list(CONFIGS), help="named model size")
-    p.add_argument("--steps", type=int, default=30, help="measured optimizer steps, each of the four")
-    p.add_argument("--warmup", type=int, default=5, help="unmeasured optimizer steps first, each of the four")
+    p = bench.command_line(__doc__, "four", steps=30, warmup=5)
     p.add_argument("--global-batch", type=int, default=16, help="sequences per step, all ranks")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward on one rank")
     p.add_argument("--memory-steps", type=int, default=4, help="steps each measuring memory, after the timed ones")
-    p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clipping, all sides")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="ZeRO-1 bucket size, both sides")
-    p.add_argument("--seed", type=int, default=0, help="model weights and token batches")
     p.add_argument("--only", choices=list(PAIRS), default=None, help="run one of the two comparisons")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
-    return p.parse_args(argv)
+    return bench.parse(p, argv)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,32 +238,21 @@ def full_params(side) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------------------------
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = TrainConfig(dp=world, model=args.model, seed=args.seed, seq_len=args.seq_len,
-                      global_batch=args.global_batch, micro_batch=args.micro_batch, bucket_mb=args.bucket_mb,
-                      grad_clip=args.grad_clip)
-    try:
-        cfg.validate(world)
-        if args.steps < 1 or args.memory_steps < 1 or args.warmup < 0:
-            raise ConfigError("--steps and --memory-steps must be at least 1, --warmup at least 0")
-    except ValueError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"bench_zero: error: {e}", file=sys.stderr)
-        return 2
+def check_counts(args) -> None:
+    if args.steps < 1 or args.memory_steps < 1 or args.warmup < 0:
+        raise ConfigError("--steps and --memory-steps must be at least 1, --warmup at least 0")
 
-    # Ranks on one machine share its cores: one rank's threads beyond its share only contend.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    device = start_distributed()
-    rank = dist.get_rank()
-    mesh = Mesh.build(dp=world)
-    memory = StepMemory(device)
-    model_cfg = get_config(cfg.model)
 
-    def new_model():
-        return Llama(model_cfg, seed=cfg.seed).to(device)
+def step_function(model, optimizer, cfg: TrainConfig):
+    """micro-batches -> loss: minipar's train_step (optimizer None: the wrapper owns its own), or torch_step."""
+    if optimizer is None:
+        return lambda micro: train_step(model, micro, cfg.grad_clip)[0]
+    return lambda micro: torch_step(model, optimizer, micro, cfg.grad_clip)
 
+
+def build_sides(pairs: dict, cfg: TrainConfig, new_model, mesh: Mesh, device) -> dict:
+    """Every side of the pairs asked for, each on a fresh Llama(config, seed): {name: its model, its
+    optimizer (None: minipar's wrappers own theirs), its step function and its figures so far}."""
     def adamw(groups):
         return make_adamw(groups, cfg)
 
@@ -285,127 +263,132 @@ def main(argv=None) -> int:
         "minipar ZeRO-3": lambda m: (Zero3DataParallel(m, mesh.dp_group, adamw, param_groups(m, cfg)), None),
         "torch FSDP2": lambda m: torch_fsdp2(m, cfg, mesh, device),
     }
-    pairs = {k: v for k, v in PAIRS.items() if args.only in (None, k)}
-
     sides = {}
     for pair in pairs.values():
         for name in pair:
             model, optimizer = builders[name](new_model())
-            sides[name] = {"model": model, "optimizer": optimizer, "times": [], "losses": [], "rise": [],
-                           "peak": [], "sent": []}
+            sides[name] = {"model": model, "optimizer": optimizer, "step": step_function(model, optimizer, cfg),
+                           "times": [], "losses": [], "rise": [], "peak": [], "sent": []}
+    return sides
 
-    def run_step(name: str, micro, measure: str | None) -> None:
-        side = sides[name]
-        model, optimizer = side["model"], side["optimizer"]
-        mesh.ledger.reset()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            dist.barrier(device_ids=[device.index])
-        else:
-            dist.barrier()
-        if measure == "memory":
-            memory.start()
-        t0 = time.perf_counter()
-        if optimizer is None:  # minipar: the wrapper owns its optimizer
-            loss, _ = train_step(model, None, micro, cfg.grad_clip)
-        else:
-            loss = torch_step(model, optimizer, micro, cfg.grad_clip)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        side["losses"].append(loss)
-        if measure == "time":
-            side["times"].append(dt)
-            side["sent"].append(mesh.ledger.total_sent())
-        if measure == "memory":
-            rise, peak = memory.stop()
-            side["rise"].append(rise)
-            side["peak"].append(peak)
 
-    # Timed steps first, then a few steps measuring memory (which slows allocation on CPU).
+def run_step(side: dict, micro, measure: str | None, mesh: Mesh, memory: StepMemory, device) -> None:
+    """One optimizer step of one side, from a barrier; notes its loss, and its time and bytes sent
+    (measure "time") or how far memory rose (measure "memory")."""
+    mesh.ledger.reset()
+    dt, loss = bench.timed(side["step"], micro, device=device,
+                           at_start=memory.start if measure == "memory" else None)
+    side["losses"].append(loss)
+    if measure == "time":
+        side["times"].append(dt)
+        side["sent"].append(mesh.ledger.total_sent())
+    if measure == "memory":
+        rise, peak = memory.stop()
+        side["rise"].append(rise)
+        side["peak"].append(peak)
+
+
+def run_steps(sides: dict, pairs: dict, args, cfg: TrainConfig, vocab: int, mesh: Mesh, device) -> int:
+    """Warm-up steps, timed steps, then a few steps measuring memory (which slows allocation on CPU);
+    the two sides of each pair in turn. Returns the number of steps."""
+    memory = StepMemory(device)
     phases = [None] * args.warmup + ["time"] * args.steps + ["memory"] * args.memory_steps
     for step, measure in enumerate(phases):
         if measure == "memory" and phases[step - 1] != "memory":
             memory.follow_tensors()
-        micro = rank_micro_batches(step, cfg, model_cfg.vocab_size, mesh.dp_rank, device)
-        for a, b in pairs.values():
-            for name in ((a, b) if step % 2 == 0 else (b, a)):
-                run_step(name, micro, measure)
+        micro = bench.rank_micro_batches(step, cfg, vocab, mesh.dp_rank, device)  # bench_dp's batches
+        for pair in pairs.values():
+            for name in bench.turns(pair, step):
+                run_step(sides[name], micro, measure, mesh, memory, device)
+    return len(phases)
 
-    # ---- results ------------------------------------------------------------------------------
-    initial = {n: p.detach() for n, p in new_model().named_parameters()}
-    results = {"model": cfg.model, "params": sum(p.numel() for p in initial.values()),
-               "world": world, "backend": dist.get_backend(),
-               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "torch": torch.__version__, "threads_per_rank": torch.get_num_threads(), "steps": args.steps,
-               "warmup": args.warmup, "global_batch": cfg.global_batch, "micro_batch": cfg.micro_batch,
-               "accum_steps": cfg.accum_steps, "seq_len": cfg.seq_len, "bucket_mb": cfg.bucket_mb, "pairs": {}}
+
+def compare(a: str, b: str, sides: dict, initial: dict, mesh: Mesh, device) -> dict:
+    """The results of one pair: time and memory per side, their ratios, and how far apart they ended."""
+    # A step takes as long as its slowest rank; memory: the largest rank's.
+    times = bench.across_ranks([sides[a]["times"], sides[b]["times"]], mesh.dp_group, device)
+    rises = bench.across_ranks([sides[a]["rise"], sides[b]["rise"]], mesh.dp_group, device)
+    pa, pb = full_params(sides[a]), full_params(sides[b])
+    param_diff = max((pa[n] - pb[n]).abs().max().item() for n in pa)
+    moved = max((pa[n] - p0).abs().max().item() for n, p0 in initial.items())  # the check is not vacuous
+    loss_diff = max(abs(x - y) for x, y in zip(sides[a]["losses"], sides[b]["losses"], strict=True))
+    out = {"max_abs_param_diff": param_diff, "max_abs_loss_diff": loss_diff, "max_abs_param_change": moved}
+    for i, name in enumerate((a, b)):
+        held = held_bytes(sides[name]["model"], sides[name]["optimizer"])
+        held_total = int(bench.across_ranks([sum(held.values())], mesh.dp_group, device).item())
+        rise = statistics.median(rises[i].tolist())
+        out[name] = bench.step_stats(times[i].tolist()) | {
+            "held": held, "held_total_max_rank": held_total,
+            "step_rise_median": rise, "step_rise_max": max(rises[i].tolist()), "peak": int(held_total + rise),
+            "abs_peak_max": max(sides[name]["peak"]),
+            "sent_per_step": statistics.median(sides[name]["sent"]) if name.startswith("minipar") else None}
+    out["ratio_time"], out["median_paired_ratio"] = bench.ratios(times[0], times[1])
+    out["ratio_held"] = out[a]["held_total_max_rank"] / out[b]["held_total_max_rank"]
+    out["ratio_peak"] = out[a]["peak"] / out[b]["peak"]
+    return out
+
+
+def report_pair(a: str, b: str, out: dict, n_steps: int, device) -> None:
+    mib = 2**20
+    unit = "allocated" if device.type == "cuda" else "resident set"
+    print("\n" + bench.table_header(18, f"   held MiB (params + grads + optim + DDP buckets)   step rise ({unit})"
+                                        "   peak"))
+    for name in (a, b):
+        r, h = out[name], out[name]["held"]
+        print(bench.table_row(name, r, 18) + f"   {sum(h.values()) / mib:6.2f} = {h['params'] / mib:.2f}"
+              f" + {h['grads'] / mib:.2f} + {h['optimizer'] / mib:.2f} + {h['buckets'] / mib:.2f}"
+              f"{'':>6}{r['step_rise_median'] / mib:8.2f} MiB{'':>10}{r['peak'] / mib:6.2f} MiB")
+    print(f"ratio minipar / torch: time {out['ratio_time']:.3f}x (median of step-by-step ratios "
+          f"{out['median_paired_ratio']:.3f}x), held {out['ratio_held']:.3f}x, peak {out['ratio_peak']:.3f}x"
+          f"   (goals: <= 1.0x)")
+    if device.type == "cuda":
+        print(f"torch.cuda.max_memory_allocated during the steps (all four models live): "
+              f"{a} {out[a]['abs_peak_max'] / mib:.1f} MiB, {b} {out[b]['abs_peak_max'] / mib:.1f} MiB")
+    print(f"{a} sent per step (ledger): {out[a]['sent_per_step'] / mib:.2f} MiB per rank")
+    print(f"after {n_steps} steps: max |param {a} - param {b}| = "
+          f"{out['max_abs_param_diff']:.3g}, max |loss difference| = {out['max_abs_loss_diff']:.3g} "
+          f"(the weights moved by up to {out['max_abs_param_change']:.3g})")
+
+
+def report(results: dict, pairs: dict, args, cfg: TrainConfig, n_steps: int, device) -> None:
+    psi = results["params"]
+    print(f"model {cfg.model} ({psi / 1e6:.2f}M params = {4 * psi / 2**20:.2f} MiB float32) | "
+          f"{results['world']} ranks, {results['backend']}, {results['device']}, {results['threads_per_rank']} "
+          f"thread(s)/rank | global batch {cfg.global_batch} x {cfg.seq_len} tokens, micro-batch "
+          f"{cfg.micro_batch} ({cfg.accum_steps} per rank per step) | {args.steps} timed steps each after "
+          f"{args.warmup} warm-up, then {args.memory_steps} measuring memory | grad clip {cfg.grad_clip:g}")
     for pair, (a, b) in pairs.items():
-        # A step takes as long as its slowest rank; memory: the largest rank's.
-        times = torch.tensor([sides[a]["times"], sides[b]["times"]], dtype=torch.float64, device=device)
-        rises = torch.tensor([sides[a]["rise"], sides[b]["rise"]], dtype=torch.float64, device=device)
-        all_reduce(times, mesh.dp_group, op="max")
-        all_reduce(rises, mesh.dp_group, op="max")
-        times, rises = times.cpu(), rises.cpu()
-        pa, pb = full_params(sides[a]), full_params(sides[b])
-        param_diff = max((pa[n] - pb[n]).abs().max().item() for n in pa)
-        moved = max((pa[n] - p0).abs().max().item() for n, p0 in initial.items())  # the check is not vacuous
-        loss_diff = max(abs(x - y) for x, y in zip(sides[a]["losses"], sides[b]["losses"], strict=True))
-        out = {"max_abs_param_diff": param_diff, "max_abs_loss_diff": loss_diff, "max_abs_param_change": moved}
-        for i, name in enumerate((a, b)):
-            t = times[i].tolist()
-            held = held_bytes(sides[name]["model"], sides[name]["optimizer"])
-            held_total = torch.tensor([sum(held.values())], dtype=torch.float64, device=device)
-            all_reduce(held_total, mesh.dp_group, op="max")
-            rise = statistics.median(rises[i].tolist())
-            out[name] = {"median_step_s": statistics.median(t), "min_step_s": min(t), "max_step_s": max(t),
-                         "step_times_s": t, "held": held, "held_total_max_rank": int(held_total.item()),
-                         "step_rise_median": rise, "step_rise_max": max(rises[i].tolist()),
-                         "peak": int(held_total.item() + rise),
-                         "abs_peak_max": max(sides[name]["peak"]),
-                         "sent_per_step": statistics.median(sides[name]["sent"]) if name.startswith("minipar")
-                         else None}
-        out["ratio_time"] = out[a]["median_step_s"] / out[b]["median_step_s"]
-        out["median_paired_ratio"] = statistics.median((times[0] / times[1]).tolist())
-        out["ratio_held"] = out[a]["held_total_max_rank"] / out[b]["held_total_max_rank"]
-        out["ratio_peak"] = out[a]["peak"] / out[b]["peak"]
-        results["pairs"][pair] = out
+        report_pair(a, b, results["pairs"][pair], n_steps, device)
+    bench.write_json(args.json, results)
 
-    if rank == 0:
-        mib = 2**20
-        psi = results["params"]
-        print(f"model {cfg.model} ({psi / 1e6:.2f}M params = {4 * psi / mib:.2f} MiB float32) | {world} ranks, "
-              f"{results['backend']}, {results['device']}, {results['threads_per_rank']} thread(s)/rank | "
-              f"global batch {cfg.global_batch} x {cfg.seq_len} tokens, micro-batch {cfg.micro_batch} "
-              f"({cfg.accum_steps} per rank per step) | {args.steps} timed steps each after "
-              f"{args.warmup} warm-up, then {args.memory_steps} measuring memory | grad clip {cfg.grad_clip:g}")
-        unit = "allocated" if device.type == "cuda" else "resident set"
-        for pair, (a, b) in pairs.items():
-            out = results["pairs"][pair]
-            print(f"\n{'':<18}{'median step':>13}{'min':>11}{'max':>11}   held MiB (params + grads + optim "
-                  f"+ DDP buckets)   step rise ({unit})   peak")
-            for name in (a, b):
-                r, h = out[name], out[name]["held"]
-                print(f"{name:<18}{r['median_step_s'] * 1e3:>10.1f} ms{r['min_step_s'] * 1e3:>8.1f} ms"
-                      f"{r['max_step_s'] * 1e3:>8.1f} ms   {sum(h.values()) / mib:6.2f} = {h['params'] / mib:.2f}"
-                      f" + {h['grads'] / mib:.2f} + {h['optimizer'] / mib:.2f} + {h['buckets'] / mib:.2f}"
-                      f"{'':>6}{r['step_rise_median'] / mib:8.2f} MiB{'':>10}{r['peak'] / mib:6.2f} MiB")
-            print(f"ratio minipar / torch: time {out['ratio_time']:.3f}x (median of step-by-step ratios "
-                  f"{out['median_paired_ratio']:.3f}x), held {out['ratio_held']:.3f}x, peak {out['ratio_peak']:.3f}x"
-                  f"   (goals: <= 1.0x)")
-            if device.type == "cuda":
-                print(f"torch.cuda.max_memory_allocated during the steps (all four models live): "
-                      f"{a} {out[a]['abs_peak_max'] / mib:.1f} MiB, {b} {out[b]['abs_peak_max'] / mib:.1f} MiB")
-            print(f"{a} sent per step (ledger): {out[a]['sent_per_step'] / mib:.2f} MiB per rank")
-            print(f"after {len(phases)} steps: max |param {a} - param {b}| = "
-                  f"{out['max_abs_param_diff']:.3g}, max |loss difference| = {out['max_abs_loss_diff']:.3g} "
-                  f"(the weights moved by up to {out['max_abs_param_change']:.3g})")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
-            print(f"wrote {args.json}")
-    mesh.destroy()
-    dist.destroy_process_group()
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    world = bench.world_size()
+    cfg = TrainConfig(dp=world, model=args.model, seed=args.seed, seq_len=args.seq_len,
+                      global_batch=args.global_batch, micro_batch=args.micro_batch, bucket_mb=args.bucket_mb,
+                      grad_clip=args.grad_clip)
+    if not bench.valid("bench_zero", lambda: cfg.validate(world), lambda: check_counts(args)):
+        return 2
+    device, mesh = bench.start(dp=world)
+    model_cfg = get_config(cfg.model)
+
+    def new_model():
+        return Llama(model_cfg, seed=cfg.seed).to(device)
+
+    pairs = {k: v for k, v in PAIRS.items() if args.only in (None, k)}
+    sides = build_sides(pairs, cfg, new_model, mesh, device)
+    n_steps = run_steps(sides, pairs, args, cfg, model_cfg.vocab_size, mesh, device)
+
+    initial = {n: p.detach() for n, p in new_model().named_parameters()}
+    results = {"model": cfg.model, "params": sum(p.numel() for p in initial.values()), "world": world,
+               **bench.machine(device), "steps": args.steps,
+               "warmup": args.warmup, "global_batch": cfg.global_batch, "micro_batch": cfg.micro_batch,
+               "accum_steps": cfg.accum_steps, "seq_len": cfg.seq_len, "bucket_mb": cfg.bucket_mb,
+               "pairs": {pair: compare(a, b, sides, initial, mesh, device) for pair, (a, b) in pairs.items()}}
+    if dist.get_rank() == 0:
+        report(results, pairs, args, cfg, n_steps, device)
+    bench.finish(mesh)
     return 0
 
 

@@ -15,6 +15,7 @@ Chapter: docs/01_collectives.md.
 
 import torch
 import torch.distributed as dist
+from course_common import each_rank, finish, say, start_gloo
 
 from minipar import collectives as C
 from minipar.mesh import Mesh
@@ -26,12 +27,7 @@ def fmt(t: torch.Tensor) -> str:
 
 def show(title: str, before: torch.Tensor, after: torch.Tensor) -> None:
     """Print, on rank 0 and in rank order, what every rank held before and after an operation."""
-    line = f"  rank {dist.get_rank()}:  {fmt(before):<{5 * before.numel()}}  ->  {fmt(after)}"
-    lines = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(line, lines, dst=0)  # collected on rank 0, so the output is not interleaved
-    if dist.get_rank() == 0:
-        print(f"\n{title}")
-        print("\n".join(lines))
+    each_rank(f"\n{title}", f" {fmt(before):<{5 * before.numel()}}  ->  {fmt(after)}")
 
 
 def part1_who_holds_what(group: C.Group) -> None:
@@ -122,15 +118,12 @@ def part2_bytes(group: C.Group, ledger: C.Ledger) -> None:
 
 
 def main() -> None:
-    torch.set_num_threads(1)  # several ranks share a few CPU cores
-    dist.init_process_group("gloo")  # rank and world size come from torchrun's environment
+    start_gloo()
     mesh = Mesh.build(dp=dist.get_world_size())  # one group of every rank; its name in the ledger: "dp"
-    if mesh.rank == 0:
-        print(mesh.layout.table())
+    say(mesh.layout.table())
     part1_who_holds_what(mesh.dp_group)
     part2_bytes(mesh.dp_group, mesh.ledger)
-    mesh.destroy()
-    dist.destroy_process_group()
+    finish(mesh)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from course_common import finish, say, start_gloo
 
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
@@ -49,30 +50,18 @@ def vals(t: torch.Tensor) -> str:
     return " ".join(f"{v:+.4e}" for v in t.reshape(-1)[:3].tolist())
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")  # rank and world size come from torchrun's environment
-    rank, world = dist.get_rank(), dist.get_world_size()
-    say = print if rank == 0 else (lambda *a, **k: None)
-    mesh = Mesh.build(dp=world)
-    x, y = global_batch()
-    if GLOBAL_BATCH % (world * ACCUM):
-        raise SystemExit(f"{GLOBAL_BATCH} rows do not split into {world} ranks x {ACCUM} micro-batches")
+def my_rows(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rank, rows = dist.get_rank(), GLOBAL_BATCH // dist.get_world_size()
+    return x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]  # [B/N, s]
+
+
+def part_a(mesh: Mesh, dp_model: DataParallel, x, y) -> tuple[dict | None, int]:
+    """(a) One backward on every rank's rows, then the average. Returns the single-device gradient
+    (rank 0; None elsewhere) and how many all-reduces started during backward, for (b) and (c)."""
+    world, model = mesh.dp_group.size, dp_model.module
     rows = GLOBAL_BATCH // world
-    x_local, y_local = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]  # [B/N, s]
-
-    model = new_model()
-    dp_model = DataParallel(model, mesh.dp_group, bucket_mb=0.05)  # small buckets: several of them
-    names = {id(p): n for n, p in model.named_parameters()}
-    psi = sum(p.numel() for p in model.parameters())
-    say(
-        f"tiny Llama, float64: Psi = {psi:,} parameters = {psi * 8:,} bytes of gradient; dp = {world}; "
-        f"global batch {GLOBAL_BATCH} x {SEQ} tokens, {rows} rows per rank"
-    )
-
-    # (a) ------------------------------------------------------------------------------------------
     mesh.ledger.reset()
-    dp_model(x_local, y_local).backward()
+    dp_model(*my_rows(x, y)).backward()
     launched_in_backward = mesh.ledger.get("dp", "all_reduce").calls  # for (c)
     local = grads(model)  # the buckets are in flight, but .grad still holds this rank's own gradient
     dp_model.finish_grad_sync()
@@ -81,45 +70,52 @@ def main() -> None:
     every_averaged = [None] * world
     dist.all_gather_object(every_local, {n: local[n] for n in SHOWN})
     dist.all_gather_object(every_averaged, averaged)
+    if dist.get_rank() != 0:
+        return None, launched_in_backward
 
-    if rank == 0:
-        single = new_model()
-        single(x, y).backward()  # the plain computation: one device, the whole batch
-        reference = grads(single)
-        print(f"\n(a) gradients: one device on all {GLOBAL_BATCH} rows vs dp = {world} ({rows} rows each)")
-        for n in SHOWN:
-            print(f"  {n}  {tuple(reference[n].shape)}, first values")
-            print(f"    {'single device, all rows':<28}{vals(reference[n])}")
-            for r in range(world):
-                print(f"    {f'rank {r} local, its {rows} rows':<28}{vals(every_local[r][n])}")
-            print(f"    {'dp average (every rank)':<28}{vals(averaged[n])}")
-            diff = (reference[n] - averaged[n]).abs().max().item()
-            print(f"    max |single - dp| over the tensor: {diff:.1e}")
-        print(f"  max |single - dp| over all {psi:,} gradient entries: {max_diff(reference, averaged):.1e}")
-        spread = max(max_diff(every_averaged[0], g) for g in every_averaged)
-        print(f"  max difference between the ranks' averaged gradients: {spread:.1e} (replicas stay equal)")
+    single = new_model()
+    single(x, y).backward()  # the plain computation: one device, the whole batch
+    reference = grads(single)
+    print(f"\n(a) gradients: one device on all {GLOBAL_BATCH} rows vs dp = {world} ({rows} rows each)")
+    for n in SHOWN:
+        print(f"  {n}  {tuple(reference[n].shape)}, first values")
+        print(f"    {'single device, all rows':<28}{vals(reference[n])}")
+        for r in range(world):
+            print(f"    {f'rank {r} local, its {rows} rows':<28}{vals(every_local[r][n])}")
+        print(f"    {'dp average (every rank)':<28}{vals(averaged[n])}")
+        diff = (reference[n] - averaged[n]).abs().max().item()
+        print(f"    max |single - dp| over the tensor: {diff:.1e}")
+    psi = sum(p.numel() for p in model.parameters())
+    print(f"  max |single - dp| over all {psi:,} gradient entries: {max_diff(reference, averaged):.1e}")
+    spread = max(max_diff(every_averaged[0], g) for g in every_averaged)
+    print(f"  max difference between the ranks' averaged gradients: {spread:.1e} (replicas stay equal)")
+    return reference, launched_in_backward
 
-    # (b) ------------------------------------------------------------------------------------------
+
+def one_step(mesh: Mesh, dp_model: DataParallel, micro: list, use_no_sync: bool) -> dict[str, torch.Tensor]:
+    """The gradient part of train_step (minipar/train.py), without the optimizer."""
+    dp_model.module.zero_grad(set_to_none=True)
+    mesh.ledger.reset()
+    for i, (mx, my) in enumerate(micro):
+        # no_sync: accumulate locally, only the last backward all-reduces. Without it, every
+        # backward all-reduces, and finish_grad_sync must follow each one (see the chapter).
+        with dp_model.no_sync() if use_no_sync and i < ACCUM - 1 else nullcontext():
+            (dp_model(mx, my) / ACCUM).backward()
+        if not use_no_sync or i == ACCUM - 1:
+            dp_model.finish_grad_sync()
+    return grads(dp_model.module)
+
+
+def part_b(mesh: Mesh, dp_model: DataParallel, x, y, reference: dict | None) -> None:
+    """(b) The traffic of one optimizer step over ACCUM micro-batches, with and without no_sync."""
+    x_local, y_local = my_rows(x, y)
     micro = list(zip(x_local.chunk(ACCUM), y_local.chunk(ACCUM), strict=True))  # ACCUM x [B/N/ACCUM, s]
-
-    def one_step(use_no_sync: bool) -> dict[str, torch.Tensor]:
-        """The gradient part of train_step (minipar/train.py), without the optimizer."""
-        model.zero_grad(set_to_none=True)
-        mesh.ledger.reset()
-        for i, (mx, my) in enumerate(micro):
-            # no_sync: accumulate locally, only the last backward all-reduces. Without it, every
-            # backward all-reduces, and finish_grad_sync must follow each one (see the chapter).
-            with dp_model.no_sync() if use_no_sync and i < ACCUM - 1 else nullcontext():
-                (dp_model(mx, my) / ACCUM).backward()
-            if not use_no_sync or i == ACCUM - 1:
-                dp_model.finish_grad_sync()
-        return grads(model)
-
-    with_no_sync = one_step(use_no_sync=True)
+    with_no_sync = one_step(mesh, dp_model, micro, use_no_sync=True)
     e1 = mesh.ledger.get("dp", "all_reduce")
-    without = one_step(use_no_sync=False)
+    without = one_step(mesh, dp_model, micro, use_no_sync=False)
     e4 = mesh.ledger.get("dp", "all_reduce")
-    S, nb = psi * 8, len(dp_model.buckets)
+    world = mesh.dp_group.size
+    S, nb = sum(p.numel() for p in dp_model.module.parameters()) * 8, len(dp_model.buckets)
     sent = 2 * (world - 1) / world * S
     say(f"\n(b) one optimizer step, {ACCUM} micro-batches per rank; ledger 'dp/all_reduce' on rank 0")
     say(f"  {'':<40}{'calls':>6}{'payload bytes':>15}{'sent bytes':>13}")
@@ -131,11 +127,15 @@ def main() -> None:
     ]
     for label, calls, payload, sent_bytes in table:
         say(f"  {label:<40}{calls:>6}{payload:>15,}{sent_bytes:>13,.0f}")
-    if rank == 0:
+    if reference is not None:
         print(f"  max |no_sync - sync every micro-batch| gradient: {max_diff(with_no_sync, without):.1e}")
         print(f"  max |no_sync - single device| gradient:          {max_diff(with_no_sync, reference):.1e}")
 
-    # (c) ------------------------------------------------------------------------------------------
+
+def part_c(dp_model: DataParallel, launched_in_backward: int) -> None:
+    """(c) The buckets, and how many of their all-reduces backward itself started."""
+    names = {id(p): n for n, p in dp_model.module.named_parameters()}
+    nb = len(dp_model.buckets)
     say(f"\n(c) {nb} gradient buckets of ~0.05 MiB, filled from the last parameter to the first:")
     for b in dp_model.buckets:
         size = sum(p.numel() for p in b.params) * 8
@@ -146,8 +146,25 @@ def main() -> None:
         f"left for finish_grad_sync to start: {nb - launched_in_backward}"
     )
 
-    mesh.destroy()
-    dist.destroy_process_group()
+
+def main() -> None:
+    start_gloo()
+    world = dist.get_world_size()
+    mesh = Mesh.build(dp=world)
+    x, y = global_batch()
+    if GLOBAL_BATCH % (world * ACCUM):
+        raise SystemExit(f"{GLOBAL_BATCH} rows do not split into {world} ranks x {ACCUM} micro-batches")
+    model = new_model()
+    dp_model = DataParallel(model, mesh.dp_group, bucket_mb=0.05)  # small buckets: several of them
+    psi = sum(p.numel() for p in model.parameters())
+    say(
+        f"tiny Llama, float64: Psi = {psi:,} parameters = {psi * 8:,} bytes of gradient; dp = {world}; "
+        f"global batch {GLOBAL_BATCH} x {SEQ} tokens, {GLOBAL_BATCH // world} rows per rank"
+    )
+    reference, launched_in_backward = part_a(mesh, dp_model, x, y)
+    part_b(mesh, dp_model, x, y, reference)
+    part_c(dp_model, launched_in_backward)
+    finish(mesh)
 
 
 if __name__ == "__main__":

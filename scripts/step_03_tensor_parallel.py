@@ -20,26 +20,15 @@ Chapter: docs/03_tensor_parallel.md.
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from course_common import each_rank, finish, say, start_gloo
 
 from minipar import tensor_parallel as T
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import parallel_llama
+from minipar.placement import placement_of
 
 B, S = 2, 8  # the token batch of (c) and (d)
-
-
-def each_rank(title: str, line: str) -> None:
-    """Gather one line from every rank; rank 0 prints them in rank order under the title."""
-    lines = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(line, lines, dst=0)  # collected on rank 0, so the output is not interleaved
-    if dist.get_rank() == 0:
-        print(title)
-        print("\n".join(f"  rank {r}: {text}" for r, text in enumerate(lines)))
-
-
-def say(*args) -> None:
-    if dist.get_rank() == 0:
-        print(*args)
 
 
 def counted(mesh: Mesh, fn, *args):
@@ -97,8 +86,8 @@ def part_a(mesh: Mesh) -> None:
 
 def part_b(mesh: Mesh) -> None:
     g = mesh.tp_group
-    mlp = Llama(get_config("tiny"), seed=0, tp_group=g).double().get_submodule("layers.0.mlp")
-    ref = Llama(get_config("tiny"), seed=0).double().get_submodule("layers.0.mlp")  # tp_group=None: one device
+    mlp = parallel_llama(get_config("tiny"), seed=0, tp_group=g).double().get_submodule("layers.0.mlp")
+    ref = Llama(get_config("tiny"), seed=0).double().get_submodule("layers.0.mlp")  # the plain model: one device
     x0, dy = torch.randn(2, 2, 4, 32, generator=torch.Generator().manual_seed(3), dtype=torch.float64)  # [b, s, h]
     x, x_ref = x0.clone().requires_grad_(), x0.clone().requires_grad_()
     y, fwd = counted(mesh, lambda: mlp(x))
@@ -121,7 +110,7 @@ def part_c(mesh: Mesh, vocab: int) -> None:
     g, tp = mesh.tp_group, mesh.tp_group.size
     gen = torch.Generator().manual_seed(4)
     x, y = torch.randint(0, vocab, (2, B, S), generator=gen)  # tokens and (random) targets
-    logits = Llama(get_config("tiny", vocab_size=vocab), seed=0, tp_group=g).double()(x)  # [b, s, V/tp]
+    logits = parallel_llama(get_config("tiny", vocab_size=vocab), seed=0, tp_group=g).double()(x)  # [b, s, V/tp]
     logits = logits.detach().requires_grad_()
     loss, fwd = counted(mesh, lambda: T.vocab_parallel_cross_entropy(logits, y, g, vocab))
     _, bwd = counted(mesh, lambda: loss.backward())
@@ -157,7 +146,7 @@ def part_d(mesh: Mesh) -> None:
     say(f"\n(d) the whole tiny Llama ({cfg.n_layers} layers, {cfg.n_heads} heads, {cfg.n_kv_heads} kv heads), "
         f"b={B} s={S} h={cfg.dim}: one [b, s, h] = {B * S * cfg.dim * 8:,} B")
     for sp in (False, True):
-        model = Llama(cfg, seed=0, tp_group=g, sequence_parallel=sp).double()
+        model = parallel_llama(cfg, seed=0, tp_group=g, sequence_parallel=sp).double()
         loss, snap = counted(mesh, forward_backward, model, x, y)
         _, partial = counted(mesh, T.sync_partial_grads, model, g)  # replicated weights, partial gradients
         grads = {n: T.unshard(p.grad, p, g) for n, p in model.named_parameters()}
@@ -168,7 +157,7 @@ def part_d(mesh: Mesh) -> None:
             say(f"    {k:<26}{v['calls']:>6}{v['bytes']:>11,}{v['sent']:>9,}")
         total, sent = (sum(v[key] for v in snap.values()) for key in ("bytes", "sent"))
         say(f"    {'total':<32}{total:>11,}{sent:>9,}")
-        which = sorted({n.split(".")[-2] for n, p in model.named_parameters() if p._tp_partial})
+        which = sorted({n.split(".")[-2] for n, p in model.named_parameters() if "tp" in placement_of(p).partial})
         say(f"  then sync_partial_grads: {calls(partial)}  ({', '.join(which) or 'none'})")
         attn = model.get_submodule("layers.0.attn")
         each_rank(f"  residual stream, wq, wk, loss (one device: {ref_loss.item():.12f}), max |grad - one device|",
@@ -177,16 +166,14 @@ def part_d(mesh: Mesh) -> None:
 
 
 def main() -> None:
-    torch.set_num_threads(1)  # several ranks share a few CPU cores
-    dist.init_process_group("gloo")  # rank and world size come from torchrun's environment
+    start_gloo()
     mesh = Mesh.build(tp=dist.get_world_size())  # one tp group of every rank; its name in the ledger: "tp"
     part_a(mesh)
     part_b(mesh)
     part_c(mesh, 256)
     part_c(mesh, 251)  # a prime: no tp divides it, so the last shard is padded
     part_d(mesh)
-    mesh.destroy()
-    dist.destroy_process_group()
+    finish(mesh)
 
 
 if __name__ == "__main__":

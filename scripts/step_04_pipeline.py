@@ -25,26 +25,16 @@ from textwrap import indent
 
 import torch
 import torch.distributed as dist
+from course_common import finish, say, start_gloo, to_rank0
 
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import parallel_llama
 from minipar.pipeline import Pipeline, stage_layers
 from minipar.pipeline_schedules import Timeline, bubble_formula, build, peak_activations, simulate
 
 CFG = get_config("tiny", n_layers=8)
 SEED, ROWS, SEQ = 0, 16, 32
-
-
-def say(*args) -> None:
-    if dist.get_rank() == 0:
-        print(*args)
-
-
-def to_rank0(obj):
-    """Gather one Python object from every rank; rank 0 gets the list in rank order, others None."""
-    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out
 
 
 def the_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,8 +79,8 @@ def on_ranks(name: str, m: int, v: int, mesh: Mesh, ref, sim: Timeline, theory: 
              repeats: int) -> None:
     # Activations on the pp group, gradients on a second group over the same ranks, as train.py does.
     pipeline = Pipeline(mesh.pp_group, name, CFG.n_layers, v, grad_group=mesh.pp_grad_group)
-    model = Llama(CFG, seed=SEED, layer_ids=pipeline.my_layers(), embed=pipeline.holds_first(),
-                  head=pipeline.holds_last()).double()  # only this rank's stages
+    model = parallel_llama(CFG, seed=SEED, layer_ids=pipeline.my_layers(), embed=pipeline.holds_first(),
+                           head=pipeline.holds_last()).double()  # only this rank's stages
     x, y = the_batch()
     micro = list(zip(x.chunk(m), y.chunk(m)))  # m x ([B/m, s], [B/m, s])
     best = None
@@ -143,8 +133,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/step_04", help="folder for the timeline PNGs")
     parser.add_argument("--repeats", type=int, default=5, help="measured runs per schedule; the fastest is shown")
     args = parser.parse_args()
-    torch.set_num_threads(1)  # several ranks share a few CPU cores
-    dist.init_process_group("gloo")  # rank and world size come from torchrun's environment
+    start_gloo()
     p, m, out = dist.get_world_size(), args.micro_batches, Path(args.out)
     plan = [("naive", 1, 1), ("gpipe", m, 1), ("1f1b", m, 1), ("interleaved", m, 2), ("zb1", m, 1)]
     try:  # every rank checks every schedule first, so a bad size stops all of them, not just rank 0
@@ -169,8 +158,7 @@ def main() -> None:
         sim, theory = on_paper(name, p, m_, v, out) if dist.get_rank() == 0 else (None, None)
         on_ranks(name, m_, v, mesh, ref, sim, theory, out, args.repeats)
     say(f"\nPNGs: {out}/<schedule>_simulated.png and <schedule>_measured.png")
-    mesh.destroy()
-    dist.destroy_process_group()
+    finish(mesh)
 
 
 if __name__ == "__main__":

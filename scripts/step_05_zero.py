@@ -23,13 +23,14 @@ Chapter: docs/05_zero.md.
 
 import torch
 import torch.distributed as dist
+from course_common import each_rank, finish, say, start_gloo
 
-from minipar.collectives import Group
 from minipar.config import TrainConfig
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
-from minipar.train import clip_grad_norm, make_adamw, param_groups, train_step
+from minipar.parallelize import parallel_llama
+from minipar.train import make_adamw, param_groups, train_step
 from minipar.zero import ZeroDataParallel
 from minipar.zero3 import Zero3DataParallel, units_of
 
@@ -39,21 +40,6 @@ ROWS, SEQ, CLIP, BUCKET_MB = 8, 128, 1.0, 0.5
 STAGES = (0, 1, 2, 3)
 NAMES = {0: "plain data parallelism", 1: "optimizer state sharded", 2: "gradients sharded too",
          3: "parameters sharded too"}
-
-
-def each_rank(title: str, line: str) -> None:
-    """Gather one line from every rank; rank 0 prints them in rank order under the title."""
-    lines = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(line, lines, dst=0)  # collected on rank 0, so the output is not interleaved
-    if dist.get_rank() == 0:
-        if title:
-            print(title)
-        print("\n".join(f"  rank {r}: {text}" for r, text in enumerate(lines)))
-
-
-def say(*args) -> None:
-    if dist.get_rank() == 0:
-        print(*args)
 
 
 def nbytes(tensors) -> int:
@@ -73,17 +59,15 @@ def my_rows(mesh: Mesh, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def wrap(model: Llama, mesh: Mesh, stage: int, offload: bool = False):
-    """The model behind stage `stage`'s wrapper, and the optimizer the step uses."""
-    if stage == 0:
-        return DataParallel(model, mesh.dp_group, BUCKET_MB), make_adamw(param_groups(model, OPT), OPT)
+    """The model behind stage `stage`'s wrapper; each wrapper owns its AdamW (`wrapper.optimizer`)."""
     def make_optimizer(groups):
         return make_adamw(groups, OPT)
+    if stage == 0:
+        return DataParallel(model, mesh.dp_group, BUCKET_MB, optimizer=make_optimizer(param_groups(model, OPT)))
     if stage == 3:  # buckets: one per unit (embedding, each layer, norm, head) and kind of parameter
-        z = Zero3DataParallel(model, mesh.dp_group, make_optimizer, param_groups(model, OPT))
-    else:
-        z = ZeroDataParallel(model, mesh.dp_group, stage, make_optimizer, param_groups(model, OPT), BUCKET_MB,
-                             offload=offload)
-    return z, z.optimizer
+        return Zero3DataParallel(model, mesh.dp_group, make_optimizer, param_groups(model, OPT))
+    return ZeroDataParallel(model, mesh.dp_group, stage, make_optimizer, param_groups(model, OPT), BUCKET_MB,
+                            offload=offload)
 
 
 def grad_bytes(wrapper) -> int:
@@ -108,18 +92,13 @@ def state_bytes(optimizer) -> int:
 # (a) and (b) ------------------------------------------------------------------------------------
 
 
-def step_with_a_look(wrapper, optimizer, x, y) -> int:
+def step_with_a_look(wrapper, x, y) -> int:
     """train_step (minipar/train.py) for one micro-batch, spelled out so we can count the
     gradients between backward and the step. Returns that count."""
     wrapper(x, y).backward()
     grads = grad_bytes(wrapper)
     wrapper.finish_grad_sync()  # stage 0: wait for the all-reduces; ZeRO: reduce-scatter what is left
-    if isinstance(wrapper, ZeroDataParallel):
-        wrapper.clip_and_step(CLIP)  # norm over the slices, AdamW on the slices, all-gather (1-2)
-    else:
-        clip_grad_norm(wrapper.parameters(), CLIP, Group.solo("tp"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    wrapper.clip_and_step(CLIP)  # stage 0: clip, AdamW; ZeRO: the same on the slices, then all-gather (1-2)
     return grads
 
 
@@ -139,14 +118,14 @@ def measure_stage(mesh: Mesh, stage: int) -> dict:
 
     for p in model.parameters():  # before the wrapper's own hooks: sees a bucket before it is freed
         p.register_post_accumulate_grad_hook(look)
-    wrapper, optimizer = wrap(model, mesh, stage)
+    wrapper = wrap(model, mesh, stage)
     holder.append(wrapper)
     if stage == 3:  # after stage 3's own pre-hook has gathered this unit and started the next
         for unit in units_of(model):
             unit.register_forward_pre_hook(look)
     x, y = my_rows(mesh)
     mesh.ledger.reset()
-    grads = step_with_a_look(wrapper, optimizer, x, y)
+    grads = step_with_a_look(wrapper, x, y)
     ledger = mesh.ledger.snapshot()
     if stage == 0:
         params = nbytes(model.parameters())
@@ -156,7 +135,7 @@ def measure_stage(mesh: Mesh, stage: int) -> dict:
         params, buffers = wrapper.param_bytes(), 0
         padded, n_buckets = sum(b.padded for b in wrapper.buckets), len(wrapper.buckets)
         sizes = [sum(p.numel() for p in b.params) for b in wrapper.buckets]
-    return dict(params=params, grads=grads, grads_peak=peak["grads"], optim=state_bytes(optimizer),
+    return dict(params=params, grads=grads, grads_peak=peak["grads"], optim=state_bytes(wrapper.optimizer),
                 weights_peak=peak["weights"], weights_units=peak["units"], ledger=ledger, padded=padded,
                 buckets=n_buckets, sizes=sizes, dp_buffers=buffers)
 
@@ -266,8 +245,8 @@ def part_c(mesh: Mesh) -> None:
         f"float32; ZeRO stage 2")
     runs, grads, places, params = {}, {}, {}, {}
     for recompute, offload in ((False, False), (True, False), (False, True), (True, True)):
-        model = Llama(CFG, seed=0, recompute=recompute)
-        wrapper, _ = wrap(model, mesh, 2, offload=offload)
+        model = parallel_llama(CFG, seed=0, recompute=recompute)
+        wrapper = wrap(model, mesh, 2, offload=offload)
         loss, by_unit = saved_for_backward(model, wrapper, x, y)
         loss.backward()  # with recompute, each layer runs its forward again here
         wrapper.finish_grad_sync()  # nothing left to do: stage 2 reduce-scattered during backward
@@ -331,14 +310,14 @@ def part_d(mesh: Mesh) -> None:
     final, sent = {}, {}
     for stage in STAGES:
         model = Llama(CFG, seed=0).double()
-        wrapper, optimizer = wrap(model, mesh, stage)
+        wrapper = wrap(model, mesh, stage)
         sent[stage] = []
         for step in range(3):
             x, y = my_rows(mesh, step)
             mesh.ledger.reset()
-            train_step(wrapper, optimizer, list(zip(x.chunk(2), y.chunk(2))), grad_clip=CLIP)
+            train_step(wrapper, list(zip(x.chunk(2), y.chunk(2))), grad_clip=CLIP)
             sent[stage].append(sum(e["sent"] for e in mesh.ledger.snapshot().values()))
-        with wrapper.gathered() if stage else torch.no_grad():  # stage 3: the weights are sharded
+        with wrapper.gathered():  # stage 3: the weights are sharded; the others hold them whole
             final[stage] = {n: p.detach().clone() for n, p in model.named_parameters()}
     each_rank("  max |stage s - stage 0| over all parameters, and where",
               "  ".join(f"stage {s}: {largest_difference(final[s], final[0])}" for s in (1, 2, 3)))
@@ -353,16 +332,14 @@ def part_d(mesh: Mesh) -> None:
 
 
 def main() -> None:
-    torch.set_num_threads(1)  # several ranks share a few CPU cores
-    dist.init_process_group("gloo")  # rank and world size come from torchrun's environment
+    start_gloo()
     mesh = Mesh.build(dp=dist.get_world_size())
     if ROWS % (2 * mesh.dp_group.size):
         raise SystemExit(f"{ROWS} rows do not split into {mesh.dp_group.size} ranks x 2 micro-batches")
     part_a_b(mesh)
     part_c(mesh)
     part_d(mesh)
-    mesh.destroy()
-    dist.destroy_process_group()
+    finish(mesh)
 
 
 if __name__ == "__main__":

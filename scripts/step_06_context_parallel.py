@@ -24,6 +24,7 @@ Chapter: docs/06_context_parallel.md.
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from course_common import each_rank, finish, say, start_gloo
 from einops import repeat
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -34,21 +35,6 @@ from minipar.mesh import Mesh
 S = 16  # tokens in (a), (b) and (d)
 B, H, H_KV, D = 1, 4, 2, 8  # batch, query heads, kv heads (GQA: 2 query heads per kv head), head dim
 S_MEM, D_MEM = 512, 16  # (c): long enough for the [s, s] scores to dominate
-
-
-def each_rank(title: str, line: str) -> None:
-    """Gather one line from every rank; rank 0 prints them in rank order under the title."""
-    lines = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(line, lines, dst=0)  # collected on rank 0, so the output is not interleaved
-    if dist.get_rank() == 0:
-        if title:
-            print(title)
-        print("\n".join(f"  rank {r}: {text}" for r, text in enumerate(lines)))
-
-
-def say(*args) -> None:
-    if dist.get_rank() == 0:
-        print(*args)
 
 
 def contiguous_positions(rank: int, cp: int, seq_len: int) -> torch.Tensor:
@@ -244,15 +230,13 @@ def part_d(mesh: Mesh) -> None:
 
 
 def main() -> None:
-    torch.set_num_threads(1)  # several ranks share a few CPU cores
-    dist.init_process_group("gloo")  # rank and world size come from torchrun's environment
+    start_gloo()
     mesh = Mesh.build(cp=dist.get_world_size())  # one cp group of every rank; its name in the ledger: "cp"
     part_a(mesh)
     part_b(mesh)
     part_c(mesh)
     part_d(mesh)
-    mesh.destroy()
-    dist.destroy_process_group()
+    finish(mesh)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,245 @@
+"""What the benchmarks share: starting the ranks, timing a step, reducing and summarising the times,
+printing the comparison and writing the JSON.
+
+bench_dp.py, bench_tp.py, bench_pp.py and bench_zero.py train minipar and PyTorch's own
+implementation side by side in one launch, in turn, step by step; bench_cp.py runs ring attention
+against attention on one device the same way. Each compares the slowest rank's step times. The
+measuring rules live here, once, so that every benchmark measures the same way:
+
+    start         torch threads: the machine's cores shared among the ranks on it; then the
+                  process group (NCCL and cuda:LOCAL_RANK with CUDA, else gloo on the CPU), the mesh
+    timed         one step from a barrier, so that all ranks begin together; on GPUs the queued
+                  kernels are waited for (torch.cuda.synchronize) before the clock starts and stops
+    take_turns    warm-up and measured steps of every side, the order reversed at every step
+    across_ranks  a step lasts as long as its slowest rank: per-rank figures reduced over a group
+    step_stats    median / min / max (and tokens per second at the median)
+    ratios        the ratio of the medians, and the median of the step-by-step ratios
+    table_row...  the comparison as rank 0 prints it; write_json, the results for --json
+
+(bench_gpu.py starts every side in fresh processes of its own and keeps its own loop.) Not a
+script: the benchmarks import it (`scripts/` is on sys.path when one of them runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from minipar.collectives import Group, Ledger, all_reduce
+from minipar.config import TrainConfig
+from minipar.mesh import Mesh
+from minipar.model import CONFIGS
+from minipar.train import start_distributed
+
+# ----------------------------------------------------------------------------------------------
+# Starting
+# ----------------------------------------------------------------------------------------------
+
+
+def command_line(doc: str, sides: str, steps: int, warmup: int, warmup_note: str = "") -> argparse.ArgumentParser:
+    """A benchmark's options, begun with those every one takes: the model, the measured and the
+    unmeasured steps (of each of the `sides`), the sequence length. parse() adds --seed and --json."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="small", choices=list(CONFIGS), help="named model size")
+    p.add_argument("--steps", type=int, default=steps, help=f"measured optimizer steps, each of the {sides}")
+    p.add_argument("--warmup", type=int, default=warmup,
+                   help=f"unmeasured optimizer steps first, each of the {sides}{warmup_note}")
+    p.add_argument("--seq-len", type=int, default=128)
+    return p
+
+
+def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    p.add_argument("--seed", type=int, default=0, help="model weights and token batches")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
+    return p.parse_args(argv)
+
+
+def world_size() -> int:
+    """torchrun's WORLD_SIZE: known before any process group exists, so the layout can be checked first."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def valid(script: str, *checks: Callable[[], object]) -> bool:
+    """Run each check (it raises ValueError with the reason) before any process group exists.
+    False, after rank 0 has said why on stderr, if one fails: the script then exits 2."""
+    try:
+        for check in checks:
+            check()
+    except ValueError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{script}: error: {e}", file=sys.stderr)
+        return False
+    return True
+
+
+def threads_per_rank() -> int:
+    """The machine's cores divided among the ranks on it (torchrun's LOCAL_WORLD_SIZE)."""
+    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def start(**dims: int) -> tuple[torch.device, Mesh]:
+    """Set this rank's torch threads, join the process group and build the mesh of `dims` (dp=...,
+    tp=...). Returns the device to use and the mesh."""
+    torch.set_num_threads(threads_per_rank())  # threads beyond a rank's share of the cores only contend
+    device = start_distributed()
+    return device, Mesh.build(**dims)
+
+
+def machine(device: torch.device) -> dict:
+    """Where the run took place, as every results file records it."""
+    return {"backend": dist.get_backend(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "threads_per_rank": torch.get_num_threads()}
+
+
+def finish(mesh: Mesh) -> None:
+    mesh.destroy()
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches: random tokens, the same on every rank and for every side
+# ----------------------------------------------------------------------------------------------
+
+
+def random_batch(step: int, seed: int, rows: int, seq_len: int, vocab: int, device) -> tuple[torch.Tensor, ...]:
+    """The tokens of step `step`: inputs [rows, seq_len] and targets, the inputs shifted by one
+    (as the data pipeline gives them)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    tokens = torch.randint(0, vocab, (rows, seq_len + 1), generator=gen).to(device)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def rank_micro_batches(step: int, cfg: TrainConfig, vocab: int, rank: int, device) -> list[tuple]:
+    """This dp rank's micro-batches of step `step`: its rows of the global batch, cut in micro-batches."""
+    x, y = random_batch(step, cfg.seed, cfg.global_batch, cfg.seq_len, vocab, device)
+    rows = cfg.global_batch // cfg.dp
+    mine = slice(rank * rows, (rank + 1) * rows)  # [b/dp, s]
+    return list(zip(x[mine].split(cfg.micro_batch), y[mine].split(cfg.micro_batch), strict=True))
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------
+
+
+def barrier(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # nothing earlier may still be running when the clock starts
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
+def timed(fn: Callable, *args, device: torch.device, at_start: Callable[[], None] | None = None):
+    """fn(*args) from a barrier: (seconds on this rank, what fn returned). at_start runs after the
+    barrier, just before the clock starts (to begin a memory measurement, say)."""
+    barrier(device)
+    if at_start is not None:
+        at_start()
+    t0 = time.perf_counter()
+    out = fn(*args)
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # CUDA kernels run asynchronously: wait for the step's last one
+    return time.perf_counter() - t0, out
+
+
+def turns(sides: list, step: int) -> list:
+    """The order the sides run in at step `step`: forward on even steps, reversed on odd ones (a b,
+    b a, ...), so that machine noise and any penalty for going first or second hit all of them alike."""
+    return list(sides) if step % 2 == 0 else list(sides)[::-1]
+
+
+def take_turns(sides: dict[object, Callable], batch_of: Callable[[int], tuple], warmup: int, steps: int, device,
+               ledger: Ledger, after: Callable[[object, bool], None] | None = None) -> tuple[dict, dict]:
+    """`warmup` unmeasured steps, then `steps` measured ones, of every side in turn.
+
+    sides: {side: step function}; a step function takes the step's batch, batch_of(step) (a tuple of
+    arguments), and returns (loss, gradient norm) as train_step does. The ledger is reset before
+    each step, so that after(side, measured), called right after it, reads that step's traffic.
+    Returns ({side: this rank's measured step times}, {side: the loss of every step}).
+    """
+    times = {side: [] for side in sides}
+    losses = {side: [] for side in sides}
+    for step in range(warmup + steps):
+        batch = batch_of(step)
+        for side in turns(sides, step):
+            ledger.reset()
+            dt, (loss, _) = timed(sides[side], *batch, device=device)
+            losses[side].append(loss)
+            if step >= warmup:
+                times[side].append(dt)
+            if after is not None:
+                after(side, step >= warmup)
+    return times, losses
+
+
+# ----------------------------------------------------------------------------------------------
+# Summing up
+# ----------------------------------------------------------------------------------------------
+
+
+def across_ranks(values, group: Group, device, op: str = "max") -> torch.Tensor:
+    """Per-rank figures (numbers, or lists of equal length) reduced over the group, float64, on the
+    CPU. With op "max" on step times: a step takes as long as its slowest rank."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    all_reduce(t, group, op=op)
+    return t.cpu()
+
+
+def step_stats(times: list[float], tokens_per_step: int | None = None) -> dict:
+    """Median, min and max of the step times (tokens per second at the median), then the times."""
+    median = statistics.median(times)
+    stats = {"median_step_s": median, "min_step_s": min(times), "max_step_s": max(times)}
+    if tokens_per_step is not None:
+        stats["tokens_per_s"] = tokens_per_step / median
+    return stats | {"step_times_s": times}
+
+
+def ratios(ours: torch.Tensor, theirs: torch.Tensor) -> tuple[float, float]:
+    """(ratio of the median step times, median of the step-by-step ratios) of two sides. The two
+    steps of a pair ran back to back on the same batch, so the second figure is less sensitive to
+    slow drifts in the machine's load."""
+    medians = statistics.median(ours.tolist()) / statistics.median(theirs.tolist())
+    return medians, statistics.median((ours / theirs).tolist())
+
+
+# ----------------------------------------------------------------------------------------------
+# Reporting (rank 0)
+# ----------------------------------------------------------------------------------------------
+
+TOKENS_COLUMN = f"{'tokens/s':>11}"
+
+
+def table_header(width: int, tail: str = TOKENS_COLUMN) -> str:
+    """The columns of the comparison, after a label column `width` wide."""
+    return f"{'':<{width}}{'median step':>13}{'min':>11}{'max':>11}{tail}"
+
+
+def table_row(label: str, stats: dict, width: int) -> str:
+    """One side's row: its step_stats in milliseconds (and tokens/s, when it has them)."""
+    row = (f"{label:<{width}}{stats['median_step_s'] * 1e3:>10.1f} ms{stats['min_step_s'] * 1e3:>8.1f} ms"
+           f"{stats['max_step_s'] * 1e3:>8.1f} ms")
+    return row + (f"{stats['tokens_per_s']:>11,.0f}" if "tokens_per_s" in stats else "")
+
+
+def ratio_line(label: str, ratio: float, paired: float, width: int) -> str:
+    """The ratio minipar / PyTorch (goal <= 1.0x), under the median column of a table `width` wide."""
+    figure = width + 10 - len(label) - 1  # the figure ends where the rows' median figures end
+    return (f"{label} {ratio:>{figure}.3f}x   (goal: <= 1.0x); "
+            f"median of step-by-step ratios {paired:.3f}x")
+
+
+def write_json(path: str | None, results: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {path}")
