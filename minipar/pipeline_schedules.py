@@ -147,33 +147,41 @@ def zero_bubble_h1(p: int, m: int) -> list[list[Action]]:
     and a rank holds at most p micro-batches between F and W: the peak of 1F1B (its first stage),
     now on every stage. With F = B = W the idle fraction is then (p-1) / (3m + p-1), the paper's.
     """
-    plan = [[a for a in acts] for acts in one_f_one_b(p, m)]
+    def next_in_plan(r, todo, ready, held):  # 1F1B's order; a new F waits while p are held
+        nxt = todo[0] if todo else None
+        return nxt if nxt in ready and not (nxt.kind == "F" and held >= p) else None
+
+    return _fill_with_w(one_f_one_b(p, m), p, next_in_plan)
+
+
+def _fill_with_w(todo: list[list[Action]], n_stages: int, choose) -> list[list[Action]]:
+    """The zero-bubble construction, in unit time: at each step every rank runs the F or B that
+    `choose(rank, its remaining actions, those whose inputs are done, activations held)` picks,
+    else the W of its oldest finished B (nobody waits for a W), else idles. A B queues its W."""
+    p = len(todo)
     done: dict[Action, int] = {}
     out: list[list[Action]] = [[] for _ in range(p)]
-    pending_w: list[list[int]] = [[] for _ in range(p)]
+    pending_w: list[list[Action]] = [[] for _ in range(p)]
     t = 0
-    while any(plan) or any(pending_w):
+    while any(todo) or any(pending_w):
         finished_now = {}
-        for s in range(p):
-            nxt = plan[s][0] if plan[s] else None
-            in_flight = sum(1 for a in out[s] if a.kind == "F") - sum(1 for a in out[s] if a.kind == "W")
-            ready = nxt is not None and _deps_done(nxt, p, done, t)
-            if nxt is not None and nxt.kind == "F" and in_flight >= p:
-                ready = False  # memory cap: retire a W first
-            if ready:
-                act = plan[s].pop(0)
+        for r in range(p):
+            held = sum(a.kind == "F" for a in out[r]) - sum(a.kind == "W" for a in out[r])
+            act = choose(r, todo[r], [a for a in todo[r] if _deps_done(a, n_stages, done, t)], held)
+            if act is not None:
+                todo[r].remove(act)
                 if act.kind == "B":
-                    pending_w[s].append(act.microbatch)
-            elif pending_w[s]:
-                act = Action("W", pending_w[s].pop(0), s)
+                    pending_w[r].append(Action("W", act.microbatch, act.stage))
+            elif pending_w[r]:
+                act = pending_w[r].pop(0)
             else:
                 continue
-            out[s].append(act)
+            out[r].append(act)
             finished_now[act] = t + 1
         done.update(finished_now)
         t += 1
-        if t > 10 * (m + p) * 3:
-            raise ScheduleError("zb1 schedule construction did not finish")  # cannot happen; a guard
+        if t > 20 * (sum(map(len, out)) + n_stages) + 100:
+            raise ScheduleError("zero-bubble schedule construction did not finish")  # cannot happen; a guard
     return out
 
 
@@ -189,36 +197,14 @@ def zero_bubble_v(p: int, m: int) -> list[list[Action]]:
     loss could never be reached. So the peak can pass 2p (about 1.4x at m >= 2p): the paper's
     hand-made ZB-V keeps 1F1B's peak exactly, this greedy one spends memory for fewer idle slots.
     """
-    n, placement = 2 * p, v_placement(p)
+    n = 2 * p
     todo = [[Action(kind, i, k) for i in range(m) for k in (r, n - 1 - r) for kind in "FB"] for r in range(p)]
-    done: dict[Action, int] = {}
-    out: list[list[Action]] = [[] for _ in range(p)]
-    pending_w: list[list[Action]] = [[] for _ in range(p)]
-    t = 0
-    while any(todo) or any(pending_w):
-        finished_now = {}
-        for r in range(p):
-            held = sum(a.kind == "F" for a in out[r]) - sum(a.kind == "W" for a in out[r])
-            ready = [a for a in todo[r] if _deps_done(a, n, done, t)
-                     and not (a.kind == "F" and a.stage == r and held >= n)]
-            ready.sort(key=lambda a: (a.kind != "B", a.microbatch, -a.stage))
-            if ready:
-                act = ready[0]
-                todo[r].remove(act)
-                if act.kind == "B":
-                    pending_w[r].append(Action("W", act.microbatch, act.stage))
-            elif pending_w[r]:
-                act = pending_w[r].pop(0)
-            else:
-                continue
-            out[r].append(act)
-            finished_now[act] = t + 1
-        done.update(finished_now)
-        t += 1
-        if t > 10 * (m + p) * 6:
-            raise ScheduleError("zbv schedule construction did not finish")  # cannot happen; a guard
-    assert all(placement[a.stage] == r for r, acts in enumerate(out) for a in acts)
-    return out
+
+    def b_first_then_f(r, todo, ready, held):  # a new micro-batch on chunk a waits while 2p are held
+        ready = [a for a in ready if not (a.kind == "F" and a.stage == r and held >= n)]
+        return min(ready, key=lambda a: (a.kind != "B", a.microbatch, -a.stage), default=None)
+
+    return _fill_with_w(todo, n, b_first_then_f)
 
 
 def looped_placement(p: int, v: int = 1) -> tuple[int, ...]:
