@@ -50,6 +50,7 @@ class TrainConfig:
     warmup: int = 30
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    max_bad_steps: int = 3  # consecutive steps with a non-finite gradient norm before the run stops
     seed: int = 0
     dtype: str | None = None  # None: bfloat16 autocast on CUDA, float32 on CPU
     bucket_mb: float = 25.0
@@ -72,7 +73,7 @@ class TrainConfig:
             check_tensor_layout(m.n_heads, m.n_kv_heads, m.dim, m.ffn_dim, self.tp, self.sp, self.seq_len)
         except ValueError as e:
             raise ConfigError(f"{e} (--model {self.model})") from None
-        for name in ("steps", "seq_len", "global_batch", "micro_batch"):
+        for name in ("steps", "seq_len", "global_batch", "micro_batch", "max_bad_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if self.global_batch % (self.dp * self.micro_batch):
@@ -138,6 +139,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay)
     g.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max global gradient norm (0: off)")
+    g.add_argument("--max-bad-steps", type=int, default=d.max_bad_steps,
+                   help="stop after this many consecutive steps with a non-finite loss or gradient (each is skipped)")
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16"],
                    help="compute dtype (default: bfloat16 autocast on CUDA, float32 on CPU)")

@@ -33,7 +33,8 @@ it holds:
     finish_grad_sync()     after the step's last backward: every gradient averaged (or its slice)
     clip_and_step(max_norm, pp_group) -> norm
                            tp partial sums, the global gradient norm, clipping, the optimizer's
-                           step, and whatever the weights need after it (ZeRO-1/2: all-gather)
+                           step, and whatever the weights need after it (ZeRO-1/2: all-gather);
+                           a non-finite norm (a diverging run) skips the step: no weight changes
     optimizer              the torch optimizer (ZeRO's sees only this rank's slices)
     state_by_name() / load_state_by_name(states)
                            the optimizer state as an unsharded optimizer would hold it, by name
@@ -49,6 +50,7 @@ norm of gradients some of which are tp shards, clipped).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -273,7 +275,8 @@ class DataParallel(GradSync):
         params = [p for p in self.module.parameters() if p.grad is not None]
         norm = clip_grads([p.grad for p in params], [placement_of(p).is_sharded("tp") for p in params],
                           max_norm, self.tp_group, [pp_group])
-        self.optimizer.step()
+        if math.isfinite(norm):  # every rank has the same norm, so every rank skips a bad step alike
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 

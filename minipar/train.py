@@ -10,20 +10,20 @@ The last chapter of each part of the course: every piece built so far, run toget
         model.clip_and_step(): clip the global gradient norm; AdamW step
         lr <- warm-up then cosine
 
-`run` reads as the outline of a run; logging, metrics and the checkpoint policy are the helpers
-below it. Everything that can be checked is checked before torch.distributed starts
-(config.py), so a bad command line costs one line, not a hang.
+`run` reads as the outline of a run; the checkpoint policy is `save` below it, and what a run
+shows (progress, log lines, JSON, wandb) is `run_log.RunLog`. A step whose gradient norm is not
+finite is skipped on every rank (the wrappers' clip_and_step); `--max-bad-steps` of them in a row
+stop the run, and weights that are not finite are never saved. Everything that can be checked
+is checked before torch.distributed starts (config.py), so a bad command line costs one line,
+not a hang.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import resource
 import socket
 import sys
-import time
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from minipar import checkpoint
-from minipar.collectives import Group, Ledger, all_gather
+from minipar.collectives import all_reduce
 from minipar.config import ConfigError, TrainConfig, parse_args
 from minipar.context_parallel import split_sequence
 from minipar.data import TokenData, find_files, prepare
@@ -41,12 +41,9 @@ from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.parallelize import parallelize
 from minipar.pipeline import Pipeline
+from minipar.run_log import RunLog
 from minipar.zero import ZeroDataParallel
 from minipar.zero3 import Zero3DataParallel
-
-# Dense bfloat16 peak FLOP/s, for model FLOPs utilisation (MFU) on known GPUs.
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
-
 
 # ----------------------------------------------------------------------------------------------
 # Pieces of a step, small enough to test on their own
@@ -212,6 +209,7 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
     if saved_states is not None:
         wrapper.load_state_by_name(saved_states)
     log.start(model_cfg, data, dtype, start)
+    bad = 0  # consecutive steps skipped for a non-finite gradient norm
 
     for step in range(start, cfg.steps):
         for group in wrapper.optimizer.param_groups:
@@ -223,7 +221,15 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
         log.tick()
         loss, grad_norm = train_step(wrapper, micro, cfg.grad_clip, autocast, pipeline)
         consumed += cfg.global_batch
-        log.step(step, loss, grad_norm, wrapper, pipeline)
+        log.step(step, loss, grad_norm, lr_at(step, cfg), wrapper, pipeline)
+        bad = 0 if math.isfinite(grad_norm) else bad + 1  # the norm is global: every rank agrees
+        if bad:
+            log.say(f"step {step + 1}: non-finite gradient norm ({grad_norm}): step skipped, weights unchanged "
+                    f"({bad} of --max-bad-steps {cfg.max_bad_steps} in a row)")
+        if bad >= cfg.max_bad_steps:
+            raise TrainingStopped(f"the run diverged: {bad} steps in a row with a non-finite loss or gradient "
+                                  f"(last at step {step + 1}); lower --lr or raise --warmup, and resume from the "
+                                  f"last checkpoint in {cfg.out}")
         if step + 1 == cfg.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
             save(cfg, step + 1, consumed, wrapper, mesh, log)
     log.close()
@@ -232,8 +238,20 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
     return log.losses
 
 
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (it diverged); the message says why and what to do."""
+
+
 def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Mesh, log: RunLog) -> None:
-    """Every rank helps gather the tp shards and pp stages into full tensors; rank 0 writes them."""
+    """Every rank helps gather the tp shards and pp stages into full tensors; rank 0 writes them.
+    A non-finite weight anywhere stops the run instead: nothing bad is ever saved."""
+    with wrapper.gathered():
+        finite = torch.tensor([float(all(torch.isfinite(p).all() for p in wrapper.module.parameters()))],
+                              device=next(wrapper.module.parameters()).device)
+    all_reduce(finite, log.group, op="min")  # every rank decides alike
+    if not finite.item():
+        raise TrainingStopped(f"not saving step {step}: the weights hold non-finite values (the run diverged); "
+                              f"the last good checkpoint in {cfg.out} is kept: resume from it with a lower --lr")
     states = wrapper.state_by_name()
     with wrapper.gathered():  # ZeRO-3: the weights are sharded
         full = checkpoint.gather_full(wrapper.module, states, checkpoint.hyper_params(wrapper.optimizer),
@@ -254,139 +272,10 @@ def main(argv=None) -> int:
         if is_main:
             print(f"minipar: error: {e}", file=sys.stderr)
         return 2
-    run(cfg, resume)
+    try:
+        run(cfg, resume)
+    except TrainingStopped as e:
+        if is_main:
+            print(f"minipar: error: {e}", file=sys.stderr)
+        return 3
     return 0
-
-
-# ----------------------------------------------------------------------------------------------
-# What a run shows: the progress bar, log lines, the JSON log and wandb
-# ----------------------------------------------------------------------------------------------
-
-
-class RunLog:
-    """Per-step metrics, gathered from every rank, written where the user asked for them."""
-
-    def __init__(self, cfg: TrainConfig, mesh: Mesh, device: torch.device):
-        self.cfg, self.mesh, self.device = cfg, mesh, device
-        self.world = dist.get_world_size()
-        self.is_main = dist.get_rank() == 0
-        # Per-step metrics travel over their own group with its own ledger, so the model's ledger
-        # shows only the traffic of training itself.
-        self.group = Group("log", dist.group.WORLD, list(range(self.world)), Ledger())
-        self.losses: list[float] = []
-        self.wandb = self.file = self.bar = None
-
-    def say(self, text: str) -> None:
-        if self.is_main:
-            from tqdm import tqdm
-
-            tqdm.write(text, file=sys.stdout)
-
-    def start(self, model_cfg, data: TokenData, dtype, start: int) -> None:
-        cfg = self.cfg
-        self.tokens_per_step = cfg.global_batch * cfg.seq_len
-        self.flops_per_step = model_cfg.flops_per_token(cfg.seq_len) * self.tokens_per_step
-        self.peak = peak_flops(self.device)
-        self.first = start
-        self.say(f"model {cfg.model}: {model_cfg.num_params() / 1e6:.2f}M parameters, vocab {data.vocab_size}, "
-                 f"{data.num_windows} windows of {cfg.seq_len} tokens; {cfg.accum_steps} micro-batch(es) of "
-                 f"{cfg.micro_batch} per rank per step; {self.device.type}, {dtype}")
-        if self.is_main:
-            from tqdm import tqdm
-
-            self.wandb = start_wandb(cfg) if cfg.wandb else None
-            self.file = open(cfg.log_json, "a") if cfg.log_json else None
-            self.bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
-
-    def tick(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.t0 = time.perf_counter()
-
-    def step(self, step: int, loss: float, grad_norm: float, wrapper: GradSync, pipeline) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        record = self.record(step, loss, grad_norm, time.perf_counter() - self.t0, wrapper, pipeline)
-        self.losses.append(record["loss"])
-        if not self.is_main:
-            return
-        if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-        if self.wandb:
-            skip = ("comm", "peak_memory", "mfu", "bubble", "held_bytes")
-            self.wandb.log({k: v for k, v in record.items() if k not in skip}
-                           | {"peak_memory_max": max(record["peak_memory"])}, step=step + 1)
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}")
-        if step == self.first:
-            held = record["held_bytes"]
-            self.say(f"rank 0 holds {held['params'] / 2**20:.2f} MiB of parameters, {held['grads'] / 2**20:.2f} "
-                     f"MiB of gradients, {held['optimizer'] / 2**20:.2f} MiB of optimizer state")
-        if (step + 1) % self.cfg.log_every == 0 or step == self.first or step + 1 == self.cfg.steps:
-            self.say(log_line(record, self.cfg.steps, self.mesh.ledger))
-
-    def record(self, step, loss, grad_norm, dt, wrapper, pipeline) -> dict:
-        """Every rank's loss, peak memory and pipeline idle time, gathered. The loss is the mean
-        over the ranks that compute it (the last pipeline stage; all ranks without pp)."""
-        has_loss = pipeline is None or pipeline.holds_last()
-        mine = [loss, float(peak_memory_bytes(self.device)), float(has_loss), pipeline.bubble if pipeline else 0.0]
-        metrics = all_gather(torch.tensor(mine, dtype=torch.float64, device=self.device), self.group)
-        metrics = metrics.view(self.world, 4).cpu()
-        return {
-            "step": step + 1, "grad_norm": grad_norm, "lr": lr_at(step, self.cfg),
-            "loss": (metrics[:, 0] * metrics[:, 2]).sum().item() / metrics[:, 2].sum().item(),
-            "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
-            "mfu": self.flops_per_step / dt / (self.world * self.peak) if self.peak else None,
-            "bytes_sent": self.mesh.ledger.total_sent(), "comm": self.mesh.ledger.snapshot(),
-            "peak_memory": [int(m) for m in metrics[:, 1].tolist()],
-            "bubble": metrics[:, 3].mean().item() if pipeline else None,  # measured: mean time spent waiting
-            "held_bytes": wrapper.held_bytes(),  # this rank's, measured on its tensors
-        }
-
-    def close(self) -> None:
-        if self.bar:
-            self.bar.close()
-        if self.file:
-            self.file.close()
-        if self.wandb:
-            self.wandb.finish()
-
-
-def log_line(r: dict, steps: int, ledger: Ledger) -> str:
-    mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (cpu)"
-    bubble = f"bubble {r['bubble']:.0%} | " if r["bubble"] is not None else ""
-    return (f"step {r['step']:>5}/{steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.3f} | "
-            f"{r['tokens_per_s']:,.0f} tok/s | mfu {mfu} | peak mem {max(r['peak_memory']) / 2**20:,.0f} MiB | "
-            f"{bubble}sent {r['bytes_sent'] / 2**20:.2f} MiB/step{per_group_sent(ledger)}")
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident set (Linux: KiB)
-
-
-def per_group_sent(ledger: Ledger) -> str:
-    """' (dp 3.50, tp 1.20 MiB)': this rank's bytes sent this step, by group."""
-    groups: dict[str, int] = {}
-    for (group, _op), entry in ledger.entries.items():
-        groups[group] = groups.get(group, 0) + entry.sent
-    parts = [f"{g} {b / 2**20:.2f}" for g, b in sorted(groups.items()) if b]
-    return f" ({', '.join(parts)} MiB)" if len(parts) > 1 else ""
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((f for key, f in PEAK_BF16_FLOPS.items() if key in name), None)
-
-
-def start_wandb(cfg: TrainConfig):
-    """wandb on rank 0: online if the user has logged in (or set WANDB_MODE), otherwise offline."""
-    import wandb
-
-    mode = os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False) else "offline")
-    Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    return wandb.init(project="minipar", config=asdict(cfg), mode=mode, dir=cfg.out)

@@ -35,6 +35,7 @@ gradient slice goes down and the updated slice comes back up. On a machine witho
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 import torch
@@ -175,10 +176,12 @@ class ZeroDataParallel(GradSync):
         with_grad = [b for b in self.buckets if b.master.grad is not None]
         norm = clip_grads([b.master.grad for b in with_grad], [b.tp_sharded for b in with_grad], max_norm,
                           self.tp_group, [pp_group], [b.group for b in with_grad])  # slices differ over dp
-        self.optimizer.step()
+        if math.isfinite(norm):  # a diverging step is skipped on every rank alike
+            self.optimizer.step()
         for b in self.buckets:
             b.master.grad = None  # between steps a rank holds no gradient at all
-        self._after_step()
+        if math.isfinite(norm):
+            self._after_step()
         return norm
 
     def _after_step(self) -> None:

@@ -205,7 +205,7 @@ def measure(strategy, side, name, args, mesh, device, micro) -> dict:
 
 
 def peak_flops(device) -> float | None:
-    from minipar.train import peak_flops as known
+    from minipar.run_log import peak_flops as known
 
     return known(device)
 

@@ -1,5 +1,6 @@
-"""Each parameter's gradient is averaged over the group its Placement names (grad_mean), in plain
-data parallelism and ZeRO 1/2/3 alike: the wrappers read the placement, no branch per kind.
+"""The gradient-sync protocol, in plain data parallelism and ZeRO 1/2/3 alike: each parameter's
+gradient is averaged over the group its Placement names (grad_mean), and a non-finite gradient
+norm skips the step on every rank.
 
 The test places the LM head with grad_mean=("tp",) on a dp=2 mesh (tp = 1): its gradient is then
 averaged over no one, while every other parameter is averaged over dp, as expert parameters will
@@ -71,3 +72,30 @@ def test_each_parameter_is_averaged_over_the_group_its_placement_names(kind):
             want = mine[name] if name == LOCAL else whole[name]  # local gradient, or the dp mean
             torch.testing.assert_close(p, want, rtol=1e-10, atol=1e-12, msg=f"{kind} rank {rank} {name}")
     assert not torch.equal(out[0][LOCAL], out[1][LOCAL])  # the ranks' own gradients differed
+
+
+def _nan_step(rank, world, kind):
+    """A backward that makes every gradient NaN: clip_and_step reports it and changes nothing."""
+    with Mesh.build(dp=world) as mesh:
+        model = Llama(get_config("tiny"), seed=1).double()
+        groups, group = param_groups(model, OPT), mesh.dp_group
+        wrapper = {
+            "dp": lambda: DataParallel(model, group, optimizer=sgd(groups)),
+            "zero1": lambda: ZeroDataParallel(model, group, 1, sgd, groups),
+            "zero2": lambda: ZeroDataParallel(model, group, 2, sgd, groups),
+            "zero3": lambda: Zero3DataParallel(model, group, sgd, groups),
+        }[kind]()
+        with wrapper.gathered():
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        x, y = global_batch(0)
+        (wrapper(x, y) * float("nan")).backward()
+        wrapper.finish_grad_sync()
+        norm = wrapper.clip_and_step(1.0)
+        with wrapper.gathered():
+            same = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        return norm != norm, same  # (the norm is NaN, the weights did not move)
+
+
+@pytest.mark.parametrize("kind", ["dp", "zero1", "zero2", "zero3"])
+def test_a_non_finite_gradient_norm_skips_the_step_on_every_rank(kind):
+    assert run_ranks(2, _nan_step, kind) == [(True, True), (True, True)]

@@ -9,6 +9,8 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -138,7 +140,6 @@ def test_dp2_pp2_resumes_a_dp2_checkpoint_and_continues_its_losses(run_a):
     # A checkpoint holds single-device tensors, so a dp=2 checkpoint resumes at dp2 x pp2; the
     # pipeline (1F1B over 2 micro-batches) then gives the dp=2 run's losses, and its own final
     # checkpoint, gathered from both stages, is whole again.
-    from safetensors.torch import load_file
 
     tmp = run_a
     run(common(tmp, dp=2, pp=2, micro_batch=2, steps=20, resume=tmp / "a" / "step_000010", out=tmp / "pp",
@@ -179,7 +180,6 @@ def test_zero_resumes_a_dp2_checkpoint_and_continues_its_losses(run_a, zero, ext
     if zero == 3:  # between steps only the master slices: half the weights
         assert held["params"] <= plain["params"] // 2 + 1024
     # Its own final checkpoint holds the whole model and optimizer, as an unsharded run's does.
-    from safetensors.torch import load_file
 
     mine = load_file(tmp / f"z{zero}" / "step_000020" / "optimizer.safetensors")
     theirs = load_file(tmp / "a" / "step_000020" / "optimizer.safetensors")
@@ -197,3 +197,19 @@ def test_dp2_cp2_resumes_a_dp2_checkpoint_and_continues_its_losses(run_a):
         assert c[step] == pytest.approx(a[step], rel=1e-10), step
     rec = json.loads((tmp / "cp.jsonl").read_text().splitlines()[-1])
     assert rec["comm"]["cp/send"]["calls"] > 0 and "dp_cp/all_reduce" in rec["comm"]
+
+
+def test_a_diverging_run_skips_bad_steps_then_stops_and_saves_nothing_non_finite(tmp_path):
+    # lr 1e30: the first update sends the weights to ~1e30 and the next gradient norms are NaN.
+    out = tmp_path / "nan"
+    proc = run(common(tmp_path, dtype="float32", lr=1e30, warmup=1, steps=20, save_every=1, out=out,
+                      log_json=tmp_path / "nan.jsonl", max_bad_steps=3), check=False)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "minipar: error: the run diverged: 3 steps in a row" in proc.stderr
+    assert proc.stdout.count("step skipped, weights unchanged") == 3
+    saved = sorted(out.glob("step_*"))
+    assert saved and len(saved) < 20  # it stopped early
+    for ckpt in saved:
+        for name in ("model.safetensors", "optimizer.safetensors"):
+            for key, t in load_file(ckpt / name).items():
+                assert torch.isfinite(t).all(), (ckpt.name, name, key)

@@ -1,0 +1,157 @@
+"""What a run shows: the progress bar, the log lines, the JSON log and wandb.
+
+Per-step metrics are gathered from every rank over a group of their own (with its own ledger, so
+the model's ledger shows only the traffic of training itself): the loss (from the ranks that
+compute it), each rank's peak memory and pipeline idle time. Rank 0 writes them where the user
+asked: one JSON object per step (`--log-json`), a line every `--log-every` steps, tqdm, and wandb
+(offline unless the user has logged in).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from minipar.collectives import Group, Ledger, all_gather
+from minipar.config import TrainConfig
+from minipar.mesh import Mesh
+
+# Dense bfloat16 peak FLOP/s, for model FLOPs utilisation (MFU) on known GPUs.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
+
+
+class RunLog:
+    """Per-step metrics, gathered from every rank, written where the user asked for them."""
+
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, device: torch.device):
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        self.world = dist.get_world_size()
+        self.is_main = dist.get_rank() == 0
+        # Per-step metrics travel over their own group with its own ledger, so the model's ledger
+        # shows only the traffic of training itself.
+        self.group = Group("log", dist.group.WORLD, list(range(self.world)), Ledger())
+        self.losses: list[float] = []
+        self.wandb = self.file = self.bar = None
+
+    def say(self, text: str) -> None:
+        if self.is_main:
+            from tqdm import tqdm
+
+            tqdm.write(text, file=sys.stdout)
+
+    def start(self, model_cfg, data, dtype, start: int) -> None:
+        cfg = self.cfg
+        self.tokens_per_step = cfg.global_batch * cfg.seq_len
+        self.flops_per_step = model_cfg.flops_per_token(cfg.seq_len) * self.tokens_per_step
+        self.peak = peak_flops(self.device)
+        self.first = start
+        self.say(f"model {cfg.model}: {model_cfg.num_params() / 1e6:.2f}M parameters, vocab {data.vocab_size}, "
+                 f"{data.num_windows} windows of {cfg.seq_len} tokens; {cfg.accum_steps} micro-batch(es) of "
+                 f"{cfg.micro_batch} per rank per step; {self.device.type}, {dtype}")
+        if self.is_main:
+            from tqdm import tqdm
+
+            self.wandb = start_wandb(cfg) if cfg.wandb else None
+            self.file = open(cfg.log_json, "a") if cfg.log_json else None
+            self.bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
+
+    def tick(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.t0 = time.perf_counter()
+
+    def step(self, step: int, loss: float, grad_norm: float, lr: float, wrapper, pipeline) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        record = self.record(step, loss, grad_norm, lr, time.perf_counter() - self.t0, wrapper, pipeline)
+        self.losses.append(record["loss"])
+        if not self.is_main:
+            return
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.wandb:
+            skip = ("comm", "peak_memory", "mfu", "bubble", "held_bytes")
+            self.wandb.log({k: v for k, v in record.items() if k not in skip}
+                           | {"peak_memory_max": max(record["peak_memory"])}, step=step + 1)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}")
+        if step == self.first:
+            held = record["held_bytes"]
+            self.say(f"rank 0 holds {held['params'] / 2**20:.2f} MiB of parameters, {held['grads'] / 2**20:.2f} "
+                     f"MiB of gradients, {held['optimizer'] / 2**20:.2f} MiB of optimizer state")
+        if (step + 1) % self.cfg.log_every == 0 or step == self.first or step + 1 == self.cfg.steps:
+            self.say(log_line(record, self.cfg.steps, self.mesh.ledger))
+
+    def record(self, step, loss, grad_norm, lr, dt, wrapper, pipeline) -> dict:
+        """Every rank's loss, peak memory and pipeline idle time, gathered. The loss is the mean
+        over the ranks that compute it (the last pipeline stage; all ranks without pp)."""
+        has_loss = pipeline is None or pipeline.holds_last()
+        mine = [loss, float(peak_memory_bytes(self.device)), float(has_loss), pipeline.bubble if pipeline else 0.0]
+        metrics = all_gather(torch.tensor(mine, dtype=torch.float64, device=self.device), self.group)
+        metrics = metrics.view(self.world, 4).cpu()
+        return {
+            "step": step + 1, "grad_norm": grad_norm, "lr": lr,
+            "loss": (metrics[:, 0] * metrics[:, 2]).sum().item() / metrics[:, 2].sum().item(),
+            "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
+            "mfu": self.flops_per_step / dt / (self.world * self.peak) if self.peak else None,
+            "bytes_sent": self.mesh.ledger.total_sent(), "comm": self.mesh.ledger.snapshot(),
+            "peak_memory": [int(m) for m in metrics[:, 1].tolist()],
+            "bubble": metrics[:, 3].mean().item() if pipeline else None,  # measured: mean time spent waiting
+            "held_bytes": wrapper.held_bytes(),  # this rank's, measured on its tensors
+        }
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.close()
+        if self.file:
+            self.file.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def log_line(r: dict, steps: int, ledger: Ledger) -> str:
+    mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (cpu)"
+    bubble = f"bubble {r['bubble']:.0%} | " if r["bubble"] is not None else ""
+    return (f"step {r['step']:>5}/{steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.3f} | "
+            f"{r['tokens_per_s']:,.0f} tok/s | mfu {mfu} | peak mem {max(r['peak_memory']) / 2**20:,.0f} MiB | "
+            f"{bubble}sent {r['bytes_sent'] / 2**20:.2f} MiB/step{per_group_sent(ledger)}")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident set (Linux: KiB)
+
+
+def per_group_sent(ledger: Ledger) -> str:
+    """' (dp 3.50, tp 1.20 MiB)': this rank's bytes sent this step, by group."""
+    groups: dict[str, int] = {}
+    for (group, _op), entry in ledger.entries.items():
+        groups[group] = groups.get(group, 0) + entry.sent
+    parts = [f"{g} {b / 2**20:.2f}" for g, b in sorted(groups.items()) if b]
+    return f" ({', '.join(parts)} MiB)" if len(parts) > 1 else ""
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((f for key, f in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def start_wandb(cfg: TrainConfig):
+    """wandb on rank 0: online if the user has logged in (or set WANDB_MODE), otherwise offline."""
+    import wandb
+
+    mode = os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False) else "offline")
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    return wandb.init(project="minipar", config=asdict(cfg), mode=mode, dir=cfg.out)
