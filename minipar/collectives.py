@@ -78,6 +78,7 @@ class Ledger:
 
     entries: dict[tuple[str, str], Entry] = field(default_factory=lambda: defaultdict(Entry))
     trace: list[tuple] | None = None
+    last: tuple | None = None  # (group, op, its ranks, peer or None): the last operation posted
 
     def record(self, group: str, op: str, nbytes: int, sent: int) -> None:
         e = self.entries[(group, op)]
@@ -137,6 +138,8 @@ class Group:
         """Write the ledger line of one operation (peer: a group rank, for send and recv)."""
         nbytes = t.numel() * t.element_size() if nbytes is None else nbytes
         self.ledger.record(self.name, op, nbytes, ring_bytes_sent(op, nbytes, self.size))
+        if self.size > 1:  # what a rank last asked of others: named if the job hangs (train.py)
+            self.ledger.last = (self.name, op, tuple(self.ranks), None if peer is None else self.ranks[peer])
         if self.ledger.trace is not None and self.size > 1:
             self.ledger.trace.append((self.communicator, op, None if peer is None else self.ranks[peer], nbytes))
 
@@ -209,6 +212,8 @@ def all_to_all(t: torch.Tensor, group: Group, dim: int = 0, send_splits: list[in
     row_bytes = t.numel() // max(1, t.shape[dim]) * t.element_size()
     payload = t.shape[dim] * row_bytes
     group.ledger.record(group.name, "all_to_all", payload, (t.shape[dim] - send_splits[group.rank]) * row_bytes)
+    if group.size > 1:
+        group.ledger.last = (group.name, "all_to_all", tuple(group.ranks), None)
     if group.ledger.trace is not None and group.size > 1:
         group.ledger.trace.append((group.communicator, "all_to_all", None, payload))
     if group.size == 1:

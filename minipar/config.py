@@ -51,6 +51,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     max_bad_steps: int = 3  # consecutive steps with a non-finite gradient norm before the run stops
+    timeout: float = 300.0  # seconds a collective or message may wait before the run stops, naming it
     seed: int = 0
     dtype: str | None = None  # None: bfloat16 autocast on CUDA, float32 on CPU
     bucket_mb: float = 25.0
@@ -97,6 +98,8 @@ class TrainConfig:
                 raise ConfigError(
                     f"{e} (micro-batches per step = --global-batch / (--dp x --micro-batch) = {self.accum_steps})"
                 ) from None
+        if not self.timeout > 0:
+            raise ConfigError(f"--timeout {self.timeout}: give the seconds an operation may wait, above 0")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero {self.zero}: choose 0, 1, 2 or 3")
         if self.zero == 3 and self.pp > 1:
@@ -139,6 +142,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay)
     g.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max global gradient norm (0: off)")
+    g.add_argument("--timeout", type=float, default=d.timeout,
+                   help="seconds a collective or message may wait (a stopped or dead rank) before the run stops")
     g.add_argument("--max-bad-steps", type=int, default=d.max_bad_steps,
                    help="stop after this many consecutive steps with a non-finite loss or gradient (each is skipped)")
     g.add_argument("--seed", type=int, default=d.seed)

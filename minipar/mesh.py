@@ -35,6 +35,7 @@ rank's process groups. There is no global mesh: the object is passed to whoever 
 
 from __future__ import annotations
 
+import datetime
 import itertools
 from dataclasses import dataclass, field
 
@@ -170,15 +171,17 @@ class Mesh:
     _groups: dict[str, Group] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, dp=1, tp=1, pp=1, cp=1, ledger: Ledger | None = None) -> Mesh:
+    def build(cls, dp=1, tp=1, pp=1, cp=1, ledger: Ledger | None = None, timeout: float | None = None) -> Mesh:
+        """timeout: seconds an operation of these groups may wait before it fails (None: torch's)."""
         layout = MeshLayout(dist.get_world_size(), dp=dp, tp=tp, pp=pp, cp=cp)
         mesh = cls(layout, dist.get_rank(), ledger or Ledger())
+        limit = None if timeout is None else datetime.timedelta(seconds=timeout)
         for name, dims in GROUP_DIMS.items():
             for ranks in layout.groups(*dims):  # every rank creates every group, in one order
                 # The pipeline's gradient channel is always a communicator of its own, even when
                 # its ranks are the whole world (pipeline.py says why).
                 own = len(ranks) < layout.world_size or name == "pp_grad"
-                pg = dist.new_group(ranks) if own else dist.group.WORLD
+                pg = dist.new_group(ranks, timeout=limit) if own else dist.group.WORLD
                 if mesh.rank in ranks:
                     mesh._groups[name] = Group(name, pg, ranks, mesh.ledger)
         return mesh

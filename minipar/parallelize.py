@@ -117,8 +117,10 @@ def tensor_parallel(model: Llama, tp: Group, sp: bool) -> None:
     config = model.config
     for name, module in list(model.named_modules()):
         style = next((s for pattern, s in TP_PLAN.items() if fnmatch.fnmatchcase(name, pattern)), None)
-        if style is not None and module is not None:
-            _swap(model, name, _sharded_layer(module, style, tp, sp, config))
+        if style is not None and module is not None:  # swap it in where the plain layer was
+            parent, _, child = name.rpartition(".")
+            new = _sharded_layer(module, style, tp, sp, config)
+            setattr(model.get_submodule(parent) if parent else model, child, new)
     for name, module in model.named_modules():
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in TP_REGIONS):
             module.register_forward_pre_hook(partial(_enter_region, group=tp, sp=sp))
@@ -144,11 +146,6 @@ def _sharded_layer(plain: nn.Module, style: str, tp: Group, sp: bool, config) ->
     with torch.no_grad():
         layer.weight.copy_(shard(plain.weight.detach(), layer.weight, tp))
     return layer
-
-
-def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
 def _enter_region(module, args, group: Group, sp: bool):

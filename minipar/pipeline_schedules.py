@@ -167,7 +167,8 @@ def _fill_with_w(todo: list[list[Action]], n_stages: int, choose) -> list[list[A
         finished_now = {}
         for r in range(p):
             held = sum(a.kind == "F" for a in out[r]) - sum(a.kind == "W" for a in out[r])
-            act = choose(r, todo[r], [a for a in todo[r] if _deps_done(a, n_stages, done, t)], held)
+            ready = [a for a in todo[r] if all(x in done and done[x] <= t for x in inputs_of(a, n_stages))]
+            act = choose(r, todo[r], ready, held)
             if act is not None:
                 todo[r].remove(act)
                 if act.kind == "B":
@@ -277,11 +278,6 @@ def messages(schedule: Schedule) -> list[list[tuple]]:
 # ----------------------------------------------------------------------------------------------
 # Simulation: unit-time actions, to find deadlocks, bubbles and memory without any process
 # ----------------------------------------------------------------------------------------------
-
-
-def _deps_done(a: Action, n_stages: int, done: dict, t: int) -> bool:
-    """Have the inputs of action `a` finished by time t?"""
-    return all(x in done and done[x] <= t for x in inputs_of(a, n_stages))
 
 
 def simulate(schedule: list[list[Action]], durations: dict[str, float] | None = None) -> Timeline:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from minipar.collectives import Group, Ledger, all_gather
 from minipar.config import TrainConfig
@@ -43,8 +44,6 @@ class RunLog:
 
     def say(self, text: str) -> None:
         if self.is_main:
-            from tqdm import tqdm
-
             tqdm.write(text, file=sys.stdout)
 
     def start(self, model_cfg, data, dtype, start: int) -> None:
@@ -57,8 +56,6 @@ class RunLog:
                  f"{data.num_windows} windows of {cfg.seq_len} tokens; {cfg.accum_steps} micro-batch(es) of "
                  f"{cfg.micro_batch} per rank per step; {self.device.type}, {dtype}")
         if self.is_main:
-            from tqdm import tqdm
-
             self.wandb = start_wandb(cfg) if cfg.wandb else None
             self.file = open(cfg.log_json, "a") if cfg.log_json else None
             self.bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")

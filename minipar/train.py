@@ -20,6 +20,7 @@ not a hang.
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import socket
@@ -112,15 +113,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_distributed() -> torch.device:
-    """NCCL on GPUs, gloo on CPU. Without torchrun, a world of one."""
+def start_distributed(timeout: float | None = None) -> torch.device:
+    """NCCL on GPUs, gloo on CPU. Without torchrun, a world of one. timeout: seconds (None: torch's)."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    limit = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
     if "RANK" in os.environ:
         if backend == "nccl":  # one GPU per local rank (ranks beyond the GPU count share them)
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **limit)
     else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                                **limit)
         if backend == "nccl":
             torch.cuda.set_device(0)
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -191,9 +194,9 @@ def wrap(model, mesh: Mesh, cfg: TrainConfig) -> GradSync:
 
 
 def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
-    device = start_distributed()
+    device = start_distributed(cfg.timeout)
     torch.manual_seed(cfg.seed)
-    mesh = Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
+    mesh = Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, timeout=cfg.timeout)
     log = RunLog(cfg, mesh, device)
     log.say(mesh.layout.table())
     data = load_data(cfg)
@@ -209,8 +212,21 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
     if saved_states is not None:
         wrapper.load_state_by_name(saved_states)
     log.start(model_cfg, data, dtype, start)
-    bad = 0  # consecutive steps skipped for a non-finite gradient norm
+    try:
+        train_loop(cfg, start, consumed, data, mesh, wrapper, pipeline, autocast, device, log)
+    except RuntimeError as e:  # DistBackendError too: a rank stopped answering? name what we waited for
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        raise RankTimeout(hang_report(cfg, mesh.ledger, e)) from None
+    log.close()
+    mesh.destroy()
+    dist.destroy_process_group()
+    return log.losses
 
+
+def train_loop(cfg, start, consumed, data, mesh, wrapper, pipeline, autocast, device, log) -> None:
+    """The steps, from `start`: batch, step, log, and the checkpoint policy."""
+    bad = 0  # consecutive steps skipped for a non-finite gradient norm
     for step in range(start, cfg.steps):
         for group in wrapper.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -232,14 +248,14 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
                                   f"last checkpoint in {cfg.out}")
         if step + 1 == cfg.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
             save(cfg, step + 1, consumed, wrapper, mesh, log)
-    log.close()
-    mesh.destroy()
-    dist.destroy_process_group()
-    return log.losses
 
 
 class TrainingStopped(RuntimeError):
     """The run cannot go on (it diverged); the message says why and what to do."""
+
+
+class RankTimeout(RuntimeError):
+    """Another rank did not answer within --timeout; the message names what this rank waited for."""
 
 
 def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Mesh, log: RunLog) -> None:
@@ -278,4 +294,18 @@ def main(argv=None) -> int:
         if is_main:
             print(f"minipar: error: {e}", file=sys.stderr)
         return 3
+    except RankTimeout as e:  # printed by every rank that gave up: the others may be the stopped ones
+        print(f"minipar: error: {e}", file=sys.stderr)
+        return 4
     return 0
+
+
+def hang_report(cfg: TrainConfig, ledger, error: Exception) -> str:
+    """One line: which rank gave up, after how long, and the last operation it had asked of others."""
+    rank = os.environ.get("RANK", "0")
+    if ledger.last is None:
+        return f"rank {rank}: a collective failed ({str(error).splitlines()[0][:200]})"
+    group, op, ranks, peer = ledger.last
+    waits = f", from rank {peer}" if peer is not None else f" with ranks {list(ranks)}"
+    return (f"rank {rank}: no answer within --timeout {cfg.timeout:g} s; the last operation it asked of others "
+            f"was {group}/{op}{waits} (a rank there stopped, died or runs a different step); the job stops")

@@ -213,3 +213,46 @@ def test_a_diverging_run_skips_bad_steps_then_stops_and_saves_nothing_non_finite
         for name in ("model.safetensors", "optimizer.safetensors"):
             for key, t in load_file(ckpt / name).items():
                 assert torch.isfinite(t).all(), (ckpt.name, name, key)
+
+
+def _worker_of(parent: int, rank: int) -> int:
+    """The pid of torchrun's worker with RANK=rank (read from /proc)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != parent:
+                continue
+            if f"RANK={rank}".encode() in (stat.parent / "environ").read_bytes().split(b"\0"):
+                return int(stat.parent.name)
+        except (OSError, ValueError, IndexError):
+            continue
+    raise AssertionError(f"no worker with RANK={rank} under {parent}")
+
+
+def test_a_stopped_rank_becomes_a_named_error_within_the_timeout(tmp_path):
+    import signal
+    import time
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    argv = common(tmp_path, dp=2, steps=10_000, log_every=1, out=tmp_path / "hang", timeout=10)
+    proc = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", str(ROOT / "scripts" / "train.py"),
+                             *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stopped = None
+    try:
+        for line in proc.stdout:  # training has started once the first step is logged
+            if line.startswith("step "):
+                break
+        stopped = _worker_of(proc.pid, 1)
+        os.kill(stopped, signal.SIGSTOP)
+        t0 = time.monotonic()
+        err = ""
+        while "minipar: error" not in err and time.monotonic() - t0 < 60:
+            err += proc.stderr.readline()
+        elapsed = time.monotonic() - t0
+    finally:
+        if stopped:
+            os.kill(stopped, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+    line = next(x for x in err.splitlines() if "minipar: error" in x)
+    assert "rank 0: no answer within --timeout 10 s" in line and "dp/" in line, line
+    assert elapsed < 10 + 10, elapsed
