@@ -10,12 +10,10 @@ The last chapter of each part of the course: every piece built so far, run toget
         model.clip_and_step(): clip the global gradient norm; AdamW step
         lr <- warm-up then cosine
 
-`run` reads as the outline of a run; the checkpoint policy is `save` below it, and what a run
-shows (progress, log lines, JSON, wandb) is `run_log.RunLog`. A step whose gradient norm is not
-finite is skipped on every rank (the wrappers' clip_and_step); `--max-bad-steps` of them in a row
-stop the run, and weights that are not finite are never saved. Everything that can be checked
-is checked before torch.distributed starts (config.py), so a bad command line costs one line,
-not a hang.
+`run` is the outline of a run; `save` the checkpoint policy; `run_log.RunLog` what a run shows. A
+step with a non-finite gradient norm is skipped (clip_and_step), `--max-bad-steps` in a row stop
+the run, and non-finite weights are never saved. Everything checkable is checked before
+torch.distributed starts (config.py): a bad command line costs one line, not a hang.
 """
 
 from __future__ import annotations
