@@ -1,0 +1,33 @@
+"""The shape the code promises its readers: a library small enough to read in an afternoon, files
+that read in one sitting, no function too long to hold in one's head."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = sorted((ROOT / "minipar").glob("*.py"))
+
+
+def test_the_library_stays_within_4000_lines_and_400_per_file():
+    lengths = {p.name: len(p.read_text().splitlines()) for p in LIBRARY}
+    assert sum(lengths.values()) <= 4000, sum(lengths.values())
+    assert {n: k for n, k in lengths.items() if k > 400} == {}
+
+
+def test_no_function_in_the_library_or_the_scripts_is_over_60_lines():
+    long = []
+    for path in LIBRARY + sorted((ROOT / "scripts").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long.append(f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert long == []
+
+
+def test_no_script_imports_another_script_but_the_shared_helpers():
+    scripts = {p.stem for p in (ROOT / "scripts").glob("*.py")}
+    helpers = {"bench_common", "course_common"}
+    for path in (ROOT / "scripts").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            assert not [n for n in names if n in scripts - helpers], (path.name, names)
