@@ -162,10 +162,8 @@ class GradBucket:
 
 
 class GradSync(nn.Module):
-    """What every gradient-sync wrapper shares (the protocol is in the module docstring)."""
-
-    module: nn.Module
-    optimizer: torch.optim.Optimizer
+    """What every gradient-sync wrapper shares (the protocol is in the module docstring): it holds
+    `module` and `optimizer`."""
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

@@ -1,9 +1,8 @@
 """A pipeline's timeline: when each action ran on each rank, as text and as a picture.
 
-Chapter 4. The same object holds a simulated run (pipeline_schedules.simulate, unit-time actions)
-and a measured one (pipeline.Pipeline.run records each action's start and end), so the two can be
-printed and drawn side by side. F forward, B backward (input gradient when split), W weight
-gradient; with virtual stages a cell names the chunk too ("F3a" on a rank's first chunk).
+Chapter 4. One object holds a simulated run (pipeline_schedules.simulate) and a measured one
+(Pipeline.run stamps each action), so the two print and draw side by side. F forward, B backward
+(input gradient when split), W weight gradient; "F3a" is F3 on a rank's first chunk.
 """
 
 from __future__ import annotations

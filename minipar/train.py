@@ -23,6 +23,7 @@ import math
 import os
 import socket
 import sys
+import time
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -284,7 +285,9 @@ def main(argv=None) -> int:
         resume = check_paths(cfg)
     except ValueError as e:  # ConfigError, LayoutError, DataError, CheckpointError
         if is_main:
-            print(f"minipar: error: {e}", file=sys.stderr)
+            print(f"minipar: error: {e}", file=sys.stderr, flush=True)
+        else:  # every rank found it; torchrun ends the job when the first worker exits: rank 0 speaks first
+            time.sleep(2.0)
         return 2
     try:
         run(cfg, resume)
@@ -300,10 +303,10 @@ def main(argv=None) -> int:
 
 def hang_report(cfg: TrainConfig, ledger, error: Exception) -> str:
     """One line: which rank gave up, after how long, and the last operation it had asked of others."""
-    rank = os.environ.get("RANK", "0")
-    if ledger.last is None:
+    rank, last = os.environ.get("RANK", "0"), ledger.last
+    if last is None:
         return f"rank {rank}: a collective failed ({str(error).splitlines()[0][:200]})"
-    group, op, ranks, peer = ledger.last
+    group, op, ranks, peer = last
     waits = f", from rank {peer}" if peer is not None else f" with ranks {list(ranks)}"
     return (f"rank {rank}: no answer within --timeout {cfg.timeout:g} s; the last operation it asked of others "
             f"was {group}/{op}{waits} (a rank there stopped, died or runs a different step); the job stops")
