@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 from minipar.context_parallel import check_cp_layout
+from minipar.expert_parallel import check_expert_layout
 from minipar.mesh import MeshLayout
 from minipar.model import CONFIGS
 from minipar.pipeline import stage_layers
@@ -31,6 +32,7 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # expert parallelism, carved out of dp x cp (mixture-of-experts models)
     sp: bool = False  # Megatron sequence parallelism inside the tp group
     schedule: str = "1f1b"  # pipeline schedule, used when pp > 1
     virtual_stages: int = 1
@@ -38,6 +40,8 @@ class TrainConfig:
     offload: bool = False  # ZeRO 1-2: optimizer state and step on the CPU
     recompute: bool = False  # activation checkpointing per transformer layer
     model: str = "small"
+    aux_loss_coef: float = 0.01  # MoE load-balancing loss weight
+    capacity_factor: float = 0.0  # MoE: 0 is dropless
     data: str | None = None
     vocab_size: int = 4096
     cache_dir: str = "~/.cache/minipar"
@@ -84,8 +88,9 @@ class TrainConfig:
             )
         try:
             check_cp_layout(self.seq_len, self.cp)
+            check_expert_layout(m.n_experts, m.top_k, self.ep, self.dp * self.cp)
         except ValueError as e:
-            raise ConfigError(str(e)) from None
+            raise ConfigError(f"{e} (--model {self.model})" if "expert" in str(e) else str(e)) from None
         if self.sp and (self.seq_len // self.cp) % self.tp:
             raise ConfigError(f"--sp with --cp {self.cp}: each rank's {self.seq_len // self.cp} tokens do not "
                               f"split over --tp {self.tp}")
@@ -124,11 +129,15 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("layout (dp x tp x pp x cp must equal the number of ranks)")
     for dim, help_ in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline"), ("cp", "context")):
         g.add_argument(f"--{dim}", type=int, default=1, help=f"{help_}-parallel degree")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel degree, carved out of dp x cp (MoE models)")
     g.add_argument("--sp", action="store_true", help="sequence parallelism in the norm/residual regions (tp > 1)")
     g.add_argument("--schedule", default=d.schedule, choices=SCHEDULES, help="pipeline schedule (pp > 1)")
     g.add_argument("--virtual-stages", type=int, default=1, help="chunks per pipeline rank (interleaved)")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=d.model, choices=list(CONFIGS), help="named model size")
+    g.add_argument("--aux-loss-coef", type=float, default=d.aux_loss_coef, help="MoE load-balancing loss weight")
+    g.add_argument("--capacity-factor", type=float, default=d.capacity_factor,
+                   help="MoE: tokens an expert takes, x its fair share (0: dropless, every token served)")
     g.add_argument("--data", default=None, help="text file or folder (default: the Python standard library)")
     g.add_argument("--vocab-size", type=int, default=d.vocab_size, help="BPE vocabulary trained on the data")
     g.add_argument("--cache-dir", default=d.cache_dir, help="where tokenised data is kept")

@@ -90,29 +90,25 @@ def by_grad_mean(params: list[nn.Parameter]) -> dict[tuple[str, ...], list[nn.Pa
     return out
 
 
-def clip_grads(grads: list[torch.Tensor], tp_sharded: list[bool], max_norm: float, tp_group: Group,
-               groups=(), slice_groups: list[Group] | None = None) -> float:
+def clip_grads(grads: list[torch.Tensor], spread: list[tuple[Group, ...]], max_norm: float, groups=()) -> float:
     """The global norm of `grads`, scaled in place to at most max_norm (0: no clipping); returns it.
 
-    A tp shard holds only part of its parameter, so the squares of sharded gradients are summed
-    over tp, and replicated ones are counted once. ZeRO's gradients are slices: each one's squares
-    are also summed over its `slice_groups` entry, whose ranks hold the other slices. The total is
-    then added over `groups` whose ranks hold different gradients (pp stages). The same formula as
+    `spread[i]`: the groups whose ranks hold the other pieces of gradient i (tp for a tensor-
+    parallel shard, ep for experts, ZeRO's group for a flat slice): its squares are summed over
+    them. A replicated gradient (no such group) is counted once. The total is then added over
+    `groups` whose ranks hold different parameters (pp stages). The same formula as
     torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
     """
-    zero = grads[0].new_zeros(()) if grads else torch.zeros((), dtype=torch.float64)
-    # Squares summed per slice group (sorted by name, so that every rank issues the same
-    # collectives in the same order), sharded and replicated apart.
-    parts: dict[str, list] = {"": [None, [], []]} if not grads else {}
-    for g, sharded, sg in zip(grads, tp_sharded, slice_groups or [None] * len(grads)):
-        parts.setdefault(sg.name if sg else "", [sg, [], []])[1 if sharded else 2].append(g.pow(2).sum())
-    sq = zero
-    for _, (sg, sharded, replicated) in sorted(parts.items(), key=lambda kv: kv[0]):
-        sharded_sq = torch.stack(sharded).sum() if sharded else zero.clone()
-        all_reduce(sharded_sq, tp_group)  # a shard's squares: summed over tp
-        part = sharded_sq + (torch.stack(replicated).sum() if replicated else zero)
-        if sg is not None:
-            all_reduce(part, sg)  # ZeRO: the other slices are on the other ranks of the group
+    sq = grads[0].new_zeros(()) if grads else torch.zeros((), dtype=torch.float64)
+    parts: dict[tuple[str, ...], tuple] = {}  # squares by the groups they are summed over
+    for g, gs in zip(grads, spread):
+        gs = tuple(x for x in gs if x.size > 1)
+        parts.setdefault(tuple(x.name for x in gs), (gs, []))[1].append(g.pow(2).sum())
+    for key in sorted(parts):  # sorted: every rank issues the same collectives in the same order
+        gs, squares = parts[key]
+        part = torch.stack(squares).sum()
+        for group in gs:
+            all_reduce(part, group)
         sq = sq + part
     for group in groups:
         all_reduce(sq, group or Group.solo("pp"))
@@ -177,6 +173,10 @@ class GradSync(nn.Module):
         return sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
                    if torch.is_tensor(t) and t.dim() > 0)
 
+    def spread_of(self, p: nn.Parameter) -> tuple[Group, ...]:
+        """The groups whose ranks hold p's other pieces (its Placement.shards: tp, ep)."""
+        return tuple(self.shard_groups[d] for d, _ in placement_of(p).shards)
+
     def held_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in weights, gradients and optimizer state, measured on its tensors."""
         return {"params": self.param_bytes(), "grads": self.gradient_bytes(), "optimizer": self.optimizer_state_bytes()}
@@ -194,11 +194,12 @@ class DataParallel(GradSync):
     """
 
     def __init__(self, module: nn.Module, group: Group, bucket_mb: float = 25.0, tp_group: Group | None = None,
-                 optimizer: torch.optim.Optimizer | None = None):
+                 optimizer: torch.optim.Optimizer | None = None, shard_groups: dict[str, Group] | None = None):
         super().__init__()
         self.group_for = group_chooser(group)  # a parameter's group, from its Placement.grad_mean
         self.module, self.group, self.optimizer = module, self.group_for(DENSE), optimizer
         self.tp_group = tp_group or Group.solo("tp")
+        self.shard_groups = {"tp": self.tp_group, **(shard_groups or {})}  # mesh dims that cut parameters
         self.sync = True
         self.buckets = self._make_buckets([p for p in module.parameters() if p.requires_grad], bucket_mb)
         # Start identical: every replica takes rank 0's weights (and buffers).
@@ -271,8 +272,7 @@ class DataParallel(GradSync):
         """Sum the tp partial gradients, clip by the global norm (over tp and pp), step."""
         sync_partial_grads(self.module, self.tp_group)
         params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = clip_grads([p.grad for p in params], [placement_of(p).is_sharded("tp") for p in params],
-                          max_norm, self.tp_group, [pp_group])
+        norm = clip_grads([p.grad for p in params], [self.spread_of(p) for p in params], max_norm, [pp_group])
         if math.isfinite(norm):  # every rank has the same norm, so every rank skips a bad step alike
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

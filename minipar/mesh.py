@@ -210,6 +210,11 @@ class Mesh:
     def coords(self) -> dict[str, int]:
         return self.layout.coords(self.rank)
 
+    def shard_groups(self) -> dict[str, Group]:
+        """The groups whose ranks hold different pieces of a parameter (Placement.shards): tp, and
+        ep once expert parallelism has carved it out (unflatten)."""
+        return {d: self._groups[d] for d in ("tp", "ep") if d in self._groups}
+
     # The usual ones, by name.
     tp_group = property(lambda self: self.group("tp"))
     cp_group = property(lambda self: self.group("cp"))

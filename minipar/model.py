@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
 
+from minipar.moe import MoE
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -47,6 +49,15 @@ class ModelConfig:
     max_seq_len: int = 1024
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # Mixture of experts (moe.py): n_experts > 0 makes every block after the first `dense_layers` an MoE block.
+    n_experts: int = 0
+    top_k: int = 2
+    expert_ffn_dim: int = 0
+    n_shared_experts: int = 0
+    dense_layers: int = 0
+    router: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    capacity_factor: float = 0.0  # 0: dropless
+    aux_loss_coef: float = 0.01
 
     @property
     def head_dim(self) -> int:
@@ -59,18 +70,27 @@ class ModelConfig:
             raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top-k {self.top_k} must be between 1 and the {self.n_experts} experts")
 
-    def num_params(self) -> int:
-        """Parameter count, computed from the shapes (no model is built: works for 8B too)."""
-        d, kv = self.dim, self.n_kv_heads * self.head_dim
-        per_layer = 2 * d * d + 2 * d * kv + 3 * d * self.ffn_dim + 2 * d
-        return 2 * self.vocab_size * d + self.n_layers * per_layer + d
+    def is_moe(self, layer: int) -> bool:
+        return self.n_experts > 0 and layer >= self.dense_layers
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count, computed from the shapes (no model is built: works for 8B too).
+        active: only those one token uses (k routed experts of E), what its FLOPs scale with."""
+        d, kv, fe = self.dim, self.n_kv_heads * self.head_dim, self.expert_ffn_dim
+        attn_and_norms = 2 * d * d + 2 * d * kv + 2 * d
+        experts = (self.top_k if active else self.n_experts) + self.n_shared_experts
+        moe = self.n_experts * d + 3 * d * fe * experts
+        layers = sum(attn_and_norms + (moe if self.is_moe(i) else 3 * d * self.ffn_dim) for i in range(self.n_layers))
+        return 2 * self.vocab_size * d + layers + d
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 per weight (forward 2, backward 4) plus the attention
         scores and their weighted sum, 6 * 2 * n_layers * seq_len * dim (the PaLM appendix formula,
         without halving for the causal mask, as is customary for MFU)."""
-        return 6 * self.num_params() + 12 * self.n_layers * seq_len * self.dim
+        return 6 * self.num_params(active=True) + 12 * self.n_layers * seq_len * self.dim
 
 
 # Named sizes: "tiny" for tests, "small" for the CPU default, the rest real shapes for estimates.
@@ -83,6 +103,16 @@ CONFIGS = {
                       max_seq_len=8192, rope_theta=500000.0),
     "8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
                       max_seq_len=8192, rope_theta=500000.0),
+    # Mixtures of experts: 4 experts for tests; a CPU-sized one; Mixtral-8x7B's shapes; a DeepSeek-MoE-16B
+    # style fine-grained one (64 narrow experts, 6 per token, 2 shared, the first layer dense).
+    "tiny-moe": ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=256, max_seq_len=64,
+                            n_experts=4, top_k=2, expert_ffn_dim=32),
+    "small-moe": ModelConfig(n_experts=8, top_k=2, expert_ffn_dim=192, n_shared_experts=1),
+    "mixtral-8x7b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000,
+                                max_seq_len=32768, rope_theta=1e6, n_experts=8, top_k=2, expert_ffn_dim=14336),
+    "deepseek-moe-16b": ModelConfig(dim=2048, n_layers=28, n_heads=16, n_kv_heads=16, ffn_dim=10944,
+                                    vocab_size=102400, max_seq_len=4096, n_experts=64, top_k=6,
+                                    expert_ffn_dim=1408, n_shared_experts=2, dense_layers=1),
 }
 
 
@@ -114,7 +144,7 @@ def init_std(name: str, config: ModelConfig) -> float | None:
     """
     if name.endswith("norm.weight"):
         return None
-    if name.endswith(("wo.weight", "w_down.weight")):
+    if name.endswith(("wo.weight", "w_down.weight", ".w_down")):
         return 0.02 / math.sqrt(2 * config.n_layers)
     return 0.02
 
@@ -210,16 +240,22 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """Attention then a feed-forward part: the dense MLP (`mlp`), or a mixture of experts (`moe`)."""
+
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(config.dim, config.norm_eps)
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
-        self.mlp = MLP(config)
+        if config.is_moe(layer):
+            self.moe = MoE(config)
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, x):
         x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        feed_forward = self.moe if hasattr(self, "moe") else self.mlp
+        return x + feed_forward(self.mlp_norm(x))
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -237,7 +273,7 @@ class Llama(nn.Module):
         config.validate()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)  # untied
         self.loss_fn = cross_entropy  # tensor parallelism swaps in the vocabulary-parallel loss

@@ -1,7 +1,7 @@
 """parallelize: the one place where parallelism is applied to the plain model.
 
 model.py is a single-device Llama that knows nothing of other ranks. This file turns it into the
-part of a parallel model that one rank holds, in four steps, always in this order:
+part of a parallel model that one rank holds, in five steps, always in this order:
 
     1. pipeline   keep only this rank's stages: the other layers (and the embedding or the
                   head, if another stage has them) are deleted before anything else is done
@@ -13,7 +13,10 @@ part of a parallel model that one rank holds, in four steps, always in this orde
                   gradients become partial sums over tp
     3. context    swap each attention's function for ring attention and its positions for this
                   rank's zigzag share; weigh the loss by this rank's share of the tokens
-    4. recompute  each transformer layer keeps only its input and redoes its forward in backward
+    4. experts    mixture-of-experts blocks: each rank keeps its E/ep experts and tokens reach
+                  them by all-to-all (expert_parallel.py); the load-balancing loss pools its
+                  sums over the ranks that hold other tokens of the same sequences (cp, sp)
+    5. recompute  each transformer layer keeps only its input and redoes its forward in backward
 
 The gradient-sync wrapper (data_parallel.py, zero.py, zero3.py) comes after, around the result.
 Initialisation stays exact: the plain model draws every weight at its full shape from (seed,
@@ -32,6 +35,7 @@ from torch import nn
 
 from minipar.collectives import Group
 from minipar.context_parallel import global_token_count, ring_attention, zigzag_positions
+from minipar.expert_parallel import parallelize_experts
 from minipar.model import Llama
 from minipar.tensor_parallel import (
     ColumnParallelLinear,
@@ -66,11 +70,12 @@ NORMS = ("layers.*.attn_norm", "layers.*.mlp_norm", "norm")
 def parallelize(model: Llama, mesh, *, sp: bool = False, recompute: bool = False, pipeline=None) -> Llama:
     """This rank's part of `model` under `mesh` (see the module docstring for the order)."""
     stage = (pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last()) if pipeline else None
-    return parallelize_groups(model, tp=mesh.tp_group, cp=mesh.cp_group, sp=sp, stage=stage, recompute=recompute)
+    return parallelize_groups(model, tp=mesh.tp_group, cp=mesh.cp_group, sp=sp, stage=stage, recompute=recompute,
+                              ep=mesh.shard_groups().get("ep"))
 
 
 def parallelize_groups(model: Llama, tp: Group | None = None, cp: Group | None = None, sp: bool = False,
-                       stage: tuple | None = None, recompute: bool = False) -> Llama:
+                       stage: tuple | None = None, recompute: bool = False, ep: Group | None = None) -> Llama:
     """The same, from the groups themselves (tests build groups by hand). `stage`: (layer ids,
     holds the embedding, holds the head), or None for the whole model."""
     if stage is not None:
@@ -79,6 +84,8 @@ def parallelize_groups(model: Llama, tp: Group | None = None, cp: Group | None =
         tensor_parallel(model, tp, sp)
     if cp is not None and cp.size > 1:
         context_parallel(model, cp)
+    if model.config.n_experts:
+        parallelize_experts(model, ep, tp, cp, sp)
     if recompute:
         recompute_layers(model)
     return model

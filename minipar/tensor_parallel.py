@@ -88,26 +88,29 @@ def mark(p: nn.Parameter, full_shape, dim: int | None = None, partial_grad: bool
                               partial=("tp",) if partial_grad else ()))
 
 
-def shard(full: torch.Tensor, p: nn.Parameter, group: Group) -> torch.Tensor:
-    """This rank's piece of a single-device tensor (padded with zeros to a multiple of tp)."""
-    dim = placement_of(p).dim_of("tp")
-    if dim is None:
-        return full
-    local = p.shape[dim]
-    pad = local * group.size - full.shape[dim]
-    if pad:
-        shape = list(full.shape)
-        shape[dim] = pad
-        full = torch.cat([full, full.new_zeros(shape)], dim=dim)
-    return full.narrow(dim, group.rank * local, local)
+def shard(full: torch.Tensor, p: nn.Parameter, groups: Group | dict[str, Group]) -> torch.Tensor:
+    """This rank's piece of a single-device tensor, cut along each mesh dimension that shards p.
+    groups: the tp group, or {mesh dimension: group} (experts: "ep"). A tp piece is padded with
+    zeros to a multiple of tp."""
+    groups = groups if isinstance(groups, dict) else {"tp": groups}
+    for mesh_dim, dim in placement_of(p).shards:
+        local, group = p.shape[dim], groups[mesh_dim]
+        pad = local * group.size - full.shape[dim]
+        if pad:
+            shape = list(full.shape)
+            shape[dim] = pad
+            full = torch.cat([full, full.new_zeros(shape)], dim=dim)
+        full = full.narrow(dim, group.rank * local, local)
+    return full
 
 
-def unshard(local: torch.Tensor, p: nn.Parameter, group: Group) -> torch.Tensor:
-    """The single-device tensor, gathered from every rank's piece (a collective over tp)."""
-    dim = placement_of(p).dim_of("tp")
-    if dim is None:
-        return local
-    return all_gather(local.contiguous(), group, dim=dim).narrow(dim, 0, placement_of(p).full_shape[dim])
+def unshard(local: torch.Tensor, p: nn.Parameter, groups: Group | dict[str, Group]) -> torch.Tensor:
+    """The single-device tensor, gathered from every rank's piece (a collective over each group)."""
+    groups = groups if isinstance(groups, dict) else {"tp": groups}
+    placement = placement_of(p)
+    for mesh_dim, dim in reversed(placement.shards):
+        local = all_gather(local.contiguous(), groups[mesh_dim], dim=dim).narrow(dim, 0, placement.full_shape[dim])
+    return local
 
 
 def sync_partial_grads(params, group: Group) -> None:

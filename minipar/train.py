@@ -39,6 +39,7 @@ from minipar.data import TokenData, find_files, prepare
 from minipar.data_parallel import DataParallel, GradSync
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.moe import set_aux_scale
 from minipar.parallelize import parallelize
 from minipar.pipeline import Pipeline
 from minipar.run_log import RunLog
@@ -85,6 +86,7 @@ def train_step(model: GradSync, micro_batches, grad_clip: float = 0.0, autocast=
     the data-parallel average waits until its last backward. `model` is any gradient-sync
     wrapper (DataParallel, ZeRO 1/2/3): they share one protocol (data_parallel.py).
     """
+    set_aux_scale(model.module, 1 / len(micro_batches))  # MoE: the step's mean load-balancing loss
     if pipeline is not None:
         with model.no_sync(), autocast():
             total = pipeline.run(model.module, micro_batches)
@@ -176,15 +178,15 @@ def wrap(model, mesh: Mesh, cfg: TrainConfig) -> GradSync:
     """The gradient-sync wrapper for --zero. Each parameter's gradient is averaged over the group
     its Placement names: dense ones over data *and* context replicas, since each cp rank saw only
     its share of the tokens (context_parallel.py)."""
-    group, groups, tp = mesh.reduction_group, param_groups(model, cfg), mesh.tp_group
+    group, groups, tp, cut = mesh.reduction_group, param_groups(model, cfg), mesh.tp_group, mesh.shard_groups()
 
     def adamw(g):
         return make_adamw(g, cfg)
     if cfg.zero == 3:
-        return Zero3DataParallel(model, group, adamw, groups, tp_group=tp)
+        return Zero3DataParallel(model, group, adamw, groups, tp_group=tp, shard_groups=cut)
     if cfg.zero:
-        return ZeroDataParallel(model, group, cfg.zero, adamw, groups, cfg.bucket_mb, tp, cfg.offload)
-    return DataParallel(model, group, cfg.bucket_mb, tp, optimizer=adamw(groups))
+        return ZeroDataParallel(model, group, cfg.zero, adamw, groups, cfg.bucket_mb, tp, cfg.offload, cut)
+    return DataParallel(model, group, cfg.bucket_mb, tp, optimizer=adamw(groups), shard_groups=cut)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,15 +198,18 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
     device = start_distributed(cfg.timeout)
     torch.manual_seed(cfg.seed)
     mesh = Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, timeout=cfg.timeout)
+    if cfg.ep > 1:  # experts: the dp x cp ranks reshaped to edp x ep
+        mesh.unflatten(("dp", "cp"), edp=cfg.dp * cfg.cp // cfg.ep, ep=cfg.ep)
     log = RunLog(cfg, mesh, device)
     log.say(mesh.layout.table())
     data = load_data(cfg)
     dtype, param_dtype, autocast = precision(cfg, device)
-    model_cfg = get_config(cfg.model, vocab_size=data.vocab_size)
+    model_cfg = get_config(cfg.model, vocab_size=data.vocab_size, aux_loss_coef=cfg.aux_loss_coef,
+                           capacity_factor=cfg.capacity_factor)
     model, pipeline = build_model(cfg, mesh, model_cfg, device, param_dtype)
     start, consumed, saved_states = 0, 0, None
     if resume is not None:  # weights first: ZeRO builds its master slices from them
-        state, saved_states = checkpoint.load(resume, model, mesh.tp_group)  # each rank takes its shards
+        state, saved_states = checkpoint.load(resume, model, mesh.shard_groups())  # each rank takes its shards
         start, consumed = state["step"], state["consumed"]
         log.say(f"resumed from {resume} at step {start}")
     wrapper = wrap(model, mesh, cfg)
@@ -270,7 +275,7 @@ def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Me
     states = wrapper.state_by_name()
     with wrapper.gathered():  # ZeRO-3: the weights are sharded
         full = checkpoint.gather_full(wrapper.module, states, checkpoint.hyper_params(wrapper.optimizer),
-                                      mesh.tp_group, mesh.pp_group)
+                                      mesh.shard_groups(), mesh.pp_group)
     if log.is_main:
         path = checkpoint.save(cfg.out, step, *full, {"step": step, "consumed": consumed, "config": asdict(cfg)})
         log.say(f"saved {path}")

@@ -106,7 +106,8 @@ class ZeroDataParallel(GradSync):
     STAGES = (1, 2)  # stage 3 is zero3.Zero3DataParallel, a subclass
 
     def __init__(self, module: nn.Module, group: Group, stage: int, make_optimizer, param_groups,
-                 bucket_mb: float = 25.0, tp_group: Group | None = None, offload: bool = False):
+                 bucket_mb: float = 25.0, tp_group: Group | None = None, offload: bool = False,
+                 shard_groups: dict[str, Group] | None = None):
         super().__init__()
         if stage not in self.STAGES:
             raise ValueError(f"ZeRO stage {stage} is not built by {type(self).__name__}: choose from {self.STAGES}")
@@ -114,22 +115,23 @@ class ZeroDataParallel(GradSync):
         self.module, self.stage, self.offload = module, stage, offload
         self.group = self.group_for(DENSE)  # the dense parameters' group
         self.tp_group = tp_group or Group.solo("tp")
+        self.shard_groups = {"tp": self.tp_group, **(shard_groups or {})}
         with torch.no_grad():  # start identical, as in DataParallel
             for p in module.parameters():
                 broadcast(p.data, self.group_for(placement_of(p).grad_mean), src=0)
-        # Buckets never mix weight-decay settings, tp-sharded with tp-replicated parameters, nor
-        # reduction groups: each bucket's slice has one decay, one group, and knows how its norm
-        # adds up over tp.
+        # Buckets never mix weight-decay settings, parameters cut over different mesh dimensions
+        # (tp, ep), nor reduction groups: each bucket's slice has one decay, one group, and knows
+        # over which groups its norm adds up.
         self.buckets: list[ZeroBucket] = []
         groups = []
         for pg in param_groups:
             masters = []
-            for sharded in (True, False):
-                params = [p for p in pg["params"] if placement_of(p).is_sharded("tp") == sharded]
+            for cut in sorted({tuple(d for d, _ in placement_of(p).shards) for p in pg["params"]}):
+                params = [p for p in pg["params"] if tuple(d for d, _ in placement_of(p).shards) == cut]
                 for dims, same_group in by_grad_mean(list(reversed(params))).items():
                     for chunk in self._chunks(same_group, bucket_mb):
                         bucket = self._new_bucket(chunk, self.group_for(dims))
-                        bucket.tp_sharded = sharded
+                        bucket.spread = self.spread_of(chunk[0]) + (bucket.group,)  # + the other slices
                         self.buckets.append(bucket)
                         masters.append(bucket.master)
             groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": masters})
@@ -174,8 +176,7 @@ class ZeroDataParallel(GradSync):
         """Global gradient norm from the slices (summed over dp; tp-sharded buckets also over tp;
         stages over pp), clipping, the optimizer step on the slices, and the all-gather of weights."""
         with_grad = [b for b in self.buckets if b.master.grad is not None]
-        norm = clip_grads([b.master.grad for b in with_grad], [b.tp_sharded for b in with_grad], max_norm,
-                          self.tp_group, [pp_group], [b.group for b in with_grad])  # slices differ over dp
+        norm = clip_grads([b.master.grad for b in with_grad], [b.spread for b in with_grad], max_norm, [pp_group])
         if math.isfinite(norm):  # a diverging step is skipped on every rank alike
             self.optimizer.step()
         for b in self.buckets:

@@ -88,9 +88,9 @@ class Zero3DataParallel(ZeroDataParallel):
     STAGES = (3,)
 
     def __init__(self, module: nn.Module, group: Group, make_optimizer, param_groups, units=None,
-                 tp_group: Group | None = None):
+                 tp_group: Group | None = None, shard_groups: dict[str, Group] | None = None):
         self._units = units if units is not None else units_of(module)  # plain list: set before Module init
-        super().__init__(module, group, 3, make_optimizer, param_groups, 0.0, tp_group)
+        super().__init__(module, group, 3, make_optimizer, param_groups, 0.0, tp_group, shard_groups=shard_groups)
         self._unit_buckets = [[b for b in self.buckets if id(b.params[0]) in {id(p) for p in u.parameters()}]
                               for u in self._units]
         for i, unit in enumerate(self._units):

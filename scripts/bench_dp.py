@@ -67,7 +67,7 @@ class TorchDDP(DistributedDataParallel):
 
     def clip_and_step(self, max_norm: float, pp_group: Group | None = None) -> float:
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        norm = clip_grads(grads, [False] * len(grads), max_norm, Group.solo("tp"), [pp_group])
+        norm = clip_grads(grads, [()] * len(grads), max_norm, [pp_group])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm

@@ -138,7 +138,7 @@ def torch_train_step(schedule, stage: PipelineStage, optimizer, x, y, grad_clip:
     inputs = (x,) if stage.is_first else ()
     schedule.step(*inputs, target=y if stage.is_last else None, losses=losses, return_outputs=False)
     grads = [p.grad for p in stage.submod.parameters() if p.grad is not None]
-    grad_norm = clip_grads(grads, [False] * len(grads), grad_clip, Group.solo("tp"), [pp_group])
+    grad_norm = clip_grads(grads, [()] * len(grads), grad_clip, [pp_group])
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(sum(loss.detach() for loss in losses)) if losses else 0.0, grad_norm

@@ -262,8 +262,8 @@ def _clip(rank, world):
         model(*batch(vocab=250)).backward()
         T.sync_partial_grads(model, mesh.tp_group)
         params = list(model.parameters())
-        return clip_grads([p.grad for p in params], [placement_of(p).is_sharded("tp") for p in params], 0.0,
-                          mesh.tp_group)
+        return clip_grads([p.grad for p in params], [(mesh.tp_group,) * placement_of(p).is_sharded("tp")
+                                                     for p in params], 0.0)
 
 
 def test_grad_norm_counts_each_shard_once_and_replicas_once():
