@@ -24,6 +24,7 @@ from tqdm import tqdm
 from minipar.collectives import Group, Ledger, all_gather
 from minipar.config import TrainConfig
 from minipar.mesh import Mesh
+from minipar.moe import take_load
 
 # Dense bfloat16 peak FLOP/s, for model FLOPs utilisation (MFU) on known GPUs.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
@@ -76,7 +77,7 @@ class RunLog:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
         if self.wandb:
-            skip = ("comm", "peak_memory", "mfu", "bubble", "held_bytes")
+            skip = ("comm", "peak_memory", "mfu", "bubble", "held_bytes", "expert_load")
             self.wandb.log({k: v for k, v in record.items() if k not in skip}
                            | {"peak_memory_max": max(record["peak_memory"])}, step=step + 1)
         self.bar.update(1)
@@ -104,6 +105,7 @@ class RunLog:
             "peak_memory": [int(m) for m in metrics[:, 1].tolist()],
             "bubble": metrics[:, 3].mean().item() if pipeline else None,  # measured: mean time spent waiting
             "held_bytes": wrapper.held_bytes(),  # this rank's, measured on its tensors
+            "expert_load": take_load(wrapper.module),  # MoE: this rank's assignments per expert, per block
         }
 
     def close(self) -> None:
@@ -120,7 +122,15 @@ def log_line(r: dict, steps: int, ledger: Ledger) -> str:
     bubble = f"bubble {r['bubble']:.0%} | " if r["bubble"] is not None else ""
     return (f"step {r['step']:>5}/{steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.3f} | "
             f"{r['tokens_per_s']:,.0f} tok/s | mfu {mfu} | peak mem {max(r['peak_memory']) / 2**20:,.0f} MiB | "
-            f"{bubble}sent {r['bytes_sent'] / 2**20:.2f} MiB/step{per_group_sent(ledger)}")
+            f"{bubble}sent {r['bytes_sent'] / 2**20:.2f} MiB/step{per_group_sent(ledger)}{expert_load(r)}")
+
+
+def expert_load(r: dict) -> str:
+    """The first MoE block's tokens per expert on rank 0, and its busiest expert against the mean."""
+    if not r["expert_load"]:
+        return ""
+    load = r["expert_load"][0]
+    return f" | experts {load} (max/mean {max(load) * len(load) / max(1, sum(load)):.2f})"
 
 
 def peak_memory_bytes(device: torch.device) -> int:

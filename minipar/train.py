@@ -202,6 +202,9 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
         mesh.unflatten(("dp", "cp"), edp=cfg.dp * cfg.cp // cfg.ep, ep=cfg.ep)
     log = RunLog(cfg, mesh, device)
     log.say(mesh.layout.table())
+    if cfg.ep > 1:
+        log.say(f"experts: the dp x cp ranks as edp {cfg.dp * cfg.cp // cfg.ep} x ep {cfg.ep}; this rank's ep group "
+                f"{mesh.group('ep').ranks}, edp group {mesh.group('edp').ranks}")
     data = load_data(cfg)
     dtype, param_dtype, autocast = precision(cfg, device)
     model_cfg = get_config(cfg.model, vocab_size=data.vocab_size, aux_loss_coef=cfg.aux_loss_coef,

@@ -57,7 +57,9 @@ def _layer(rank, world, config, starve):
         y = moe(x)
         (y * w).sum().backward()
         grads = {n: p.grad * (ep.size if "experts" in n else 1) for n, p in moe.named_parameters()}
-        return y.detach(), x.grad, grads, take_load(moe)[0]
+        chosen = moe.probabilities(x.detach().reshape(-1, DIM)).topk(config.top_k, dim=-1).indices.flatten()
+        sent = mesh.ledger.get("ep", "all_to_all").sent if world > 1 else 0
+        return y.detach(), x.grad, grads, take_load(moe)[0], (chosen, sent)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -67,7 +69,15 @@ def test_moe_layer_at_ep_equals_one_device_in_output_and_every_gradient(world, s
     ref = plain_moe(config, starve)
     results = run_ranks(world, _layer, config, starve)
     router_grad = 0
-    for rank, (y, x_grad, grads, load) in enumerate(results):
+    holder = [(c // (config.n_experts // world)) for _, _, _, _, (c, _) in results]  # the rank of each expert
+    for rank, (y, x_grad, grads, load, (_, sent)) in enumerate(results):
+        # The ledger, against the formula: the counts (E/ep int64 to each other rank), then each row
+        # that leaves (a token out, its gradient back) or arrives (a token in, its result's gradient
+        # out) crosses once forward and once backward: 2 (rows out + rows in) * d * 8 bytes.
+        rows_out = int((holder[rank] != rank).sum())
+        rows_in = sum(int((h == rank).sum()) for r, h in enumerate(holder) if r != rank)
+        counts = (world - 1) * (config.n_experts // world) * 8
+        assert sent == (counts + 2 * (rows_out + rows_in) * DIM * 8 if world > 1 else 0)
         x, w = tokens(rank, starve)
         r = copy.deepcopy(ref)
         y_ref = r(x)
@@ -213,3 +223,33 @@ def test_moe_model_trained_at_ep_equals_one_device(world, layout):
     assert params.keys() == ref.keys()
     for n, p in ref.items():
         torch.testing.assert_close(params[n], p, **TIGHT, msg=n)
+
+
+# ----------------------------------------------------------------------------------------------
+# Through scripts/train.py: the loss falls, the log shows each expert's load, and a checkpoint
+# written at ep 4 resumes at ep 2 and ep 1 with the same losses
+# ----------------------------------------------------------------------------------------------
+
+
+def test_train_py_at_ep4_logs_expert_load_and_its_checkpoint_resumes_at_ep2_and_ep1(tmp_path):
+    import json
+
+    from test_train import common, losses, run
+
+    moe = dict(model="tiny-moe", micro_batch=2, warmup=2)
+    out = run(common(tmp_path, dp=4, ep=4, steps=16, save_every=8, out=tmp_path / "a",
+                     log_json=tmp_path / "a.jsonl", **moe), nproc=4).stdout
+    assert "experts: the dp x cp ranks as edp 1 x ep 4" in out and "| experts [" in out
+    a = losses(tmp_path / "a.jsonl")
+    assert sum(a[s] for s in range(13, 17)) < sum(a[s] for s in range(1, 5)) - 0.4  # the loss falls
+    record = json.loads((tmp_path / "a.jsonl").read_text().splitlines()[-1])
+    load = record["expert_load"]
+    assert len(load) == 2 and all(sum(layer) == 2 * 32 * 2 for layer in load)  # rank 0's tokens x top-2
+    assert record["comm"]["ep/all_to_all"]["sent"] > 0
+    for name, layout, nproc in (("ep2", dict(dp=2, ep=2), 2), ("ep1", dict(dp=1), None)):
+        run(common(tmp_path, steps=16, resume=tmp_path / "a" / "step_000008", out=tmp_path / name,
+                   log_json=tmp_path / f"{name}.jsonl", **layout, **moe), nproc=nproc)
+        b = losses(tmp_path / f"{name}.jsonl")
+        assert sorted(b) == list(range(9, 17))
+        for step in b:
+            assert b[step] == pytest.approx(a[step], rel=1e-9), (name, step)
