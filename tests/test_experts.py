@@ -132,6 +132,22 @@ def test_bad_expert_layouts_are_refused_in_one_line():
         moe_config(n_experts=4, top_k=5).validate()
 
 
+@pytest.mark.parametrize("argv,words", [
+    ("--model tiny-moe --dp 3 --ep 3 --global-batch 24", "4 experts do not split over --ep 3"),
+    ("--model tiny-moe --dp 2 --ep 4 --global-batch 16", "--ep 4 must divide dp x cp = 2"),
+    ("--model tiny --dp 2 --ep 2", "needs a mixture-of-experts model"),
+])
+def test_bad_expert_layouts_on_the_command_line_are_refused_before_any_process_group(argv, words, monkeypatch):
+    from minipar.config import ConfigError, parse_args
+
+    world = 1
+    for flag, value in zip(argv.split()[::2], argv.split()[1::2]):
+        world *= int(value) if flag in ("--dp", "--tp", "--pp", "--cp") else 1
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ConfigError, match=words.replace("+", r"\+")):
+        parse_args(argv.split())
+
+
 def test_a_solo_ep_group_leaves_the_layer_as_it_was():
     config = moe_config()
     moe = plain_moe(config, starve=False)
@@ -208,6 +224,7 @@ LAYOUTS = [
     (4, dict(dp=2, ep=2, pp=2)),
     (4, dict(cp=2, dp=2, ep=2)),
     (4, dict(dp=4, ep=2, zero=1)),
+    (4, dict(dp=4, ep=2, zero=2)),
     (4, dict(dp=4, ep=2, zero=3)),
     (4, dict(dp=2, ep=2, recompute=True, tp=2)),
     (8, dict(dp=2, ep=2, tp=2, sp=True, pp=2)),
