@@ -79,6 +79,8 @@ class _AttachAuxLoss(torch.autograd.Function):
 class MoE(nn.Module):
     """Router, experts, optional shared expert. x [b, s, d] -> [b, s, d]."""
 
+    counting = True  # False while activation checkpointing replays a forward: its tokens were counted
+
     def __init__(self, config):
         super().__init__()
         self.n_experts, self.top_k, self.router_kind = config.n_experts, config.top_k, config.router
@@ -102,7 +104,8 @@ class MoE(nn.Module):
         weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
         flat = chosen.flatten()  # assignment a: token a // k, its (a % k)-th choice
         counts = torch.bincount(flat, minlength=self.n_experts)
-        self.load += counts.detach().cpu()
+        if MoE.counting:
+            self.load += counts.detach().cpu()
         if self.capacity_factor > 0:  # dropped assignments become expert E: sorted last, never run
             flat = torch.where(self.within_capacity(flat), flat, self.n_experts)
         order = flat.argsort(stable=True)

@@ -34,8 +34,8 @@ def order_problems(traces: list[list[tuple]]) -> list[str]:
                 sends[communicator, rank, peer].append(nbytes)
             elif op == "recv":
                 recvs[communicator, peer, rank].append(nbytes)
-            else:
-                collectives[communicator].setdefault(rank, []).append((op, nbytes))
+            else:  # an all-to-all's size differs from rank to rank (uneven splits, experts): not compared
+                collectives[communicator].setdefault(rank, []).append((op, None if op == "all_to_all" else nbytes))
     problems = []
     for key in sorted(sends.keys() | recvs.keys()):
         sent, received = sends.get(key, []), recvs.get(key, [])
@@ -59,4 +59,6 @@ def _short(sizes: list[int]) -> str:
 
 
 def _at(ops: list[tuple], i: int) -> str:
-    return f"{ops[i][0]} of {ops[i][1]} bytes" if i < len(ops) else "missing"
+    if i >= len(ops):
+        return "missing"
+    return ops[i][0] if ops[i][1] is None else f"{ops[i][0]} of {ops[i][1]} bytes"

@@ -37,6 +37,7 @@ from minipar.collectives import Group
 from minipar.context_parallel import global_token_count, ring_attention, zigzag_positions
 from minipar.expert_parallel import parallelize_experts
 from minipar.model import Llama
+from minipar.moe import MoE
 from minipar.tensor_parallel import (
     ColumnParallelLinear,
     ReplicatedRowsLinear,
@@ -206,4 +207,13 @@ def recompute_layers(model: Llama) -> None:
 def _recomputed(forward, x):
     if not torch.is_grad_enabled():
         return forward(x)
-    return torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False)
+    calls = [0]
+
+    def run(x):  # called again in backward, to rebuild what was not kept: MoE blocks count tokens once
+        calls[0] += 1
+        MoE.counting = calls[0] == 1
+        try:
+            return forward(x)
+        finally:
+            MoE.counting = True
+    return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)

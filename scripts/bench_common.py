@@ -3,8 +3,10 @@ printing the comparison and writing the JSON.
 
 bench_dp.py, bench_tp.py, bench_pp.py and bench_zero.py train minipar and PyTorch's own
 implementation side by side in one launch, in turn, step by step; bench_cp.py runs ring attention
-against attention on one device the same way. Each compares the slowest rank's step times. The
-measuring rules live here, once, so that every benchmark measures the same way:
+against attention on one device the same way, and bench_ep.py expert parallelism against
+replicated experts (minipar's DataParallel and DDP) and a dense model of the same active size.
+Each compares the slowest rank's step times. The measuring rules live here, once, so that every
+benchmark measures the same way:
 
     start         torch threads: the machine's cores shared among the ranks on it; then the
                   process group (NCCL and cuda:LOCAL_RANK with CUDA, else gloo on the CPU), the mesh

@@ -148,6 +148,18 @@ def test_bad_expert_layouts_on_the_command_line_are_refused_before_any_process_g
         parse_args(argv.split())
 
 
+def test_the_logged_expert_load_counts_each_token_once_under_recompute():
+    from minipar.model import Llama
+    from minipar.parallelize import parallelize_groups
+
+    config = get_config("tiny-moe")
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    for recompute in (False, True):  # recompute replays each layer's forward in backward
+        model = parallelize_groups(Llama(config, 0), recompute=recompute)
+        model(x, x).backward()
+        assert [sum(layer) for layer in take_load(model)] == [2 * 16 * config.top_k] * config.n_layers
+
+
 def test_a_solo_ep_group_leaves_the_layer_as_it_was():
     config = moe_config()
     moe = plain_moe(config, starve=False)

@@ -50,6 +50,17 @@ def test_collectives_out_of_step_or_missing_are_found():
         "pp[0, 1]: rank 1's collective #0 is missing, rank 0's is broadcast of 4 bytes"]
 
 
+def test_all_to_alls_of_uneven_sizes_pass_but_one_out_of_place_is_found():
+    EP = ("ep", (0, 1))  # expert parallelism: each rank sends as many tokens as its router chose
+    uneven = [[(EP, "all_to_all", None, 16), (EP, "all_to_all", None, 512)],
+              [(EP, "all_to_all", None, 16), (EP, "all_to_all", None, 384)]]
+    assert order_problems(uneven) == []
+    swapped = [[(EP, "all_to_all", None, 16), (EP, "all_reduce", None, 8)],
+               [(EP, "all_reduce", None, 8), (EP, "all_to_all", None, 16)]]
+    assert order_problems(swapped) == ["ep[0, 1]: rank 1's collective #0 is all_reduce of 8 bytes, rank 0's is "
+                                       "all_to_all"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Real runs
 # ----------------------------------------------------------------------------------------------
