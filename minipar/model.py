@@ -258,10 +258,13 @@ class Block(nn.Module):
         return x + feed_forward(self.mlp_norm(x))
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss over the targets that are not -100, in at least float32."""
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, divisor: float | None = None) -> torch.Tensor:
+    """Next-token loss over the targets that are not -100, in at least float32: their mean, or,
+    given a divisor, their sum / divisor (training divides by the global batch's count once)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=-100)
+    if divisor is None:
+        return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=-100)
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=-100, reduction="sum") / divisor
 
 
 class Llama(nn.Module):
@@ -279,14 +282,16 @@ class Llama(nn.Module):
         self.loss_fn = cross_entropy  # tensor parallelism swaps in the vocabulary-parallel loss
         init_weights(self, config, seed)
 
-    def forward(self, tokens, targets=None):
-        """tokens [b, s] -> logits [b, s, V], or, given targets, the mean next-token loss.
+    def forward(self, tokens, targets=None, divisor=None):
+        """tokens [b, s] -> logits [b, s, V], or, given targets, the mean next-token loss (given a
+        divisor too: the sum of the token losses / divisor, see cross_entropy).
 
         targets are the tokens shifted by one (the data pipeline does the shift); -100 is ignored.
         """
-        return self.forward_stage(tokens, list(self.layers), first=True, last=True, targets=targets)
+        return self.forward_stage(tokens, list(self.layers), first=True, last=True, targets=targets,
+                                  divisor=divisor)
 
-    def forward_stage(self, x, layer_ids, first: bool, last: bool, targets=None):
+    def forward_stage(self, x, layer_ids, first: bool, last: bool, targets=None, divisor=None):
         """Run layers `layer_ids` on x: tokens if `first` (embed them), else the activations [b, s, d]
         from the layer before. If `last`, finish with the norm, the LM head and (given targets)
         the loss."""
@@ -297,7 +302,7 @@ class Llama(nn.Module):
         if not last:
             return x
         logits = self.lm_head(self.norm(x))
-        return logits if targets is None else self.loss_fn(logits, targets)
+        return logits if targets is None else self.loss_fn(logits, targets, divisor)
 
     def stage_parameters(self, layer_ids, first: bool, last: bool) -> list[nn.Parameter]:
         """The parameters `forward_stage` with these arguments uses."""

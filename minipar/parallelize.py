@@ -160,9 +160,9 @@ def _enter_region(module, args, group: Group, sp: bool):
     return (enter_parallel_region(args[0], group, sp), *args[1:])
 
 
-def _vocab_parallel_loss(logits, targets, group: Group, vocab_size: int):
+def _vocab_parallel_loss(logits, targets, divisor=None, *, group: Group, vocab_size: int):
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # the loss in at least float32
-    return vocab_parallel_cross_entropy(logits, targets, group, vocab_size)
+    return vocab_parallel_cross_entropy(logits, targets, group, vocab_size, divisor=divisor)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,13 +185,16 @@ def _zigzag(local_len: int, device, group: Group):
     return zigzag_positions(group.rank, group.size, local_len * group.size, device)
 
 
-def _token_weighted_loss(logits, targets, loss_fn, group: Group):
+def _token_weighted_loss(logits, targets, divisor=None, *, loss_fn, group: Group):
     """The mean over the whole sequence, not a mean of the cp ranks' means: this rank's mean
     weighed by its share of the tokens, times cp, so that averaging over cp (dp x cp data
-    parallelism does) gives the token mean."""
+    parallelism does) gives the token mean. Training passes a divisor counted over the global
+    batch (train.loss_divisor): then the sum / divisor is already right on every rank."""
+    if divisor is not None:
+        return loss_fn(logits, targets, divisor)
     loss = loss_fn(logits, targets)
     local = (targets != -100).sum()
-    return loss * local * group.size / global_token_count(targets, group).to(loss.dtype)
+    return loss * local * group.size / global_token_count(targets, group).clamp(min=1).to(loss.dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -124,9 +124,10 @@ class Pipeline:
         else:
             pending.append((isend(t, channel, self.placement[stage]), t))
 
-    def run(self, model, micro_batches) -> torch.Tensor | float:
+    def run(self, model, micro_batches, divisor: float | None = None) -> torch.Tensor | float:
         """Run this rank's actions on its stages of `model` (a model.Llama holding those stages).
-        Returns the sum over micro-batches of loss / m on the last stage (0 elsewhere); the
+        Returns the sum over micro-batches of loss / m on the last stage (0 elsewhere), or, given
+        a divisor, of each micro-batch's token-loss sum / divisor (train.loss_divisor); the
         measured timeline of this rank is left in `self.timeline`."""
         m, last = len(micro_batches), self.n_stages - 1
         tokens = micro_batches[0][0]
@@ -153,9 +154,9 @@ class Pipeline:
                     x = self._receive(buffer, self.group, k - 1, ("F", i, k), local).requires_grad_()
                     start = time.perf_counter()
                 out = model.forward_stage(x, self.layers_of(k), first=k == 0, last=k == last,
-                                          targets=micro_batches[i][1] if k == last else None)
+                                          targets=micro_batches[i][1] if k == last else None, divisor=divisor)
                 if k == last:
-                    out = out / m  # the step's loss is the mean over all micro-batches
+                    out = out / m if divisor is None else out  # the step's loss: the mean over micro-batches
                     total = total + out.detach()
                 else:
                     self._send(out.detach(), self.group, k + 1, ("F", i, k + 1), local, pending_sends)

@@ -226,7 +226,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, group, vocab_size, ignore_index):
+    def forward(ctx, logits, targets, group, vocab_size, ignore_index, divisor):
         # logits [N, V/tp] (this rank's vocabulary block), targets [N] (global ids)
         local = logits.shape[-1]
         first = group.rank * local
@@ -248,7 +248,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = exp.sum(dim=-1)
         all_reduce(sum_exp, group)  # [N]
 
-        count = valid.sum().clamp(min=1)
+        count = valid.sum().clamp(min=1) if divisor is None else torch.tensor(divisor, device=logits.device)
         loss = ((sum_exp.log() - target_logit) * valid).sum() / count
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), mine, local_target, valid, count)
         return loss
@@ -262,14 +262,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         scale = (valid.to(softmax.dtype) * grad_loss / count).unsqueeze(-1)  # [N, 1]
         grad = softmax * scale
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -mine.unsqueeze(-1).to(grad.dtype) * scale)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: Group, vocab_size: int,
-                                 ignore_index: int = -100) -> torch.Tensor:
-    """Mean cross-entropy over non-ignored tokens; logits [..., V/tp], targets [...]."""
+                                 ignore_index: int = -100, divisor: float | None = None) -> torch.Tensor:
+    """Mean cross-entropy over non-ignored tokens (given a divisor: their sum / divisor);
+    logits [..., V/tp], targets [...]."""
     return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), group, vocab_size,
-                                            ignore_index)
+                                            ignore_index, divisor)
 
 
 def gather_logits(local: torch.Tensor, group: Group, vocab_size: int) -> torch.Tensor:

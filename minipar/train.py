@@ -75,28 +75,43 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
     return make_adamw(param_groups(model, cfg), cfg)
 
 
+def loss_divisor(micro_batches, group) -> float:
+    """The global batch's count of real targets / the replicas that average the gradients.
+
+    `group` is the dense parameters' reduction group (dp x cp): summed over it, the count covers
+    the global batch once; the wrappers then divide the summed gradient by group.size, so dividing
+    each token loss by count / size here makes the whole a single division by the count. An
+    all-ignored batch divides by 1: its loss and gradients are 0, not NaN.
+    """
+    count = sum((y != -100).sum() for _, y in micro_batches).to(torch.float64).reshape(1)
+    all_reduce(count, group)  # 8 bytes, once per step
+    return max(float(count.item()), 1.0) / group.size
+
+
 def train_step(model: GradSync, micro_batches, grad_clip: float = 0.0, autocast=nullcontext,
                pipeline: Pipeline | None = None):
-    """One optimizer step over this rank's micro-batches. Returns (mean loss, gradient norm); a
+    """One optimizer step over this rank's micro-batches. Returns (loss, gradient norm); a
     pipeline keeps the measured timeline of its step in `pipeline.timeline`.
 
-    Each micro-batch's loss is divided by their number, so the accumulated gradient is the mean
-    over the rank's rows; the data-parallel average then makes it the global-batch mean. With a
-    pipeline the schedule runs the micro-batches (the loss is known on the last stage only) and
-    the data-parallel average waits until its last backward. `model` is any gradient-sync
-    wrapper (DataParallel, ZeRO 1/2/3): they share one protocol (data_parallel.py).
+    The loss is the mean over every real (not -100) target of the *global* batch, whatever the
+    layout: each micro-batch contributes its sum of token losses / loss_divisor, so accumulation,
+    pipeline micro-batches, the dp average and cp's split sequences add up to one division by
+    the global count. With a pipeline the schedule runs the micro-batches (the loss is known on
+    the last stage only) and the data-parallel average waits until its last backward. `model`
+    is any gradient-sync wrapper (DataParallel, ZeRO 1/2/3): they share one protocol.
     """
     set_aux_scale(model.module, 1 / len(micro_batches))  # MoE: the step's mean load-balancing loss
+    divisor = loss_divisor(micro_batches, model.group)
     if pipeline is not None:
         with model.no_sync(), autocast():
-            total = pipeline.run(model.module, micro_batches)
+            total = pipeline.run(model.module, micro_batches, divisor)
     else:
         n = len(micro_batches)
         total = 0.0  # becomes a device tensor: no host sync until the step's end
         for i, (x, y) in enumerate(micro_batches):
             with model.no_sync() if i < n - 1 else nullcontext():
                 with autocast():
-                    loss = model(x, y) / n
+                    loss = model(x, y, divisor)
                 loss.backward()
             total = total + loss.detach()
     model.finish_grad_sync()  # average over dp (ZeRO: reduce-scatter to each rank's slice)

@@ -34,9 +34,11 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from minipar.collectives import Group, Ledger, all_reduce
 from minipar.config import TrainConfig
+from minipar.data_parallel import clip_grads
 from minipar.mesh import Mesh
 from minipar.model import CONFIGS
 from minipar.train import start_distributed
@@ -44,6 +46,32 @@ from minipar.train import start_distributed
 # ----------------------------------------------------------------------------------------------
 # Starting
 # ----------------------------------------------------------------------------------------------
+
+
+class TorchDDP(DistributedDataParallel):
+    """PyTorch's DDP, given the part of minipar's gradient-sync protocol that train_step calls
+    (minipar/data_parallel.py): the optimizer it holds, its group, finish_grad_sync, clip_and_step.
+
+    DDP waits for its own all-reduces at the end of backward (a callback it queues in the autograd
+    engine), so when train_step calls finish_grad_sync there is nothing left to do. clip_and_step
+    is DataParallel's at tp = pp = 1: the same clip_grads on the same gradients, then the step.
+    With them, both sides run the very same train_step.
+    """
+
+    def __init__(self, module, optimizer: torch.optim.Optimizer, group: Group, **ddp_args):
+        super().__init__(module, process_group=group.pg, **ddp_args)
+        self.optimizer, self.group = optimizer, group  # train_step counts the batch's targets over group
+
+    def finish_grad_sync(self) -> None:
+        pass
+
+    def clip_and_step(self, max_norm: float, pp_group: Group | None = None) -> float:
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        norm = clip_grads(grads, [()] * len(grads), max_norm, [pp_group])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
 
 
 def command_line(doc: str, sides: str, steps: int, warmup: int, warmup_note: str = "") -> argparse.ArgumentParser:

@@ -38,39 +38,12 @@ from functools import partial
 import bench_common as bench
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
-from minipar.collectives import Group
 from minipar.config import ConfigError, TrainConfig
-from minipar.data_parallel import DataParallel, clip_grads
+from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.train import build_optimizer, train_step
-
-
-class TorchDDP(DistributedDataParallel):
-    """PyTorch's DDP, given the part of minipar's gradient-sync protocol that train_step calls
-    (minipar/data_parallel.py): the optimizer it holds, finish_grad_sync and clip_and_step.
-
-    DDP waits for its own all-reduces at the end of backward (a callback it queues in the autograd
-    engine), so when train_step calls finish_grad_sync there is nothing left to do. clip_and_step
-    is DataParallel's at tp = pp = 1: the same clip_grads on the same gradients, then the step.
-    With them, both sides run the very same train_step.
-    """
-
-    def __init__(self, module, optimizer: torch.optim.Optimizer, **ddp_args):
-        super().__init__(module, **ddp_args)
-        self.optimizer = optimizer
-
-    def finish_grad_sync(self) -> None:
-        pass
-
-    def clip_and_step(self, max_norm: float, pp_group: Group | None = None) -> float:
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        norm = clip_grads(grads, [()] * len(grads), max_norm, [pp_group])
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -91,8 +64,8 @@ def build_sides(cfg: TrainConfig, model_cfg, mesh: Mesh, device) -> dict:
     TrainConfig; {side: wrapper}."""
     mine, copy = (Llama(model_cfg, seed=cfg.seed).to(device) for _ in range(2))
     ours = DataParallel(mine, mesh.dp_group, bucket_mb=cfg.bucket_mb, optimizer=build_optimizer(mine, cfg))
-    theirs = TorchDDP(copy, build_optimizer(copy, cfg), process_group=mesh.dp_group.pg, bucket_cap_mb=cfg.bucket_mb,
-                      device_ids=[device.index] if device.type == "cuda" else None)
+    theirs = bench.TorchDDP(copy, build_optimizer(copy, cfg), mesh.dp_group, bucket_cap_mb=cfg.bucket_mb,
+                            device_ids=[device.index] if device.type == "cuda" else None)
     return {"minipar": ours, "ddp": theirs}
 
 

@@ -40,11 +40,9 @@ from functools import partial
 import bench_common as bench
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
-from minipar.collectives import Group, Ledger
+from minipar.collectives import Ledger
 from minipar.config import ConfigError, TrainConfig
-from minipar.data_parallel import clip_grads
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.moe import take_load
@@ -52,24 +50,6 @@ from minipar.train import build_model, build_optimizer, start_distributed, train
 
 SIDES = ("minipar ep", "minipar ep=1", "torch DDP ep=1", "torch DDP dense")
 
-
-class TorchDDP(DistributedDataParallel):
-    """DDP with the two calls of minipar's gradient-sync protocol that train_step makes: DDP has
-    averaged the gradients by the end of backward, so finish_grad_sync has nothing to do."""
-
-    def __init__(self, module, optimizer, **ddp_args):
-        super().__init__(module, **ddp_args)
-        self.optimizer = optimizer
-
-    def finish_grad_sync(self) -> None:
-        pass
-
-    def clip_and_step(self, max_norm: float, pp_group: Group | None = None) -> float:
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        norm = clip_grads(grads, [()] * len(grads), max_norm, [pp_group])
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
 
 
 def parse_args(argv=None):
@@ -110,8 +90,8 @@ def build_sides(cfg: TrainConfig, world: int, device, dtype) -> tuple[dict, dict
     for name in ("torch DDP ep=1", "torch DDP dense"):
         model = Llama(configs[name], seed=cfg.seed).to(device, dtype)
         ids = [device.index] if device.type == "cuda" else None
-        sides[name] = TorchDDP(model, build_optimizer(model, cfg), process_group=plain_mesh.dp_group.pg,
-                               bucket_cap_mb=cfg.bucket_mb, device_ids=ids)
+        sides[name] = bench.TorchDDP(model, build_optimizer(model, cfg), plain_mesh.dp_group,
+                                     bucket_cap_mb=cfg.bucket_mb, device_ids=ids)
     return sides, configs, (ep_mesh, plain_mesh)
 
 

@@ -98,8 +98,9 @@ def test_memory_and_communication_per_rank(stage, world):
         for sent in r["ledgers"]:
             rs, ag = sent["dp/reduce_scatter"], sent["dp/all_gather"]
             assert rs == ag == (world - 1) * r["padded"] * 8 // world
-            # Besides, one float64 all-reduce: the squared gradient norm of the slices.
-            assert sent["dp/all_reduce"] == ring_bytes_sent("all_reduce", 8, world)
+            # Besides, two float64 all-reduces: the batch's count of real targets (train_step's
+            # loss divisor) and the squared gradient norm of the slices.
+            assert sent["dp/all_reduce"] == 2 * ring_bytes_sent("all_reduce", 8, world)
             assert set(sent) == {"dp/reduce_scatter", "dp/all_gather", "dp/all_reduce"}
 
 

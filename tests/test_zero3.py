@@ -95,7 +95,7 @@ def test_zero3_holds_a_slice_of_the_weights_and_sends_three_psi(world):
             ag, rs = sent["dp/all_gather"], sent["dp/reduce_scatter"]
             one_psi = (world - 1) * r["full_bytes"] // world
             assert ag == 2 * one_psi and rs == one_psi  # forward and backward gathers, one reduce-scatter
-            assert sent["dp/all_reduce"] == ring_bytes_sent("all_reduce", 8, world)  # the norm
+            assert sent["dp/all_reduce"] == 2 * ring_bytes_sent("all_reduce", 8, world)  # target count, norm
 
 
 def _zero3_tp(rank, world):
