@@ -63,6 +63,14 @@ from minipar.placement import DENSE, placement_of
 from minipar.tensor_parallel import sync_partial_grads
 
 
+def param_groups(model: nn.Module, cfg) -> list[dict]:
+    """The optimizer's groups: weight decay (cfg.weight_decay) on matrices only, not on norm gains,
+    as is usual for transformers."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
 def bucket_params(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.Parameter]]:
     """Consecutive parameters (callers pass them in backward order) in chunks of about bucket_mb."""
     chunks, current, size = [], [], 0
@@ -263,7 +271,8 @@ class DataParallel(GradSync):
             return  # no backward since the last call: nothing to average
         self._grads_pending = False
         for bucket in self.buckets[self._next_to_launch :]:
-            bucket.launch()
+            if bucket.group.size > 1:  # a group of one has its mean already: no flat copy for it
+                bucket.launch()
         for bucket in self.buckets:
             bucket.finish()
         self._next_to_launch = 0

@@ -126,9 +126,8 @@ class Pipeline:
 
     def run(self, model, micro_batches, divisor: float | None = None) -> torch.Tensor | float:
         """Run this rank's actions on its stages of `model` (a model.Llama holding those stages).
-        Returns the sum over micro-batches of loss / m on the last stage (0 elsewhere), or, given
-        a divisor, of each micro-batch's token-loss sum / divisor (train.loss_divisor); the
-        measured timeline of this rank is left in `self.timeline`."""
+        Returns the sum over micro-batches of loss / m (given a divisor: of token-loss sum /
+        divisor) on the last stage, 0 elsewhere; the measured timeline is left in `self.timeline`."""
         m, last = len(micro_batches), self.n_stages - 1
         tokens = micro_batches[0][0]
         act_shape = (tokens.shape[0], tokens.shape[1] // self.seq_shards, model.config.dim)  # what stages pass on

@@ -36,7 +36,7 @@ from minipar.collectives import all_reduce
 from minipar.config import ConfigError, TrainConfig, parse_args
 from minipar.context_parallel import split_sequence
 from minipar.data import TokenData, find_files, prepare
-from minipar.data_parallel import DataParallel, GradSync
+from minipar.data_parallel import DataParallel, GradSync, param_groups
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.moe import set_aux_scale
@@ -58,13 +58,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def param_groups(model: torch.nn.Module, cfg: TrainConfig) -> list[dict]:
-    """Weight decay on matrices only (not on norm gains), as is usual for transformers."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def make_adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.AdamW:

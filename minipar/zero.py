@@ -47,6 +47,30 @@ from minipar.placement import DENSE, placement_of
 from minipar.tensor_parallel import sync_partial_grads
 
 
+def bucket_plan(param_groups: list[dict], chunks) -> list[tuple[int, tuple[str, ...], list[nn.Parameter]]]:
+    """ZeRO's buckets, before any is made: (optimizer group index, grad_mean dimensions, params).
+
+    A bucket never mixes weight-decay settings, parameters cut over different mesh dimensions
+    (tp, ep), nor reduction groups: each slice then has one decay, one group, and knows over which
+    groups its norm adds up. `chunks(params)` cuts a run of parameters into buckets. Pure: the
+    estimator (estimate.py) plans the same buckets on parameters that hold no memory.
+    """
+    plan = []
+    for i, pg in enumerate(param_groups):
+        for cut in sorted({tuple(d for d, _ in placement_of(p).shards) for p in pg["params"]}):
+            params = [p for p in pg["params"] if tuple(d for d, _ in placement_of(p).shards) == cut]
+            for dims, same_group in by_grad_mean(list(reversed(params))).items():
+                plan += [(i, dims, chunk) for chunk in chunks(same_group)]
+    return plan
+
+
+def model_state_bytes(psi: float, n: int, stage: int, weight: float = 2, grad: float = 2, k: float = 12) -> float:
+    """The ZeRO paper's per-rank bytes of model states: psi parameters over n data-parallel ranks,
+    `weight` and `grad` bytes per parameter and K bytes of optimizer state (mixed-precision Adam:
+    2 + 2 + 12). Stage 1 divides the optimizer state by n, stage 2 the gradients too, stage 3 all."""
+    return psi * (weight / (n if stage >= 3 else 1) + grad / (n if stage >= 2 else 1) + k / (n if stage >= 1 else 1))
+
+
 class ZeroBucket:
     """Some parameters as one flat vector, padded to a multiple of N; this rank owns 1/N of it.
 
@@ -119,23 +143,15 @@ class ZeroDataParallel(GradSync):
         with torch.no_grad():  # start identical, as in DataParallel
             for p in module.parameters():
                 broadcast(p.data, self.group_for(placement_of(p).grad_mean), src=0)
-        # Buckets never mix weight-decay settings, parameters cut over different mesh dimensions
-        # (tp, ep), nor reduction groups: each bucket's slice has one decay, one group, and knows
-        # over which groups its norm adds up.
         self.buckets: list[ZeroBucket] = []
-        groups = []
-        for pg in param_groups:
-            masters = []
-            for cut in sorted({tuple(d for d, _ in placement_of(p).shards) for p in pg["params"]}):
-                params = [p for p in pg["params"] if tuple(d for d, _ in placement_of(p).shards) == cut]
-                for dims, same_group in by_grad_mean(list(reversed(params))).items():
-                    for chunk in self._chunks(same_group, bucket_mb):
-                        bucket = self._new_bucket(chunk, self.group_for(dims))
-                        bucket.spread = self.spread_of(chunk[0]) + (bucket.group,)  # + the other slices
-                        self.buckets.append(bucket)
-                        masters.append(bucket.master)
-            groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": masters})
-        self.optimizer = make_optimizer(groups)
+        masters: list[list[nn.Parameter]] = [[] for _ in param_groups]
+        for i, dims, chunk in bucket_plan(param_groups, lambda params: self._chunks(params, bucket_mb)):
+            bucket = self._new_bucket(chunk, self.group_for(dims))
+            bucket.spread = self.spread_of(chunk[0]) + (bucket.group,)  # + the other slices
+            self.buckets.append(bucket)
+            masters[i].append(bucket.master)
+        self.optimizer = make_optimizer([{**{k: v for k, v in pg.items() if k != "params"}, "params": ms}
+                                         for pg, ms in zip(param_groups, masters)])
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         if stage >= 2:
             for p in module.parameters():

@@ -53,6 +53,13 @@ def units_of(model: nn.Module) -> list[nn.Module]:
     return units
 
 
+def unit_chunks(units: list[nn.Module], params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """ZeRO-3's buckets of `params`: one per unit, last unit first (backward's order)."""
+    ids = {id(p) for p in params}
+    chunks = [[p for p in unit.parameters() if id(p) in ids] for unit in reversed(units)]
+    return [c for c in chunks if c]
+
+
 class ShardedBucket(ZeroBucket):
     """A ZeRO bucket whose parameters are views into a flat buffer that exists only when gathered."""
 
@@ -102,11 +109,7 @@ class Zero3DataParallel(ZeroDataParallel):
         return ShardedBucket(params, group)
 
     def _chunks(self, params, bucket_mb):
-        ids = {id(p) for p in params}
-        for unit in reversed(self._units):
-            chunk = [p for p in unit.parameters() if id(p) in ids]
-            if chunk:
-                yield chunk
+        return unit_chunks(self._units, params)
 
     def _before(self, i: int, step: int) -> None:
         """Gather unit i now; start gathering the unit that runs next (i+1 forward, i-1 backward)."""

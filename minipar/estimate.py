@@ -1,0 +1,104 @@
+"""What each rank will hold, worked out before anything runs.
+
+Chapter 8 of the course (in progress). A layout is chosen before a single GPU is touched, so the
+first question is arithmetic: how many bytes of weights, gradients and optimizer state does each
+rank hold, and does it fit? The ZeRO paper's answer for Psi parameters on N ranks, with 2 bytes of
+weight, 2 of gradient and K = 12 of optimizer state per parameter (zero.model_state_bytes):
+
+    baseline   (2 + 2 + K) Psi          stage 2   2 Psi + (2 + K) Psi / N
+    stage 1    2 Psi + 2 Psi + K Psi/N   stage 3   (2 + 2 + K) Psi / N
+
+minipar's own figures follow the same shape, but this module does not re-derive which parameter
+lands where. It builds the rank's part of the model *on paper*: the plain Llama on PyTorch's meta
+device (shapes, no memory), cut by the same `parallelize` that training uses, with groups that
+have a size and a rank but no processes (`PaperGroup`). Its parameters have the exact shapes the
+rank will hold (tp shards padded, experts cut over ep, only its pipeline stages), and ZeRO's
+buckets are planned by ZeRO's own `bucket_plan`. So the estimate follows the code, and
+tests/test_estimate.py checks it against what real ranks hold, byte for byte.
+
+Held bytes are given at one moment of the step, the one `GradSync.held_bytes()` measures in the
+tests: after the gradients are synchronised, before the optimizer step.
+
+    params     the weights this rank holds whole (none under ZeRO-3), plus ZeRO's fp32 master slices
+    grads      a full gradient per weight, plus data parallelism's flat all-reduce buffers; under
+               ZeRO, only this rank's slices
+    optimizer  AdamW's two moments: of every weight, or of this rank's slices under ZeRO
+
+Not yet here (issue #12): activations, temporary buffers, bytes sent per group, FLOPs and the
+planner. train.py's memory check uses these model states alone, a lower bound of the need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from minipar.collectives import Group, Ledger
+from minipar.config import TrainConfig
+from minipar.data_parallel import bucket_params, param_groups
+from minipar.model import Llama, ModelConfig
+from minipar.parallelize import parallelize_groups
+from minipar.pipeline import Pipeline
+from minipar.placement import DENSE, placement_of
+from minipar.zero import bucket_plan
+from minipar.zero3 import unit_chunks, units_of
+
+PARAM_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.float32, None: torch.float32}
+
+
+@dataclass
+class PaperGroup(Group):
+    """A group with a size and this rank's place in it, and no processes: enough to cut a model."""
+
+    index: int = 0
+    ledger: Ledger = field(default_factory=Ledger)
+
+    @property
+    def rank(self) -> int:
+        return self.index
+
+
+def paper_group(name: str, size: int, index: int = 0) -> PaperGroup:
+    return PaperGroup(name, None, list(range(size)), index=index)
+
+
+def rank_model(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> Llama:
+    """The part of the model that pp rank `pp_rank` holds under cfg's layout, on the meta device.
+    Every tp (and ep) rank holds pieces of the same shapes, so their index does not matter."""
+    stage = None
+    if cfg.pp > 1:
+        pipeline = Pipeline(paper_group("pp", cfg.pp, pp_rank), cfg.schedule, model_cfg.n_layers, cfg.virtual_stages)
+        stage = (pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last())
+    with torch.device("meta"):  # the layers parallelize swaps in are made on paper too
+        model = parallelize_groups(Llama(model_cfg, seed=0), tp=paper_group("tp", cfg.tp), cp=paper_group("cp", cfg.cp),
+                                   sp=cfg.sp, stage=stage, recompute=cfg.recompute, ep=paper_group("ep", cfg.ep))
+    return model.to(PARAM_DTYPES[cfg.dtype])  # as train.build_model: buckets are cut by bytes
+
+
+def held_bytes(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> dict[str, int]:
+    """{params, grads, optimizer}: the bytes pp rank `pp_rank` holds once gradients are synced."""
+    model = rank_model(model_cfg, cfg, pp_rank)
+    width = PARAM_DTYPES[cfg.dtype].itemsize  # bfloat16 autocast keeps fp32 weights
+    params = list(model.parameters())
+    whole = sum(p.numel() for p in params) * width
+    if cfg.zero == 0:  # every weight, its gradient, a flat all-reduce buffer if it has replicas, two moments
+        buffers = sum(p.numel() for p in params if _replicas(placement_of(p).grad_mean, cfg) > 1) * width
+        return {"params": whole, "grads": whole + buffers, "optimizer": 2 * whole}
+    units = units_of(model)
+    plan = bucket_plan(param_groups(model, cfg), (lambda ps: unit_chunks(units, ps)) if cfg.zero == 3
+                       else (lambda ps: bucket_params(ps, cfg.bucket_mb)))
+    master = torch.promote_types(PARAM_DTYPES[cfg.dtype], torch.float32).itemsize
+    slices = sum(-(-sum(p.numel() for p in chunk) // _replicas(dims, cfg)) for _, dims, chunk in plan) * master
+    return {"params": (0 if cfg.zero == 3 else whole) + slices, "grads": slices, "optimizer": 2 * slices}
+
+
+def peak_held_bytes(model_cfg: ModelConfig, cfg: TrainConfig) -> int:
+    """The most any rank holds in model states (the pipeline stage with the most parameters)."""
+    return max(sum(held_bytes(model_cfg, cfg, r).values()) for r in range(cfg.pp))
+
+
+def _replicas(grad_mean: tuple[str, ...], cfg: TrainConfig) -> int:
+    """The size of the group a gradient is averaged over: dp x cp, or edp = dp x cp / ep."""
+    return cfg.dp * cfg.cp if tuple(grad_mean) == DENSE else cfg.dp * cfg.cp // cfg.ep
+
