@@ -10,21 +10,25 @@ Because tensors are stored at their single-device shapes (tensor-parallel shards
 first, padding dropped), a checkpoint written at one layout can be loaded at another (torchtitan's
 "seed checkpoint" idea): each rank takes the slices it owns.
 
-A checkpoint is written to a hidden temporary folder and renamed into place only when complete,
-so a crash while saving never damages an earlier checkpoint, and a `step_*` folder is always whole.
-Loading checks every file first and fails with one line naming the bad file.
+A checkpoint is written to a hidden temporary folder, flushed to disk (fsync) and renamed into
+place only when complete, so a crash while saving never damages an earlier checkpoint, and a
+`step_*` folder is always whole; an existing one is never replaced. train_state.json, written
+last, holds the sha256 of both tensor files: loading checks them and fails with one line naming
+the bad file. Folders and files take the user's umask, like any file the user writes.
+
+One run at a time writes into an --out folder: rank 0 holds `out/.lock` (host and pid) for the run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
-import tempfile
+import socket
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -43,30 +47,60 @@ def step_dir(out: str | Path, step: int) -> Path:
     return Path(out) / f"step_{step:06d}"
 
 
-def resolve(path: str | Path) -> Path:
-    """A checkpoint folder, or an --out folder whose newest step_* checkpoint is taken."""
+def checkpoints(folder: str | Path) -> list[Path]:
+    """The step_* checkpoints in a folder, oldest first."""
+    found = [p for p in Path(folder).glob("step_*") if p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def resolve(path: str | Path, skipped: list[str] | None = None) -> Path:
+    """A checkpoint folder, which must verify, or an --out folder whose newest step_* checkpoint
+    that verifies is taken; why each newer one was skipped is appended to `skipped`."""
     p = Path(path).expanduser()
     if not p.exists():
         raise CheckpointError(f"--resume {path}: no such folder")
-    if not (p / "train_state.json").exists():
-        steps = sorted(p.glob("step_*"))
-        if not steps:
-            raise CheckpointError(f"--resume {path}: neither a checkpoint nor a folder of step_* checkpoints")
-        p = steps[-1]
-    return p
+    if (p / "train_state.json").exists() or p.name.startswith("step_"):
+        verify(p)
+        return p
+    reasons = []
+    for step in reversed(checkpoints(p)):
+        try:
+            verify(step)
+            if skipped is not None:
+                skipped.extend(reasons)
+            return step
+        except CheckpointError as e:
+            reasons.append(str(e))
+    raise CheckpointError(f"--resume {path}: no step_* checkpoint in it verifies" + (
+        f" (newest: {reasons[0]})" if reasons else ": neither a checkpoint nor a folder of step_* checkpoints"))
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def verify(path: Path) -> dict:
-    """Open every file of the checkpoint; return its train state. Raises CheckpointError."""
+    """Check every file of the checkpoint against its checksum; return its train state. Raises
+    CheckpointError naming the file."""
     for name in FILES:
         if not (path / name).exists():
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing; resume from another one")
     try:
         state = json.loads((path / "train_state.json").read_text())
+        sums = state.pop("sha256")
         for name in FILES[:2]:
-            load_file(path / name)
-    except (SafetensorError, json.JSONDecodeError, OSError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt ({e}); resume from another one") from None
+            if sha256(path / name) != sums[name]:  # a flipped bit, a truncated or overwritten file
+                raise CheckpointError(f"checkpoint {path} is corrupt: {name} does not match its checksum; "
+                                      f"resume from another one")
+    except (json.JSONDecodeError, KeyError, TypeError) as e:  # no checksums, or not JSON
+        raise CheckpointError(f"checkpoint {path} is corrupt (train_state.json: {e!r}); resume from another one") \
+            from None
+    except OSError as e:  # names the file
+        raise CheckpointError(f"checkpoint {path} cannot be read ({e}); resume from another one") from None
     return state
 
 
@@ -114,22 +148,76 @@ def gather_full(model: nn.Module, states: dict, hyper: list, tp_group: Group, pp
 
 
 def save(out: str | Path, step: int, weights: dict, optimizer_tensors: dict, hyper: list, train_state: dict) -> Path:
-    """Write one checkpoint from `gather_full`'s output (call on one rank)."""
+    """Write one checkpoint from `gather_full`'s output (call on one rank). Never replaces one."""
     final = step_dir(out, step)
+    if final.exists():
+        raise CheckpointError(f"{final} exists already: a checkpoint is never overwritten")
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".tmp-"))
+    tmp = final.with_name(f".tmp-{os.getpid()}-{final.name}")
+    tmp.mkdir()  # a plain mkdir, not tempfile.mkdtemp: the mode follows the umask instead of 0700
     try:
         save_file(weights, tmp / "model.safetensors")
         save_file(optimizer_tensors, tmp / "optimizer.safetensors", metadata={"param_groups": json.dumps(hyper)})
-        (tmp / "train_state.json").write_text(json.dumps(train_state, indent=1))
-        old = final.with_name(f".old-{final.name}")
-        if final.exists():  # re-saving a step: the old copy is deleted only once the new one is in place
-            os.rename(final, old)
+        sums = {name: sha256(tmp / name) for name in FILES[:2]}
+        (tmp / "train_state.json").write_text(json.dumps({**train_state, "sha256": sums}, indent=1))
+        for name in FILES[:2]:  # safetensors writes 0600: give them the umask's mode, as Python gave the json
+            os.chmod(tmp / name, (tmp / "train_state.json").stat().st_mode)
+        for path in [tmp / name for name in FILES] + [tmp]:  # on disk before the rename makes it visible
+            fsync(path)
         os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        fsync(final.parent)  # the rename itself
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)  # a folder too: its fsync makes its entries (names) durable
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def lock(out: str | Path) -> list[str]:
+    """Rank 0 claims --out for this run: `out/.lock` holds "host pid". A lock whose process is gone
+    (same host, pid not alive: a crash, or torchrun restarting rank 0) is taken over; then the
+    `.tmp-*` folders of interrupted saves are removed. Returns notes for the log."""
+    out, notes, me = Path(out), [], f"{socket.gethostname()} {os.getpid()}"
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(out / ".lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    except FileExistsError:
+        host, pid = ((out / ".lock").read_text().split() + ["?", "0"])[:2]
+        if host != socket.gethostname() or not pid.isdigit() or pid_alive(int(pid)):
+            raise CheckpointError(f"--out {out} is in use by another run (host {host}, pid {pid}); wait for it, "
+                                  f"or pass another --out (delete {out / '.lock'} if that run is gone)") from None
+        notes.append(f"took over the lock of a run that is gone (host {host}, pid {pid})")
+        (out / ".lock").unlink()
+        fd = os.open(out / ".lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    os.write(fd, me.encode())
+    os.close(fd)
+    for tmp in out.glob(".tmp-*"):  # only the lock holder saves here: these are from a crash
+        shutil.rmtree(tmp, ignore_errors=True)
+        notes.append(f"removed {tmp.name}, left by an interrupted save")
+    return notes
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, but another user's
+        return True
+    return True
+
+
+def unlock(out: str | Path) -> None:
+    """Give --out back at the end of the run (only our own lock)."""
+    path = Path(out) / ".lock"
+    if path.exists() and path.read_text() == f"{socket.gethostname()} {os.getpid()}":
+        path.unlink()
 
 
 def load(path: Path, model: nn.Module, tp_group: Group | None = None) -> tuple[dict, dict]:
@@ -154,6 +242,9 @@ def load(path: Path, model: nn.Module, tp_group: Group | None = None) -> tuple[d
                     f"checkpoint {path}: {name} has shape {tuple(weights[name].shape)}, the model "
                     f"{tuple(full_shape)}: resume with the same --model and data"
                 )
+            if not torch.isfinite(weights[name]).all():  # saved so by another tool: refuse rather than train on
+                raise CheckpointError(f"checkpoint {path}: {name} in model.safetensors is not finite; "
+                                      f"resume from an earlier one")
             p.copy_(shard(weights[name], p, tp_group))
     states: dict[str, dict] = {}
     for key, value in load_file(path / "optimizer.safetensors").items():

@@ -8,10 +8,15 @@ work is refused with one line instead of eight ranks waiting forever for each ot
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from minipar.context_parallel import check_cp_layout
+from minipar.data import check_data
 from minipar.expert_parallel import check_expert_layout
 from minipar.mesh import MeshLayout
 from minipar.model import CONFIGS
@@ -65,22 +70,53 @@ class TrainConfig:
     wandb: bool = True
     log_json: str | None = None
     log_every: int = 10
+    allow_config_change: bool = False  # --resume: accept a changed data, batch, seed or learning-rate schedule
+    plan: bool = False  # print what each rank will hold (estimate.py) and exit
 
     @property
     def accum_steps(self) -> int:
         """Micro-batches per optimizer step on each rank (gradient accumulation)."""
         return self.global_batch // (self.dp * self.micro_batch)
 
+    def check_ranges(self, max_seq_len: int) -> None:
+        """Every number in its range, every path flag not empty: one line naming the flag."""
+        rules = (  # (setting, whether its value is fine, what to give instead)
+            ("steps", self.steps >= 1, "1 or more"),
+            ("seq_len", 1 <= self.seq_len <= max_seq_len, f"1 to --model {self.model}'s max_seq_len, {max_seq_len}"),
+            ("global_batch", self.global_batch >= 1, "1 or more"),
+            ("micro_batch", self.micro_batch >= 1, "1 or more"),
+            ("max_bad_steps", self.max_bad_steps >= 1, "1 or more"),
+            ("vocab_size", 257 <= self.vocab_size < 2**32, "257 (the 256 bytes and <|endoftext|>) to 2**32 - 1"),
+            ("lr", 0 < self.lr < math.inf, "a learning rate above 0"),
+            ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "a fraction of --lr from 0 to 1"),
+            ("warmup", self.warmup >= 0, "0 or more steps"),
+            ("weight_decay", 0 <= self.weight_decay < math.inf, "0 or more"),
+            ("grad_clip", 0 <= self.grad_clip < math.inf, "0 (off) or more"),
+            ("bucket_mb", 0 < self.bucket_mb < math.inf, "a size above 0"),
+            ("aux_loss_coef", 0 <= self.aux_loss_coef < math.inf, "0 or more"),
+            ("capacity_factor", 0 <= self.capacity_factor < math.inf, "0 (dropless) or more"),
+            ("timeout", 0 < self.timeout < math.inf, "the seconds an operation may wait, above 0"),
+            ("seed", 0 <= self.seed < 2**32, "0 to 2**32 - 1"),
+            ("save_every", self.save_every >= 0, "0 (only at the end) or more steps"),
+            ("log_every", self.log_every >= 1, "1 or more steps"),
+            ("virtual_stages", self.virtual_stages == 1 or self.virtual_stages > 1 and self.pp > 1,
+             "1, or more with --pp > 1"),
+        )
+        for name, fine, want in rules:
+            if not fine:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: give {want}")
+        for name in ("data", "cache_dir", "out", "resume", "log_json"):
+            if getattr(self, name) == "":
+                raise ConfigError(f"--{name.replace('_', '-')} is empty: give a path, or leave the flag out")
+
     def validate(self, world_size: int) -> None:
-        """What the model and data can take first, then whether the world has the right size."""
+        """Ranges first, then what the model and data can take, then whether the world has the right size."""
         m = CONFIGS[self.model]
+        self.check_ranges(m.max_seq_len)
         try:
             check_tensor_layout(m.n_heads, m.n_kv_heads, m.dim, m.ffn_dim, self.tp, self.sp, self.seq_len)
         except ValueError as e:
             raise ConfigError(f"{e} (--model {self.model})") from None
-        for name in ("steps", "seq_len", "global_batch", "micro_batch", "max_bad_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if self.global_batch % (self.dp * self.micro_batch):
             raise ConfigError(
                 f"--global-batch {self.global_batch} is not divisible by --dp {self.dp} x --micro-batch "
@@ -103,8 +139,6 @@ class TrainConfig:
                 raise ConfigError(
                     f"{e} (micro-batches per step = --global-batch / (--dp x --micro-batch) = {self.accum_steps})"
                 ) from None
-        if not self.timeout > 0:
-            raise ConfigError(f"--timeout {self.timeout}: give the seconds an operation may wait, above 0")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero {self.zero}: choose 0, 1, 2 or 3")
         if self.zero == 3 and self.pp > 1:
@@ -119,9 +153,16 @@ class TrainConfig:
         MeshLayout(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)  # raises LayoutError
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a flag it cannot parse is one line like every other refusal, not a usage block."""
+
+    def error(self, message):
+        raise ConfigError(f"{message} (train.py --help lists every flag)")
+
+
 def parser() -> argparse.ArgumentParser:
     d = TrainConfig()
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="train.py",
         description="Train a Llama-style model with minipar. Launch with torchrun for more than one rank.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -165,7 +206,11 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("checkpoints and logs")
     g.add_argument("--out", default=None, help="checkpoint directory (default: runs/run_NNN, a new one)")
     g.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")
-    g.add_argument("--resume", default=None, help="a checkpoint folder, or an --out folder (its latest)")
+    g.add_argument("--resume", default=None, help="a checkpoint folder, an --out folder (its newest that verifies), "
+                   "or auto: --out's newest if it has one, else start fresh (for torchrun --max-restarts)")
+    g.add_argument("--allow-config-change", action="store_true",
+                   help="--resume with another --data, --seq-len, --global-batch, --seed or learning-rate schedule")
+    g.add_argument("--plan", action="store_true", help="print what each rank will hold under these flags, and exit")
     g.add_argument("--no-wandb", dest="wandb", action="store_false", help="do not log to wandb")
     g.add_argument("--log-json", default=None, help="write one JSON object per step to this file")
     g.add_argument("--log-every", type=int, default=d.log_every, help="print a log line every N steps")
@@ -175,5 +220,63 @@ def parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> TrainConfig:
     args = parser().parse_args(argv)
     cfg = TrainConfig(**{k: v for k, v in vars(args).items()})
-    cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+    layout = cfg.dp * cfg.tp * cfg.pp * cfg.cp  # --plan: the ranks the flags ask for, none launched
+    cfg.validate(layout if cfg.plan else int(os.environ.get("WORLD_SIZE", "1")))
     return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks that need the file system, called by train.check_paths before any process group
+# ----------------------------------------------------------------------------------------------
+
+# What a resumed run must share with the checkpoint's run; the layout and --steps may change.
+RESUMED_SETTINGS = ("model", "vocab_size", "data", "seq_len", "global_batch", "seed", "lr", "min_lr_ratio", "warmup")
+
+
+def check_files(cfg: TrainConfig, resume: Path | None) -> None:
+    """The data is text, the places this rank writes take a file, the checkpoint fits this run."""
+    check_data(cfg.data, cfg.seq_len, cfg.vocab_size, cfg.cache_dir)
+    check_writable("--cache-dir", cfg.cache_dir)
+    if os.environ.get("RANK", "0") == "0":  # only rank 0 writes checkpoints and the JSON log
+        check_writable("--out", cfg.out)
+        if cfg.log_json:
+            check_writable("--log-json", cfg.log_json, file=True)
+    if resume is not None:
+        check_resume(cfg, json.loads((resume / "train_state.json").read_text()), resume)
+
+
+def check_writable(flag: str, path: str, file: bool = False) -> None:
+    """Make and delete a file where `path` will be written: in its folder (file=True), or in the
+    nearest folder of `path` that exists. Nothing is left behind, not even a new folder."""
+    p = Path(path).expanduser()
+    if p.exists() and p.is_dir() == file:
+        kind, want = ("a folder", "a file") if file else ("a file", "a folder")
+        raise ConfigError(f"{flag} {path} is {kind}: give {want}")
+    folder = p.parent if file else next(q for q in (p, *p.parents) if q.exists())
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".minipar-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot write in {folder} ({e.strerror}); choose another place") from None
+
+
+def check_resume(cfg: TrainConfig, state: dict, path: Path) -> None:
+    """A resumed run continues the saved one: RESUMED_SETTINGS must match (--allow-config-change
+    accepts a change, but never of the model or vocabulary: the weights would not fit), and the
+    checkpoint must be short of --steps (--resume auto, a restart, may find the run finished)."""
+    saved = state.get("config") if isinstance(state, dict) else None
+    if not (isinstance(saved, dict) and isinstance(state.get("step"), int) and "consumed" in state
+            and set(RESUMED_SETTINGS) <= saved.keys()):
+        raise ConfigError(f"checkpoint {path} is corrupt: its train_state.json lacks the step, the data consumed or "
+                          f"the run's settings; resume from another one")
+    if state["step"] >= cfg.steps and cfg.resume != "auto":
+        raise ConfigError(f"nothing to do: the checkpoint {path} is at step {state['step']}; pass --steps above "
+                          f"{state['step']} to train further")
+    for name in RESUMED_SETTINGS:
+        old, new, flag = saved[name], getattr(cfg, name), "--" + name.replace("_", "-")
+        same = old == new or (name == "data" and old and new and Path(old).resolve() == Path(new).resolve())
+        if not same and (name in ("model", "vocab_size") or not cfg.allow_config_change):
+            keep = f"pass {flag} {old}" if old is not None else f"leave {flag} out"
+            also = "" if name in ("model", "vocab_size") else ", or --allow-config-change to accept the change"
+            raise ConfigError(f"{flag} {new} differs from the checkpoint's {old} ({path}): {keep} to continue it{also}")

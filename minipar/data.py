@@ -2,7 +2,9 @@
 
 The default corpus is the Python standard library's own source (the top-level modules of the
 running interpreter's `Lib/`): several megabytes of real text that exists on every machine that
-can run minipar, with no download. `--data PATH` takes your own text file or directory instead.
+can run minipar, with no download. `--data PATH` takes your own text file or directory instead;
+every file in it must be UTF-8 text, and one that is not is refused by name before any process
+group starts (check_data), never skipped.
 
 Preparation runs once per corpus (cached under a key of the files' names, sizes and times):
 
@@ -19,11 +21,11 @@ checkpoint stores, so a resumed run reads exactly what the uninterrupted one wou
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,15 +57,47 @@ def find_files(path: str | None) -> list[Path]:
     return files
 
 
+def check_text(f: Path, chunk: int = 1 << 20) -> int:
+    """The size of a file that is UTF-8 text, read in chunks. Anything else is refused, naming the
+    file and the offset of its first bad byte: one binary file in a folder is a mistake to fix,
+    not something to skip silently."""
+    decoder, pos, block = codecs.getincrementaldecoder("utf-8")(), 0, b""
+    try:
+        with open(f, "rb") as fh:
+            while block := fh.read(chunk):
+                decoder.decode(block)
+                pos += len(block)
+            decoder.decode(b"", final=True)  # a character cut off at the end
+        return pos
+    except UnicodeDecodeError as e:  # e.object: the bytes the decoder held back, then this block
+        at = pos - (len(e.object) - len(block)) + e.start
+        raise DataError(f"--data: {f} is not UTF-8 text (byte {at} is {e.object[e.start]:#04x}): "
+                        f"convert or remove it") from None
+    except OSError as e:
+        raise DataError(f"--data: cannot read {f} ({e.strerror})") from None
+
+
+def check_data(path: str | None, seq_len: int, vocab_size: int, cache_dir: str | Path) -> None:
+    """Before any process group: every file is UTF-8 text and there is enough of it for one window
+    of seq_len + 1 tokens (byte-level BPE makes at most one token per byte, plus one <|endoftext|>
+    per file). The standard library, and a corpus tokenised before, are not read again."""
+    files = find_files(path)
+    if path is None or (Path(cache_dir).expanduser() / corpus_key(files, vocab_size) / "meta.json").exists():
+        return
+    size = sum(check_text(f) for f in files)
+    if size + len(files) <= seq_len:
+        raise DataError(f"--data {path} holds {size} bytes of text, fewer than one window of --seq-len {seq_len} "
+                        f"+ 1 tokens: give more text or a shorter --seq-len")
+
+
 def read_texts(files: list[Path]) -> list[str]:
     texts = []
     for f in files:
         try:
             texts.append(f.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, OSError):
-            continue  # binary files in a user's folder are skipped, not fatal
-    if not texts:
-        raise DataError(f"none of the {len(files)} data files is UTF-8 text")
+            check_text(f)  # raises DataError, naming the file and its first bad byte
+            raise
     return texts
 
 
@@ -112,7 +146,8 @@ def prepare(data: str | None, vocab_size: int, cache_dir: str | Path = DEFAULT_C
         ids.append(eot)
     dtype = np.uint16 if tok.get_vocab_size() < 2**16 else np.uint32
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    tmp = out.parent / f".tmp-{os.getpid()}-{out.name}"  # a plain mkdir: the mode follows the umask
+    tmp.mkdir(exist_ok=True)
     np.asarray(ids, dtype=dtype).tofile(tmp / "tokens.bin")
     tok.save(str(tmp / "tokenizer.json"))
     meta = {"num_tokens": len(ids), "vocab_size": tok.get_vocab_size(), "dtype": np.dtype(dtype).name,

@@ -30,14 +30,16 @@ planner. train.py's memory check uses these model states alone, a lower bound of
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
+from itertools import islice
 
 import torch
 
 from minipar.collectives import Group, Ledger
 from minipar.config import TrainConfig
 from minipar.data_parallel import bucket_params, param_groups
-from minipar.model import Llama, ModelConfig
+from minipar.model import Llama, ModelConfig, get_config
 from minipar.parallelize import parallelize_groups
 from minipar.pipeline import Pipeline
 from minipar.placement import DENSE, placement_of
@@ -102,3 +104,69 @@ def _replicas(grad_mean: tuple[str, ...], cfg: TrainConfig) -> int:
     """The size of the group a gradient is averaged over: dp x cp, or edp = dp x cp / ep."""
     return cfg.dp * cfg.cp if tuple(grad_mean) == DENSE else cfg.dp * cfg.cp // cfg.ep
 
+
+
+# ----------------------------------------------------------------------------------------------
+# Will it fit? (train.py asks before building anything)
+# ----------------------------------------------------------------------------------------------
+
+
+def device_memory() -> tuple[int, str]:
+    """(bytes one rank may use, what they are): the GPU's memory, or this machine's available
+    memory shared by the ranks torchrun starts on it."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory, "GPU memory"
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return available // ranks, f"available memory / {ranks} local ranks"
+
+
+def check_memory(cfg: TrainConfig, limit: int | None = None) -> None:
+    """Raises ValueError (one line) when the model states alone outgrow a rank's memory, naming
+    the layouts of the same ranks that would fit."""
+    model_cfg = get_config(cfg.model, vocab_size=cfg.vocab_size)
+    limit, what = (limit, "the limit") if limit is not None else device_memory()
+    need = peak_held_bytes(model_cfg, cfg)
+    if need <= limit:
+        return
+    fits = list(islice((f"--zero {z}" + (f" --tp {tp}" if tp > 1 else "") + (f" --pp {pp}" if pp > 1 else "")
+                        for tp, pp, z in _alternatives(cfg, model_cfg)
+                        if peak_held_bytes(model_cfg, _with(cfg, tp, pp, z)) <= limit), 3))
+    raise ValueError(f"--model {cfg.model} needs {need / 2**30:.1f} GiB per rank for weights, gradients and optimizer "
+                     f"state alone, more than {what} ({limit / 2**30:.1f} GiB): "
+                     + (f"with these ranks, {' or '.join(fits)} would fit" if fits else
+                        "no layout of these ranks fits: use more ranks or a smaller --model"))
+
+
+def _alternatives(cfg: TrainConfig, model_cfg: ModelConfig):
+    """Other (tp, pp, zero) on the same ranks (dp takes the rest), fewest model cuts first."""
+    world = cfg.dp * cfg.tp * cfg.pp * cfg.cp
+    cuts = [(tp, pp) for tp in range(1, world + 1) for pp in range(1, model_cfg.n_layers + 1)
+            if world % (tp * pp * cfg.cp) == 0 and model_cfg.n_heads % tp == 0]
+    for tp, pp in sorted(cuts, key=lambda c: (c[0] * c[1], c[1])):
+        yield from ((tp, pp, z) for z in range(4) if not (z == 3 and pp > 1))
+
+
+def _with(cfg: TrainConfig, tp: int, pp: int, zero: int) -> TrainConfig:
+    dp = cfg.dp * cfg.tp * cfg.pp // (tp * pp)
+    return replace(cfg, dp=dp, tp=tp, pp=pp, zero=zero, ep=cfg.ep if dp * cfg.cp % cfg.ep == 0 else 1,
+                   virtual_stages=1, schedule="1f1b")
+
+
+def report(cfg: TrainConfig) -> str:
+    """`train.py --plan`: what each pipeline rank will hold under cfg, and whether it fits."""
+    model_cfg = get_config(cfg.model, vocab_size=cfg.vocab_size)
+    limit, what = device_memory()
+    lines = [f"--model {cfg.model} ({model_cfg.num_params() / 1e6:,.1f}M parameters at --vocab-size {cfg.vocab_size}), "
+             f"dp {cfg.dp} tp {cfg.tp} pp {cfg.pp} cp {cfg.cp} ep {cfg.ep}, --zero {cfg.zero}, "
+             f"{PARAM_DTYPES[cfg.dtype].itemsize}-byte weights" + (" (bf16 autocast)" * (cfg.dtype == "bfloat16")),
+             f"{'pp rank':>8} {'weights':>12} {'gradients':>12} {'optimizer':>12} {'total':>12}   (MiB, per rank, "
+             f"once gradients are synced)"]
+    for r in range(cfg.pp):
+        held = held_bytes(model_cfg, cfg, r)
+        lines.append(f"{r:>8} " + " ".join(f"{v / 2**20:>12,.1f}" for v in (*held.values(), sum(held.values()))))
+    need = peak_held_bytes(model_cfg, cfg)
+    lines.append(f"the fullest rank needs {need / 2**30:.2f} GiB for model states ({what}: {limit / 2**30:.1f} GiB); "
+                 f"activations come on top (not estimated yet)")
+    return "\n".join(lines)

@@ -95,7 +95,7 @@ class ModelConfig:
 
 # Named sizes: "tiny" for tests, "small" for the CPU default, the rest real shapes for estimates.
 CONFIGS = {
-    "tiny": ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=256, max_seq_len=64),
+    "tiny": ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=256, max_seq_len=128),
     "small": ModelConfig(),
     "125m": ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048, vocab_size=32000,
                         max_seq_len=2048),
@@ -105,7 +105,7 @@ CONFIGS = {
                       max_seq_len=8192, rope_theta=500000.0),
     # Mixtures of experts: 4 experts for tests; a CPU-sized one; Mixtral-8x7B's shapes; a DeepSeek-MoE-16B
     # style fine-grained one (64 narrow experts, 6 per token, 2 shared, the first layer dense).
-    "tiny-moe": ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=256, max_seq_len=64,
+    "tiny-moe": ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=256, max_seq_len=128,
                             n_experts=4, top_k=2, expert_ffn_dim=32),
     "small-moe": ModelConfig(n_experts=8, top_k=2, expert_ffn_dim=192, n_shared_experts=1),
     "mixtral-8x7b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000,

@@ -18,9 +18,12 @@ torch.distributed starts (config.py): a bad command line costs one line, not a h
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import json
 import math
 import os
+import signal
 import socket
 import sys
 import time
@@ -33,10 +36,11 @@ import torch.distributed as dist
 
 from minipar import checkpoint
 from minipar.collectives import all_reduce
-from minipar.config import ConfigError, TrainConfig, parse_args
+from minipar.config import ConfigError, TrainConfig, check_files, parse_args
 from minipar.context_parallel import split_sequence
 from minipar.data import TokenData, find_files, prepare
 from minipar.data_parallel import DataParallel, GradSync, param_groups
+from minipar.estimate import check_memory, report
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.moe import set_aux_scale
@@ -138,22 +142,40 @@ def start_distributed(timeout: float | None = None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
+def exit_with_parent() -> None:
+    """Under torchrun, ask Linux to SIGTERM this worker when torchrun dies, even by kill -9: no
+    orphaned worker trains on alone, holding its GPU and --out's lock."""
+    if sys.platform == "linux" and "TORCHELASTIC_RUN_ID" in os.environ:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 def check_paths(cfg: TrainConfig) -> Path | None:
-    """File-system checks, before any process group: data, the checkpoint to resume, --out."""
+    """File-system checks, before any process group: data, the checkpoint to resume, --out. Then
+    rank 0 locks --out for the run (and clears what an interrupted save left there)."""
     find_files(cfg.data)  # raises DataError when missing
-    resume = None
-    if cfg.resume:
-        resume = checkpoint.resolve(cfg.resume)
-        checkpoint.verify(resume)
+    source = cfg.resume
+    if cfg.resume == "auto":  # self-resume (torchrun --max-restarts): --out's newest checkpoint, if any yet
+        if cfg.out is None:
+            raise ConfigError("--resume auto needs --out: the folder the run saves to and continues from")
+        source = cfg.out if checkpoint.checkpoints(cfg.out) else None
+    skipped: list[str] = []
+    resume = checkpoint.resolve(source, skipped) if source else None
     if cfg.out is None:  # continue where we resume, else a fresh numbered folder
         cfg.out = str(resume.parent) if resume else next(
             f"runs/run_{i:03d}" for i in range(1, 10**4) if not Path(f"runs/run_{i:03d}").exists()
         )
-    elif resume is None and any(Path(cfg.out).glob("step_*")):
+    check_files(cfg, resume)  # the data is text, --out and the logs writable, the checkpoint of this run
+    start = json.loads((resume / "train_state.json").read_text())["step"] if resume else 0
+    later = [p.name for p in checkpoint.checkpoints(cfg.out) if int(p.name[5:]) > start]
+    if later:  # this run would save over them: refuse, whether they are another run's or this one's future
         raise ConfigError(
-            f"--out {cfg.out} already holds checkpoints of an earlier run: continue it with --resume "
+            f"--out {cfg.out} already holds checkpoints {f'after {resume}' if resume else 'of an earlier run'} "
+            f"({later[0]}{f' ... {later[-1]}' if len(later) > 1 else ''}): continue the newest with --resume "
             f"{cfg.out}, or choose another --out (nothing is overwritten)"
         )
+    if os.environ.get("RANK", "0") == "0":
+        for note in [f"skipped {s}" for s in skipped] + checkpoint.lock(cfg.out):
+            print(f"minipar: {note}", flush=True)
     return resume
 
 
@@ -259,10 +281,21 @@ def train_loop(cfg, start, consumed, data, mesh, wrapper, pipeline, autocast, de
                     f"({bad} of --max-bad-steps {cfg.max_bad_steps} in a row)")
         if bad >= cfg.max_bad_steps:
             raise TrainingStopped(f"the run diverged: {bad} steps in a row with a non-finite loss or gradient "
-                                  f"(last at step {step + 1}); lower --lr or raise --warmup, and resume from the "
-                                  f"last checkpoint in {cfg.out}")
+                                  f"(last at step {step + 1}); resume from the last checkpoint in {cfg.out} with a "
+                                  f"lower --lr or longer --warmup and --allow-config-change")
         if step + 1 == cfg.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
             save(cfg, step + 1, consumed, wrapper, mesh, log)
+        kill_for_test(cfg, step + 1)
+
+
+def kill_for_test(cfg: TrainConfig, step: int) -> None:
+    """A test hook (tests/test_resume.py), off unless MINIPAR_TEST_KILL_AT_STEP=N is set: rank 1
+    dies by SIGKILL after step N, once (a marker in --out spares the restarted run)."""
+    marker = Path(cfg.out) / ".test-killed"
+    if os.environ.get("MINIPAR_TEST_KILL_AT_STEP") == str(step) and os.environ.get("RANK") == "1":
+        if not marker.exists():
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class TrainingStopped(RuntimeError):
@@ -281,8 +314,9 @@ def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Me
                               device=next(wrapper.module.parameters()).device)
     all_reduce(finite, log.group, op="min")  # every rank decides alike
     if not finite.item():
-        raise TrainingStopped(f"not saving step {step}: the weights hold non-finite values (the run diverged); "
-                              f"the last good checkpoint in {cfg.out} is kept: resume from it with a lower --lr")
+        raise TrainingStopped(f"not saving step {step}: the weights hold non-finite values (the run diverged); the "
+                              f"last good checkpoint in {cfg.out} is kept: resume from it with a lower --lr and "
+                              f"--allow-config-change")
     states = wrapper.state_by_name()
     with wrapper.gathered():  # ZeRO-3: the weights are sharded
         full = checkpoint.gather_full(wrapper.module, states, checkpoint.hyper_params(wrapper.optimizer),
@@ -296,14 +330,19 @@ def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Me
 def main(argv=None) -> int:
     """Parse, check, run. A bad command line or input prints one line and exits 2."""
     is_main = int(os.environ.get("RANK", "0")) == 0
+    exit_with_parent()
     try:
         cfg = parse_args(argv)
+        if cfg.plan:
+            print(report(cfg))
+            return 0
+        check_memory(cfg)  # model states alone must fit: refuse before building anything
         resume = check_paths(cfg)
     except ValueError as e:  # ConfigError, LayoutError, DataError, CheckpointError
-        if is_main:
-            print(f"minipar: error: {e}", file=sys.stderr, flush=True)
-        else:  # every rank found it; torchrun ends the job when the first worker exits: rank 0 speaks first
+        if not is_main:  # rank 0 speaks first; if it failed too, torchrun ends this rank before it repeats it
             time.sleep(2.0)
+        where = "" if is_main else f"rank {os.environ['RANK']}: "  # an error of this rank alone (its node's data)
+        print(f"minipar: error: {where}{e}", file=sys.stderr, flush=True)
         return 2
     try:
         run(cfg, resume)
@@ -314,6 +353,9 @@ def main(argv=None) -> int:
     except RankTimeout as e:  # printed by every rank that gave up: the others may be the stopped ones
         print(f"minipar: error: {e}", file=sys.stderr)
         return 4
+    finally:
+        if is_main:  # killed instead (torchrun restarting us)? The next rank 0 takes the stale lock over
+            checkpoint.unlock(cfg.out)
     return 0
 
 

@@ -1,5 +1,11 @@
 """Checkpoints: safetensors round trip of weights and optimizer state; damage is caught by name."""
 
+import os
+import socket
+import stat
+import struct
+import subprocess
+
 import pytest
 import torch
 
@@ -47,23 +53,106 @@ def test_round_trip_restores_weights_and_adamw_state_exactly(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
 
 
-def test_damaged_checkpoints_are_named_and_resave_keeps_a_whole_copy(tmp_path):
+def test_damaged_checkpoints_are_named_and_a_saved_step_is_never_overwritten(tmp_path):
     model, opt = trained_model()
     path = checkpoint.save(tmp_path, 5, *whole(model, opt), {"step": 5, "consumed": 0})
-    # re-save in place
-    checkpoint.save(tmp_path, 5, *whole(model, opt), {"step": 5, "consumed": 0})
+    with pytest.raises(checkpoint.CheckpointError, match="step_000005 exists already"):
+        checkpoint.save(tmp_path, 5, *whole(model, opt), {"step": 5, "consumed": 0})
     assert checkpoint.verify(path)["step"] == 5
     assert [p.name for p in tmp_path.iterdir()] == ["step_000005"]  # no temporary left behind
 
     data = (path / "optimizer.safetensors").read_bytes()
     (path / "optimizer.safetensors").write_bytes(data[: len(data) // 2])  # truncated
-    with pytest.raises(checkpoint.CheckpointError, match="is corrupt"):
+    with pytest.raises(checkpoint.CheckpointError, match="is corrupt: optimizer.safetensors does not match"):
         checkpoint.verify(path)
     (path / "optimizer.safetensors").unlink()
     with pytest.raises(checkpoint.CheckpointError, match="optimizer.safetensors is missing"):
         checkpoint.verify(path)
     with pytest.raises(checkpoint.CheckpointError, match="no such folder"):
         checkpoint.resolve(tmp_path / "nope")
+
+
+def tensor_data_start(path):
+    """safetensors: an 8-byte little-endian header length, the JSON header, then the tensor bytes."""
+    return 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
+
+
+def test_a_flipped_byte_or_a_nan_in_tensor_data_is_refused_naming_the_file(tmp_path):
+    model, opt = trained_model()
+    path = checkpoint.save(tmp_path, 1, *whole(model, opt), {"step": 1, "consumed": 0})
+    weights = path / "model.safetensors"
+    original = weights.read_bytes()
+    middle = (tensor_data_start(weights) + len(original)) // 2
+    weights.write_bytes(original[:middle] + bytes([original[middle] ^ 1]) + original[middle + 1:])
+    with pytest.raises(checkpoint.CheckpointError, match="model.safetensors does not match its checksum"):
+        checkpoint.verify(path)
+    weights.write_bytes(original)
+    checkpoint.verify(path)
+    moments = path / "optimizer.safetensors"
+    data, at = bytearray(moments.read_bytes()), tensor_data_start(moments)  # float64 tensors: 8-byte aligned
+    data[at:at + 8] = struct.pack("<d", float("nan"))
+    moments.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match="optimizer.safetensors does not match its checksum"):
+        checkpoint.load(path, model)
+
+
+def test_a_folder_resumes_from_the_newest_checkpoint_that_verifies_and_names_those_skipped(tmp_path):
+    model, opt = trained_model()
+    for step in (1, 2, 10):
+        checkpoint.save(tmp_path, step, *whole(model, opt), {"step": step, "consumed": 0})
+    (tmp_path / "step_000010" / "model.safetensors").write_bytes(b"\x00garbage")
+    skipped = []
+    assert checkpoint.resolve(tmp_path, skipped) == tmp_path / "step_000002"  # 10 sorts after 2 by number
+    assert len(skipped) == 1 and "step_000010 is corrupt: model.safetensors" in skipped[0]
+    with pytest.raises(checkpoint.CheckpointError, match="step_000010 is corrupt"):  # asked for by name
+        checkpoint.resolve(tmp_path / "step_000010")
+
+
+def test_non_finite_weights_in_a_checkpoint_are_refused_on_load(tmp_path):
+    model, opt = trained_model()
+    weights, tensors, hyper = whole(model, opt)
+    weights["norm.weight"][0] = float("inf")  # written so, checksum and all, by some other tool
+    path = checkpoint.save(tmp_path, 1, weights, tensors, hyper, {"step": 1, "consumed": 0})
+    with pytest.raises(checkpoint.CheckpointError, match="norm.weight in model.safetensors is not finite"):
+        checkpoint.load(path, model)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_checkpoints_take_the_users_umask(tmp_path, umask):
+    model, opt = trained_model()
+    old = os.umask(umask)
+    try:
+        path = checkpoint.save(tmp_path / "out", 1, *whole(model, opt), {"step": 1, "consumed": 0})
+    finally:
+        os.umask(old)
+    for folder in (tmp_path / "out", path):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o777 & ~umask, folder
+    for name in checkpoint.FILES:
+        assert stat.S_IMODE((path / name).stat().st_mode) == 0o666 & ~umask, name
+
+
+def test_the_out_lock_refuses_a_live_run_and_takes_over_a_dead_ones(tmp_path):
+    host = socket.gethostname()
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / ".lock").write_text(f"{host} {alive.pid}")
+        live = f"in use by another run \\(host {host}, pid {alive.pid}\\)"
+        with pytest.raises(checkpoint.CheckpointError, match=live):
+            checkpoint.lock(tmp_path)
+        (tmp_path / ".lock").write_text(f"another-host {os.getpid()}")  # cannot tell: refused too
+        with pytest.raises(checkpoint.CheckpointError, match="host another-host"):
+            checkpoint.lock(tmp_path)
+    finally:
+        alive.kill()
+        alive.wait()
+    (tmp_path / ".lock").write_text(f"{host} {alive.pid}")  # now gone: a stale lock
+    (tmp_path / ".tmp-123-step_000004").mkdir()  # an interrupted save
+    notes = checkpoint.lock(tmp_path)
+    assert f"took over the lock of a run that is gone (host {host}, pid {alive.pid})" in notes[0]
+    assert "removed .tmp-123-step_000004" in notes[1] and not (tmp_path / ".tmp-123-step_000004").exists()
+    assert (tmp_path / ".lock").read_text() == f"{host} {os.getpid()}"
+    checkpoint.unlock(tmp_path)
+    assert not (tmp_path / ".lock").exists()
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path):

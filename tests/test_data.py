@@ -18,7 +18,6 @@ def folder(tmp_path_factory):
     corpus.mkdir()
     for name in ("textwrap.py", "shlex.py", "fnmatch.py"):
         (corpus / name).write_text((STDLIB / name).read_text())
-    (corpus / "blob.bin").write_bytes(bytes([0xFF, 0xFE, 0x00, 0x81]) * 50)  # not text: skipped
     return prepare(str(corpus), vocab_size=400, cache_dir=tmp / "cache")
 
 
@@ -76,3 +75,12 @@ def test_missing_data_and_too_little_text_are_clear_errors(tmp_path, folder):
         find_files(str(tmp_path / "empty"))
     with pytest.raises(DataError, match="fewer than one window"):
         TokenData(folder, seq_len=10**7, seed=0)
+
+
+def test_a_file_that_is_not_text_is_refused_by_name_and_offset_not_skipped(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("plain text " * 100)
+    (corpus / "blob.bin").write_bytes(b"ab" + bytes([0xFF, 0xFE, 0x00, 0x81]) * 50)
+    with pytest.raises(DataError, match=r"blob.bin is not UTF-8 text \(byte 2 is 0xff\)"):
+        prepare(str(corpus), vocab_size=300, cache_dir=tmp_path / "cache")

@@ -97,3 +97,44 @@ def _measure(rank, world, layout):
 def test_the_estimate_equals_what_every_rank_holds(world, layout):
     for measured, estimated in run_ranks(world, _measure, layout, timeout=300):
         assert measured == estimated
+
+
+# ----------------------------------------------------------------------------------------------
+# Will it fit? train.py asks before building anything; --plan shows the figures
+# ----------------------------------------------------------------------------------------------
+
+
+def test_a_layout_too_big_is_refused_naming_layouts_of_the_same_ranks_that_fit():
+    from minipar.estimate import check_memory
+
+    cfg = TrainConfig(model="1b", dp=4, micro_batch=2, dtype="bfloat16")
+    need = peak_held_bytes(get_config("1b", vocab_size=cfg.vocab_size), cfg)
+    check_memory(cfg, limit=need)  # exactly enough
+    with pytest.raises(ValueError, match=r"needs .* GiB per rank .* with these ranks, --zero 1 or --zero 2 or"):
+        check_memory(cfg, limit=need // 2)
+    with pytest.raises(ValueError, match="no layout of these ranks fits"):
+        check_memory(TrainConfig(model="1b"), limit=2**20)
+
+
+def test_train_py_refuses_a_model_that_cannot_fit_in_one_line_before_any_process_group(monkeypatch, capsys):
+    import minipar.estimate
+    import minipar.train
+
+    monkeypatch.setattr(minipar.estimate, "device_memory", lambda: (2**30, "this test's memory"))
+    assert minipar.train.main(["--model", "1b", "--no-wandb"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "more than this test's memory (1.0 GiB)" in err[0]
+    assert not torch.distributed.is_initialized()
+
+
+def test_train_py_plan_prints_each_pipeline_ranks_bytes_and_exits(capsys):
+    import minipar.train
+
+    assert minipar.train.main(["--model", "1b", "--dp", "2", "--pp", "2", "--micro-batch", "4", "--zero", "1",
+                               "--plan"]) == 0
+    out = capsys.readouterr().out
+    cfg = TrainConfig(model="1b", dp=2, pp=2, micro_batch=4, zero=1)
+    for r in range(2):
+        held = held_bytes(get_config("1b", vocab_size=cfg.vocab_size), cfg, r)
+        assert f"{sum(held.values()) / 2**20:>12,.1f}" in out
+    assert not torch.distributed.is_initialized()

@@ -9,6 +9,8 @@ is plain SGD at lr 1 without clipping, so each weight moves by exactly its gradi
 first step would hide a wrong scale).
 """
 
+from unittest import mock
+
 import pytest
 import torch
 from harness import run_ranks
@@ -38,12 +40,20 @@ def one_device():
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
+def sgd(groups, cfg):  # in place of train.make_adamw, for one test: weights move by their gradient
+    return torch.optim.SGD(groups, lr=1.0)
+
+
 def _one_step(rank, world, layout, micro):
+    with mock.patch("minipar.train.make_adamw", sgd):  # the worker processes run other tests afterwards
+        return _one_sgd_step(layout, micro)
+
+
+def _one_sgd_step(layout, micro):
     import minipar.train as train
     from minipar.context_parallel import split_sequence
     from minipar.tensor_parallel import unshard
 
-    train.make_adamw = lambda groups, cfg: torch.optim.SGD(groups, lr=1.0)  # weights move by the gradient
     cfg = TrainConfig(model="tiny", seq_len=SEQ, global_batch=ROWS, micro_batch=micro, weight_decay=0.0,
                       grad_clip=0.0, dtype="float64", **layout)
     with Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp) as mesh:
@@ -97,9 +107,13 @@ def test_a_batch_with_no_real_target_gives_zero_loss_and_zero_gradients_not_nan(
 
 
 def _all_ignored(rank, world):
+    with mock.patch("minipar.train.make_adamw", sgd):
+        return _all_ignored_step()
+
+
+def _all_ignored_step():
     import minipar.train as train
 
-    train.make_adamw = lambda groups, cfg: torch.optim.SGD(groups, lr=1.0)
     cfg = TrainConfig(model="tiny", seq_len=SEQ, global_batch=ROWS, micro_batch=4, grad_clip=1.0, dtype="float64",
                       weight_decay=0.0)
     with Mesh.build() as mesh:

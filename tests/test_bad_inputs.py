@@ -1,0 +1,228 @@
+"""Bad input costs one line, before any process group: a table of command lines, each refused by
+train.main with exit 2 and exactly one `minipar: error: ...` line naming what is wrong, and a table
+of edge cases that are fine and pass the same checks.
+
+Everything runs in this process. `train.run`, which would start the process group, is replaced by
+one that raises `Started`: a bad row that slipped through the checks fails its test instead."""
+
+import json
+import os
+import shutil
+import sysconfig
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from minipar import checkpoint, train
+from minipar.collectives import Group
+from minipar.config import parse_args
+from minipar.model import Llama, get_config
+
+CORPUS = Path(sysconfig.get_paths()["stdlib"]) / "argparse.py"  # ~100 KB of UTF-8 text
+STEP = "step_000004"
+
+
+def base(t: Path) -> list[str]:
+    """A command line that passes every check: tests/test_train.py's tiny run, one rank."""
+    return [f"--data={CORPUS}", "--model=tiny", "--vocab-size=512", f"--cache-dir={t}/cache", "--seq-len=32",
+            "--global-batch=8", "--micro-batch=4", "--lr=0.01", "--warmup=4", "--steps=20", f"--out={t}/out",
+            "--no-wandb"]
+
+
+def saved_copy(t: Path, name: str, state) -> str:
+    """The checkpoint at t/run, copied with another train_state.json (its checksums kept)."""
+    folder = t / name / STEP
+    shutil.copytree(t / "run" / STEP, folder)
+    sums = json.loads((folder / "train_state.json").read_text())["sha256"]
+    (folder / "train_state.json").write_text(json.dumps(state(sums)))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def t(tmp_path_factory):
+    """Data files good and bad, plain files and folders in the way, and a checkpoint at step 4 with
+    copies that differ in one setting each."""
+    t = tmp_path_factory.mktemp("inputs")
+    text = CORPUS.read_bytes()
+    (t / "empty.txt").write_bytes(b"")
+    (t / "one_byte.txt").write_bytes(b"x")
+    (t / "binary.bin").write_bytes(bytes(range(256)) * 4)  # bytes 0-127 are ASCII; 128 (0x80) is not UTF-8
+    (t / "bad_middle.txt").write_bytes(text[:5000] + b"\xff" + text[5000:])
+    (t / "bom.txt").write_bytes(b"\xef\xbb\xbf" + text)
+    for name, files in (("mixed", {"a.txt": text, "b.bin": b"\x89PNG\r\n\x1a\n\x00\xff"}),
+                        ("clean", {"a.txt": text, "pkg/__init__.py": b"", "pkg/b.py": text[:2000]})):
+        for rel, data in files.items():
+            (t / name / rel).parent.mkdir(parents=True, exist_ok=True)
+            (t / name / rel).write_bytes(data)
+    (t / "no_files").mkdir()
+    (t / "a_folder").mkdir()
+    (t / "a_file").write_text("not a folder")
+    (t / "read_only").mkdir(mode=0o500)
+    cfg = parse_args(base(t))
+    weights, optimizer, hyper = checkpoint.gather_full(Llama(get_config("tiny", vocab_size=512)), {}, [],
+                                                       Group.solo("tp"))
+    checkpoint.save(t / "run", 4, weights, optimizer, hyper, {"step": 4, "consumed": 32, "config": asdict(cfg)})
+
+    def changed(**settings):
+        return lambda sums: {"step": 4, "consumed": 32, "config": {**asdict(cfg), **settings}, "sha256": sums}
+    saved_copy(t, "other_model", changed(model="small"))
+    saved_copy(t, "other_vocab", changed(vocab_size=1024))
+    saved_copy(t, "empty_state", lambda sums: {})
+    saved_copy(t, "no_step", lambda sums: {"sha256": sums})
+    return t
+
+
+def main(t, extra, world, monkeypatch):
+    """train.main(base + extra) as rank 0 of `world` ranks; returns its exit code."""
+    monkeypatch.chdir(t)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.delenv("RANK", raising=False)
+
+    def run(cfg, resume):
+        raise Started
+    monkeypatch.setattr(train, "run", run)
+    return train.main(base(t) + [a.format(t=t) for a in extra])
+
+
+class Started(Exception):
+    """The checks passed: the run would start its process group now."""
+
+
+RUN = f"--resume={{t}}/run/{STEP}"
+BAD = [  # (extra flags, after the good ones; world size; a fragment of the one line)
+    # data that is not there, or not text
+    (["--data={t}/missing.txt"], 1, "no such file or directory"),
+    (["--data="], 1, "--data is empty"),
+    (["--data={t}/no_files"], 1, "the folder holds no files"),
+    (["--data={t}/empty.txt"], 1, "holds 0 bytes of text, fewer than one window of --seq-len 32"),
+    (["--data={t}/one_byte.txt"], 1, "holds 1 bytes of text, fewer than one window"),
+    (["--data={t}/binary.bin"], 1, "binary.bin is not UTF-8 text (byte 128 is 0x80)"),
+    (["--data={t}/bad_middle.txt"], 1, "bad_middle.txt is not UTF-8 text (byte 5000 is 0xff)"),
+    (["--data={t}/mixed"], 1, "b.bin is not UTF-8 text (byte 0 is 0x89)"),
+    # numbers out of range
+    (["--seq-len=10000000"], 1, "--seq-len 10000000: give 1 to --model tiny's max_seq_len, 128"),
+    (["--seq-len=129"], 1, "--seq-len 129: give 1 to --model tiny's max_seq_len, 128"),
+    (["--seq-len=0"], 1, "--seq-len 0:"),
+    (["--lr=-1"], 1, "--lr -1.0: give a learning rate above 0"),
+    (["--lr=0"], 1, "--lr 0.0: give a learning rate above 0"),
+    (["--lr=nan"], 1, "--lr nan: give a learning rate above 0"),
+    (["--lr=inf"], 1, "--lr inf: give a learning rate above 0"),
+    (["--min-lr-ratio=-0.1"], 1, "--min-lr-ratio -0.1: give a fraction of --lr from 0 to 1"),
+    (["--min-lr-ratio=1.5"], 1, "--min-lr-ratio 1.5:"),
+    (["--grad-clip=-1"], 1, "--grad-clip -1.0: give 0 (off) or more"),
+    (["--grad-clip=nan"], 1, "--grad-clip nan:"),
+    (["--warmup=-1"], 1, "--warmup -1: give 0 or more steps"),
+    (["--weight-decay=-0.1"], 1, "--weight-decay -0.1:"),
+    (["--bucket-mb=0"], 1, "--bucket-mb 0.0: give a size above 0"),
+    (["--save-every=-1"], 1, "--save-every -1:"),
+    (["--log-every=0"], 1, "--log-every 0: give 1 or more steps"),
+    (["--vocab-size=100"], 1, "--vocab-size 100: give 257"),
+    (["--aux-loss-coef=-1"], 1, "--aux-loss-coef -1.0:"),
+    (["--capacity-factor=nan"], 1, "--capacity-factor nan:"),
+    (["--timeout=0"], 1, "--timeout 0.0: give the seconds an operation may wait"),
+    (["--seed=-1"], 1, "--seed -1: give 0 to 2**32 - 1"),
+    (["--steps=0"], 1, "--steps 0: give 1 or more"),
+    (["--max-bad-steps=0"], 1, "--max-bad-steps 0:"),
+    (["--virtual-stages=2"], 1, "--virtual-stages 2: give 1, or more with --pp > 1"),
+    (["--pp=2", "--virtual-stages=0", "--micro-batch=2"], 2, "--virtual-stages 0:"),
+    # flags argparse cannot read
+    (["--dtype=bad"], 1, "argument --dtype: invalid choice: 'bad'"),
+    (["--steps=ten"], 1, "argument --steps: invalid int value: 'ten'"),
+    (["--no-such-flag"], 1, "unrecognized arguments: --no-such-flag"),
+    # layouts that cannot run
+    (["--dp=2"], 1, "= 2 ranks, but the world has 1: launch with torchrun --nproc-per-node 2"),
+    (["--tp=3"], 3, "does not divide the model's 4 attention heads"),
+    (["--global-batch=6"], 1, "--global-batch 6 is not divisible by --dp 1 x --micro-batch 4"),
+    (["--cp=2", "--seq-len=30"], 2, "not divisible by 2 x --cp = 4"),
+    (["--pp=4", "--micro-batch=2"], 4, "pipeline stages"),
+    (["--zero=4"], 1, "--zero 4: choose 0, 1, 2 or 3"),
+    (["--offload"], 1, "--offload needs --zero 1 or 2"),
+    (["--model=tiny-moe", "--dp=2", "--micro-batch=4", "--ep=4"], 2, "--ep 4"),
+    # places the run cannot write
+    (["--out="], 1, "--out is empty"),
+    (["--out={t}/a_file"], 1, "a_file is a file: give a folder"),
+    (["--out={t}/a_file/run"], 1, "cannot write in"),
+    (["--out=/proc/minipar"], 1, "--out /proc/minipar: cannot write in /proc"),
+    (["--log-json={t}/a_folder"], 1, "a_folder is a folder: give a file"),
+    (["--log-json={t}/missing/log.jsonl"], 1, "cannot write in"),
+    (["--cache-dir={t}/a_file"], 1, "--cache-dir"),
+    (["--cache-dir="], 1, "--cache-dir is empty"),
+    (["--out={t}/run"], 1, "already holds checkpoints"),
+    # checkpoints that do not belong to this run
+    (["--resume={t}/missing"], 1, "no such folder"),
+    (["--resume="], 1, "--resume is empty"),
+    ([f"--resume={{t}}/other_model/{STEP}"], 1, "--model tiny differs from the checkpoint's small"),
+    ([f"--resume={{t}}/other_model/{STEP}", "--allow-config-change"], 1, "pass --model small to continue it"),
+    ([f"--resume={{t}}/other_vocab/{STEP}"], 1, "--vocab-size 512 differs from the checkpoint's 1024"),
+    ([f"--resume={{t}}/empty_state/{STEP}"], 1, "is corrupt"),
+    ([f"--resume={{t}}/no_step/{STEP}"], 1, "is corrupt: its train_state.json lacks the step"),
+    ([RUN, "--steps=4"], 1, "nothing to do: the checkpoint"),
+    ([RUN, "--global-batch=16"], 1, "--global-batch 16 differs from the checkpoint's 8"),
+    ([RUN, "--seed=1"], 1, "--seed 1 differs from the checkpoint's 0"),
+    ([RUN, "--seq-len=16"], 1, "--seq-len 16 differs from the checkpoint's 32"),
+    ([RUN, "--lr=0.02"], 1, "--lr 0.02 differs from the checkpoint's 0.01"),
+    ([RUN, "--warmup=8"], 1, "--warmup 8 differs"),
+    ([RUN, "--data={t}/clean"], 1, "or --allow-config-change to accept the change"),
+]
+
+
+@pytest.mark.parametrize("extra,world,fragment", BAD, ids=[" ".join(row[0]) for row in BAD])
+def test_bad_input_is_one_line_exit_2_and_no_process_group(t, extra, world, fragment, monkeypatch, capsys):
+    assert main(t, extra, world, monkeypatch) == 2
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("minipar: error: "), err
+    assert fragment.format(t=t) in lines[0], lines[0]
+    assert not dist.is_initialized()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
+def test_a_cache_dir_that_cannot_be_written_is_one_line(t, monkeypatch, capsys):
+    assert main(t, ["--cache-dir={t}/read_only/cache"], 1, monkeypatch) == 2
+    assert "cannot write in" in capsys.readouterr().err
+
+
+def test_an_error_of_another_rank_alone_is_printed_by_it_with_its_rank(t, monkeypatch, capsys):
+    # Under torchrun, rank 0 speaks first; a rank whose error is its own (its node's data is
+    # missing) speaks after a pause, naming itself, while rank 0 waits in init_process_group.
+    pauses = []
+    monkeypatch.setattr(train.time, "sleep", pauses.append)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(train, "run", lambda cfg, resume: pytest.fail("the checks passed"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.chdir(t)
+    assert train.main(base(t) + ["--dp=2", f"--data={t}/missing.txt"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("minipar: error: rank 1: --data "), lines
+    assert pauses == [2.0] and not dist.is_initialized()
+
+
+GOOD = [  # edge cases that are fine
+    (["--lr=1e-9"], 1),
+    (["--min-lr-ratio=0"], 1),
+    (["--min-lr-ratio=1"], 1),
+    (["--grad-clip=0", "--warmup=0", "--save-every=0", "--weight-decay=0"], 1),
+    (["--seq-len=128"], 1),  # the model's max_seq_len
+    (["--vocab-size=257", "--log-every=1", "--seed=4294967295"], 1),
+    (["--aux-loss-coef=0", "--capacity-factor=0"], 1),
+    (["--data={t}/clean"], 1),  # a folder of text files, one of them empty
+    (["--data={t}/bom.txt"], 1),  # UTF-8 with a byte-order mark
+    (["--out={t}/a_folder", "--log-json={t}/a_folder/log.jsonl"], 1),  # an empty folder that exists
+    (["--out={t}/new/deeper/out"], 1),
+    (["--model=small", "--pp=2", "--virtual-stages=2", "--schedule=interleaved", "--micro-batch=1"], 2),
+    ([RUN, "--out={t}/resumed_a"], 1),
+    ([RUN, "--out={t}/resumed_b", "--steps=100"], 1),  # more steps: the usual way to continue
+    ([RUN, "--out={t}/resumed_c", "--lr=0.02", "--warmup=8", "--allow-config-change"], 1),
+    ([RUN, "--out={t}/resumed_d", "--dp=2", "--micro-batch=2", "--zero=1"], 2),  # another layout
+    ([RUN, "--out={t}/resumed_e", "--tp=2", "--pp=2", "--micro-batch=2"], 4),
+    (["--resume={t}/run", "--out={t}/resumed_f"], 1),  # an --out folder: its newest checkpoint
+]
+
+
+@pytest.mark.parametrize("extra,world", GOOD, ids=[" ".join(row[0]) for row in GOOD])
+def test_edge_cases_that_are_fine_pass_every_check(t, extra, world, monkeypatch, capsys):
+    with pytest.raises(Started):
+        main(t, extra, world, monkeypatch)
+    assert capsys.readouterr().err == ""

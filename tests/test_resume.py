@@ -1,0 +1,100 @@
+"""Self-resume and the safety of --out, end to end through torchrun: a worker killed mid-run is
+restarted by `torchrun --max-restarts` with `--resume auto`, and the run ends exactly as an
+uninterrupted one; later checkpoints are never overwritten; a live run's --out is refused; and
+workers die with their launcher."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from test_train import ROOT, TORCHRUN, _worker_of, common, losses, one_line_error, run
+
+from minipar import checkpoint
+
+TRAIN = str(ROOT / "scripts" / "train.py")
+ARGS = dict(dp=2, steps=12, save_every=3, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """An uninterrupted run, and the same run whose rank 1 is killed (SIGKILL) after step 7."""
+    tmp = tmp_path_factory.mktemp("resume")
+    run(common(tmp, **ARGS, out=tmp / "whole", log_json=tmp / "whole.jsonl"), nproc=2)
+    # torchrun shares its rendezvous store with the workers and keeps it across restarts, so a
+    # restarted rank can read the dead attempt's addresses (pytorch#135712): opt out, as the README says.
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", MINIPAR_TEST_KILL_AT_STEP="7",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    argv = common(tmp, **ARGS, out=tmp / "auto", log_json=tmp / "auto.jsonl", resume="auto")
+    killed = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=3", TRAIN, *argv],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return tmp, killed
+
+
+def test_a_killed_worker_is_restarted_and_the_run_ends_exactly_as_an_uninterrupted_one(runs):
+    tmp, killed = runs
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    assert (tmp / "auto" / ".test-killed").exists()  # the hook did kill rank 1 once
+    # The first attempt started fresh (--out was empty); the restart took the newest checkpoint.
+    assert f"resumed from {tmp / 'auto' / 'step_000006'} at step 6" in killed.stdout, killed.stdout[-3000:]
+    steps = [json.loads(line)["step"] for line in (tmp / "auto.jsonl").read_text().splitlines()]
+    assert steps[:7] == list(range(1, 8)) and steps[-6:] == list(range(7, 13))  # the log is appended to
+    assert losses(tmp / "auto.jsonl") == losses(tmp / "whole.jsonl")  # bitwise: the restart's steps 7-12
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        assert (tmp / "auto" / "step_000012" / name).read_bytes() == (tmp / "whole" / "step_000012" / name).read_bytes()
+    assert [p.name for p in checkpoint.checkpoints(tmp / "auto")] == [f"step_{s:06d}" for s in (3, 6, 9, 12)]
+    assert not (tmp / "auto" / ".lock").exists()  # given back at the end
+
+
+def test_resuming_into_an_out_with_later_checkpoints_or_a_live_lock_is_refused(runs):
+    tmp, _ = runs
+    auto = tmp / "auto"
+    line = one_line_error(run(common(tmp, **dict(ARGS, dp=1), resume=auto / "step_000006"), check=False))
+    assert f"--out {auto} already holds checkpoints after {auto / 'step_000006'} (step_000009 ... step_000012)" \
+        in line and f"--resume {auto}, or choose another --out" in line
+    for ckpt in checkpoint.checkpoints(auto):  # kept, whole
+        checkpoint.verify(ckpt)
+    line = one_line_error(run(common(tmp, **dict(ARGS, dp=1), resume="auto"), check=False))
+    assert "--resume auto needs --out" in line
+    lock = tmp / "whole" / ".lock"
+    lock.write_text(f"{socket.gethostname()} {os.getpid()}")  # this test's own process: alive
+    try:
+        line = one_line_error(run(common(tmp, **dict(ARGS, dp=1), resume="auto", out=tmp / "whole"), check=False))
+    finally:
+        lock.unlink()
+    assert f"is in use by another run (host {socket.gethostname()}, pid {os.getpid()})" in line
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+def test_workers_exit_when_torchrun_is_killed(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    argv = common(tmp_path, dp=2, steps=10_000, log_every=1, out=tmp_path / "orphan")
+    proc = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", TRAIN, *argv], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    workers = []
+    try:
+        for line in proc.stdout:  # training has started once the first step is logged
+            if line.startswith("step "):
+                break
+        workers = [_worker_of(proc.pid, rank) for rank in (0, 1)]
+        proc.send_signal(signal.SIGKILL)  # torchrun gets no chance to stop them itself
+        proc.wait()
+        t0 = time.monotonic()
+        while any(map(_alive, workers)) and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+        assert not any(map(_alive, workers)), workers
+    finally:
+        for pid in filter(_alive, workers):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
