@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minipar.context_parallel import check_cp_layout
-from minipar.data import check_data
+from minipar.data import check_data, data_key
 from minipar.expert_parallel import check_expert_layout
 from minipar.mesh import MeshLayout
 from minipar.model import CONFIGS
@@ -280,3 +280,8 @@ def check_resume(cfg: TrainConfig, state: dict, path: Path) -> None:
             keep = f"pass {flag} {old}" if old is not None else f"leave {flag} out"
             also = "" if name in ("model", "vocab_size") else ", or --allow-config-change to accept the change"
             raise ConfigError(f"{flag} {new} differs from the checkpoint's {old} ({path}): {keep} to continue it{also}")
+    changed = state.get("data_key") and state["data_key"] != data_key(cfg.data, cfg.vocab_size)
+    if changed and not cfg.allow_config_change:
+        raise ConfigError(f"--data {cfg.data or '(the standard library)'} is not the data of {path}: its files' names, "
+                          f"sizes or times changed (or the run moved machines), so its tokens would too; restore "
+                          f"them, or pass --allow-config-change to go on with a new tokenizer")

@@ -109,6 +109,11 @@ def corpus_key(files: list[Path], vocab_size: int) -> str:
     return h.hexdigest()[:16]
 
 
+def data_key(data: str | None, vocab_size: int) -> str:
+    """The name of the corpus's cache folder: checkpoints keep it, so a resume sees changed data."""
+    return corpus_key(find_files(data), vocab_size)
+
+
 def train_tokenizer(texts: list[str], vocab_size: int):
     """A byte-level BPE (GPT-2's scheme) trained on the corpus itself, with HF tokenizers."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

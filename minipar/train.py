@@ -284,7 +284,7 @@ def train_loop(cfg, start, consumed, data, mesh, wrapper, pipeline, autocast, de
                                   f"(last at step {step + 1}); resume from the last checkpoint in {cfg.out} with a "
                                   f"lower --lr or longer --warmup and --allow-config-change")
         if step + 1 == cfg.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
-            save(cfg, step + 1, consumed, wrapper, mesh, log)
+            save(cfg, step + 1, consumed, wrapper, mesh, log, data.folder.name)
         kill_for_test(cfg, step + 1)
 
 
@@ -306,7 +306,8 @@ class RankTimeout(RuntimeError):
     """Another rank did not answer within --timeout; the message names what this rank waited for."""
 
 
-def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Mesh, log: RunLog) -> None:
+def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Mesh, log: RunLog,
+         data_key: str = "") -> None:
     """Every rank helps gather the tp shards and pp stages into full tensors; rank 0 writes them.
     A non-finite weight anywhere stops the run instead: nothing bad is ever saved."""
     with wrapper.gathered():
@@ -322,7 +323,8 @@ def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Me
         full = checkpoint.gather_full(wrapper.module, states, checkpoint.hyper_params(wrapper.optimizer),
                                       mesh.shard_groups(), mesh.pp_group)
     if log.is_main:
-        path = checkpoint.save(cfg.out, step, *full, {"step": step, "consumed": consumed, "config": asdict(cfg)})
+        path = checkpoint.save(cfg.out, step, *full, {"step": step, "consumed": consumed, "config": asdict(cfg),
+                                                             "data_key": data_key})
         log.say(f"saved {path}")
     dist.barrier()
 

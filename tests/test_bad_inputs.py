@@ -18,6 +18,7 @@ import torch.distributed as dist
 from minipar import checkpoint, train
 from minipar.collectives import Group
 from minipar.config import parse_args
+from minipar.data import data_key
 from minipar.model import Llama, get_config
 
 CORPUS = Path(sysconfig.get_paths()["stdlib"]) / "argparse.py"  # ~100 KB of UTF-8 text
@@ -63,12 +64,16 @@ def t(tmp_path_factory):
     cfg = parse_args(base(t))
     weights, optimizer, hyper = checkpoint.gather_full(Llama(get_config("tiny", vocab_size=512)), {}, [],
                                                        Group.solo("tp"))
-    checkpoint.save(t / "run", 4, weights, optimizer, hyper, {"step": 4, "consumed": 32, "config": asdict(cfg)})
+    key = data_key(cfg.data, cfg.vocab_size)  # names the corpus's files, sizes and times
+    checkpoint.save(t / "run", 4, weights, optimizer, hyper, {"step": 4, "consumed": 32, "config": asdict(cfg),
+                                                              "data_key": key})
 
     def changed(**settings):
         return lambda sums: {"step": 4, "consumed": 32, "config": {**asdict(cfg), **settings}, "sha256": sums}
     saved_copy(t, "other_model", changed(model="small"))
     saved_copy(t, "other_vocab", changed(vocab_size=1024))
+    saved_copy(t, "other_files", lambda sums: {"step": 4, "consumed": 32, "config": asdict(cfg), "sha256": sums,
+                                               "data_key": "a corpus whose files have changed"})
     saved_copy(t, "empty_state", lambda sums: {})
     saved_copy(t, "no_step", lambda sums: {"sha256": sums})
     return t
@@ -165,6 +170,7 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     ([RUN, "--lr=0.02"], 1, "--lr 0.02 differs from the checkpoint's 0.01"),
     ([RUN, "--warmup=8"], 1, "--warmup 8 differs"),
     ([RUN, "--data={t}/clean"], 1, "or --allow-config-change to accept the change"),
+    ([f"--resume={{t}}/other_files/{STEP}"], 1, "sizes or times changed (or the run moved machines)"),
 ]
 
 
@@ -218,6 +224,7 @@ GOOD = [  # edge cases that are fine
     ([RUN, "--out={t}/resumed_d", "--dp=2", "--micro-batch=2", "--zero=1"], 2),  # another layout
     ([RUN, "--out={t}/resumed_e", "--tp=2", "--pp=2", "--micro-batch=2"], 4),
     (["--resume={t}/run", "--out={t}/resumed_f"], 1),  # an --out folder: its newest checkpoint
+    ([f"--resume={{t}}/other_files/{STEP}", "--out={t}/resumed_g", "--allow-config-change"], 1),
 ]
 
 
