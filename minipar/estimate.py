@@ -107,6 +107,68 @@ def _replicas(grad_mean: tuple[str, ...], cfg: TrainConfig) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
+# Activations: what backward needs, kept from forward
+# ----------------------------------------------------------------------------------------------
+
+ACT_WIDTH = {"float64": 8, "float32": 4, "bfloat16": 2, None: 4}  # bf16: autocast keeps some in fp32
+
+
+def layer_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
+    """The tensors one dense transformer layer keeps for backward, for one micro-batch: exactly what
+    autograd saves in minipar's layer (tests/test_estimate.py counts them), Korthikanti et al.'s
+    sbh(34 + 5as/h) worked out again for a Llama layer with attention that keeps no s x s matrix.
+    Per token of the rank (s = seq_len / cp), in elements of the activation dtype:
+
+        norms      x and x/rms of both norms (cut by tp under sp), and the normed inputs that the
+                   projections keep (whole: minipar gathers them under sp)       6d, or 2d + 4d/tp
+        attention  q after RoPE and the output before wo (d/tp each); k and v at the kv heads'
+                   width, or at the query heads' once repeated for grouped-query attention; the
+                   softmax's log-sum-exp per head                                ~4d/tp + h/tp
+        MLP        gate, silu(gate), up and their product                       4 ffn/tp
+        small      1/rms of both norms; RoPE's cos and sin tables (per sequence position)
+    With --recompute a layer keeps only its input (and rebuilds the rest in backward)."""
+    t, w, b = cfg.tp, ACT_WIDTH[cfg.dtype], cfg.micro_batch
+    s, d, e = cfg.seq_len // cfg.cp, c.dim, c.head_dim
+    tokens, sp = b * s, (t if cfg.sp else 1)
+    if cfg.recompute:
+        return tokens * d * w // sp
+    heads, kv = c.n_heads // t, max(1, c.n_kv_heads // t)
+    repeated = cfg.cp == 1 and 1 < kv < heads  # einops repeat copies k and v; one kv head is a view
+    norms = 2 * tokens * d + 4 * tokens * d // sp
+    attention = 2 * tokens * d // t + 2 * tokens * e * (heads if repeated else kv) + tokens * heads
+    small = 2 * tokens // sp + 2 * s * e
+    return w * (norms + attention + 4 * tokens * c.ffn_dim // t + small)
+
+
+def head_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
+    """The final norm, the LM head's logits (kept by the loss in at least fp32) and the targets."""
+    w, t, tokens = ACT_WIDTH[cfg.dtype], cfg.tp, cfg.micro_batch * cfg.seq_len // cfg.cp
+    sp = t if cfg.sp else 1
+    vocab = -(-c.vocab_size // t)
+    return w * (tokens * c.dim + 2 * tokens * c.dim // sp + tokens // sp) + tokens * vocab * max(w, 4) + 8 * tokens
+
+
+def activation_bytes(c: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> int:
+    """The most activation bytes pp rank `pp_rank` holds during a step: its layers' activations times
+    the micro-batches in flight, read off the pipeline schedule itself (1F1B keeps at most pp - rank,
+    GPipe all of them), plus the head's on the last stage. Dense models only (MoE: not yet)."""
+    if c.n_experts:
+        raise NotImplementedError("activation estimates for mixture-of-experts layers are not built yet")
+    per_layer, head = layer_activation_bytes(c, cfg), head_activation_bytes(c, cfg)
+    recompute = layer_activation_bytes(c, replace(cfg, recompute=False)) if cfg.recompute else 0
+    if cfg.pp == 1:
+        return c.n_layers * per_layer + head + recompute
+    pipeline = Pipeline(paper_group("pp", cfg.pp, pp_rank), cfg.schedule, c.n_layers, cfg.virtual_stages)
+    split = any(a.kind == "W" for a in pipeline.actions(cfg.accum_steps))
+    alive, peak = 0, 0
+    for a in pipeline.actions(cfg.accum_steps):  # a stage's activations live from F until B (or W)
+        size = len(pipeline.layers_of(a.stage)) * per_layer + (head if a.stage == pipeline.n_stages - 1 else 0)
+        alive += size if a.kind == "F" else -size if a.kind == ("W" if split else "B") else 0
+        peak = max(peak, alive)
+    return peak + recompute
+
+
+# ----------------------------------------------------------------------------------------------
 # Will it fit? (train.py asks before building anything)
 # ----------------------------------------------------------------------------------------------
 
@@ -122,51 +184,67 @@ def device_memory() -> tuple[int, str]:
     return available // ranks, f"available memory / {ranks} local ranks"
 
 
+def peak_bytes(model_cfg: ModelConfig, cfg: TrainConfig) -> int:
+    """The most any rank holds: model states plus activations (mixture of experts: model states)."""
+    def activations(r):
+        return 0 if model_cfg.n_experts else activation_bytes(model_cfg, cfg, r)
+    return max(sum(held_bytes(model_cfg, cfg, r).values()) + activations(r) for r in range(cfg.pp))
+
+
 def check_memory(cfg: TrainConfig, limit: int | None = None) -> None:
-    """Raises ValueError (one line) when the model states alone outgrow a rank's memory, naming
-    the layouts of the same ranks that would fit."""
+    """Raises ValueError (one line) when a rank would hold more than its memory, naming up to
+    three layouts of the same ranks that would fit."""
     model_cfg = get_config(cfg.model, vocab_size=cfg.vocab_size)
     limit, what = (limit, "the limit") if limit is not None else device_memory()
-    need = peak_held_bytes(model_cfg, cfg)
+    need = peak_bytes(model_cfg, cfg)
     if need <= limit:
         return
-    fits = list(islice((f"--zero {z}" + (f" --tp {tp}" if tp > 1 else "") + (f" --pp {pp}" if pp > 1 else "")
-                        for tp, pp, z in _alternatives(cfg, model_cfg)
-                        if peak_held_bytes(model_cfg, _with(cfg, tp, pp, z)) <= limit), 3))
-    raise ValueError(f"--model {cfg.model} needs {need / 2**30:.1f} GiB per rank for weights, gradients and optimizer "
-                     f"state alone, more than {what} ({limit / 2**30:.1f} GiB): "
-                     + (f"with these ranks, {' or '.join(fits)} would fit" if fits else
-                        "no layout of these ranks fits: use more ranks or a smaller --model"))
+    fits = list(islice((_flags(alt) for alt in _alternatives(cfg, model_cfg)
+                        if peak_bytes(model_cfg, alt) <= limit), 3))
+    held = "weights, gradients and optimizer state" + ("" if model_cfg.n_experts else " and activations")
+    raise ValueError(f"--model {cfg.model} needs {need / 2**30:.1f} GiB per rank for {held}, more than {what} "
+                     f"({limit / 2**30:.1f} GiB): " + (f"with these ranks, {' or '.join(fits)} would fit" if fits else
+                                                       "no layout of these ranks fits: use more ranks or a smaller "
+                                                       "--model, --micro-batch or --seq-len"))
 
 
 def _alternatives(cfg: TrainConfig, model_cfg: ModelConfig):
-    """Other (tp, pp, zero) on the same ranks (dp takes the rest), fewest model cuts first."""
+    """Other layouts of the same ranks that pass every check, fewest model cuts first: tp x pp
+    (dp takes the rest), then the ZeRO stage, then recompute."""
     world = cfg.dp * cfg.tp * cfg.pp * cfg.cp
     cuts = [(tp, pp) for tp in range(1, world + 1) for pp in range(1, model_cfg.n_layers + 1)
             if world % (tp * pp * cfg.cp) == 0 and model_cfg.n_heads % tp == 0]
     for tp, pp in sorted(cuts, key=lambda c: (c[0] * c[1], c[1])):
-        yield from ((tp, pp, z) for z in range(4) if not (z == 3 and pp > 1))
+        for zero in range(4):
+            for recompute in (False, True):
+                dp = world // (tp * pp * cfg.cp)
+                alt = replace(cfg, dp=dp, tp=tp, pp=pp, zero=zero, recompute=recompute, sp=cfg.sp and tp > 1,
+                              ep=cfg.ep if dp * cfg.cp % cfg.ep == 0 else 1, virtual_stages=1, schedule="1f1b")
+                try:
+                    alt.validate(world)
+                except ValueError:
+                    continue
+                yield alt
 
 
-def _with(cfg: TrainConfig, tp: int, pp: int, zero: int) -> TrainConfig:
-    dp = cfg.dp * cfg.tp * cfg.pp // (tp * pp)
-    return replace(cfg, dp=dp, tp=tp, pp=pp, zero=zero, ep=cfg.ep if dp * cfg.cp % cfg.ep == 0 else 1,
-                   virtual_stages=1, schedule="1f1b")
+def _flags(cfg: TrainConfig) -> str:
+    return " ".join(f"--{k} {v}" for k, v in (("dp", cfg.dp), ("tp", cfg.tp), ("pp", cfg.pp), ("zero", cfg.zero))
+                    if v > 1 or k == "zero") + " --recompute" * cfg.recompute
 
 
 def report(cfg: TrainConfig) -> str:
     """`train.py --plan`: what each pipeline rank will hold under cfg, and whether it fits."""
-    model_cfg = get_config(cfg.model, vocab_size=cfg.vocab_size)
+    c = get_config(cfg.model, vocab_size=cfg.vocab_size)
     limit, what = device_memory()
-    lines = [f"--model {cfg.model} ({model_cfg.num_params() / 1e6:,.1f}M parameters at --vocab-size {cfg.vocab_size}), "
+    lines = [f"--model {cfg.model} ({c.num_params() / 1e6:,.1f}M parameters at --vocab-size {cfg.vocab_size}), "
              f"dp {cfg.dp} tp {cfg.tp} pp {cfg.pp} cp {cfg.cp} ep {cfg.ep}, --zero {cfg.zero}, "
              f"{PARAM_DTYPES[cfg.dtype].itemsize}-byte weights" + (" (bf16 autocast)" * (cfg.dtype == "bfloat16")),
-             f"{'pp rank':>8} {'weights':>12} {'gradients':>12} {'optimizer':>12} {'total':>12}   (MiB, per rank, "
-             f"once gradients are synced)"]
+             f"{'pp rank':>8} {'weights':>12} {'gradients':>12} {'optimizer':>12} {'activations':>12} {'total':>12}"
+             f"   (MiB per rank; activations at their peak in the step)"]
     for r in range(cfg.pp):
-        held = held_bytes(model_cfg, cfg, r)
-        lines.append(f"{r:>8} " + " ".join(f"{v / 2**20:>12,.1f}" for v in (*held.values(), sum(held.values()))))
-    need = peak_held_bytes(model_cfg, cfg)
-    lines.append(f"the fullest rank needs {need / 2**30:.2f} GiB for model states ({what}: {limit / 2**30:.1f} GiB); "
-                 f"activations come on top (not estimated yet)")
+        held = list(held_bytes(c, cfg, r).values())
+        held.append(float("nan") if c.n_experts else activation_bytes(c, cfg, r))
+        lines.append(f"{r:>8} " + " ".join(f"{v / 2**20:>12,.1f}" for v in (*held, sum(held))))
+    lines.append(f"the fullest rank needs {peak_bytes(c, cfg) / 2**30:.2f} GiB ({what}: {limit / 2**30:.1f} GiB)"
+                 + (": activations of expert layers are not estimated yet" if c.n_experts else ""))
     return "\n".join(lines)
