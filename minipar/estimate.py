@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from itertools import islice
 
 import torch
@@ -41,7 +42,8 @@ from minipar.config import TrainConfig
 from minipar.data_parallel import bucket_params, param_groups
 from minipar.model import Llama, ModelConfig, get_config
 from minipar.parallelize import parallelize_groups
-from minipar.pipeline import Pipeline
+from minipar.pipeline import Pipeline, stage_layers
+from minipar.pipeline_schedules import make as make_schedule
 from minipar.placement import DENSE, placement_of
 from minipar.zero import bucket_plan
 from minipar.zero3 import unit_chunks, units_of
@@ -68,14 +70,22 @@ def paper_group(name: str, size: int, index: int = 0) -> PaperGroup:
 def rank_model(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> Llama:
     """The part of the model that pp rank `pp_rank` holds under cfg's layout, on the meta device.
     Every tp (and ep) rank holds pieces of the same shapes, so their index does not matter."""
-    stage = None
+    layers, first, last = list(range(model_cfg.n_layers)), True, True
     if cfg.pp > 1:
         pipeline = Pipeline(paper_group("pp", cfg.pp, pp_rank), cfg.schedule, model_cfg.n_layers, cfg.virtual_stages)
-        stage = (pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last())
+        layers, first, last = pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last()
+    if not model_cfg.n_experts:  # dense layers are all alike: build only as many as the rank holds
+        model_cfg, layers = replace(model_cfg, n_layers=len(layers)), range(len(layers))
+    return _model_on_paper(model_cfg, tuple(layers), first, last, cfg.tp, cfg.sp, cfg.ep, cfg.dtype)
+
+
+@lru_cache(maxsize=64)  # the planner asks for the same stage under many ZeRO stages and dp sizes
+def _model_on_paper(model_cfg: ModelConfig, layers: tuple, first: bool, last: bool, tp: int, sp: bool, ep: int,
+                    dtype: str | None) -> Llama:
     with torch.device("meta"):  # the layers parallelize swaps in are made on paper too
-        model = parallelize_groups(Llama(model_cfg, seed=0), tp=paper_group("tp", cfg.tp), cp=paper_group("cp", cfg.cp),
-                                   sp=cfg.sp, stage=stage, recompute=cfg.recompute, ep=paper_group("ep", cfg.ep))
-    return model.to(PARAM_DTYPES[cfg.dtype])  # as train.build_model: buckets are cut by bytes
+        model = parallelize_groups(Llama(model_cfg, seed=0), tp=paper_group("tp", tp), sp=sp,
+                                   stage=(list(layers), first, last), ep=paper_group("ep", ep))
+    return model.to(PARAM_DTYPES[dtype])  # as train.build_model: buckets are cut by bytes
 
 
 def held_bytes(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> dict[str, int]:
@@ -158,14 +168,29 @@ def activation_bytes(c: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> int:
     recompute = layer_activation_bytes(c, replace(cfg, recompute=False)) if cfg.recompute else 0
     if cfg.pp == 1:
         return c.n_layers * per_layer + head + recompute
-    pipeline = Pipeline(paper_group("pp", cfg.pp, pp_rank), cfg.schedule, c.n_layers, cfg.virtual_stages)
-    split = any(a.kind == "W" for a in pipeline.actions(cfg.accum_steps))
-    alive, peak = 0, 0
-    for a in pipeline.actions(cfg.accum_steps):  # a stage's activations live from F until B (or W)
-        size = len(pipeline.layers_of(a.stage)) * per_layer + (head if a.stage == pipeline.n_stages - 1 else 0)
-        alive += size if a.kind == "F" else -size if a.kind == ("W" if split else "B") else 0
-        peak = max(peak, alive)
-    return peak + recompute
+    states = _alive(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages, c.n_layers, pp_rank)
+    return max(layers * per_layer + heads * head for layers, heads in states) + recompute
+
+
+@lru_cache(maxsize=1024)
+def _alive(schedule: str, pp: int, m: int, virtual: int, n_layers: int, pp_rank: int) -> frozenset:
+    """Every (layers, heads) whose activations pp rank `pp_rank` holds at once during the schedule:
+    a stage's live from its F until its B (or W, when the backward is split)."""
+    pipeline = Pipeline(paper_group("pp", pp, pp_rank), schedule, n_layers, virtual)
+    actions = _schedule(schedule, pp, m, virtual)[pp_rank]
+    split, last = any(a.kind == "W" for a in actions), pipeline.n_stages - 1
+    sizes = [len(layers) for layers in stage_layers(n_layers, pipeline.n_stages)]
+    layers, heads, states = 0, 0, {(0, 0)}
+    for a in actions:
+        sign = 1 if a.kind == "F" else -1 if a.kind == ("W" if split else "B") else 0
+        layers, heads = layers + sign * sizes[a.stage], heads + sign * (a.stage == last)
+        states.add((layers, heads))
+    return frozenset(states)
+
+
+@lru_cache(maxsize=64)
+def _schedule(schedule: str, pp: int, m: int, virtual: int):
+    return make_schedule(schedule, pp, m, virtual).actions
 
 
 # ----------------------------------------------------------------------------------------------

@@ -103,6 +103,8 @@ CONFIGS = {
                       max_seq_len=8192, rope_theta=500000.0),
     "8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
                       max_seq_len=8192, rope_theta=500000.0),
+    "70b": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256,
+                       max_seq_len=8192, rope_theta=500000.0),
     # Mixtures of experts: 4 experts for tests; a CPU-sized one; Mixtral-8x7B's shapes; a DeepSeek-MoE-16B
     # style fine-grained one (64 narrow experts, 6 per token, 2 shared, the first layer dense).
     "tiny-moe": ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=256, max_seq_len=128,

@@ -1,0 +1,122 @@
+"""Choosing a layout: every layout of the GPUs that fits in memory, ranked by a simple time model.
+
+Chapter 8 of the course (in progress). The method is the one practitioners follow by hand:
+
+    1. fit the model states and activations (estimate.py: exact bytes per rank), using ZeRO,
+       tensor and pipeline parallelism, and recompute as far as needed;
+    2. keep tensor parallelism inside a node: it talks twice per layer in forward and twice in
+       backward, and only NVLink is fast enough for that; data parallelism talks once per step;
+    3. among what fits, take what the clock says is fastest.
+
+The clock (`step_time`) is arithmetic, stated here so that its answer can be argued with:
+
+    compute   FLOPs of the step (6 per parameter and token, plus attention; recompute adds a
+              forward: 8 instead of 6) over the GPUs at `mfu` of their peak
+    tp        4 all-reduces of the layer's activations per layer and micro-batch (2 forward,
+              2 backward; sp's all-gather + reduce-scatter cost the same), ring volume
+              2 (tp-1)/tp, on the intra-node bandwidth, not overlapped
+    dp        the gradients' all-reduce (ZeRO 1-2: reduce-scatter + all-gather, the same volume;
+              ZeRO-3: 3 Psi per micro-batch, its gathers repeat for each), on the inter-node
+              bandwidth when the dp group leaves the node; overlapped with backward (2/3 of
+              compute), only what is left over counts
+    bubble    1F1B's idle fraction (pp-1)/(m+pp-1) of the compute
+    cp        ring attention's backward sends K and V and their gradients around the ring, cp-1
+              hops per layer and micro-batch, not overlapped (chapter 6: the forward's hops are)
+    pp        the activations sent between stages are small beside the above: not counted
+
+It scales to any number of GPUs instantly: nothing is built but one meta-device model per layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minipar.config import TrainConfig
+from minipar.estimate import peak_bytes
+from minipar.model import ModelConfig, get_config
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int = 8
+    memory: float = 80e9  # bytes per GPU
+    flops: float = 989e12  # peak dense bf16 FLOP/s per GPU (H100 SXM)
+    mfu: float = 0.45  # the share of peak the model's matmuls reach
+    intra_bandwidth: float = 450e9  # bytes/s per GPU inside a node (NVLink, one direction)
+    inter_bandwidth: float = 50e9  # bytes/s per GPU between nodes (400 Gb/s InfiniBand)
+
+
+def layouts(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_batch: int = 1):
+    """Every layout of the cluster's GPUs that passes minipar's own checks; tp never leaves a node."""
+    c = get_config(model)
+    g = cluster.gpus
+    for tp in (t for t in range(1, cluster.gpus_per_node + 1) if g % t == 0 and c.n_heads % t == 0):
+        for pp in (p for p in range(1, c.n_layers + 1) if (g // tp) % p == 0):
+            for cp in (1, 2, 4, 8) if seq_len >= 8192 else (1,):
+                if (g // (tp * pp)) % cp or global_batch % (g // (tp * pp * cp) * micro_batch):
+                    continue
+                for zero in (0, 1, 2, 3):
+                    for recompute in (False, True):
+                        cfg = TrainConfig(model=model, dp=g // (tp * pp * cp), tp=tp, pp=pp, cp=cp, sp=tp > 1,
+                                          zero=zero, recompute=recompute, seq_len=seq_len,
+                                          global_batch=global_batch, micro_batch=micro_batch, dtype="bfloat16",
+                                          vocab_size=c.vocab_size)
+                        try:
+                            cfg.validate(g)
+                        except ValueError:
+                            continue
+                        yield cfg
+
+
+def step_time(c: ModelConfig, cfg: TrainConfig, cluster: Cluster) -> dict[str, float]:
+    """Seconds of one optimizer step under the clock of the module docstring, by part."""
+    tokens = cfg.global_batch * cfg.seq_len
+    flops = tokens * (c.flops_per_token(cfg.seq_len) * (8 / 6 if cfg.recompute else 1))
+    compute = flops / (cluster.gpus * cluster.flops * cluster.mfu)
+    micro = cfg.accum_steps  # micro-batches per rank per step
+    layers = c.n_layers / cfg.pp
+    act = cfg.micro_batch * cfg.seq_len // cfg.cp * c.dim * 2  # one layer's output, bf16
+    tp = 0.0 if cfg.tp == 1 else 4 * layers * micro * 2 * (cfg.tp - 1) / cfg.tp * act / cluster.intra_bandwidth
+    kv = c.n_kv_heads * c.head_dim / cfg.tp * cfg.micro_batch * cfg.seq_len // cfg.cp * 2  # K (or V), bf16
+    cp = 0.0 if cfg.cp == 1 else c.n_layers / cfg.pp * micro * 2 * (cfg.cp - 1) * 2 * kv / _bandwidth(
+        cluster, cfg.tp * cfg.cp)
+    shard = c.num_params() / (cfg.tp * cfg.pp) * 4  # fp32 weights or gradients a rank syncs
+    replicas = cfg.dp * cfg.cp
+    volume = (replicas - 1) / replicas * shard * (3 * micro if cfg.zero == 3 else 2)
+    dp = volume / _bandwidth(cluster, cfg.tp * cfg.cp * cfg.dp) if replicas > 1 else 0.0
+    bubble = (cfg.pp - 1) / (micro + cfg.pp - 1) * compute
+    exposed = max(0.0, dp - 2 / 3 * compute)
+    parts = {"compute": compute, "tp": tp, "cp": cp, "dp": exposed, "bubble": bubble}
+    return {**parts, "total": sum(parts.values())}
+
+
+def _bandwidth(cluster: Cluster, span: int) -> float:
+    """A group whose ranks lie within `span` consecutive ranks (mesh.py: tp varies fastest, then
+    cp, dp, pp) stays inside a node when span <= gpus_per_node."""
+    return cluster.intra_bandwidth if span <= cluster.gpus_per_node else cluster.inter_bandwidth
+
+
+@dataclass
+class Choice:
+    cfg: TrainConfig
+    time: dict[str, float]
+    memory: int  # bytes on the fullest rank
+
+    def flags(self) -> str:
+        c = self.cfg
+        parts = [f"--{k} {v}" for k, v in (("dp", c.dp), ("tp", c.tp), ("pp", c.pp), ("cp", c.cp)) if v > 1]
+        return " ".join(parts + ["--sp"] * c.sp + [f"--zero {c.zero}"] * (c.zero > 0) + ["--recompute"] * c.recompute)
+
+
+def plan(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_batch: int = 1):
+    """(the layouts that fit, fastest first; how many did not fit)."""
+    c, fits, too_big = get_config(model), [], 0
+    for cfg in layouts(model, cluster, seq_len, global_batch, micro_batch):
+        memory = peak_bytes(c, cfg)
+        if memory > cluster.memory:
+            too_big += 1
+            continue
+        fits.append(Choice(cfg, step_time(c, cfg, cluster), memory))
+    return sorted(fits, key=lambda ch: (round(ch.time["total"], 6), ch.cfg.tp * ch.cfg.pp * ch.cfg.cp)), too_big
+

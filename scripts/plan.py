@@ -1,0 +1,93 @@
+"""Which layout should I run? Every layout of the GPUs that fits, fastest first, with the reasons.
+
+    .venv/bin/python scripts/plan.py --model 8b --gpus 64 --gpus-per-node 8 --gpu-memory 80GB \
+        --seq-len 8192 --global-batch 1024
+
+Memory is minipar's own estimate (minipar/estimate.py, checked byte for byte against real ranks);
+time is the stated model of minipar/planner.py (compute at --mfu of --peak-tflops, communication
+at the given bandwidths). Nothing runs on a GPU: it is arithmetic, for any number of GPUs.
+"""
+
+import argparse
+
+from minipar.model import CONFIGS, get_config
+from minipar.planner import Cluster, plan, step_time
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="8b", choices=list(CONFIGS))
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-memory", default="80GB", help="per GPU, e.g. 80GB or 24GiB")
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 per GPU (H100 SXM: 989)")
+    p.add_argument("--mfu", type=float, default=0.45, help="the share of peak the matmuls reach")
+    p.add_argument("--intra-gbps", type=float, default=450.0, help="GB/s per GPU inside a node (NVLink)")
+    p.add_argument("--inter-gbps", type=float, default=50.0, help="GB/s per GPU between nodes (InfiniBand)")
+    p.add_argument("--top", type=int, default=8, help="how many layouts to list")
+    return p.parse_args(argv)
+
+
+def memory_bytes(text: str) -> float:
+    units = {"GIB": 2**30, "GB": 1e9, "MIB": 2**20, "MB": 1e6}
+    unit = next(u for u in units if text.upper().endswith(u))
+    return float(text[: -len(unit)]) * units[unit]
+
+
+def row(choice) -> str:
+    t = choice.time
+    return (f"  {choice.flags():<44} {t['total']:>9.2f} s = compute {t['compute']:.2f} + tp {t['tp']:.2f} + "
+            f"cp {t['cp']:.2f} + dp {t['dp']:.2f} + bubble {t['bubble']:.2f}   {choice.memory / 1e9:5.1f} GB")
+
+
+def why_not(best, fits, args, cluster) -> list[str]:
+    """The alternatives people reach for first, and what the model says of each."""
+    lines = []
+    common = {"plain data parallelism": lambda x: x.dp * x.cp == args.gpus and x.zero == 0 and not x.recompute,
+              "ZeRO-3 over every GPU (FSDP)": lambda x: x.dp == args.gpus and x.zero == 3 and not x.recompute,
+              f"tensor parallelism over a node (tp {args.gpus_per_node})": lambda x: x.tp == args.gpus_per_node,
+              "pipeline parallelism": lambda x: x.pp > 1,
+              "recompute": lambda x: x.recompute}
+    for name, test in common.items():
+        if test(best.cfg):
+            lines.append(f"  {name}: the choice itself")
+            continue
+        match = next((ch for ch in fits if test(ch.cfg)), None)
+        if match is None:
+            lines.append(f"  {name}: no such layout fits in {cluster.memory / 1e9:.0f} GB per GPU")
+        else:
+            slower = {k: v - best.time[k] for k, v in match.time.items() if k != "total" and v > best.time[k]}
+            worst = max(slower, key=slower.get) if slower else "nothing"
+            lines.append(f"  {name}: best is {match.flags()}, {match.time['total'] - best.time['total']:.2f} s "
+                         f"slower per step (mostly {worst})")
+    return lines
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    cluster = Cluster(args.gpus, args.gpus_per_node, memory_bytes(args.gpu_memory), args.peak_tflops * 1e12,
+                      args.mfu, args.intra_gbps * 1e9, args.inter_gbps * 1e9)
+    fits, too_big = plan(args.model, cluster, args.seq_len, args.global_batch, args.micro_batch)
+    c = get_config(args.model)
+    print(f"{args.model}: {c.num_params() / 1e9:.2f}B parameters on {args.gpus} GPUs ({args.gpus_per_node} per "
+          f"node, {cluster.memory / 1e9:.0f} GB each), seq {args.seq_len}, global batch {args.global_batch}")
+    print(f"{len(fits)} layouts fit, {too_big} do not. Fastest first (time per optimizer step; memory of the "
+          f"fullest rank):")
+    if not fits:
+        print("  none: use more GPUs, a shorter --seq-len or a smaller --micro-batch")
+        return
+    for choice in fits[: args.top]:
+        print(row(choice))
+    best = fits[0]
+    ideal = step_time(c, best.cfg, cluster)["compute"]
+    print(f"\nThe choice: {best.flags()}. Its step is {best.time['total'] / ideal:.3f}x the pure compute time; "
+          f"what the others would cost instead:")
+    print("\n".join(why_not(best, fits, args, cluster)))
+
+
+if __name__ == "__main__":
+    main()

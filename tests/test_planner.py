@@ -1,0 +1,52 @@
+"""The layout planner (minipar/planner.py, scripts/plan.py): it picks what practitioners pick."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from minipar.config import TrainConfig
+from minipar.model import get_config
+from minipar.planner import Cluster, layouts, plan, step_time
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_an_8b_llama_on_one_node_of_8_gpus_is_sharded_data_parallelism():
+    fits, _ = plan("8b", Cluster(8), seq_len=8192, global_batch=1024)
+    best = fits[0].cfg
+    assert (best.tp, best.pp, best.cp) == (1, 1, 1) and best.dp == 8 and best.zero >= 1, fits[0].flags()
+
+
+def test_a_70b_llama_on_64_gpus_uses_tensor_parallelism_inside_nodes_plus_pipeline_stages():
+    fits, too_big = plan("70b", Cluster(64), seq_len=8192, global_batch=256)
+    best = fits[0].cfg
+    assert 1 < best.tp <= 8 and best.pp > 1, fits[0].flags()
+    assert too_big > 0 and not any(ch.cfg.dp == 64 and ch.cfg.zero == 0 for ch in fits)  # replicas do not fit
+
+
+def test_tensor_parallelism_never_leaves_a_node():
+    for cfg in layouts("1b", Cluster(16, gpus_per_node=4), seq_len=2048, global_batch=64):
+        assert cfg.tp <= 4
+
+
+def test_the_clock_is_the_stated_arithmetic():
+    c, cluster = get_config("8b"), Cluster(16, mfu=0.5)
+    cfg = TrainConfig(model="8b", dp=4, tp=2, pp=2, sp=True, seq_len=4096, global_batch=64, micro_batch=1)
+    t = step_time(c, cfg, cluster)
+    tokens = 64 * 4096
+    assert t["compute"] == pytest.approx(tokens * (6 * c.num_params() + 12 * 32 * 4096 * 4096) / (16 * 989e12 * 0.5))
+    m = 64 // 4  # micro-batches per rank
+    assert t["bubble"] == pytest.approx((2 - 1) / (m + 2 - 1) * t["compute"])
+    one_layer = 4096 * 4096 * 2  # bytes of a layer's output, bf16
+    assert t["tp"] == pytest.approx(4 * 16 * m * 2 * 1 / 2 * one_layer / 450e9)
+    assert t["total"] == pytest.approx(sum(v for k, v in t.items() if k != "total"))
+
+
+def test_plan_py_prints_the_choice_and_why_the_usual_alternatives_lose(capsys):
+    spec = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "plan.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--model", "8b", "--gpus", "8", "--gpu-memory", "80GB", "--seq-len", "8192", "--global-batch", "512"])
+    out = capsys.readouterr().out
+    assert "The choice: --dp 8 --zero" in out and "plain data parallelism:" in out and "recompute:" in out
