@@ -1,6 +1,6 @@
 """What each rank will hold, worked out before anything runs.
 
-Chapter 8 of the course (in progress). A layout is chosen before a single GPU is touched, so the
+Chapter 8 of the course. A layout is chosen before a single GPU is touched, so the
 first question is arithmetic: how many bytes of weights, gradients and optimizer state does each
 rank hold, and does it fit? The ZeRO paper's answer for Psi parameters on N ranks, with 2 bytes of
 weight, 2 of gradient and K = 12 of optimizer state per parameter (zero.model_state_bytes):
@@ -19,13 +19,16 @@ tests/test_estimate.py checks it against what real ranks hold, byte for byte.
 Held bytes are given at one moment of the step, the one `GradSync.held_bytes()` measures in the
 tests: after the gradients are synchronised, before the optimizer step.
 
-    params     the weights this rank holds whole (none under ZeRO-3), plus ZeRO's fp32 master slices
-    grads      a full gradient per weight, plus data parallelism's flat all-reduce buffers; under
-               ZeRO, only this rank's slices
-    optimizer  AdamW's two moments: of every weight, or of this rank's slices under ZeRO
+    params       the weights this rank holds whole (none under ZeRO-3), plus ZeRO's master slices
+    grads        a full gradient per weight, plus data parallelism's flat all-reduce buffers; under
+                 ZeRO, only this rank's slices
+    optimizer    AdamW's two moments: of every weight, or of this rank's slices under ZeRO
+    activations  what autograd keeps for backward (layer_activation_bytes: to the byte in
+                 float64 on CPU), times the micro-batches the pipeline schedule keeps in flight
 
-Not yet here (issue #12): activations, temporary buffers, bytes sent per group, FLOPs and the
-planner. train.py's memory check uses these model states alone, a lower bound of the need.
+Not yet here (issue #12): temporary buffers, bytes sent per group checked against the ledger,
+activations of expert layers. `check_memory` (train.py, before anything is built) and the
+planner (planner.py) use these figures.
 """
 
 from __future__ import annotations

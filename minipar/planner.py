@@ -1,6 +1,6 @@
 """Choosing a layout: every layout of the GPUs that fits in memory, ranked by a simple time model.
 
-Chapter 8 of the course (in progress). The method is the one practitioners follow by hand:
+Chapter 8 of the course. The method is the one practitioners follow by hand:
 
     1. fit the model states and activations (estimate.py: exact bytes per rank), using ZeRO,
        tensor and pipeline parallelism, and recompute as far as needed;
