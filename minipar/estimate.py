@@ -26,8 +26,8 @@ tests: after the gradients are synchronised, before the optimizer step.
     activations  what autograd keeps for backward (layer_activation_bytes: to the byte in
                  float64 on CPU), times the micro-batches the pipeline schedule keeps in flight
 
-Not yet here (issue #12): temporary buffers, bytes sent per group checked against the ledger,
-activations of expert layers. `check_memory` (train.py, before anything is built) and the
+Bytes sent: `dp_bytes_sent`, the data-parallel group's traffic per step (equal to the ledger).
+Not yet here (issue #12): temporary buffers, tp/cp/pp traffic, expert layers' activations. `check_memory` (train.py, before anything is built) and the
 planner (planner.py) use these figures.
 """
 
@@ -40,7 +40,7 @@ from itertools import islice
 
 import torch
 
-from minipar.collectives import Group, Ledger
+from minipar.collectives import Group, Ledger, ring_bytes_sent
 from minipar.config import TrainConfig
 from minipar.data_parallel import bucket_params, param_groups
 from minipar.model import Llama, ModelConfig, get_config
@@ -117,6 +117,39 @@ def _replicas(grad_mean: tuple[str, ...], cfg: TrainConfig) -> int:
     """The size of the group a gradient is averaged over: dp x cp, or edp = dp x cp / ep."""
     return cfg.dp * cfg.cp if tuple(grad_mean) == DENSE else cfg.dp * cfg.cp // cfg.ep
 
+
+
+def dp_bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> dict[str, int]:
+    """What pp rank `pp_rank` sends in one step over its data-parallel group (dp, or dp x cp), by
+    the ledger's "group/op" keys and ring volumes: train_step's 8-byte count of real targets; the
+    gradient all-reduce, bucket by bucket; under ZeRO instead a reduce-scatter of every bucket
+    (stage 2 and 3: every micro-batch) and an all-gather (stage 3: forward and backward of every
+    micro-batch), and the norm's partial sums (one per kind of bucket cut). Dense models."""
+    n, m = cfg.dp * cfg.cp, cfg.accum_steps
+    if model_cfg.n_experts:
+        raise NotImplementedError("traffic estimates for mixture-of-experts models are not built yet")
+    if n == 1:
+        return {}
+    group = "dp" if cfg.cp == 1 else "dp_cp"
+    model = rank_model(model_cfg, cfg, pp_rank)
+    width = PARAM_DTYPES[cfg.dtype].itemsize
+    sent = {f"{group}/all_reduce": ring_bytes_sent("all_reduce", 8, n)}
+    if cfg.zero == 0:
+        for chunk in bucket_params(list(reversed(list(model.parameters()))), cfg.bucket_mb):
+            sent[f"{group}/all_reduce"] += ring_bytes_sent("all_reduce", sum(p.numel() for p in chunk) * width, n)
+        return sent
+    units = units_of(model)
+    plan = bucket_plan(param_groups(model, cfg), (lambda ps: unit_chunks(units, ps)) if cfg.zero == 3
+                       else (lambda ps: bucket_params(ps, cfg.bucket_mb)))
+    sent[f"{group}/reduce_scatter"] = sent[f"{group}/all_gather"] = 0
+    for _, _, chunk in plan:
+        padded = -(-sum(p.numel() for p in chunk) // n) * n * width
+        sent[f"{group}/reduce_scatter"] += (m if cfg.zero >= 2 else 1) * ring_bytes_sent("reduce_scatter", padded, n)
+        sent[f"{group}/all_gather"] += (2 * m if cfg.zero == 3 else 1) * ring_bytes_sent("all_gather", padded, n)
+    cuts = {tuple(d for d, _ in placement_of(chunk[0]).shards if getattr(cfg, d) > 1) for _, _, chunk in plan}
+    master = torch.promote_types(PARAM_DTYPES[cfg.dtype], torch.float32).itemsize
+    sent[f"{group}/all_reduce"] += len(cuts) * ring_bytes_sent("all_reduce", master, n)
+    return sent
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,10 +15,10 @@ The clock (`step_time`) is arithmetic, stated here so that its answer can be arg
     tp        4 all-reduces of the layer's activations per layer and micro-batch (2 forward,
               2 backward; sp's all-gather + reduce-scatter cost the same), ring volume
               2 (tp-1)/tp, on the intra-node bandwidth, not overlapped
-    dp        the gradients' all-reduce (ZeRO 1-2: reduce-scatter + all-gather, the same volume;
-              ZeRO-3: 3 Psi per micro-batch, its gathers repeat for each), on the inter-node
-              bandwidth when the dp group leaves the node; overlapped with backward (2/3 of
-              compute), only what is left over counts
+    dp        the bytes estimate.dp_bytes_sent counts (equal to the ledger's: the gradients'
+              all-reduce; ZeRO 1-2 reduce-scatter + all-gather, the same volume; ZeRO-3 3 Psi per
+              micro-batch), on the inter-node bandwidth when the dp group leaves the node;
+              overlapped with backward (2/3 of compute), only what is left over counts
     bubble    1F1B's idle fraction (pp-1)/(m+pp-1) of the compute
     cp        ring attention's backward sends K and V and their gradients around the ring, cp-1
               hops per layer and micro-batch, not overlapped (chapter 6: the forward's hops are)
@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minipar.config import TrainConfig
-from minipar.estimate import peak_bytes
+from minipar.estimate import dp_bytes_sent, peak_bytes
 from minipar.model import ModelConfig, get_config
 
 
@@ -81,10 +81,8 @@ def step_time(c: ModelConfig, cfg: TrainConfig, cluster: Cluster) -> dict[str, f
     kv = c.n_kv_heads * c.head_dim / cfg.tp * cfg.micro_batch * cfg.seq_len // cfg.cp * 2  # K (or V), bf16
     cp = 0.0 if cfg.cp == 1 else c.n_layers / cfg.pp * micro * 2 * (cfg.cp - 1) * 2 * kv / _bandwidth(
         cluster, cfg.tp * cfg.cp)
-    shard = c.num_params() / (cfg.tp * cfg.pp) * 4  # fp32 weights or gradients a rank syncs
-    replicas = cfg.dp * cfg.cp
-    volume = (replicas - 1) / replicas * shard * (3 * micro if cfg.zero == 3 else 2)
-    dp = volume / _bandwidth(cluster, cfg.tp * cfg.cp * cfg.dp) if replicas > 1 else 0.0
+    volume = sum(dp_bytes_sent(c, cfg).values())  # the estimator's bytes, equal to the ledger's on CPU
+    dp = volume / _bandwidth(cluster, cfg.tp * cfg.cp * cfg.dp)
     bubble = (cfg.pp - 1) / (micro + cfg.pp - 1) * compute
     exposed = max(0.0, dp - 2 / 3 * compute)
     parts = {"compute": compute, "tp": tp, "cp": cp, "dp": exposed, "bubble": bubble}
@@ -112,6 +110,9 @@ class Choice:
 def plan(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_batch: int = 1):
     """(the layouts that fit, fastest first; how many did not fit)."""
     c, fits, too_big = get_config(model), [], 0
+    if c.n_experts:
+        raise ValueError(f"--model {model}: the planner does not weigh mixture-of-experts layouts yet (ep, "
+                         f"expert activations and all-to-all traffic); choose a dense model")
     for cfg in layouts(model, cluster, seq_len, global_batch, micro_batch):
         memory = peak_bytes(c, cfg)
         if memory > cluster.memory:

@@ -71,7 +71,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     cluster = Cluster(args.gpus, args.gpus_per_node, memory_bytes(args.gpu_memory), args.peak_tflops * 1e12,
                       args.mfu, args.intra_gbps * 1e9, args.inter_gbps * 1e9)
-    fits, too_big = plan(args.model, cluster, args.seq_len, args.global_batch, args.micro_batch)
+    try:
+        fits, too_big = plan(args.model, cluster, args.seq_len, args.global_batch, args.micro_batch)
+    except ValueError as e:
+        raise SystemExit(f"plan.py: error: {e}") from None
     c = get_config(args.model)
     print(f"{args.model}: {c.num_params() / 1e9:.2f}B parameters on {args.gpus} GPUs ({args.gpus_per_node} per "
           f"node, {cluster.memory / 1e9:.0f} GB each), seq {args.seq_len}, global batch {args.global_batch}")

@@ -216,3 +216,43 @@ def test_pipeline_activations_count_the_micro_batches_the_schedule_keeps_in_flig
     # Recompute: each layer keeps its input; the layer in backward is rebuilt whole, one at a time.
     assert activation_bytes(c, recompute) == 4 * layer_activation_bytes(c, recompute) + \
         head_activation_bytes(c, plain) + layer_activation_bytes(c, plain)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bytes sent: the data-parallel group's traffic against the ledger
+# ----------------------------------------------------------------------------------------------
+
+
+def _dp_traffic(rank, world, layout):
+    from minipar.context_parallel import split_sequence
+    from minipar.estimate import dp_bytes_sent
+    from minipar.mesh import Mesh
+    from minipar.train import build_model, train_step, wrap
+
+    cfg = TrainConfig(**{"model": "small", "seq_len": 16, "global_batch": 8, "micro_batch": 2, "dtype": "float64",
+                         "bucket_mb": 0.5, **layout})
+    c = get_config("small", vocab_size=250)
+    with Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp) as mesh:
+        model, pipeline = build_model(cfg, mesh, c, torch.device("cpu"), torch.float64)
+        wrapper = wrap(model, mesh, cfg)
+        x = torch.randint(0, 250, (cfg.global_batch // cfg.dp, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+        x = split_sequence(x, mesh.cp_group)
+        micro = list(zip(x.split(cfg.micro_batch), x.split(cfg.micro_batch)))
+        train_step(wrapper, micro, 1.0, pipeline=pipeline)
+        mesh.ledger.reset()
+        train_step(wrapper, micro, 1.0, pipeline=pipeline)  # a step like every other
+        group = "dp" if cfg.cp == 1 else "dp_cp"
+        measured = {k: v["sent"] for k, v in mesh.ledger.snapshot().items() if k.startswith(f"{group}/")}
+        return measured, dp_bytes_sent(c, cfg, pipeline.group.rank if pipeline else 0)
+
+
+TRAFFIC_LAYOUTS = [(2, dict(dp=2)), (4, dict(dp=4)), (2, dict(dp=2, zero=1)), (2, dict(dp=2, zero=2)),
+                   (2, dict(dp=2, zero=3)), (4, dict(dp=4, zero=3)), (4, dict(dp=2, tp=2, sp=True, zero=1)),
+                   (4, dict(dp=2, cp=2)), (4, dict(dp=2, pp=2, zero=2))]
+
+
+@pytest.mark.parametrize("world,layout", TRAFFIC_LAYOUTS,
+                         ids=["-".join(f"{k}{v}" for k, v in c[1].items()) for c in TRAFFIC_LAYOUTS])
+def test_the_data_parallel_traffic_estimate_equals_the_ledger(world, layout):
+    for measured, estimated in run_ranks(world, _dp_traffic, layout, timeout=300):
+        assert measured == estimated
