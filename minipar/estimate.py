@@ -26,14 +26,16 @@ tests: after the gradients are synchronised, before the optimizer step.
     activations  what autograd keeps for backward (layer_activation_bytes: to the byte in
                  float64 on CPU), times the micro-batches the pipeline schedule keeps in flight
 
-Bytes sent: `dp_bytes_sent`, the data-parallel group's traffic per step (equal to the ledger).
-Not yet here (issue #12): temporary buffers, tp/cp/pp traffic, expert layers' activations. `check_memory` (train.py, before anything is built) and the
-planner (planner.py) use these figures.
+Bytes sent per step, by group and operation (`bytes_sent`; the data-parallel part alone:
+`dp_bytes_sent`), equal to the ledger. `check_memory` (train.py, before anything is built) and
+the planner (planner.py) use these figures. Not yet here (issue #12): temporary buffers, and
+mixture-of-experts layers' activations and traffic.
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import islice
@@ -100,9 +102,7 @@ def held_bytes(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
     if cfg.zero == 0:  # every weight, its gradient, a flat all-reduce buffer if it has replicas, two moments
         buffers = sum(p.numel() for p in params if _replicas(placement_of(p).grad_mean, cfg) > 1) * width
         return {"params": whole, "grads": whole + buffers, "optimizer": 2 * whole}
-    units = units_of(model)
-    plan = bucket_plan(param_groups(model, cfg), (lambda ps: unit_chunks(units, ps)) if cfg.zero == 3
-                       else (lambda ps: bucket_params(ps, cfg.bucket_mb)))
+    plan = _zero_plan(model, cfg)
     master = torch.promote_types(PARAM_DTYPES[cfg.dtype], torch.float32).itemsize
     slices = sum(-(-sum(p.numel() for p in chunk) // _replicas(dims, cfg)) for _, dims, chunk in plan) * master
     return {"params": (0 if cfg.zero == 3 else whole) + slices, "grads": slices, "optimizer": 2 * slices}
@@ -138,9 +138,7 @@ def dp_bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) ->
         for chunk in bucket_params(list(reversed(list(model.parameters()))), cfg.bucket_mb):
             sent[f"{group}/all_reduce"] += ring_bytes_sent("all_reduce", sum(p.numel() for p in chunk) * width, n)
         return sent
-    units = units_of(model)
-    plan = bucket_plan(param_groups(model, cfg), (lambda ps: unit_chunks(units, ps)) if cfg.zero == 3
-                       else (lambda ps: bucket_params(ps, cfg.bucket_mb)))
+    plan = _zero_plan(model, cfg)
     sent[f"{group}/reduce_scatter"] = sent[f"{group}/all_gather"] = 0
     for _, _, chunk in plan:
         padded = -(-sum(p.numel() for p in chunk) // n) * n * width
@@ -150,6 +148,65 @@ def dp_bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) ->
     master = torch.promote_types(PARAM_DTYPES[cfg.dtype], torch.float32).itemsize
     sent[f"{group}/all_reduce"] += len(cuts) * ring_bytes_sent("all_reduce", master, n)
     return sent
+
+
+def bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> dict[str, int]:
+    """Everything pp rank `pp_rank` sends in one step, by the ledger's "group/op" keys: the data-
+    parallel group's (dp_bytes_sent) and, per micro-batch, tensor parallelism's four messages per
+    layer (sp: all-gathers and reduce-scatters instead of all-reduces) with the embedding's, the
+    head's and the vocabulary-parallel loss's; the pipeline's activations and gradients; ring
+    attention's K/V blocks (forward) and K/V with their gradients (backward). Dense models."""
+    sent = Counter(dp_bytes_sent(model_cfg, cfg, pp_rank))
+    model, m, w = rank_model(model_cfg, cfg, pp_rank), cfg.accum_steps, ACT_WIDTH[cfg.dtype]
+    layers = len(model.layers)
+    first, last = model.tok_emb is not None, model.lm_head is not None
+    tokens = cfg.micro_batch * cfg.seq_len // cfg.cp  # this rank's, per micro-batch
+    act = tokens * model_cfg.dim * w
+    weight_width = PARAM_DTYPES[cfg.dtype].itemsize  # gradients, and what stages pass on (pipeline.py)
+    grad_width = torch.promote_types(PARAM_DTYPES[cfg.dtype], torch.float32).itemsize if cfg.zero else weight_width
+    if cfg.tp > 1:
+        t, messages = cfg.tp, 4 * layers + first + last  # per micro-batch: in/out of each block, embedding, head
+        ops = ("all_gather", "reduce_scatter") if cfg.sp else ("all_reduce",)
+        for op in ops:
+            sent[f"tp/{op}"] += m * messages * ring_bytes_sent(op, act, t)
+        if last:  # the loss: max, target logit and sum of exponentials per token, in at least fp32
+            sent["tp/all_reduce"] += m * 3 * ring_bytes_sent("all_reduce", tokens * max(w, 4), t)
+        sent["tp/all_reduce"] += ring_bytes_sent("all_reduce", grad_width, t)  # the norm of the tp shards
+        partial = [p.numel() for p in model.parameters() if "tp" in placement_of(p).partial]
+        if partial and cfg.zero == 0:  # sp's norm weights: summed over tp once per step (one message)
+            sent["tp/all_reduce"] += ring_bytes_sent("all_reduce", sum(partial) * weight_width, t)
+        elif partial:  # ZeRO: per bucket that holds some, as it is reduced (stage 2-3: each micro-batch)
+            for _, _, chunk in _zero_plan(model, cfg):
+                numel = sum(p.numel() for p in chunk if "tp" in placement_of(p).partial)
+                if numel:
+                    sent["tp/all_reduce"] += (m if cfg.zero >= 2 else 1) * ring_bytes_sent(
+                        "all_reduce", numel * weight_width, t)
+    if cfg.pp > 1:
+        stage_output = tokens * model_cfg.dim * weight_width // (cfg.tp if cfg.sp else 1)
+        _pipeline_bytes(sent, model_cfg, cfg, pp_rank, stage_output)
+        sent["pp/all_reduce"] += ring_bytes_sent("all_reduce", grad_width, cfg.pp)  # the norm, over stages
+    if cfg.cp > 1:
+        kv = max(1, model_cfg.n_kv_heads // cfg.tp) * tokens * model_cfg.head_dim * w  # a layer's K (or V) here
+        sent["cp/send"] += m * layers * ((cfg.cp - 1) * 2 * kv + cfg.cp * 4 * kv)
+    return {k: v for k, v in sent.items() if v}
+
+
+def _pipeline_bytes(sent: Counter, model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int, act: int) -> None:
+    """Each of this rank's stages sends its output on (pp) and its input's gradient back (pp_grad),
+    once per micro-batch, unless the neighbouring stage is on this rank too (zbv's turn)."""
+    pipeline = Pipeline(paper_group("pp", cfg.pp, pp_rank), cfg.schedule, model_cfg.n_layers, cfg.virtual_stages)
+    place = pipeline.placement
+    for k in pipeline.my_stages:
+        if k + 1 < len(place) and place[k + 1] != pp_rank:
+            sent["pp/send"] += cfg.accum_steps * act
+        if k > 0 and place[k - 1] != pp_rank:
+            sent["pp_grad/send"] += cfg.accum_steps * act
+
+
+def _zero_plan(model, cfg: TrainConfig):
+    units = units_of(model)
+    return bucket_plan(param_groups(model, cfg), (lambda ps: unit_chunks(units, ps)) if cfg.zero == 3
+                       else (lambda ps: bucket_params(ps, cfg.bucket_mb)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,17 +12,15 @@ The clock (`step_time`) is arithmetic, stated here so that its answer can be arg
 
     compute   FLOPs of the step (6 per parameter and token, plus attention; recompute adds a
               forward: 8 instead of 6) over the GPUs at `mfu` of their peak
-    tp        4 all-reduces of the layer's activations per layer and micro-batch (2 forward,
-              2 backward; sp's all-gather + reduce-scatter cost the same), ring volume
-              2 (tp-1)/tp, on the intra-node bandwidth, not overlapped
-    dp        the bytes estimate.dp_bytes_sent counts (equal to the ledger's: the gradients'
-              all-reduce; ZeRO 1-2 reduce-scatter + all-gather, the same volume; ZeRO-3 3 Psi per
-              micro-batch), on the inter-node bandwidth when the dp group leaves the node;
+    traffic   the bytes each group sends in a step, from estimate.bytes_sent (equal to the
+              ledger's on CPU), over the intra-node bandwidth when the group's ranks lie in one
+              node, else the inter-node one:
+    tp        4 messages of a layer's activations per layer and micro-batch; not overlapped
+    cp        ring attention's K/V blocks, forward and backward; counted as not overlapped
+    dp        the gradients' all-reduce (ZeRO: reduce-scatter + all-gather, ZeRO-3 per micro-batch);
               overlapped with backward (2/3 of compute), only what is left over counts
-    bubble    1F1B's idle fraction (pp-1)/(m+pp-1) of the compute
-    cp        ring attention's backward sends K and V and their gradients around the ring, cp-1
-              hops per layer and micro-batch, not overlapped (chapter 6: the forward's hops are)
-    pp        the activations sent between stages are small beside the above: not counted
+    bubble    1F1B's idle fraction (pp-1)/(m+pp-1) of the compute; the activations sent between
+              stages are small beside the above and not counted
 
 It scales to any number of GPUs instantly: nothing is built but one meta-device model per layout.
 """
@@ -32,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minipar.config import TrainConfig
-from minipar.estimate import dp_bytes_sent, peak_bytes
+from minipar.estimate import bytes_sent, peak_bytes
 from minipar.model import ModelConfig, get_config
 
 
@@ -71,21 +69,15 @@ def layouts(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro
 
 def step_time(c: ModelConfig, cfg: TrainConfig, cluster: Cluster) -> dict[str, float]:
     """Seconds of one optimizer step under the clock of the module docstring, by part."""
-    tokens = cfg.global_batch * cfg.seq_len
-    flops = tokens * (c.flops_per_token(cfg.seq_len) * (8 / 6 if cfg.recompute else 1))
-    compute = flops / (cluster.gpus * cluster.flops * cluster.mfu)
-    micro = cfg.accum_steps  # micro-batches per rank per step
-    layers = c.n_layers / cfg.pp
-    act = cfg.micro_batch * cfg.seq_len // cfg.cp * c.dim * 2  # one layer's output, bf16
-    tp = 0.0 if cfg.tp == 1 else 4 * layers * micro * 2 * (cfg.tp - 1) / cfg.tp * act / cluster.intra_bandwidth
-    kv = c.n_kv_heads * c.head_dim / cfg.tp * cfg.micro_batch * cfg.seq_len // cfg.cp * 2  # K (or V), bf16
-    cp = 0.0 if cfg.cp == 1 else c.n_layers / cfg.pp * micro * 2 * (cfg.cp - 1) * 2 * kv / _bandwidth(
-        cluster, cfg.tp * cfg.cp)
-    volume = sum(dp_bytes_sent(c, cfg).values())  # the estimator's bytes, equal to the ledger's on CPU
-    dp = volume / _bandwidth(cluster, cfg.tp * cfg.cp * cfg.dp)
-    bubble = (cfg.pp - 1) / (micro + cfg.pp - 1) * compute
-    exposed = max(0.0, dp - 2 / 3 * compute)
-    parts = {"compute": compute, "tp": tp, "cp": cp, "dp": exposed, "bubble": bubble}
+    compute = cfg.global_batch * cfg.seq_len * c.flops_per_token(cfg.seq_len) * (8 / 6 if cfg.recompute else 1) / (
+        cluster.gpus * cluster.flops * cluster.mfu)
+    sent = bytes_sent(c, cfg)  # pp rank 0's, by group: equal to the ledger's on CPU
+
+    def over(prefix: str, span: int) -> float:
+        return sum(v for k, v in sent.items() if k.split("/")[0] == prefix) / _bandwidth(cluster, span)
+    parts = {"compute": compute, "tp": over("tp", cfg.tp), "cp": over("cp", cfg.tp * cfg.cp),
+             "dp": max(0.0, over("dp_cp" if cfg.cp > 1 else "dp", cfg.tp * cfg.cp * cfg.dp) - 2 / 3 * compute),
+             "bubble": (cfg.pp - 1) / (cfg.accum_steps + cfg.pp - 1) * compute}
     return {**parts, "total": sum(parts.values())}
 
 

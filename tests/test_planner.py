@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from minipar.config import TrainConfig
+from minipar.estimate import bytes_sent
 from minipar.model import get_config
 from minipar.planner import Cluster, layouts, plan, step_time
 
@@ -32,14 +33,17 @@ def test_tensor_parallelism_never_leaves_a_node():
 
 def test_the_clock_is_the_stated_arithmetic():
     c, cluster = get_config("8b"), Cluster(16, mfu=0.5)
-    cfg = TrainConfig(model="8b", dp=4, tp=2, pp=2, sp=True, seq_len=4096, global_batch=64, micro_batch=1)
+    cfg = TrainConfig(model="8b", dp=4, tp=2, pp=2, sp=True, seq_len=4096, global_batch=64, micro_batch=1,
+                      dtype="bfloat16")
     t = step_time(c, cfg, cluster)
     tokens = 64 * 4096
     assert t["compute"] == pytest.approx(tokens * (6 * c.num_params() + 12 * 32 * 4096 * 4096) / (16 * 989e12 * 0.5))
     m = 64 // 4  # micro-batches per rank
     assert t["bubble"] == pytest.approx((2 - 1) / (m + 2 - 1) * t["compute"])
-    one_layer = 4096 * 4096 * 2  # bytes of a layer's output, bf16
-    assert t["tp"] == pytest.approx(4 * 16 * m * 2 * 1 / 2 * one_layer / 450e9)
+    sent = bytes_sent(c, cfg)  # pp rank 0: 16 layers and the embedding, m micro-batches
+    one_layer = 4096 * 4096 * 2  # bytes of a layer's output, bf16: each message sends half of it (tp 2)
+    assert sent["tp/all_gather"] == sent["tp/reduce_scatter"] == (4 * 16 + 1) * m * one_layer // 2
+    assert t["tp"] == pytest.approx(sum(v for k, v in sent.items() if k.startswith("tp/")) / 450e9)
     assert t["total"] == pytest.approx(sum(v for k, v in t.items() if k != "total"))
 
 
