@@ -48,7 +48,9 @@ from minipar.data_parallel import bucket_params, param_groups
 from minipar.model import Llama, ModelConfig, get_config
 from minipar.parallelize import parallelize_groups
 from minipar.pipeline import Pipeline, stage_layers
+from minipar.pipeline_schedules import build as build_schedule
 from minipar.pipeline_schedules import make as make_schedule
+from minipar.pipeline_schedules import simulate
 from minipar.placement import DENSE, placement_of
 from minipar.zero import bucket_plan
 from minipar.zero3 import unit_chunks, units_of
@@ -365,4 +367,13 @@ def report(cfg: TrainConfig) -> str:
         lines.append(f"{r:>8} " + " ".join(f"{v / 2**20:>12,.1f}" for v in (*held, sum(held))))
     lines.append(f"the fullest rank needs {peak_bytes(c, cfg) / 2**30:.2f} GiB ({what}: {limit / 2**30:.1f} GiB)"
                  + (": activations of expert layers are not estimated yet" if c.n_experts else ""))
+    flops = cfg.global_batch * cfg.seq_len * c.flops_per_token(cfg.seq_len) * (8 / 6 if cfg.recompute else 1)
+    step = f"a step: {flops / 1e12:,.1f} TFLOP in all"
+    if cfg.pp > 1:
+        idle = simulate(build_schedule(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages)).idle_fraction()
+        step += f"; the pipeline idles {idle:.1%} of the step (its schedule simulated with F = 1, B = 2)"
+    lines.append(step)
+    if not c.n_experts:
+        lines.append("bytes pp rank 0 sends per step: " + ", ".join(f"{k} {v / 2**20:,.1f} MiB"
+                                                                    for k, v in bytes_sent(c, cfg).items()))
     return "\n".join(lines)

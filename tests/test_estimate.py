@@ -20,6 +20,17 @@ def test_the_zero_papers_7_5b_model_on_64_gpus(stage, gigabytes):
     assert round(model_state_bytes(7.5e9, 64, stage) / 1e9, 1) == gigabytes
 
 
+@pytest.mark.parametrize("offload_optimizer,gib", [(False, 46.91), (True, 5.43)])
+def test_deepspeeds_documented_zero3_estimate_for_t0_3b_on_one_gpu(offload_optimizer, gib):
+    # DeepSpeed's estimate_zero3_model_states_mem_needs_all_live for bigscience/T0_3B (2783M
+    # parameters, largest layer 65M), 1 GPU, as its documentation prints it (GB there are GiB): the
+    # paper's formula with DeepSpeed's bytes per parameter (2 of fp16 weight, 4 of fp32 gradient,
+    # 12 of fp32 master weight and moments; off the GPU with offload) plus one gathered layer in fp32.
+    on_gpu = model_state_bytes(2783e6, 1, 3, weight=2, grad=0 if offload_optimizer else 4,
+                               k=0 if offload_optimizer else 12)
+    assert (on_gpu + 4 * 65e6) / 2**30 == pytest.approx(gib, abs=0.02)
+
+
 @pytest.mark.parametrize("zero", [0, 3])
 def test_a_llama_8b_estimate_is_the_papers_formula_with_minipars_bytes_per_parameter(zero):
     # minipar under bf16 autocast keeps fp32 weights and gradients (4 + 4 bytes) and, per
