@@ -184,7 +184,8 @@ def _activations(rank, world, layout, whole_model):
     cfg = TrainConfig(model="small", seq_len=32, micro_batch=2, dtype="float64", **layout)
     c = get_config("small", vocab_size=250)
     with Mesh.build(tp=cfg.tp, cp=cfg.cp) as mesh:
-        model = parallelize_groups(Llama(c, 0), tp=mesh.tp_group, cp=mesh.cp_group, sp=cfg.sp).double()
+        model = parallelize_groups(Llama(c, 0), tp=mesh.tp_group, cp=mesh.cp_group, sp=cfg.sp,
+                                   recompute=cfg.recompute).double()
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         tokens = torch.randint(0, 250, (2, 33), generator=torch.Generator().manual_seed(0))
         x, y = (split_sequence(t, mesh.cp_group) for t in (tokens[:, :-1], tokens[:, 1:]))
@@ -207,7 +208,8 @@ def test_a_layers_activation_estimate_is_exactly_what_autograd_keeps(world, layo
         assert measured == estimated
 
 
-@pytest.mark.parametrize("world,layout", [(1, dict()), (2, dict(tp=2, sp=True))], ids=["one", "tp2-sp"])
+@pytest.mark.parametrize("world,layout", [(1, dict()), (2, dict(tp=2, sp=True)), (1, dict(recompute=True))],
+                         ids=["one", "tp2-sp", "recompute"])
 def test_the_whole_models_activation_estimate_is_within_one_percent(world, layout):
     for measured, estimated in run_ranks(world, _activations, layout, True):
         assert abs(estimated - measured) <= 0.01 * measured, (estimated, measured)
