@@ -1,0 +1,99 @@
+"""Generating text with a trained model: a KV cache, and greedy, temperature and top-k sampling.
+
+Training runs every position of a sequence at once. Generation adds one token at a time, and
+without a cache each new token would recompute the keys and values of every token before it:
+O(n^2) work for n tokens. The cache keeps each layer's keys and values (after RoPE) and feeds only
+the new token through the model:
+
+    prefill   the prompt, all at once: causal attention as in training; keys/values kept
+    decode    one token: its query attends to every cached key (no mask needed: all are earlier)
+
+Like parallelism, the cache goes in through the seams the plain model leaves open (`attend` and
+`positions` of each attention, model.py), so model.py knows nothing of it. `kv_cache(model)`
+installs it for the length of a `with` block.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from einops import repeat
+
+from minipar.model import Llama
+
+
+class KVCache:
+    """Each layer's keys and values so far, [b, h_kv, seen, head_dim]."""
+
+    def __init__(self):
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def seen(self, layer: int) -> int:
+        return self.keys[layer].shape[2] if layer in self.keys else 0
+
+    def positions(self, local_len: int, device, layer: int) -> torch.Tensor:
+        """The new tokens come after those already cached."""
+        start = self.seen(layer)
+        return torch.arange(start, start + local_len, device=device)
+
+    def attend(self, q, k, v, layer: int) -> torch.Tensor:
+        if layer in self.keys:
+            k, v = torch.cat([self.keys[layer], k], dim=2), torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        if q.shape[2] not in (1, k.shape[2]):
+            raise ValueError("the cache takes a prompt at once, then one token at a time")
+        group = q.shape[1] // k.shape[1]
+        k, v = (repeat(t, "b h s d -> b (h g) s d", g=group) for t in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1)
+
+
+@contextmanager
+def kv_cache(model: Llama):
+    """Install a fresh KVCache in every attention of the model for the block; restore after."""
+    cache, saved = KVCache(), []
+    for name, layer in model.layers.items():
+        attn = layer.attn
+        saved.append((attn, attn.attend, attn.positions))
+        attn.attend = lambda q, k, v, i=int(name): cache.attend(q, k, v, i)
+        attn.positions = lambda n, device, i=int(name): cache.positions(n, device, i)
+    try:
+        yield cache
+    finally:
+        for attn, attend, positions in saved:
+            attn.attend, attn.positions = attend, positions
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator=None) -> torch.Tensor:
+    """logits [b, V] -> [b]: the most likely token (temperature 0), or a draw from the softmax at
+    `temperature`, among the top_k most likely only when top_k > 0."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model: Llama, prompt: torch.Tensor, new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+             generator=None, cache: bool = True) -> torch.Tensor:
+    """prompt [b, s] -> [b, s + new_tokens]. cache=False recomputes the whole sequence each step
+    (the reference the tests hold the cache to)."""
+    tokens = prompt
+    if not cache:
+        for _ in range(new_tokens):
+            step = next_token(model(tokens)[:, -1], temperature, top_k, generator)
+            tokens = torch.cat([tokens, step[:, None]], dim=1)
+        return tokens
+    with kv_cache(model):
+        logits = model(tokens)[:, -1]  # prefill
+        for i in range(new_tokens):
+            step = next_token(logits, temperature, top_k, generator)
+            tokens = torch.cat([tokens, step[:, None]], dim=1)
+            if i < new_tokens - 1:
+                logits = model(step[:, None])[:, -1]  # decode: the new token only
+    return tokens

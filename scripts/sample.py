@@ -1,0 +1,81 @@
+"""Sample text from a checkpoint, on one process, whatever layout trained it.
+
+    .venv/bin/python scripts/sample.py runs/run_001 --prompt "def main(" --tokens 60
+    .venv/bin/python scripts/sample.py runs/run_001/step_000300 --temperature 0.8 --top-k 40 --seed 1
+
+A checkpoint holds every tensor at its single-device shape (checkpoint.py), so the plain model
+loads it directly. The tokenizer is the one train.py trained on the run's --data: it is found in
+the data cache under the key the checkpoint keeps (or give --tokenizer). Generation keeps a KV
+cache (minipar/generate.py).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from minipar import checkpoint
+from minipar.data import data_key
+from minipar.generate import generate
+from minipar.model import Llama, get_config
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("checkpoint", help="a checkpoint folder, or an --out folder (its newest that verifies)")
+    p.add_argument("--prompt", default="\n", help="the text to continue")
+    p.add_argument("--tokens", type=int, default=100, help="how many tokens to add")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: always the most likely token")
+    p.add_argument("--top-k", type=int, default=0, help="draw among the k most likely only (0: all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's, from the data cache)")
+    return p.parse_args(argv)
+
+
+def load_model(path: Path) -> tuple[Llama, dict]:
+    """The plain model with the checkpoint's weights, and the run's settings."""
+    state = checkpoint.verify(path)
+    run = state["config"]
+    with safe_open(path / "model.safetensors", "pt") as f:
+        vocab = f.get_slice("tok_emb.weight").get_shape()[0]  # the tokenizer's, not the preset's
+    config = get_config(run["model"], vocab_size=vocab, aux_loss_coef=run["aux_loss_coef"],
+                        capacity_factor=run["capacity_factor"])
+    with torch.device("meta"):
+        model = Llama(config, seed=0)
+    model = model.to_empty(device="cpu")
+    checkpoint.load(path, model)
+    return model.eval(), state
+
+
+def tokenizer_of(state: dict, given: str | None):
+    run = state["config"]
+    folder = Path(run["cache_dir"]).expanduser() / (state.get("data_key") or data_key(run["data"], run["vocab_size"]))
+    path = Path(given) if given else folder / "tokenizer.json"
+    if not path.exists():
+        raise SystemExit(f"sample.py: error: no tokenizer at {path}: train.py builds it from the run's --data "
+                         f"({run['data'] or 'the standard library'}); give --tokenizer PATH")
+    return Tokenizer.from_file(str(path))
+
+
+def main(argv=None) -> str:
+    args = parse_args(argv)
+    try:
+        path = checkpoint.resolve(args.checkpoint)
+        model, state = load_model(path)
+    except ValueError as e:  # CheckpointError: missing, corrupt
+        sys.exit(f"sample.py: error: {e}")
+    tok = tokenizer_of(state, args.tokenizer)
+    prompt = torch.tensor([tok.encode(args.prompt).ids or [0]])
+    out = generate(model, prompt, args.tokens, args.temperature, args.top_k,
+                   torch.Generator().manual_seed(args.seed))
+    text = tok.decode(out[0].tolist())
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Generation (minipar/generate.py, scripts/sample.py): the KV cache changes nothing but the cost."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minipar.generate import generate, kv_cache, next_token
+from minipar.model import Llama, get_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
+def test_the_cache_gives_the_logits_of_the_whole_sequence_recomputed(model):
+    m = Llama(get_config(model), seed=0).double()
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    full = m(tokens)  # [2, 12, V]: every position at once
+    with kv_cache(m) as cache, torch.no_grad():
+        steps = [m(tokens[:, :5])]  # prefill 5, then one at a time
+        steps += [m(tokens[:, i:i + 1]) for i in range(5, 12)]
+        assert cache.seen(0) == 12
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-10, atol=1e-12)
+    assert all(layer.attn.attend.__name__ == "causal_attention" for layer in m.layers.values())  # seams restored
+
+
+def test_greedy_generation_with_and_without_the_cache_is_the_same_text():
+    m = Llama(get_config("tiny"), seed=1).double()
+    prompt = torch.randint(0, 256, (3, 4), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(generate(m, prompt, 20), generate(m, prompt, 20, cache=False))
+
+
+def test_sampling_draws_only_among_the_top_k_and_follows_the_temperature():
+    logits = torch.tensor([[5.0, 4.0, 1.0, 0.0]]).repeat(2000, 1)
+    g = torch.Generator().manual_seed(0)
+    drawn = next_token(logits, temperature=1.0, top_k=2, generator=g)
+    assert set(drawn.tolist()) == {0, 1}
+    share = (drawn == 0).float().mean().item()
+    assert share == pytest.approx(torch.tensor([5.0, 4.0]).softmax(0)[0].item(), abs=0.03)
+    assert torch.equal(next_token(logits[:3], temperature=0.0, top_k=0), torch.zeros(3, dtype=torch.long))
+
+
+def test_sample_py_continues_a_prompt_from_a_checkpoint_trained_at_dp2(tmp_path):
+    corpus = Path(__import__("sysconfig").get_paths()["stdlib"]) / "argparse.py"
+    train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+             str(ROOT / "scripts" / "train.py"), "--model=tiny", f"--data={corpus}", "--vocab-size=512",
+             f"--cache-dir={tmp_path / 'cache'}", "--seq-len=32", "--global-batch=8", "--micro-batch=4", "--dp=2",
+             "--steps=3", f"--out={tmp_path / 'run'}", "--no-wandb"]
+    subprocess.run(train, check=True, capture_output=True, cwd=ROOT, timeout=300, env={"OMP_NUM_THREADS": "1",
+                   "WANDB_MODE": "disabled", "PATH": "/usr/bin:/bin"})
+    spec = importlib.util.spec_from_file_location("sample_script", ROOT / "scripts" / "sample.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv = [str(tmp_path / "run"), "--prompt", "def parse(", "--tokens", "12"]
+    text = script.main(argv)
+    assert text.startswith("def parse(") and len(text) > len("def parse(")
+    assert script.main(argv) == text  # greedy: the same every time
+    assert script.main(argv + ["--temperature", "1.0", "--top-k", "5", "--seed", "3"]).startswith("def parse(")
