@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: all setup train test test-slow test-gpu bench-gpu lint bench clean
+.PHONY: all setup train test test-slow test-gpu bench-gpu lint bench clean docs-check
 
 all: test
 
@@ -23,6 +23,11 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests --ignore=tests/gpu
+
+# The course checks itself: each chapter's captured output against a fresh run of its step script
+# (minutes: not in `make test`).
+docs-check: $(STAMP)
+	$(BIN)/python scripts/docs_check.py
 
 # The full 4D layout on 16 ranks through train.py: minutes on a laptop, so not in `make test`.
 test-slow: $(STAMP)
