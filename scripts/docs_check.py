@@ -11,7 +11,8 @@ before the block's fence:
 
 The command runs once (from the repository root, `torchrun` and `python` taken from this
 interpreter's folder, stderr ignored). The block's lines must then appear in the fresh output in
-the same order (other lines may come between: a chapter may quote part of the output). Two lines
+the same order (other lines may come between: a chapter may quote part of the output, and a line
+`...` stands for lines left out, such as a timeline measured on the author's machine). Two lines
 match when their text is the same and their numbers agree:
   - a number followed by a unit of time or speed (s, ms, µs, tok/s, /s) or by % is a measurement
     of this machine: any value matches;
@@ -66,7 +67,7 @@ def same(shown: str, fresh: str) -> bool:
 def first_mismatch(shown: list[str], fresh: list[str]) -> str | None:
     """None if the shown lines appear in order in the fresh output, else the first that does not."""
     at = 0
-    for line in (s for s in shown if s.strip()):
+    for line in (s for s in shown if s.strip() not in ("", "...")):
         at = next((j + 1 for j in range(at, len(fresh)) if same(line, fresh[j])), -1)
         if at < 0:
             return line

@@ -53,8 +53,8 @@ def predicted(name: str, p: int, m: int, v: int, sim: Timeline) -> tuple[float, 
     """The idle fraction theory gives, and where the number comes from."""
     if name == "interleaved":
         return (p - 1) / (v * m + p - 1), "(p-1)/(v*m+p-1)"
-    if name == "zb1":
-        return sim.idle_fraction(), "(the simulation: no closed formula)"
+    if name == "zb1":  # F = B = W = 1: the W's fill 1F1B's idle slots (pipeline_schedules.zero_bubble_h1)
+        return (p - 1) / (3 * m + p - 1), "(p-1)/(3m+p-1), the paper's"
     return bubble_formula(p, m), "(p-1)/(m+p-1)"
 
 
