@@ -95,9 +95,12 @@ def main(argv=None) -> int:
             if command not in outputs:
                 print(f"running {command}", flush=True)
                 outputs[command] = run(command)
-            miss = first_mismatch(shown, outputs[command])
+            fresh = outputs[command]
+            miss = first_mismatch(shown, fresh)
             failed += miss is not None
-            print(f"  {chapter.name}: " + ("OK" if miss is None else f"STALE: no fresh line matches {miss!r}"))
+            broken = fresh[:1] if fresh and fresh[0].startswith("(the command failed") else None
+            print(f"  {chapter.name}: " + ("OK" if miss is None else broken[0] if broken else
+                                           f"STALE: no fresh line matches {miss!r}"))
     print(f"{failed} stale block(s)" if failed else "every captured block matches a fresh run")
     return 1 if failed else 0
 
