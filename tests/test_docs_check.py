@@ -37,3 +37,10 @@ def test_every_marked_block_names_a_script_that_exists():
     assert marked >= 5
     text = (ROOT / "docs" / "09_4d.md").read_text()
     assert len(re.findall(docs_check.MARK, text)) == 5
+
+
+def test_every_test_the_docs_name_exists():
+    defined = {m for f in (ROOT / "tests").rglob("test_*.py") for m in re.findall(r"def (test_\w+)", f.read_text())}
+    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        named = set(re.findall(r"`(test_\w+)`", doc.read_text())) | set(re.findall(r"::(test_\w+)`", doc.read_text()))
+        assert named <= defined, (doc.name, sorted(named - defined))
