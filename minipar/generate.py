@@ -16,12 +16,15 @@ installs it for the length of a `with` block.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from einops import repeat
 
-from minipar.model import Llama
+from minipar import checkpoint
+from minipar.data import data_key
+from minipar.model import Llama, get_config
 
 
 class KVCache:
@@ -97,3 +100,33 @@ def generate(model: Llama, prompt: torch.Tensor, new_tokens: int, temperature: f
             if i < new_tokens - 1:
                 logits = model(step[:, None])[:, -1]  # decode: the new token only
     return tokens
+
+
+# ----------------------------------------------------------------------------------------------
+# A checkpoint on one process (scripts/sample.py, scripts/eval.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def plain_model_from(path: Path) -> tuple[Llama, dict]:
+    """The plain model holding a checkpoint's weights (any layout wrote it: tensors are stored at
+    their single-device shapes), and the run's train state."""
+    from safetensors import safe_open
+
+    state = checkpoint.verify(path)
+    run = state["config"]
+    with safe_open(path / "model.safetensors", "pt") as f:
+        vocab = f.get_slice("tok_emb.weight").get_shape()[0]  # the tokenizer's, not the preset's
+    config = get_config(run["model"], vocab_size=vocab, aux_loss_coef=run["aux_loss_coef"],
+                        capacity_factor=run["capacity_factor"])
+    with torch.device("meta"):  # no initialisation: every weight comes from the checkpoint
+        model = Llama(config, seed=0)
+    model = model.to_empty(device="cpu")
+    checkpoint.load(path, model)
+    return model.eval(), state
+
+
+def tokenizer_path(state: dict) -> Path:
+    """Where train.py kept the tokenizer it trained on the run's --data (the data cache)."""
+    run = state["config"]
+    key = state.get("data_key") or data_key(run["data"], run["vocab_size"])
+    return Path(run["cache_dir"]).expanduser() / key / "tokenizer.json"

@@ -14,13 +14,10 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from minipar import checkpoint
-from minipar.data import data_key
-from minipar.generate import generate
-from minipar.model import Llama, get_config
+from minipar.generate import generate, plain_model_from, tokenizer_path
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,28 +33,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_model(path: Path) -> tuple[Llama, dict]:
-    """The plain model with the checkpoint's weights, and the run's settings."""
-    state = checkpoint.verify(path)
-    run = state["config"]
-    with safe_open(path / "model.safetensors", "pt") as f:
-        vocab = f.get_slice("tok_emb.weight").get_shape()[0]  # the tokenizer's, not the preset's
-    config = get_config(run["model"], vocab_size=vocab, aux_loss_coef=run["aux_loss_coef"],
-                        capacity_factor=run["capacity_factor"])
-    with torch.device("meta"):
-        model = Llama(config, seed=0)
-    model = model.to_empty(device="cpu")
-    checkpoint.load(path, model)
-    return model.eval(), state
-
-
-def tokenizer_of(state: dict, given: str | None):
-    run = state["config"]
-    folder = Path(run["cache_dir"]).expanduser() / (state.get("data_key") or data_key(run["data"], run["vocab_size"]))
-    path = Path(given) if given else folder / "tokenizer.json"
+def tokenizer_of(state: dict, given: str | None) -> Tokenizer:
+    path = Path(given) if given else tokenizer_path(state)
     if not path.exists():
+        data = state["config"]["data"] or "the standard library"
         raise SystemExit(f"sample.py: error: no tokenizer at {path}: train.py builds it from the run's --data "
-                         f"({run['data'] or 'the standard library'}); give --tokenizer PATH")
+                         f"({data}); give --tokenizer PATH")
     return Tokenizer.from_file(str(path))
 
 
@@ -65,7 +46,7 @@ def main(argv=None) -> str:
     args = parse_args(argv)
     try:
         path = checkpoint.resolve(args.checkpoint)
-        model, state = load_model(path)
+        model, state = plain_model_from(path)
     except ValueError as e:  # CheckpointError: missing, corrupt
         sys.exit(f"sample.py: error: {e}")
     tok = tokenizer_of(state, args.tokenizer)
