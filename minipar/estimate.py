@@ -163,14 +163,24 @@ def bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
     layers = len(model.layers)
     first, last = model.tok_emb is not None, model.lm_head is not None
     tokens = cfg.micro_batch * cfg.seq_len // cfg.cp  # this rank's, per micro-batch
-    act = tokens * model_cfg.dim * w
-    weight_width = PARAM_DTYPES[cfg.dtype].itemsize  # gradients, and what stages pass on (pipeline.py)
+    # Under bf16 autocast the matmuls' outputs (and their gradients) are bf16, but the residual
+    # stream, the norms' outputs and RoPE's rotations stay in the weights' fp32.
+    weight_width = PARAM_DTYPES[cfg.dtype].itemsize
+    stream, product = tokens * model_cfg.dim * weight_width, tokens * model_cfg.dim * w
     grad_width = torch.promote_types(PARAM_DTYPES[cfg.dtype], torch.float32).itemsize if cfg.zero else weight_width
     if cfg.tp > 1:
-        t, messages = cfg.tp, 4 * layers + first + last  # per micro-batch: in/out of each block, embedding, head
-        ops = ("all_gather", "reduce_scatter") if cfg.sp else ("all_reduce",)
-        for op in ops:
-            sent[f"tp/{op}"] += m * messages * ring_bytes_sent(op, act, t)
+        t = cfg.tp
+        # Per micro-batch: each block's input (a normed stream: all-gathered under sp, its gradient
+        # all-reduced or reduce-scattered in backward) and output (a matmul product: all-reduced or
+        # reduce-scattered, its gradient all-gathered); the embedding's output and the head's input.
+        ends = (first + last) * ring_bytes_sent("all_reduce" if not cfg.sp else "all_gather", stream, t)
+        if cfg.sp:
+            for op in ("all_gather", "reduce_scatter"):
+                sent[f"tp/{op}"] += m * (2 * layers * (ring_bytes_sent(op, stream, t) + ring_bytes_sent(op, product, t))
+                                         + ends)
+        else:
+            sent["tp/all_reduce"] += m * (2 * layers * (ring_bytes_sent("all_reduce", stream, t) + ring_bytes_sent(
+                "all_reduce", product, t)) + ends)
         if last:  # the loss: max, target logit and sum of exponentials per token, in at least fp32
             sent["tp/all_reduce"] += m * 3 * ring_bytes_sent("all_reduce", tokens * max(w, 4), t)
         sent["tp/all_reduce"] += ring_bytes_sent("all_reduce", grad_width, t)  # the norm of the tp shards
@@ -184,11 +194,10 @@ def bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
                     sent["tp/all_reduce"] += (m if cfg.zero >= 2 else 1) * ring_bytes_sent(
                         "all_reduce", numel * weight_width, t)
     if cfg.pp > 1:
-        stage_output = tokens * model_cfg.dim * weight_width // (cfg.tp if cfg.sp else 1)
-        _pipeline_bytes(sent, model_cfg, cfg, pp_rank, stage_output)
+        _pipeline_bytes(sent, model_cfg, cfg, pp_rank, stream // (cfg.tp if cfg.sp else 1))  # the stream
         sent["pp/all_reduce"] += ring_bytes_sent("all_reduce", grad_width, cfg.pp)  # the norm, over stages
     if cfg.cp > 1:
-        kv = max(1, model_cfg.n_kv_heads // cfg.tp) * tokens * model_cfg.head_dim * w  # a layer's K (or V) here
+        kv = max(1, model_cfg.n_kv_heads // cfg.tp) * tokens * model_cfg.head_dim * weight_width  # K or V, rotated
         sent["cp/send"] += m * layers * ((cfg.cp - 1) * 2 * kv + cfg.cp * 4 * kv)
     return {k: v for k, v in sent.items() if v}
 

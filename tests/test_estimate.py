@@ -240,20 +240,21 @@ def _dp_traffic(rank, world, layout):
     from minipar.context_parallel import split_sequence
     from minipar.estimate import bytes_sent
     from minipar.mesh import Mesh
-    from minipar.train import build_model, train_step, wrap
+    from minipar.train import build_model, precision, train_step, wrap
 
     cfg = TrainConfig(**{"model": "small", "seq_len": 16, "global_batch": 8, "micro_batch": 2, "dtype": "float64",
                          "bucket_mb": 0.5, **layout})
     c = get_config("small", vocab_size=250)
+    _, param_dtype, autocast = precision(cfg, torch.device("cpu"))  # bfloat16: autocast over fp32 weights
     with Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp) as mesh:
-        model, pipeline = build_model(cfg, mesh, c, torch.device("cpu"), torch.float64)
+        model, pipeline = build_model(cfg, mesh, c, torch.device("cpu"), param_dtype)
         wrapper = wrap(model, mesh, cfg)
         x = torch.randint(0, 250, (cfg.global_batch // cfg.dp, cfg.seq_len), generator=torch.Generator().manual_seed(0))
         x = split_sequence(x, mesh.cp_group)
         micro = list(zip(x.split(cfg.micro_batch), x.split(cfg.micro_batch)))
-        train_step(wrapper, micro, 1.0, pipeline=pipeline)
+        train_step(wrapper, micro, 1.0, autocast, pipeline=pipeline)
         mesh.ledger.reset()
-        train_step(wrapper, micro, 1.0, pipeline=pipeline)  # a step like every other
+        train_step(wrapper, micro, 1.0, autocast, pipeline=pipeline)  # a step like every other
         measured = {k: v["sent"] for k, v in mesh.ledger.snapshot().items() if v["sent"]}
         return measured, bytes_sent(c, cfg, pipeline.group.rank if pipeline else 0)
 
@@ -263,7 +264,11 @@ TRAFFIC_LAYOUTS = [(2, dict(dp=2)), (4, dict(dp=4)), (2, dict(dp=2, zero=1)), (2
                    (4, dict(dp=2, tp=2, sp=True, zero=1)), (4, dict(dp=2, tp=2, sp=True, zero=2)), (2, dict(cp=2)),
                    (4, dict(dp=2, cp=2)), (4, dict(tp=2, cp=2, sp=True)), (2, dict(pp=2)),
                    (4, dict(dp=2, pp=2, zero=2)), (4, dict(tp=2, pp=2, sp=True)),
-                   (2, dict(pp=2, schedule="zbv")), (2, dict(pp=2, schedule="interleaved", virtual_stages=2))]
+                   (2, dict(pp=2, schedule="zbv")), (2, dict(pp=2, schedule="interleaved", virtual_stages=2)),
+                   # bf16 autocast: matmul products travel in bf16, the residual stream and K/V in fp32
+                   (2, dict(tp=2, dtype="bfloat16")), (2, dict(tp=2, sp=True, dtype="bfloat16")),
+                   (2, dict(cp=2, dtype="bfloat16")), (2, dict(pp=2, dtype="bfloat16")),
+                   (2, dict(dp=2, zero=1, dtype="bfloat16"))]
 
 
 @pytest.mark.parametrize("world,layout", TRAFFIC_LAYOUTS,

@@ -41,8 +41,10 @@ def test_the_clock_is_the_stated_arithmetic():
     m = 64 // 4  # micro-batches per rank
     assert t["bubble"] == pytest.approx((2 - 1) / (m + 2 - 1) * t["compute"])
     sent = bytes_sent(c, cfg)  # pp rank 0: 16 layers and the embedding, m micro-batches
-    one_layer = 4096 * 4096 * 2  # bytes of a layer's output, bf16: each message sends half of it (tp 2)
-    assert sent["tp/all_gather"] == sent["tp/reduce_scatter"] == (4 * 16 + 1) * m * one_layer // 2
+    stream, product = 4096 * 4096 * 4, 4096 * 4096 * 2  # a layer's input (fp32) and output (bf16) in bytes
+    # Per layer: 2 all-gathers of a normed input, 2 of an output's gradient; plus the embedding's.
+    # Each rank sends half of every message at tp 2.
+    assert sent["tp/all_gather"] == sent["tp/reduce_scatter"] == m * (2 * 16 * (stream + product) + stream) // 2
     assert t["tp"] == pytest.approx(sum(v for k, v in sent.items() if k.startswith("tp/")) / 450e9)
     assert t["total"] == pytest.approx(sum(v for k, v in t.items() if k != "total"))
 
