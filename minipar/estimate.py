@@ -244,14 +244,31 @@ def layer_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
     t, w, b = cfg.tp, ACT_WIDTH[cfg.dtype], cfg.micro_batch
     s, d, e = cfg.seq_len // cfg.cp, c.dim, c.head_dim
     tokens, sp = b * s, (t if cfg.sp else 1)
-    if cfg.recompute:
-        return tokens * d * w // sp
+    if cfg.recompute:  # the layer's input: the residual stream, in the weights' dtype
+        return tokens * d * PARAM_DTYPES[cfg.dtype].itemsize // sp
     heads, kv = c.n_heads // t, max(1, c.n_kv_heads // t)
     repeated = cfg.cp == 1 and 1 < kv < heads  # einops repeat copies k and v; one kv head is a view
+    attention = 2 * tokens * d // t + 2 * tokens * e * (heads if repeated else kv)
+    small = 2 * tokens // sp + 2 * s * e + tokens * heads  # 1/rms, cos and sin, log-sum-exp
+    mlp = 4 * tokens * c.ffn_dim // t
+    if cfg.dtype == "bfloat16":  # autocast: x, x/rms and the small ones in fp32; a bf16 copy of the
+        # normed input for each of the 5 projections that read it; the weights' copies: weight_casts.
+        # SDPA's bf16 copy of the (fp32, rotated) keys is made from their repeated view: full width.
+        # Ring attention keeps q, k and its output in fp32, v in bf16; wo reads a bf16 copy.
+        qo, width_k, width_v = tokens * d // t, tokens * e * heads, tokens * e * (heads if repeated else kv)
+        attention_bytes = 10 * qo + 6 * tokens * e * kv if cfg.cp > 1 else 2 * (2 * qo + width_k + width_v)
+        return 4 * (4 * tokens * d // sp + small) + 2 * (5 * tokens * d + mlp) + attention_bytes
     norms = 2 * tokens * d + 4 * tokens * d // sp
-    attention = 2 * tokens * d // t + 2 * tokens * e * (heads if repeated else kv) + tokens * heads
-    small = 2 * tokens // sp + 2 * s * e
-    return w * (norms + attention + 4 * tokens * c.ffn_dim // t + small)
+    return w * (norms + attention + mlp + small)
+
+
+def weight_casts(c: ModelConfig, cfg: TrainConfig) -> int:
+    """Under bf16 autocast, the bf16 copy of each weight matrix of a layer that backward keeps:
+    made once per autocast region, so once per layer however many micro-batches are in flight."""
+    if cfg.dtype != "bfloat16":
+        return 0
+    t, d, kv = cfg.tp, c.dim, c.n_kv_heads * c.head_dim
+    return 2 * ((2 * d * d + 3 * d * c.ffn_dim) // t + 2 * d * kv // (t if c.n_kv_heads % t == 0 else 1))
 
 
 def head_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
@@ -259,7 +276,10 @@ def head_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
     w, t, tokens = ACT_WIDTH[cfg.dtype], cfg.tp, cfg.micro_batch * cfg.seq_len // cfg.cp
     sp = t if cfg.sp else 1
     vocab = -(-c.vocab_size // t)
-    return w * (tokens * c.dim + 2 * tokens * c.dim // sp + tokens // sp) + tokens * vocab * max(w, 4) + 8 * tokens
+    logits = tokens * vocab * max(w, 4) + 8 * tokens  # kept by the loss in at least fp32; the targets
+    if cfg.dtype == "bfloat16":  # x, x/rms in fp32; bf16 copies of the normed input and of the head's weight
+        return 4 * (2 * tokens * c.dim // sp + tokens // sp) + 2 * (tokens * c.dim + vocab * c.dim) + logits
+    return w * (tokens * c.dim + 2 * tokens * c.dim // sp + tokens // sp) + logits
 
 
 def activation_bytes(c: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> int:
@@ -270,10 +290,11 @@ def activation_bytes(c: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> int:
         raise NotImplementedError("activation estimates for mixture-of-experts layers are not built yet")
     per_layer, head = layer_activation_bytes(c, cfg), head_activation_bytes(c, cfg)
     recompute = layer_activation_bytes(c, replace(cfg, recompute=False)) if cfg.recompute else 0
+    casts = weight_casts(c, cfg) * (1 if cfg.recompute else len(rank_model(c, cfg, pp_rank).layers))
     if cfg.pp == 1:
-        return c.n_layers * per_layer + head + recompute
+        return c.n_layers * per_layer + head + recompute + casts
     states = _alive(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages, c.n_layers, pp_rank)
-    return max(layers * per_layer + heads * head for layers, heads in states) + recompute
+    return max(layers * per_layer + heads * head for layers, heads in states) + recompute + casts
 
 
 @lru_cache(maxsize=1024)

