@@ -14,8 +14,9 @@ interpreter's folder, stderr ignored). The block's lines must then appear in the
 the same order (other lines may come between: a chapter may quote part of the output, and a line
 `...` stands for lines left out, such as a timeline measured on the author's machine). Two lines
 match when their text is the same and their numbers agree:
-  - a number followed by a unit of time or speed (s, ms, µs, tok/s, /s) or by % is a measurement
-    of this machine: any value matches;
+  - a number followed by a unit of time or speed (s, ms, µs, tok/s), or a percentage after the
+    word "measured" on its line, is a measurement of this machine: any value matches (a
+    percentage before it, such as a schedule's theoretical idle fraction, is checked);
   - any other number must agree to 1e-6 relatively (or 1e-12 absolutely: float rounding).
 """
 
@@ -30,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MARK = re.compile(r"<!-- output: (.+?) -->")
 NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:e[-+]?\d+)?")
-MEASURED = re.compile(r"\s*(?:s\b|ms\b|µs\b|us\b|tok/s|/s|%|x\b)")
+TIMING = re.compile(r" ?(?:s|ms|µs|us|tok/s)(?![\w=])")  # not "s=8" (a sequence length)
 
 
 def blocks(chapter: Path) -> list[tuple[str, list[str]]]:
@@ -49,7 +50,8 @@ def parts(line: str) -> tuple[list[str], list[tuple[float, bool]]]:
     texts, numbers, last = [], [], 0
     for m in NUMBER.finditer(line):
         texts.append(line[last:m.start()])
-        measured = bool(MEASURED.match(line, m.end()))
+        measured = bool(TIMING.match(line, m.end())) or (
+            line.startswith("%", m.end()) and "measured" in line[:m.start()])
         numbers.append((float(m.group().replace(",", "")) if m.group().strip(",.") else 0.0, measured))
         last = m.end()
     texts.append(line[last:].rstrip())
