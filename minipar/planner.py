@@ -23,15 +23,23 @@ The clock (`step_time`) is arithmetic, stated here so that its answer can be arg
               stages are small beside the above and not counted
 
 It scales to any number of GPUs instantly: nothing is built but one meta-device model per layout.
+The same figures answer a single run's question first: `check_memory` refuses, before anything is
+built, a run whose fullest rank would not fit, and `report` is `train.py --plan`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
+from itertools import islice
+
+import torch
 
 from minipar.config import TrainConfig
-from minipar.estimate import bytes_sent, peak_bytes
+from minipar.estimate import PARAM_DTYPES, activation_bytes, bytes_sent, held_bytes, peak_bytes
 from minipar.model import ModelConfig, get_config
+from minipar.pipeline_schedules import build as build_schedule
+from minipar.pipeline_schedules import simulate
 
 
 @dataclass(frozen=True)
@@ -113,3 +121,86 @@ def plan(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_ba
         fits.append(Choice(cfg, step_time(c, cfg, cluster), memory))
     return sorted(fits, key=lambda ch: (round(ch.time["total"], 6), ch.cfg.tp * ch.cfg.pp * ch.cfg.cp)), too_big
 
+
+# ----------------------------------------------------------------------------------------------
+# Will it fit? (train.py asks before building anything; --plan shows the figures)
+# ----------------------------------------------------------------------------------------------
+
+
+def device_memory() -> tuple[int, str]:
+    """(bytes one rank may use, what they are): the GPU's memory, or this machine's available
+    memory shared by the ranks torchrun starts on it."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory, "GPU memory"
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return available // ranks, f"available memory / {ranks} local ranks"
+
+
+def check_memory(cfg: TrainConfig, limit: int | None = None) -> None:
+    """Raises ValueError (one line) when a rank would hold more than its memory, naming up to
+    three layouts of the same ranks that would fit."""
+    model_cfg = get_config(cfg.model, vocab_size=cfg.vocab_size)
+    limit, what = (limit, "the limit") if limit is not None else device_memory()
+    need = peak_bytes(model_cfg, cfg)
+    if need <= limit:
+        return
+    fits = list(islice((_flags(alt) for alt in _alternatives(cfg, model_cfg)
+                        if peak_bytes(model_cfg, alt) <= limit), 3))
+    held = "weights, gradients and optimizer state" + ("" if model_cfg.n_experts else " and activations")
+    raise ValueError(f"--model {cfg.model} needs {need / 2**30:.1f} GiB per rank for {held}, more than {what} "
+                     f"({limit / 2**30:.1f} GiB): " + (f"with these ranks, {' or '.join(fits)} would fit" if fits else
+                                                       "no layout of these ranks fits: use more ranks or a smaller "
+                                                       "--model, --micro-batch or --seq-len"))
+
+
+def _alternatives(cfg: TrainConfig, model_cfg: ModelConfig):
+    """Other layouts of the same ranks that pass every check, fewest model cuts first: tp x pp
+    (dp takes the rest), then the ZeRO stage, then recompute."""
+    world = cfg.dp * cfg.tp * cfg.pp * cfg.cp
+    cuts = [(tp, pp) for tp in range(1, world + 1) for pp in range(1, model_cfg.n_layers + 1)
+            if world % (tp * pp * cfg.cp) == 0 and model_cfg.n_heads % tp == 0]
+    for tp, pp in sorted(cuts, key=lambda c: (c[0] * c[1], c[1])):
+        for zero in range(4):
+            for recompute in (False, True):
+                dp = world // (tp * pp * cfg.cp)
+                alt = replace(cfg, dp=dp, tp=tp, pp=pp, zero=zero, recompute=recompute, sp=cfg.sp and tp > 1,
+                              ep=cfg.ep if dp * cfg.cp % cfg.ep == 0 else 1, virtual_stages=1, schedule="1f1b")
+                try:
+                    alt.validate(world)
+                except ValueError:
+                    continue
+                yield alt
+
+
+def _flags(cfg: TrainConfig) -> str:
+    return " ".join(f"--{k} {v}" for k, v in (("dp", cfg.dp), ("tp", cfg.tp), ("pp", cfg.pp), ("zero", cfg.zero))
+                    if v > 1 or k == "zero") + " --recompute" * cfg.recompute
+
+
+def report(cfg: TrainConfig) -> str:
+    """`train.py --plan`: what each pipeline rank will hold under cfg, and whether it fits."""
+    c = get_config(cfg.model, vocab_size=cfg.vocab_size)
+    limit, what = device_memory()
+    lines = [f"--model {cfg.model} ({c.num_params() / 1e6:,.1f}M parameters at --vocab-size {cfg.vocab_size}), "
+             f"dp {cfg.dp} tp {cfg.tp} pp {cfg.pp} cp {cfg.cp} ep {cfg.ep}, --zero {cfg.zero}, "
+             f"{PARAM_DTYPES[cfg.dtype].itemsize}-byte weights" + (" (bf16 autocast)" * (cfg.dtype == "bfloat16")),
+             f"{'pp rank':>8} {'weights':>12} {'gradients':>12} {'optimizer':>12} {'activations':>12} {'total':>12}"
+             f"   (MiB per rank; activations at their peak in the step)"]
+    for r in range(cfg.pp):
+        held = list(held_bytes(c, cfg, r).values())
+        held.append(float("nan") if c.n_experts else activation_bytes(c, cfg, r))
+        lines.append(f"{r:>8} " + " ".join(f"{v / 2**20:>12,.1f}" for v in (*held, sum(held))))
+    lines.append(f"the fullest rank needs {peak_bytes(c, cfg) / 2**30:.2f} GiB ({what}: {limit / 2**30:.1f} GiB)"
+                 + (": activations of expert layers are not estimated yet" if c.n_experts else ""))
+    flops = cfg.global_batch * cfg.seq_len * c.flops_per_token(cfg.seq_len) * (8 / 6 if cfg.recompute else 1)
+    step = f"a step: {flops / 1e12:,.1f} TFLOP in all"
+    if cfg.pp > 1:
+        idle = simulate(build_schedule(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages)).idle_fraction()
+        step += f"; the pipeline idles {idle:.1%} of the step (its schedule simulated with F = 1, B = 2)"
+    lines.append(step)
+    if not c.n_experts:
+        lines.append("bytes pp rank 0 sends per step: " + ", ".join(f"{k} {v / 2**20:,.1f} MiB"
+                                                                    for k, v in bytes_sent(c, cfg).items()))
+    return "\n".join(lines)

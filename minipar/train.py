@@ -40,12 +40,12 @@ from minipar.config import ConfigError, TrainConfig, check_files, parse_args
 from minipar.context_parallel import split_sequence
 from minipar.data import TokenData, find_files, prepare
 from minipar.data_parallel import DataParallel, GradSync, param_groups
-from minipar.estimate import check_memory, report
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.moe import set_aux_scale
 from minipar.parallelize import parallelize
 from minipar.pipeline import Pipeline
+from minipar.planner import check_memory, report
 from minipar.run_log import RunLog
 from minipar.zero import ZeroDataParallel
 from minipar.zero3 import Zero3DataParallel

@@ -116,7 +116,8 @@ def test_the_estimate_equals_what_every_rank_holds(world, layout):
 
 
 def test_a_layout_too_big_is_refused_naming_layouts_of_the_same_ranks_that_fit():
-    from minipar.estimate import _alternatives, _flags, check_memory, peak_bytes
+    from minipar.estimate import peak_bytes
+    from minipar.planner import _alternatives, _flags, check_memory
 
     cfg = TrainConfig(model="1b", dp=4, micro_batch=2, dtype="bfloat16")
     c = get_config("1b", vocab_size=cfg.vocab_size)
@@ -132,10 +133,10 @@ def test_a_layout_too_big_is_refused_naming_layouts_of_the_same_ranks_that_fit()
 
 
 def test_train_py_refuses_a_model_that_cannot_fit_in_one_line_before_any_process_group(monkeypatch, capsys):
-    import minipar.estimate
+    import minipar.planner
     import minipar.train
 
-    monkeypatch.setattr(minipar.estimate, "device_memory", lambda: (2**30, "this test's memory"))
+    monkeypatch.setattr(minipar.planner, "device_memory", lambda: (2**30, "this test's memory"))
     assert minipar.train.main(["--model", "1b", "--no-wandb"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "more than this test's memory (1.0 GiB)" in err[0]
