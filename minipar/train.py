@@ -333,17 +333,21 @@ def main(argv=None) -> int:
     """Parse, check, run. A bad command line or input prints one line and exits 2."""
     is_main = int(os.environ.get("RANK", "0")) == 0
     exit_with_parent()
+    local = False  # the command line reads alike on every rank; memory and files are each node's own
     try:
         cfg = parse_args(argv)
         if cfg.plan:
             print(report(cfg))
             return 0
-        check_memory(cfg)  # model states alone must fit: refuse before building anything
+        local = True
+        check_memory(cfg)  # weights, gradients, optimizer state and activations must fit
         resume = check_paths(cfg)
     except ValueError as e:  # ConfigError, LayoutError, DataError, CheckpointError
-        if not is_main:  # rank 0 speaks first; if it failed too, torchrun ends this rank before it repeats it
-            time.sleep(2.0)
-        where = "" if is_main else f"rank {os.environ['RANK']}: "  # an error of this rank alone (its node's data)
+        if not is_main:  # rank 0 says what every rank found; a node's own problem its ranks say, after it
+            if not local:
+                return 2
+            time.sleep(2.0)  # if rank 0 failed too, torchrun has ended this rank by now
+        where = "" if is_main else f"rank {os.environ['RANK']}: "
         print(f"minipar: error: {where}{e}", file=sys.stderr, flush=True)
         return 2
     try:
