@@ -43,50 +43,53 @@ def test_sampling_draws_only_among_the_top_k_and_follows_the_temperature():
     assert torch.equal(next_token(logits[:3], temperature=0.0, top_k=0), torch.zeros(3, dtype=torch.long))
 
 
-def test_sample_py_continues_a_prompt_from_a_checkpoint_trained_at_dp2(tmp_path):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A 3-step tiny run at dp 2 through train.py: (its --out folder)."""
+    tmp = tmp_path_factory.mktemp("generate")
     corpus = Path(__import__("sysconfig").get_paths()["stdlib"]) / "argparse.py"
     train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
              str(ROOT / "scripts" / "train.py"), "--model=tiny", f"--data={corpus}", "--vocab-size=512",
-             f"--cache-dir={tmp_path / 'cache'}", "--seq-len=32", "--global-batch=8", "--micro-batch=4", "--dp=2",
-             "--steps=3", f"--out={tmp_path / 'run'}", "--no-wandb"]
+             f"--cache-dir={tmp / 'cache'}", "--seq-len=32", "--global-batch=8", "--micro-batch=4", "--dp=2",
+             "--steps=3", f"--out={tmp / 'run'}", "--no-wandb"]
     subprocess.run(train, check=True, capture_output=True, cwd=ROOT, timeout=300, env={"OMP_NUM_THREADS": "1",
                    "WANDB_MODE": "disabled", "PATH": "/usr/bin:/bin"})
-    spec = importlib.util.spec_from_file_location("sample_script", ROOT / "scripts" / "sample.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    argv = [str(tmp_path / "run"), "--prompt", "def parse(", "--tokens", "12"]
-    text = script.main(argv)
+    return tmp / "run"
+
+
+def script(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sample_py_continues_a_prompt_from_a_checkpoint_trained_at_dp2(trained):
+    sample = script("sample")
+    argv = [str(trained), "--prompt", "def parse(", "--tokens", "12"]
+    text = sample.main(argv)
     assert text.startswith("def parse(") and len(text) > len("def parse(")
-    assert script.main(argv) == text  # greedy: the same every time
-    assert script.main(argv + ["--temperature", "1.0", "--top-k", "5", "--seed", "3"]).startswith("def parse(")
+    assert sample.main(argv) == text  # greedy: the same every time
+    assert sample.main(argv + ["--temperature", "1.0", "--top-k", "5", "--seed", "3"]).startswith("def parse(")
 
 
-def test_eval_py_gives_the_mean_token_loss_of_held_out_text_and_its_perplexity(tmp_path):
+def test_eval_py_gives_the_mean_token_loss_of_held_out_text_and_its_perplexity(trained, tmp_path):
     import math
     import sysconfig
 
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-             str(ROOT / "scripts" / "train.py"), "--model=tiny", f"--data={stdlib / 'argparse.py'}",
-             "--vocab-size=512", f"--cache-dir={tmp_path / 'cache'}", "--seq-len=32", "--global-batch=8",
-             "--micro-batch=4", "--steps=2", f"--out={tmp_path / 'run'}", "--no-wandb"]
-    subprocess.run(train, check=True, capture_output=True, cwd=ROOT, timeout=300,
-                   env={"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PATH": "/usr/bin:/bin"})
-    spec = importlib.util.spec_from_file_location("eval_script", ROOT / "scripts" / "eval.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    held_out = stdlib / "textwrap.py"
-    loss, perplexity = script.main([str(tmp_path / "run"), "--data", str(held_out), "--max-windows", "6"])
-    assert perplexity == pytest.approx(math.exp(loss))
-    # The same windows through the plain model, one at a time: the mean of their token means.
     from tokenizers import Tokenizer
 
     from minipar.generate import plain_model_from, tokenizer_path
 
-    model, state = plain_model_from(tmp_path / "run" / "step_000002")
-    rows = script.windows(Tokenizer.from_file(str(tokenizer_path(state))), str(held_out), 32, 6)
+    evaluate = script("eval")
+    held_out = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"
+    loss, perplexity = evaluate.main([str(trained), "--data", str(held_out), "--max-windows", "6"])
+    assert perplexity == pytest.approx(math.exp(loss))
+    # The same windows through the plain model, one at a time: the mean of their token means.
+    model, state = plain_model_from(trained / "step_000003")
+    rows = evaluate.windows(Tokenizer.from_file(str(tokenizer_path(state))), str(held_out), 32, 6)
     with torch.no_grad():
         assert loss == pytest.approx(sum(float(model(r[None, :-1], r[None, 1:])) for r in rows) / 6, rel=1e-6)
     with pytest.raises(SystemExit, match="not UTF-8 text"):
         (tmp_path / "bad.txt").write_bytes(b"ok\xff")
-        script.main([str(tmp_path / "run"), "--data", str(tmp_path / "bad.txt")])
+        evaluate.main([str(trained), "--data", str(tmp_path / "bad.txt")])
