@@ -35,12 +35,12 @@ TIMING = re.compile(r" ?(?:s|ms|µs|us|tok/s)(?![\w=])")  # not "s=8" (a sequenc
 
 
 def blocks(chapter: Path) -> list[tuple[str, list[str]]]:
-    """(command, the captured lines) of every marked block of a chapter."""
+    """(command, the captured lines) of every marked block of a chapter (indented in a list or not)."""
     lines, found = chapter.read_text().splitlines(), []
     for i, line in enumerate(lines):
         mark = MARK.search(line)
-        if mark and i + 1 < len(lines) and lines[i + 1].startswith("```"):
-            end = next(j for j in range(i + 2, len(lines)) if lines[j].startswith("```"))
+        if mark and i + 1 < len(lines) and lines[i + 1].lstrip().startswith("```"):
+            end = next(j for j in range(i + 2, len(lines)) if lines[j].lstrip().startswith("```"))
             found.append((mark.group(1), lines[i + 2:end]))
     return found
 

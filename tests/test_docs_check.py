@@ -37,6 +37,8 @@ def test_every_marked_block_names_a_script_that_exists():
             assert (ROOT / script).exists(), (chapter.name, command)
             assert lines, (chapter.name, command)
             marked += 1
+        # a marker that no fence follows (or an indented one the reader missed) would be skipped silently
+        assert len(docs_check.blocks(chapter)) == len(re.findall(docs_check.MARK, chapter.read_text())), chapter.name
     assert marked >= 5
     text = (ROOT / "docs" / "09_4d.md").read_text()
     assert len(re.findall(docs_check.MARK, text)) == 5
