@@ -18,6 +18,12 @@ benchmark measures the same way:
     ratios        the ratio of the medians, and the median of the step-by-step ratios
     table_row...  the comparison as rank 0 prints it; write_json, the results for --json
 
+PyTorch's own sides live here too, so that the CPU benchmarks and bench_gpu.py measure the very
+same peers (bench_tp.py and bench_pp.py explain each choice):
+
+    DTensor TP    dtensor_tp_plan, build_dtensor_model, dtensor_train_step (clip_grad_norm_mixed)
+    pipelining    StageModule, mean_over_micro_batches, pipelining_train_step
+
 (bench_gpu.py starts every side in fresh processes of its own and keeps its own loop.) Not a
 script: the benchmarks import it (`scripts/` is on sys.path when one of them runs).
 """
@@ -31,16 +37,27 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from minipar.collectives import Group, Ledger, all_reduce
 from minipar.config import TrainConfig
 from minipar.data_parallel import clip_grads
 from minipar.mesh import Mesh
-from minipar.model import CONFIGS
+from minipar.model import CONFIGS, Block, Llama, ModelConfig
 from minipar.train import start_distributed
 
 # ----------------------------------------------------------------------------------------------
@@ -273,3 +290,132 @@ def write_json(path: str | None, results: dict) -> None:
         with open(path, "w") as f:
             json.dump(results, f, indent=2)
         print(f"wrote {path}")
+
+
+# ----------------------------------------------------------------------------------------------
+# PyTorch's tensor parallelism: the plain Llama under a DTensor plan (bench_tp.py, bench_gpu.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def check_dtensor_tp(m: ModelConfig, tp: int, model: str) -> None:
+    """ColwiseParallel cuts wk and wv into tp equal row blocks: with fewer kv heads than ranks a
+    block would be part of a head (minipar replicates them then; DTensor has no such style).
+    Raises ValueError when tp does not divide a size the plan cuts."""
+    for name, size in (("attention heads", m.n_heads), ("kv heads", m.n_kv_heads), ("hidden size", m.dim),
+                       ("MLP size", m.ffn_dim), ("vocabulary", m.vocab_size)):
+        if size % tp:
+            raise ValueError(f"tp {tp} does not divide the model's {size} {name} (--model {model}): "
+                             f"launch with a --nproc-per-node that divides it")
+
+
+def dtensor_tp_plan(model: nn.Module) -> dict:
+    """torchtitan's Llama plan without sequence parallelism (bench_tp.py's docstring has the table)."""
+    plan = {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),  # for loss_parallel
+    }
+    for layer in (name for name, m in model.named_modules() if isinstance(m, Block)):  # "layers.0", ...
+        plan |= {
+            # attn(x), mlp(x): x becomes one replicated DTensor that the linears share.
+            f"{layer}.attn": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+            f"{layer}.attn.wq": ColwiseParallel(),
+            f"{layer}.attn.wk": ColwiseParallel(),
+            f"{layer}.attn.wv": ColwiseParallel(),
+            f"{layer}.attn.wo": RowwiseParallel(),
+            f"{layer}.mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+            f"{layer}.mlp.w_gate": ColwiseParallel(),
+            f"{layer}.mlp.w_up": ColwiseParallel(),
+            f"{layer}.mlp.w_down": RowwiseParallel(),
+        }
+    return plan
+
+
+def build_dtensor_model(config, seed: int, device, device_mesh) -> nn.Module:
+    """The plain Llama, parallelised by torch. Each attention then sees h/tp heads in its local
+    projections' outputs, and reshapes by them: nothing of the model needs setting after."""
+    model = Llama(config, seed=seed).to(device)
+    return parallelize_module(model, device_mesh, dtensor_tp_plan(model))
+
+
+def clip_grad_norm_mixed(params, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for a model whose parameters are partly DTensors.
+
+    clip_grad_norm_ itself raises "got mixed torch.Tensor and DTensor" here (the norm gains are
+    plain, replicated tensors), so: the norm of each kind (the DTensor one is reduced over tp by
+    DTensor), combined, then each kind clipped by the same total.
+    """
+    params = [p for p in params if p.grad is not None]
+    kinds = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    kinds = [k for k in kinds if k]
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in k]) for k in kinds]
+    total = torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]).norm()
+    for k in kinds:
+        torch.nn.utils.clip_grads_with_norm_(k, max_norm, total)
+    return total
+
+
+def dtensor_train_step(model: nn.Module, optimizer, micro_batches, grad_clip: float,
+                       autocast=nullcontext) -> tuple[float, float]:
+    """One optimizer step, torch's way, over the micro-batches (every tp rank sees all of them).
+    Returns (loss, gradient norm), like minipar's train_step."""
+    total, n = 0.0, len(micro_batches)
+    for x, y in micro_batches:
+        with loss_parallel():  # cross_entropy on vocabulary-sharded logits; its backward must be inside too
+            with autocast():
+                logits = model(x).float()  # DTensor [b, s, V], Shard(-1): each rank holds V/tp columns
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / n
+            loss.backward()
+        total = total + loss.detach().full_tensor()
+    grad_norm = clip_grad_norm_mixed(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(total), float(grad_norm)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.distributed.pipelining: minipar's stage Llama as a PipelineStage (bench_pp.py, bench_gpu.py)
+# ----------------------------------------------------------------------------------------------
+
+
+class StageModule(nn.Module):
+    """One stage for PipelineStage: minipar's stage Llama, returning the activations for the next
+    stage, or on the last stage the logits (the schedule's loss_fn computes the loss). `pipeline`
+    is the minipar Pipeline of the same layout: it says which layers this rank holds."""
+
+    def __init__(self, llama: Llama, pipeline):
+        super().__init__()
+        self.llama = llama
+        self.layer_ids, self.first, self.last = pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last()
+
+    def forward(self, x):  # tokens [b, s] or activations [b, s, d] -> [b, s, d], or logits [b, s, V]
+        return self.llama.forward_stage(x, self.layer_ids, first=self.first, last=self.last)
+
+
+def mean_over_micro_batches(m: int, cross_entropy: str, llama: Llama):
+    """loss_fn for torch's schedules: each micro-batch's mean cross-entropy / m, as minipar's.
+
+    cross_entropy "torch" is F.cross_entropy (on logits in at least float32, as minipar's loss);
+    "minipar" is the function minipar's last stage calls, `llama.loss_fn` (at tp = 1 the plain
+    model's cross_entropy), so that only the pipelines differ."""
+
+    def loss_fn(logits, targets):  # [b, s, V], [b, s]
+        if cross_entropy == "minipar":
+            return llama.loss_fn(logits, targets) / m
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) / m
+    return loss_fn
+
+
+def pipelining_train_step(schedule, stage, optimizer, x, y, grad_clip: float, pp_group: Group,
+                          autocast=nullcontext) -> tuple[float, float]:
+    """torch's pipeline, then train_step's tail (minipar's clip_grads: one all-reduce over pp).
+    Returns (loss on the last stage, else 0, gradient norm)."""
+    losses = []
+    inputs = (x,) if stage.is_first else ()
+    with autocast():  # as minipar's train_step runs its pipeline: forward and backward inside
+        schedule.step(*inputs, target=y if stage.is_last else None, losses=losses, return_outputs=False)
+    grads = [p.grad for p in stage.submod.parameters() if p.grad is not None]
+    grad_norm = clip_grads(grads, [()] * len(grads), grad_clip, [pp_group])
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(sum(loss.detach() for loss in losses)) if losses else 0.0, grad_norm

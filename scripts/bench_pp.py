@@ -12,7 +12,8 @@ layer_ids=..., embed=..., head=...): the plain Llama(config, seed) keeping only 
                  DataParallel holding its AdamW (no traffic at dp = 1);
                  step: minipar.train.train_step(..., pipeline=...)
     (b) PyTorch  PipelineStage(StageModule(stage Llama)) run by ScheduleGPipe / Schedule1F1B;
-                 step: `torch_train_step` below: schedule.step, then train_step's own tail
+                 step: `pipelining_train_step`: schedule.step, then train_step's own tail
+                 (both in bench_common, shared with bench_gpu.py)
 
 We time whole optimizer steps, not only the forward and backward: that is what a user waits for,
 and train_step is the code minipar trains with. The tail after the pipeline is the same code on
@@ -57,13 +58,10 @@ import sys
 import bench_common as bench
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from minipar.collectives import Group
 from minipar.config import ConfigError, TrainConfig
-from minipar.data_parallel import DataParallel, clip_grads
+from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import CONFIGS, Llama, get_config
 from minipar.parallelize import parallel_llama
@@ -101,51 +99,9 @@ def check_layout(args, world: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The torch.distributed.pipelining side
-# ----------------------------------------------------------------------------------------------
-
-
-class StageModule(nn.Module):
-    """One stage for PipelineStage: minipar's stage Llama, returning the activations for the next
-    stage, or on the last stage the logits (the schedule's loss_fn computes the loss)."""
-
-    def __init__(self, llama: Llama, pipeline: Pipeline):
-        super().__init__()
-        self.llama = llama
-        self.layer_ids, self.first, self.last = pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last()
-
-    def forward(self, x):  # tokens [b, s] or activations [b, s, d] -> [b, s, d], or logits [b, s, V]
-        return self.llama.forward_stage(x, self.layer_ids, first=self.first, last=self.last)
-
-
-def mean_over_micro_batches(m: int, cross_entropy: str, llama: Llama):
-    """loss_fn for torch's schedules: each micro-batch's mean cross-entropy / m, as minipar's.
-
-    cross_entropy "torch" is F.cross_entropy; "minipar" is the function minipar's last stage calls,
-    `llama.loss_fn` (at tp = 1 the plain model's cross_entropy), so that only the pipelines differ."""
-
-    def loss_fn(logits, targets):  # [b, s, V], [b, s]
-        if cross_entropy == "minipar":
-            return llama.loss_fn(logits, targets) / m
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) / m
-    return loss_fn
-
-
-def torch_train_step(schedule, stage: PipelineStage, optimizer, x, y, grad_clip: float,
-                     pp_group: Group) -> tuple[float, float]:
-    """torch's pipeline, then train_step's tail. Returns (loss on the last stage, else 0, grad norm)."""
-    losses = []
-    inputs = (x,) if stage.is_first else ()
-    schedule.step(*inputs, target=y if stage.is_last else None, losses=losses, return_outputs=False)
-    grads = [p.grad for p in stage.submod.parameters() if p.grad is not None]
-    grad_norm = clip_grads(grads, [()] * len(grads), grad_clip, [pp_group])
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(sum(loss.detach() for loss in losses)) if losses else 0.0, grad_norm
-
-
-# ----------------------------------------------------------------------------------------------
-# The run
+# The run. torch's side is bench_common's: StageModule wraps this rank's stage Llama for
+# PipelineStage, mean_over_micro_batches is the schedules' loss_fn, pipelining_train_step runs the
+# schedule, then train_step's own tail.
 # ----------------------------------------------------------------------------------------------
 
 
@@ -160,16 +116,17 @@ def build_pair(name: str, mesh: Mesh, torch_pg, model_cfg, cfg: TrainConfig, m: 
 
     mine = stage_llama()
     ours = DataParallel(mine, mesh.dp_group, optimizer=build_optimizer(mine, cfg))
-    stage = PipelineStage(StageModule(stage_llama(), pipeline), pipeline.group.rank, pipeline.n_stages, device,
+    stage = PipelineStage(bench.StageModule(stage_llama(), pipeline), pipeline.group.rank, pipeline.n_stages, device,
                           group=torch_pg)
-    schedule = SCHEDULES[name](stage, m, loss_fn=mean_over_micro_batches(m, cross_entropy, stage.submod.llama),
+    schedule = SCHEDULES[name](stage, m, loss_fn=bench.mean_over_micro_batches(m, cross_entropy, stage.submod.llama),
                                  scale_grads=False)
     opt_theirs = build_optimizer(stage.submod, cfg)
     return {
         "pipeline": pipeline, "ours": ours, "stage": stage, "schedule": schedule,
         "minipar": lambda x, y: train_step(ours, list(zip(x.chunk(m), y.chunk(m))), cfg.grad_clip,
                                            pipeline=pipeline),
-        "torch": lambda x, y: torch_train_step(schedule, stage, opt_theirs, x, y, cfg.grad_clip, mesh.pp_group),
+        "torch": lambda x, y: bench.pipelining_train_step(schedule, stage, opt_theirs, x, y, cfg.grad_clip,
+                                                          mesh.pp_group),
     }
 
 

@@ -10,7 +10,8 @@ One launch trains two copies of the same model side by side, every rank a tp ran
                   DataParallel(model, mesh.dp_group, tp_group=..., optimizer=...) (no traffic at dp = 1);
                   step: minipar.train.train_step
     (b) PyTorch   the same plain Llama(config, seed), then parallelize_module(model, device_mesh, plan)
-                  below; step: `dtensor_train_step`, written with torch's own tools
+                  (bench_common.dtensor_tp_plan); step: `bench_common.dtensor_train_step`,
+                  written with torch's own tools
 
 The DTensor plan is torchtitan's Llama plan with sequence parallelism left out (Replicate where
 torchtitan has Shard(1)), and puts every collective where minipar puts it:
@@ -73,21 +74,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minipar.collectives import ring_bytes_sent
 from minipar.config import ConfigError, TrainConfig
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
-from minipar.model import CONFIGS, Block, Llama, get_config
+from minipar.model import CONFIGS, get_config
 from minipar.parallelize import parallel_llama
 from minipar.tensor_parallel import unshard
 from minipar.train import build_optimizer, train_step
@@ -108,76 +103,13 @@ def check_layout(args, world: int) -> None:
     m = CONFIGS[args.model]
     if args.seq_len > m.max_seq_len:
         raise ConfigError(f"--seq-len {args.seq_len} is longer than the model's {m.max_seq_len}")
-    # ColwiseParallel cuts wk and wv into tp equal row blocks: with fewer kv heads than ranks a
-    # block would be part of a head. (minipar replicates them then; DTensor has no such style.)
-    for name, size in (("attention heads", m.n_heads), ("kv heads", m.n_kv_heads), ("hidden size", m.dim),
-                       ("MLP size", m.ffn_dim), ("vocabulary", m.vocab_size)):
-        if size % world:
-            raise ConfigError(f"tp {world} does not divide the model's {size} {name} (--model {args.model}): "
-                              f"launch with a --nproc-per-node that divides it")
+    bench.check_dtensor_tp(m, world, args.model)  # the DTensor plan (bench_common.dtensor_tp_plan) cuts these
 
 
 # ----------------------------------------------------------------------------------------------
-# The DTensor side
+# The DTensor side: bench_common.build_dtensor_model and dtensor_train_step, and a counter of its
+# collectives
 # ----------------------------------------------------------------------------------------------
-
-
-def tp_plan(model: nn.Module) -> dict:
-    """torchtitan's Llama plan without sequence parallelism (see the table in the docstring)."""
-    plan = {
-        "tok_emb": RowwiseParallel(input_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),  # for loss_parallel
-    }
-    for layer in (name for name, m in model.named_modules() if isinstance(m, Block)):  # "layers.0", ...
-        plan |= {
-            # attn(x), mlp(x): x becomes one replicated DTensor that the linears share.
-            f"{layer}.attn": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
-            f"{layer}.attn.wq": ColwiseParallel(),
-            f"{layer}.attn.wk": ColwiseParallel(),
-            f"{layer}.attn.wv": ColwiseParallel(),
-            f"{layer}.attn.wo": RowwiseParallel(),
-            f"{layer}.mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
-            f"{layer}.mlp.w_gate": ColwiseParallel(),
-            f"{layer}.mlp.w_up": ColwiseParallel(),
-            f"{layer}.mlp.w_down": RowwiseParallel(),
-        }
-    return plan
-
-
-def build_dtensor_model(config, seed: int, device, device_mesh) -> nn.Module:
-    """The plain Llama, parallelised by torch. Each attention then sees h/tp heads in its local
-    projections' outputs, and reshapes by them: nothing of the model needs setting after."""
-    model = Llama(config, seed=seed).to(device)
-    return parallelize_module(model, device_mesh, tp_plan(model))
-
-
-def clip_grad_norm_mixed(params, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ for a model whose parameters are partly DTensors.
-
-    clip_grad_norm_ itself raises "got mixed torch.Tensor and DTensor" here (the norm gains are
-    plain, replicated tensors), so: the norm of each kind (the DTensor one is reduced over tp by
-    DTensor), combined, then each kind clipped by the same total.
-    """
-    params = [p for p in params if p.grad is not None]
-    kinds = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
-    kinds = [k for k in kinds if k]
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in k]) for k in kinds]
-    total = torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]).norm()
-    for k in kinds:
-        torch.nn.utils.clip_grads_with_norm_(k, max_norm, total)
-    return total
-
-
-def dtensor_train_step(model: nn.Module, optimizer, x, y, grad_clip: float) -> tuple[float, float]:
-    """One optimizer step, torch's way. Returns (loss, gradient norm), like minipar's train_step."""
-    with loss_parallel():  # cross_entropy on vocabulary-sharded logits; its backward must be inside too
-        logits = model(x)  # DTensor [b, s, V], Shard(-1): each rank holds V/tp columns
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        loss.backward()
-    grad_norm = clip_grad_norm_mixed(model.parameters(), grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(loss.detach().full_tensor()), float(grad_norm)
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -245,11 +177,11 @@ def build_sides(cfg: TrainConfig, model_cfg, mesh: Mesh, device) -> tuple:
     device_mesh = init_device_mesh(device.type, (mesh.tp_group.size,), mesh_dim_names=("tp",))
     model = parallel_llama(model_cfg, seed=cfg.seed, tp_group=mesh.tp_group).to(device)
     ours = DataParallel(model, mesh.dp_group, tp_group=mesh.tp_group, optimizer=build_optimizer(model, cfg))
-    theirs = build_dtensor_model(model_cfg, cfg.seed, device, device_mesh)
+    theirs = bench.build_dtensor_model(model_cfg, cfg.seed, device, device_mesh)
     opt_theirs = build_optimizer(theirs, cfg)
     steps = {
         "minipar": lambda x, y: train_step(ours, [(x, y)], cfg.grad_clip),
-        "dtensor": lambda x, y: dtensor_train_step(theirs, opt_theirs, x, y, cfg.grad_clip),
+        "dtensor": lambda x, y: bench.dtensor_train_step(theirs, opt_theirs, [(x, y)], cfg.grad_clip),
     }
     return ours, theirs, steps
 
