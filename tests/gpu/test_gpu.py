@@ -6,8 +6,10 @@
     several processes on one GPU: tried, and the report says whether NCCL allows it
     train.py in bfloat16 autocast follows the float32 losses over 50 steps
     the largest layout the GPUs allow (dp2 x tp2 x pp2 on 8) equals one GPU in float32
+    (pipelines, cp, ep and the estimator's bf16 figures: test_gpu_layouts.py)
 
-Skipped as a whole without CUDA (conftest.py); never part of `make test`.
+Skipped as a whole without CUDA (conftest.py); never part of `make test`. The rank functions run
+on gloo too: tests/test_gpu_bodies_on_gloo.py proves their logic on the CPU.
 """
 
 import json
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import run_ranks
+from test_gpu_layouts import rank_device
 
 from minipar import collectives as C
 from minipar.config import TrainConfig
@@ -65,7 +68,7 @@ def test_model_on_cuda_equals_the_model_on_cpu(dtype, tol, report):
 
 
 def _collectives(rank, world):
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = rank_device()  # cuda under NCCL; the CPU under gloo (tests/test_gpu_bodies_on_gloo.py)
     with Mesh.build(dp=world) as mesh:
         group = mesh.dp_group
         inputs = [torch.arange(24, dtype=torch.float64, device=device).view(4, 6) * (r + 1) for r in range(world)]
@@ -114,7 +117,7 @@ def _wrapper_equals_one_device(rank, world, kind):
     from minipar.zero import ZeroDataParallel
     from minipar.zero3 import Zero3DataParallel
 
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = rank_device()  # cuda under NCCL; the CPU under gloo (tests/test_gpu_bodies_on_gloo.py)
     cfg = get_config("tiny")
     reference = Llama(cfg, seed=1).to(device=device, dtype=torch.float64)
     ref_opt = build_optimizer(reference, OPT)
