@@ -37,11 +37,14 @@ test-slow: $(STAMP)
 # Without CUDA both say "no GPU" and exit 0. Neither is part of `make test`.
 GPU_PY  ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 
-# NCCL collectives, DP/ZeRO/TP against one GPU, bf16 against fp32, the largest layout; a report.
+# NCCL collectives; DP, ZeRO 1-3, TP, PP (1F1B, ZB-V, interleaved), CP and EP against one GPU in
+# float64; the estimator's bf16 figures against CUDA memory and the ledger; bf16 against fp32 over
+# 50 steps; the largest layout; a report. Each test skips, saying why, when too few GPUs are here.
 test-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -p no:cacheprovider tests/gpu
 
-# 125m and 1b, bf16, seq 2048: minipar against DDP / FSDP2 per strategy; appends to docs/benchmarks.md.
+# 125m and 1b, bf16, seq 2048: minipar against PyTorch's own per strategy (DDP, ZeRO optimizer, FSDP2,
+# DTensor TP, torch.distributed.pipelining, context_parallel); appends to docs/benchmarks.md.
 # More flags for scripts/bench_gpu.py in ARGS, e.g. make bench-gpu ARGS="--models 1b --strategies dp".
 bench-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) scripts/bench_gpu.py --compile --fused-adamw --append docs/benchmarks.md $(ARGS)
