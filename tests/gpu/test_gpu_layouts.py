@@ -102,6 +102,8 @@ LAYOUTS = [
     ("tiny", dict(pp=2, schedule="zbv")),
     ("tiny", dict(pp=2, schedule="interleaved", virtual_stages=2)),
     ("tiny", dict(cp=2)),
+    ("tiny", dict(pp=4, schedule="1f1b")),
+    ("tiny", dict(cp=4)),
     ("tiny-moe", dict(dp=2, ep=2)),
     ("tiny-moe", dict(dp=4, ep=4)),
     ("tiny", dict(cp=2, pp=2, schedule="zbv")),
