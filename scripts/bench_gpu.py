@@ -29,7 +29,10 @@ under tp, pp and cp (dp = 1) all ranks share one batch of micro-batch x --accum 
 least one micro-batch per stage), cut into the sequence shares under cp. The pipeline's loss is
 each micro-batch's mean cross-entropy / m on both sides (all tokens are real: minipar's token mean
 is the same number); context parallelism's torch side takes the mean of its rank's tokens and DDP
-averages the equal shares, minipar's divides by the global count (train_step).
+averages the equal shares, minipar's divides by the global count (train_step). One difference in
+the work of cp: the model repeats k and v to the query heads before SDPA (model.causal_attention),
+so torch's ring passes K/V at the query heads' width while minipar's passes the kv heads' (the 1b
+model: 4x the bytes; 125m has as many kv heads as heads: the same).
 
 The sides run one after the other, each in fresh processes (one per GPU, under torchrun): a 1b
 model and its optimizer, twice, do not fit one GPU together, and nothing one side leaves behind
