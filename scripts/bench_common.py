@@ -305,7 +305,7 @@ def check_dtensor_tp(m: ModelConfig, tp: int, model: str) -> None:
                        ("MLP size", m.ffn_dim), ("vocabulary", m.vocab_size)):
         if size % tp:
             raise ValueError(f"tp {tp} does not divide the model's {size} {name} (--model {model}): "
-                             f"launch with a --nproc-per-node that divides it")
+                             f"run on a number of ranks (--nproc-per-node, GPUs) that divides it")
 
 
 def dtensor_tp_plan(model: nn.Module) -> dict:
