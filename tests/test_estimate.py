@@ -240,6 +240,79 @@ def test_pipeline_activations_count_the_micro_batches_the_schedule_keeps_in_flig
         head_activation_bytes(c, plain) + layer_activation_bytes(c, plain)
 
 
+def _gpt_layer_saves(rank, world, tp, sp, recompute):
+    """What autograd keeps for one forward of Korthikanti et al.'s GPT layer on this rank, in bf16."""
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    from minipar.mesh import Mesh
+    from minipar.tensor_parallel import ColumnParallelLinear, RowParallelLinear, enter_parallel_region
+
+    s, b, h, a = GPT_SHAPE
+    d, p = h // a, 0.1
+
+    def dropout(x):  # a 1-byte mask, as PyTorch's fused dropout keeps on a GPU (F.dropout on CPU: 2 bytes)
+        return torch.native_dropout(x, p, True)[0]
+
+    def attention_core(q, k, v):  # [b a/t, s, d] each; no causal mask: the paper does not count one
+        probs = dropout(torch.softmax(torch.bmm(q, k.transpose(1, 2)) / d**0.5, dim=-1))  # [b a/t, s, s]
+        return torch.bmm(probs, v)
+
+    with Mesh.build(tp=tp) as mesh:
+        group = mesh.tp_group
+        torch.manual_seed(rank)
+        norm1, norm2 = torch.nn.LayerNorm(h, dtype=torch.bfloat16), torch.nn.LayerNorm(h, dtype=torch.bfloat16)
+        qkv_proj, fc1 = (ColumnParallelLinear(h, n * h, group, bias=True) for n in (3, 4))  # fused QKV, MLP 4h
+        out_proj, fc2 = (RowParallelLinear(n * h, h, group, bias=True, sequence_parallel=sp) for n in (1, 4))
+        linears = [qkv_proj, fc1, out_proj, fc2]
+        for linear in linears:
+            torch.nn.init.normal_(linear.weight, std=0.02)
+        params = {q.untyped_storage().data_ptr() for m in [norm1, norm2, *linears] for q in m.to(torch.bfloat16)
+                  .parameters()}
+
+        def layer(x):  # [b, s (/t under sp), h]
+            qkv = qkv_proj(enter_parallel_region(norm1(x), group, sp))  # [b, s, 3h/t]
+            q, k, v = (t.transpose(1, 2).reshape(-1, s, d) for t in qkv.view(b, s, -1, 3 * d).split(d, dim=-1))
+            core = checkpoint(attention_core, q, k, v, use_reentrant=True) if recompute == "selective" \
+                else attention_core(q, k, v)  # [b a/t, s, d]
+            x = x + dropout(out_proj(core.view(b, -1, s, d).transpose(1, 2).reshape(b, s, -1)))
+            return x + dropout(fc2(F.gelu(fc1(enter_parallel_region(norm2(x), group, sp)))))
+
+        x = torch.randn(b, s // tp if sp else s, h, dtype=torch.bfloat16, requires_grad=True)
+        if recompute == "full":
+            return kept_for_backward(lambda x: checkpoint(layer, x, use_reentrant=True), x, skip=params)
+        return kept_for_backward(layer, x, skip=params)
+
+
+GPT_SHAPE = (32, 2, 64, 4)  # s, b, h, a: 5as/h = 10, next to the 34
+
+
+@pytest.mark.parametrize("tp,sp,recompute", [(1, False, None), (2, False, None), (2, True, None),
+                                             (2, False, "selective"), (2, True, "selective"), (1, False, "full")],
+                         ids=["one", "tp2", "tp2-sp", "tp2-selective", "tp2-sp-selective", "full-recompute"])
+def test_korthikantis_gpt_layer_activation_figures(tp, sp, recompute):
+    # Korthikanti et al. (2022), "Reducing activation recomputation in large transformer models",
+    # section 4 and table 2: a GPT layer in 16-bit keeps sbh(34 + 5as/h) bytes for backward, 5as/h
+    # being the s x s attention scores, softmax, its dropout mask and its output. Measured on a GPT
+    # layer written above with minipar's tensor-parallel layers, on `tp` gloo ranks.
+    s, b, h, a = GPT_SHAPE
+    t, sbh = tp, s * b * h
+    paper = {(1, False, None): sbh * (34 + 5 * a * s / h),
+             (2, False, None): sbh * (10 + 24 / t + 5 * a * s / (h * t)),
+             (2, True, None): sbh / t * (34 + 5 * a * s / h),
+             (2, False, "selective"): sbh * (10 + 24 / t),
+             (2, True, "selective"): sbh / t * 34,
+             (1, False, "full"): 2 * sbh}[tp, sp, recompute]
+    # What the paper leaves out: each LayerNorm's mean and 1/std per token (bf16 on CPU, fp32 on a
+    # GPU). And where minipar differs from Megatron: under sp, ColumnParallelLinear keeps the input
+    # it was given, the all-gathered [b, s, h], where Megatron keeps the rank's [b, s/t, h] and
+    # gathers it again in backward: 2sbh(1 - 1/t) more for the QKV input and for the MLP's.
+    norm_stats = 0 if recompute == "full" else 2 * 2 * 2 * s * b // (t if sp else 1)
+    gathered_inputs = 2 * 2 * sbh * (1 - 1 / t) if sp else 0
+    for measured in run_ranks(tp, _gpt_layer_saves, tp, sp, recompute):
+        assert measured == paper + norm_stats + gathered_inputs
+
+
 # ----------------------------------------------------------------------------------------------
 # Bytes sent: every group's traffic against the ledger
 # ----------------------------------------------------------------------------------------------
