@@ -112,6 +112,53 @@ def test_the_estimate_equals_what_every_rank_holds(world, layout):
         assert measured == estimated
 
 
+def _temporaries(rank, world, layout):
+    from minipar.estimate import temporary_bytes
+    from minipar.mesh import Mesh
+    from minipar.train import build_model, train_step, wrap
+    from minipar.zero import ZeroBucket
+    from minipar.zero3 import ShardedBucket
+
+    cfg = TrainConfig(**{"model": "small", "seq_len": 16, "global_batch": 8, "micro_batch": 2, "dtype": "float64",
+                         "bucket_mb": 0.5, **layout})
+    c = get_config("small", vocab_size=250)
+    with Mesh.build(dp=cfg.dp, tp=cfg.tp) as mesh:
+        model, _ = build_model(cfg, mesh, c, torch.device("cpu"), torch.float64)
+        wrapper = wrap(model, mesh, cfg)
+        measured = Counter()
+        flatten, start_gather = ZeroBucket._flatten, ShardedBucket.start_gather
+
+        def flattened(bucket, tensors):  # the flat gradient each reduce-scatter is given
+            flat = flatten(bucket, tensors)
+            measured["flattened"] = max(measured["flattened"], flat.untyped_storage().nbytes())
+            return flat
+
+        def gathered(bucket):  # after each gather: every bucket's weights that exist whole right now
+            start_gather(bucket)
+            now = sum(b.full.untyped_storage().nbytes() for b in wrapper.buckets)
+            measured["gathered"] = max(measured["gathered"], now)
+        ZeroBucket._flatten, ShardedBucket.start_gather = flattened, gathered
+        try:
+            x = torch.randint(0, 250, (cfg.global_batch // cfg.dp, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+            micro = list(zip(x.split(cfg.micro_batch), x.roll(-1, 1).split(cfg.micro_batch)))
+            for _ in range(2):
+                train_step(wrapper, micro, 1.0)
+        finally:
+            ZeroBucket._flatten, ShardedBucket.start_gather = flatten, start_gather
+        return dict(measured), temporary_bytes(c, cfg)
+
+
+@pytest.mark.parametrize("world,layout", [(2, dict(dp=2, zero=1)), (2, dict(dp=2, zero=2)), (2, dict(dp=2, zero=3)),
+                                          (4, dict(dp=2, tp=2, sp=True, zero=3))],
+                         ids=["zero1", "zero2", "zero3", "tp2-sp-zero3"])
+def test_zeros_temporary_buffers_are_what_the_buckets_allocate_in_a_step(world, layout):
+    # Read off the real buckets during two steps: the largest flat gradient handed to a
+    # reduce-scatter, and (ZeRO-3) the most weights gathered at once: two units, the one running
+    # and the one prefetched, never three.
+    for measured, estimated in run_ranks(world, _temporaries, layout, timeout=300):
+        assert measured == estimated
+
+
 # ----------------------------------------------------------------------------------------------
 # Will it fit? train.py asks before building anything; --plan shows the figures
 # ----------------------------------------------------------------------------------------------
