@@ -194,7 +194,7 @@ def test_train_py_refuses_a_model_that_cannot_fit_in_one_line_before_any_process
 
 def test_train_py_plan_prints_each_pipeline_ranks_bytes_and_exits(capsys):
     import minipar.train
-    from minipar.estimate import activation_bytes
+    from minipar.estimate import activation_bytes, temporary_bytes
 
     assert minipar.train.main(["--model", "1b", "--dp", "2", "--pp", "2", "--micro-batch", "4", "--zero", "1",
                                "--plan"]) == 0
@@ -204,6 +204,7 @@ def test_train_py_plan_prints_each_pipeline_ranks_bytes_and_exits(capsys):
     for r in range(2):
         total = sum(held_bytes(c, cfg, r).values()) + activation_bytes(c, cfg, r)
         assert f"{total / 2**20:>12,.1f}" in out
+    assert f"flattened {temporary_bytes(c, cfg)['flattened'] / 2**20:,.1f} MiB" in out
     assert not torch.distributed.is_initialized()
 
 
