@@ -139,7 +139,8 @@ def _temporaries(rank, world, layout):
             measured["gathered"] = max(measured["gathered"], now)
         ZeroBucket._flatten, ShardedBucket.start_gather = flattened, gathered
         try:
-            x = torch.randint(0, 250, (cfg.global_batch // cfg.dp, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+            x = torch.randint(0, 250, (cfg.global_batch // cfg.dp, cfg.seq_len),
+                              generator=torch.Generator().manual_seed(0))
             micro = list(zip(x.split(cfg.micro_batch), x.roll(-1, 1).split(cfg.micro_batch)))
             for _ in range(2):
                 train_step(wrapper, micro, 1.0)
