@@ -315,11 +315,11 @@ def _gpt_layer_saves(rank, world, tp, sp, recompute):
         norm1, norm2 = torch.nn.LayerNorm(h, dtype=torch.bfloat16), torch.nn.LayerNorm(h, dtype=torch.bfloat16)
         qkv_proj, fc1 = (ColumnParallelLinear(h, n * h, group, bias=True) for n in (3, 4))  # fused QKV, MLP 4h
         out_proj, fc2 = (RowParallelLinear(n * h, h, group, bias=True, sequence_parallel=sp) for n in (1, 4))
-        linears = [qkv_proj, fc1, out_proj, fc2]
-        for linear in linears:
+        for linear in (qkv_proj, fc1, out_proj, fc2):
             torch.nn.init.normal_(linear.weight, std=0.02)
-        params = {q.untyped_storage().data_ptr() for m in [norm1, norm2, *linears] for q in m.to(torch.bfloat16)
-                  .parameters()}
+            linear.to(torch.bfloat16)
+        modules = (norm1, norm2, qkv_proj, fc1, out_proj, fc2)
+        params = {q.untyped_storage().data_ptr() for m in modules for q in m.parameters()}
 
         def layer(x):  # [b, s (/t under sp), h]
             qkv = qkv_proj(enter_parallel_region(norm1(x), group, sp))  # [b, s, 3h/t]
