@@ -27,9 +27,10 @@ tests: after the gradients are synchronised, before the optimizer step.
                  float64 on CPU), times the micro-batches the pipeline schedule keeps in flight
 
 Bytes sent per step, by group and operation (`bytes_sent`; the data-parallel part alone:
-`dp_bytes_sent`), equal to the ledger. planner.py uses these figures: `check_memory` (train.py,
-before anything is built), `--plan`, and the layout planner. Not yet here (issue #12): temporary buffers, and
-mixture-of-experts layers' activations and traffic.
+`dp_bytes_sent`), equal to the ledger. ZeRO's buffers that live only for a moment of the step
+(`temporary_bytes`). planner.py uses these figures: `check_memory` (train.py, before anything is
+built), `--plan`, and the layout planner. Not yet here (issue #12): temporary buffers in the fit
+check, and mixture-of-experts layers' activations and traffic.
 """
 
 from __future__ import annotations
@@ -208,6 +209,29 @@ def _pipeline_bytes(sent: Counter, model_cfg: ModelConfig, cfg: TrainConfig, pp_
             sent["pp/send"] += cfg.accum_steps * act
         if k > 0 and place[k - 1] != pp_rank:
             sent["pp_grad/send"] += cfg.accum_steps * act
+
+
+def temporary_bytes(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> dict[str, int]:
+    """ZeRO's buffers that come and go within a step, at their largest, beyond held_bytes (data
+    parallelism's flat buffers stay: they are counted with the gradients):
+
+        flattened  ZeRO 1-3: the largest bucket's gradients, flattened and padded to a multiple of
+                   N for its reduce-scatter (one bucket at a time)
+        gathered   ZeRO-3: the whole weights of the unit running and of the next one (prefetched)
+    Not yet in peak_bytes, nor the logits' gradient, nor what a kernel allocates for itself."""
+    if cfg.zero == 0:
+        return {}
+    model, width = rank_model(model_cfg, cfg, pp_rank), PARAM_DTYPES[cfg.dtype].itemsize
+    plan = _zero_plan(model, cfg)
+    padded = [-(-sum(p.numel() for p in chunk) // _replicas(dims, cfg)) * _replicas(dims, cfg) * width
+              for _, dims, chunk in plan]
+    if cfg.zero < 3:
+        return {"flattened": max(padded)}
+    unit_of = {id(p): i for i, unit in enumerate(units_of(model)) for p in unit.parameters()}
+    units = Counter()
+    for size, (_, _, chunk) in zip(padded, plan):
+        units[unit_of[id(chunk[0])]] += size
+    return {"flattened": max(padded), "gathered": max(units[i] + units[i + 1] for i in range(len(units)))}
 
 
 def _zero_plan(model, cfg: TrainConfig):

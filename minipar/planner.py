@@ -36,7 +36,7 @@ from itertools import islice
 import torch
 
 from minipar.config import TrainConfig
-from minipar.estimate import PARAM_DTYPES, activation_bytes, bytes_sent, held_bytes, peak_bytes
+from minipar.estimate import PARAM_DTYPES, activation_bytes, bytes_sent, held_bytes, peak_bytes, temporary_bytes
 from minipar.model import ModelConfig, get_config
 from minipar.pipeline_schedules import build as build_schedule
 from minipar.pipeline_schedules import simulate
@@ -194,6 +194,9 @@ def report(cfg: TrainConfig) -> str:
         lines.append(f"{r:>8} " + " ".join(f"{v / 2**20:>12,.1f}" for v in (*held, sum(held))))
     lines.append(f"the fullest rank needs {peak_bytes(c, cfg) / 2**30:.2f} GiB ({what}: {limit / 2**30:.1f} GiB)"
                  + (": activations of expert layers are not estimated yet" if c.n_experts else ""))
+    if cfg.zero:
+        lines.append("ZeRO's buffers of a moment in the step (pp rank 0), not in the total yet: " + ", ".join(
+            f"{k} {v / 2**20:,.1f} MiB" for k, v in temporary_bytes(c, cfg).items()))
     flops = cfg.global_batch * cfg.seq_len * c.flops_per_token(cfg.seq_len) * (8 / 6 if cfg.recompute else 1)
     step = f"a step: {flops / 1e12:,.1f} TFLOP in all"
     if cfg.pp > 1:
