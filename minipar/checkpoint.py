@@ -55,12 +55,12 @@ def checkpoints(folder: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def resolve(path: str | Path, skipped: list[str] | None = None) -> Path:
+def resolve(path: str | Path, skipped: list[str] | None = None, flag: str = "--resume") -> Path:
     """A checkpoint folder, which must verify, or an --out folder whose newest step_* checkpoint
     that verifies is taken; why each newer one was skipped is appended to `skipped`."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise CheckpointError(f"--resume {path}: no such folder")
+        raise CheckpointError(f"{flag} {path}: no such folder")
     if (p / "train_state.json").exists() or p.name.startswith("step_"):
         verify(p)
         return p
@@ -73,7 +73,7 @@ def resolve(path: str | Path, skipped: list[str] | None = None) -> Path:
             return step
         except CheckpointError as e:
             reasons.append(str(e))
-    raise CheckpointError(f"--resume {path}: no step_* checkpoint in it verifies" + (
+    raise CheckpointError(f"{flag} {path}: no step_* checkpoint in it verifies" + (
         f" (newest: {reasons[0]})" if reasons else ": neither a checkpoint nor a folder of step_* checkpoints"))
 
 

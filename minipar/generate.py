@@ -115,6 +115,8 @@ def plain_model_from(path: Path) -> tuple[Llama, dict]:
     with torch.device("meta"):  # no initialisation: every weight comes from the checkpoint
         model = Llama(config, seed=0)
     model = model.to_empty(device="cpu")
+    if config.tie_embeddings:  # to_empty gave each module a new tensor of its own: share the table again
+        model.lm_head.weight = model.tok_emb.weight
     checkpoint.load(path, model)
     return model.eval(), state
 

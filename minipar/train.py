@@ -165,7 +165,7 @@ def check_paths(cfg: TrainConfig) -> Path | None:
             f"runs/run_{i:03d}" for i in range(1, 10**4) if not Path(f"runs/run_{i:03d}").exists()
         )
     if cfg.init_from:  # weights to start from: a checkpoint folder, or the newest in an --out folder
-        cfg.init_from = str(checkpoint.resolve(cfg.init_from))
+        cfg.init_from = str(checkpoint.resolve(cfg.init_from, flag="--init-from"))
     check_files(cfg, resume)  # the data is text, --out and the logs writable, the checkpoint of this run
     start = json.loads((resume / "train_state.json").read_text())["step"] if resume else 0
     later = [p.name for p in checkpoint.checkpoints(cfg.out) if int(p.name[5:]) > start]

@@ -45,7 +45,7 @@ def import_folder(hf_dir: str, out: str) -> Path:
 
 
 def export_folder(ckpt: str, hf_dir: str) -> Path:
-    path = checkpoint.resolve(ckpt)
+    path = checkpoint.resolve(ckpt, flag="export")
     config = checkpoint.model_config_of(path, checkpoint.verify(path))
     weights = load_file(path / "model.safetensors")
     check_weights(config, weights, path)

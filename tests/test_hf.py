@@ -12,6 +12,7 @@ float64 angles from minipar's frequencies, which a separate test holds to transf
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -22,13 +23,14 @@ import torch
 from harness import run_ranks
 from safetensors.torch import load_file
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local: never reach for the Hub
 transformers = pytest.importorskip("transformers")
 
 from minipar import checkpoint  # noqa: E402
 from minipar.context_parallel import split_sequence, zigzag_positions  # noqa: E402
 from minipar.hf import HFError, import_hf  # noqa: E402
 from minipar.mesh import Mesh  # noqa: E402
-from minipar.model import Llama, rope_frequencies  # noqa: E402
+from minipar.model import rope_frequencies  # noqa: E402
 from minipar.parallelize import parallel_llama  # noqa: E402
 from minipar.tensor_parallel import gather_logits  # noqa: E402
 
@@ -230,7 +232,8 @@ def test_import_train_20_steps_at_dp2_tp2_export_and_generate_with_transformers(
              "--micro-batch=4", "--dp=2", "--tp=2", "--steps=20", "--warmup=2", f"--init-from={tmp_path / 'imported'}",
              f"--out={tmp_path / 'run'}", "--no-wandb", "--log-every=1", f"--log-json={tmp_path / 'log.json'}"]
     run = subprocess.run(train, capture_output=True, text=True, cwd=ROOT, timeout=600,
-                         env={"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PATH": "/usr/bin:/bin"})
+                         env={"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PATH": "/usr/bin:/bin",
+                              "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     assert "started from the weights of" in run.stdout + run.stderr
     losses = [json.loads(line)["loss"] for line in (tmp_path / "log.json").read_text().splitlines()]
@@ -243,8 +246,8 @@ def test_import_train_20_steps_at_dp2_tp2_export_and_generate_with_transformers(
     prompt = torch.tensor([[1, 2, 3]])
     out = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 11) and torch.equal(out[:, :3], prompt)
-    ours = Llama(checkpoint.model_config_of(tmp_path / "run" / "step_000020",
-                                            checkpoint.verify(tmp_path / "run" / "step_000020")))
-    checkpoint.load(tmp_path / "run" / "step_000020", ours)
-    from minipar.generate import generate
-    assert torch.equal(generate(ours.eval(), prompt, 8), out)  # the same greedy continuation
+    from minipar.generate import generate, plain_model_from  # what sample.py and eval.py load
+
+    ours, _ = plain_model_from(tmp_path / "run" / "step_000020")
+    assert ours.lm_head.weight is ours.tok_emb.weight
+    assert torch.equal(generate(ours, prompt, 8), out)  # the same greedy continuation
