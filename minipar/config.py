@@ -15,11 +15,11 @@ import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from minipar.checkpoint import model_config_of, verify
 from minipar.context_parallel import check_cp_layout
 from minipar.data import check_data, data_key
 from minipar.expert_parallel import check_expert_layout
 from minipar.mesh import MeshLayout
-from minipar.checkpoint import model_config_of, verify
 from minipar.model import CONFIGS, ModelConfig, get_config
 from minipar.pipeline import stage_layers
 from minipar.pipeline_schedules import SCHEDULES, ScheduleError

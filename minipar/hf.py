@@ -45,7 +45,8 @@ CONFIG_KEYS = {"hidden_size": "dim", "num_hidden_layers": "n_layers", "num_atten
                "intermediate_size": "ffn_dim", "vocab_size": "vocab_size", "rms_norm_eps": "norm_eps",
                "max_position_embeddings": "max_seq_len", "tie_word_embeddings": "tie_embeddings"}
 SCALING_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
-                "high_freq_factor": "rope_high_freq_factor", "original_max_position_embeddings": "rope_original_max_len"}
+                "high_freq_factor": "rope_high_freq_factor",
+                "original_max_position_embeddings": "rope_original_max_len"}
 
 
 class HFError(ValueError):

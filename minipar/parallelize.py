@@ -8,10 +8,10 @@ part of a parallel model that one rank holds, in five steps, always in this orde
                   to them
     2. tensor     swap modules from a plan, name pattern -> Column/Row/VocabParallel layer, each
                   shard cut from the plain layer's own weight (tied embeddings: the head's shard
-                  is the embedding's, as both cut the vocabulary into the same blocks); the input of every attention, MLP
-                  and LM head enters the parallel region (f) through a forward pre-hook; the loss
-                  becomes the vocabulary-parallel one; with sequence parallelism the norms'
-                  gradients become partial sums over tp
+                  is the embedding's, as both cut the vocabulary into the same blocks); the
+                  input of every attention, MLP and LM head enters the parallel region (f)
+                  through a forward pre-hook; the loss becomes the vocabulary-parallel one;
+                  with sequence parallelism the norms' gradients become partial sums over tp
     3. context    swap each attention's function for ring attention and its positions for this
                   rank's zigzag share; weigh the loss by this rank's share of the tokens
     4. experts    mixture-of-experts blocks: each rank keeps its E/ep experts and tokens reach

@@ -328,8 +328,9 @@ def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Me
         full = checkpoint.gather_full(wrapper.module, states, checkpoint.hyper_params(wrapper.optimizer),
                                       mesh.shard_groups(), mesh.pp_group)
     if log.is_main:
-        path = checkpoint.save(cfg.out, step, *full, {"step": step, "consumed": consumed, "config": asdict(cfg),
-                                                      "model_config": asdict(wrapper.module.config), "data_key": data_key})
+        state = {"step": step, "consumed": consumed, "config": asdict(cfg), "data_key": data_key,
+                 "model_config": asdict(wrapper.module.config)}  # what the weights are of (sample.py, convert.py)
+        path = checkpoint.save(cfg.out, step, *full, state)
         log.say(f"saved {path}")
     dist.barrier()
 

@@ -215,7 +215,8 @@ def test_init_from_refuses_weights_of_another_model(imported, tmp_path):
     tie = ["--tie-embeddings"] if "untied" not in name else []
     with pytest.raises(ConfigError, match="--init-from and --resume"):
         parse_args(["--init-from", str(ckpt), "--resume", str(ckpt)])
-    for flags, what in ((["--model", "small"], "dim 32"), (["--model", "tiny", "--vocab-size", "300"], "its model has")):
+    for flags, what in ((["--model", "small"], "dim 32"),
+                        (["--model", "tiny", "--vocab-size", "300"], "its model has")):
         with pytest.raises(ConfigError, match=what):
             check_init_from(parse_args(flags + tie + ["--init-from", str(ckpt)]), path)
 

@@ -4,7 +4,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minipar.model import CONFIGS, Llama, ModelConfig, apply_rope, get_config, init_tensor, rope_cos_sin, rope_frequencies
+from minipar.model import (
+    CONFIGS,
+    Llama,
+    ModelConfig,
+    apply_rope,
+    get_config,
+    init_tensor,
+    rope_cos_sin,
+    rope_frequencies,
+)
 
 
 def tiny(**kw):
@@ -56,7 +65,8 @@ def test_rope_rotates_by_relative_position():
     # <R(p) q, R(p') k> depends only on p - p': shifting every position leaves scores unchanged.
     q, k = torch.randn(1, 1, 5, 8, dtype=torch.float64), torch.randn(1, 1, 5, 8, dtype=torch.float64)
     def scores(offset):
-        cos, sin = rope_cos_sin(torch.arange(5) + offset, rope_frequencies(ModelConfig(dim=32, n_heads=4)), torch.float64)
+        freqs = rope_frequencies(ModelConfig(dim=32, n_heads=4))  # head_dim 8
+        cos, sin = rope_cos_sin(torch.arange(5) + offset, freqs, torch.float64)
         return apply_rope(q, cos, sin) @ apply_rope(k, cos, sin).transpose(-1, -2)
     torch.testing.assert_close(scores(0), scores(37), rtol=1e-10, atol=1e-10)
 
