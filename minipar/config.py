@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from minipar.checkpoint import model_config_of, verify
+from minipar.checkpoint import model_config_of
 from minipar.context_parallel import check_cp_layout
 from minipar.data import check_data, data_key
 from minipar.expert_parallel import check_expert_layout
@@ -266,8 +266,9 @@ def check_files(cfg: TrainConfig, resume: Path | None) -> None:
 
 
 def check_init_from(cfg: TrainConfig, path: Path) -> None:
-    """The weights are of the model this run builds: every setting alike but the MoE loss's."""
-    saved = model_config_of(path, verify(path))
+    """The weights are of the model this run builds: every setting alike but the MoE loss's.
+    (`path` was verified when train.check_paths resolved it.)"""
+    saved = model_config_of(path, json.loads((path / "train_state.json").read_text()))
     run = get_config(cfg.model, vocab_size=cfg.vocab_size, tie_embeddings=cfg.tied_embeddings,
                      aux_loss_coef=saved.aux_loss_coef, capacity_factor=saved.capacity_factor)
     for name in (f.name for f in fields(ModelConfig)):

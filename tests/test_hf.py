@@ -187,6 +187,8 @@ def test_export_then_import_round_trips_bitwise(imported, tmp_path):
         original.update(load_file(file))
     exported = load_file(tmp_path / "hf" / "model.safetensors")
     assert all(torch.equal(exported[n], original[n]) for n in exported) and exported.keys() <= original.keys()
+    # transformers reads the exported config.json as it read its own (RoPE scaling, tying): the same logits
+    assert torch.equal(hf_logits(tmp_path / "hf", tokens(), torch.float32), hf_logits(hf, tokens(), torch.float32))
 
 
 def test_bad_folders_are_refused_in_one_line(tmp_path, capsys):
@@ -219,6 +221,21 @@ def test_init_from_refuses_weights_of_another_model(imported, tmp_path):
                         (["--model", "tiny", "--vocab-size", "300"], "its model has")):
         with pytest.raises(ConfigError, match=what):
             check_init_from(parse_args(flags + tie + ["--init-from", str(ckpt)]), path)
+
+
+def test_train_py_refuses_init_from_another_model_in_one_line_before_any_process_group(imported, tmp_path, capsys):
+    import torch.distributed as dist
+
+    import minipar.train
+
+    _, ckpt, _ = imported
+    corpus = Path(__import__("sysconfig").get_paths()["stdlib"]) / "argparse.py"
+    common = ["--data", str(corpus), "--out", str(tmp_path / "out"), "--no-wandb", "--model", "tiny"]
+    for source, why in ((ckpt, "its model has"), (tmp_path / "nope", "--init-from {}: no such folder")):
+        assert minipar.train.main(common + ["--init-from", str(source)]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and why.format(source) in err[0], err
+    assert not dist.is_initialized()
 
 
 def test_import_train_20_steps_at_dp2_tp2_export_and_generate_with_transformers(tmp_path):
