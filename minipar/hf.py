@@ -72,6 +72,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "llama3"):
         raise HFError(f"config.json: rope type {kind!r} is not supported (only default and llama3)")
+    missing = [k for k in CONFIG_KEYS if k not in hf and k not in ("rms_norm_eps", "tie_word_embeddings")]
+    if missing:
+        raise HFError(f"config.json lacks {', '.join(missing)}")
     unsupported = [k for k in ("attention_bias", "mlp_bias") if hf.get(k)] + (
         [f"hidden_act {hf['hidden_act']}"] if hf.get("hidden_act", "silu") != "silu" else [])
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
@@ -79,7 +82,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         unsupported.append(f"head_dim {head_dim} x {hf['num_attention_heads']} heads != hidden_size")
     if unsupported:
         raise HFError(f"config.json: {', '.join(unsupported)}: not supported by minipar's Llama")
-    values = {ours: hf[key] for key, ours in CONFIG_KEYS.items() if key in hf}
+    values = {"norm_eps": 1e-6, **{ours: hf[key] for key, ours in CONFIG_KEYS.items() if key in hf}}  # 1e-6: theirs
     values["n_kv_heads"] = hf.get("num_key_value_heads") or hf["num_attention_heads"]
     values["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     if kind == "llama3":

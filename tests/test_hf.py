@@ -195,7 +195,8 @@ def test_bad_folders_are_refused_in_one_line(tmp_path, capsys):
     script = convert()
     (tmp_path / "empty").mkdir()
     cases = [(tmp_path / "nope", "no such folder"), (tmp_path / "empty", "no config.json")]
-    for model_type, rope, why in (("mistral", {}, "only Llama"), ("llama", {"rope_type": "yarn"}, "rope type")):
+    for model_type, rope, why in (("mistral", {}, "only Llama"), ("llama", {"rope_type": "yarn"}, "rope type"),
+                                  ("llama", {"rope_type": "default"}, "lacks num_hidden_layers")):
         folder = tmp_path / model_type / (rope.get("rope_type") or "default")
         folder.mkdir(parents=True)
         (folder / "config.json").write_text(json.dumps({"model_type": model_type, "rope_scaling": rope,
