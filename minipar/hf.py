@@ -72,6 +72,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "llama3"):
         raise HFError(f"config.json: rope type {kind!r} is not supported (only default and llama3)")
+    if kind == "llama3" and not SCALING_KEYS.keys() <= rope.keys():
+        raise HFError(f"config.json: llama3 rope scaling without {', '.join(SCALING_KEYS.keys() - rope.keys())}")
     missing = [k for k in CONFIG_KEYS if k not in hf and k not in ("rms_norm_eps", "tie_word_embeddings")]
     if missing:
         raise HFError(f"config.json lacks {', '.join(missing)}")
@@ -97,7 +99,7 @@ def config_to_hf(c: ModelConfig) -> dict:
     hf = {key: getattr(c, ours) for key, ours in CONFIG_KEYS.items()}
     hf.update(architectures=["LlamaForCausalLM"], model_type="llama", num_key_value_heads=c.n_kv_heads,
               head_dim=c.head_dim, rope_theta=c.rope_theta, hidden_act="silu", attention_bias=False,
-              mlp_bias=False, torch_dtype="float32", bos_token_id=None, eos_token_id=None)
+              mlp_bias=False, bos_token_id=None, eos_token_id=None)
     if c.rope_factor != 1:
         hf["rope_scaling"] = {"rope_type": "llama3", **{key: getattr(c, ours) for key, ours in SCALING_KEYS.items()}}
     return hf
