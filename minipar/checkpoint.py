@@ -29,10 +29,12 @@ import socket
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from minipar.collectives import Group
+from minipar.model import ModelConfig, get_config
 from minipar.placement import placement_of
 from minipar.tensor_parallel import shard, unshard
 
@@ -53,12 +55,12 @@ def checkpoints(folder: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def resolve(path: str | Path, skipped: list[str] | None = None) -> Path:
+def resolve(path: str | Path, skipped: list[str] | None = None, flag: str = "--resume") -> Path:
     """A checkpoint folder, which must verify, or an --out folder whose newest step_* checkpoint
     that verifies is taken; why each newer one was skipped is appended to `skipped`."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise CheckpointError(f"--resume {path}: no such folder")
+        raise CheckpointError(f"{flag} {path}: no such folder")
     if (p / "train_state.json").exists() or p.name.startswith("step_"):
         verify(p)
         return p
@@ -71,7 +73,7 @@ def resolve(path: str | Path, skipped: list[str] | None = None) -> Path:
             return step
         except CheckpointError as e:
             reasons.append(str(e))
-    raise CheckpointError(f"--resume {path}: no step_* checkpoint in it verifies" + (
+    raise CheckpointError(f"{flag} {path}: no step_* checkpoint in it verifies" + (
         f" (newest: {reasons[0]})" if reasons else ": neither a checkpoint nor a folder of step_* checkpoints"))
 
 
@@ -256,3 +258,43 @@ def load(path: Path, model: nn.Module, tp_group: Group | None = None) -> tuple[d
             value = shard(value, p, tp_group).to(device=p.device, dtype=p.dtype).clone()
         states.setdefault(name, {})[slot] = value
     return state, states
+
+
+def model_config_of(path: Path, state: dict) -> ModelConfig:
+    """The model a checkpoint's weights are for: stored beside them (train.py, convert.py import),
+    or, in a checkpoint from before that, the run's --model with the tokenizer's vocabulary."""
+    if "model_config" in state:
+        return ModelConfig(**state["model_config"])
+    run = state["config"]
+    with safe_open(path / "model.safetensors", "pt") as f:
+        vocab = f.get_slice("tok_emb.weight").get_shape()[0]
+    return get_config(run["model"], vocab_size=vocab, aux_loss_coef=run["aux_loss_coef"],
+                      capacity_factor=run["capacity_factor"])
+
+
+def read_shard(f, name: str, p: nn.Parameter, groups: dict[str, Group]) -> torch.Tensor:
+    """This rank's piece of tensor `name` of an open safetensors file, reading only that piece
+    (`shard` of the whole tensor, without the whole tensor: padding rows are zeros)."""
+    full, index = placement_of(p).full_shape, [slice(None)] * p.dim()
+    if tuple(f.get_slice(name).get_shape()) != tuple(full):
+        raise CheckpointError(f"--init-from: {name} has shape {tuple(f.get_slice(name).get_shape())}, the model "
+                              f"{tuple(full)}: give the --model (and --vocab-size) of those weights")
+    for mesh_dim, dim in placement_of(p).shards:
+        start = min(groups[mesh_dim].rank * p.shape[dim], full[dim])
+        index[dim] = slice(start, min(start + p.shape[dim], full[dim]))
+    piece = f.get_slice(name)[tuple(index)]
+    pad = [0, 0] * p.dim()
+    for _, dim in placement_of(p).shards:
+        pad[2 * (p.dim() - 1 - dim) + 1] = p.shape[dim] - piece.shape[dim]
+    return torch.nn.functional.pad(piece, pad)
+
+
+def load_weights(path: Path, model: nn.Module, groups: dict[str, Group]) -> None:
+    """Start from a checkpoint's weights (train.py --init-from): each rank reads only the shards it
+    holds of the parameters of its stages, no optimizer state."""
+    with safe_open(path / "model.safetensors", "pt") as f, torch.no_grad():
+        missing = [name for name, _ in model.named_parameters() if name not in f.keys()]
+        if missing:
+            raise CheckpointError(f"--init-from {path}: the weights lack {missing[:3]}: they are of another model")
+        for name, p in model.named_parameters():
+            p.copy_(read_shard(f, name, p, groups))

@@ -12,14 +12,15 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
+from minipar.checkpoint import model_config_of
 from minipar.context_parallel import check_cp_layout
 from minipar.data import check_data, data_key
 from minipar.expert_parallel import check_expert_layout
 from minipar.mesh import MeshLayout
-from minipar.model import CONFIGS
+from minipar.model import CONFIGS, ModelConfig, get_config
 from minipar.pipeline import stage_layers
 from minipar.pipeline_schedules import SCHEDULES, ScheduleError
 from minipar.pipeline_schedules import build as build_schedule
@@ -45,6 +46,7 @@ class TrainConfig:
     offload: bool = False  # ZeRO 1-2: optimizer state and step on the CPU
     recompute: bool = False  # activation checkpointing per transformer layer
     model: str = "small"
+    tie_embeddings: bool = False  # the LM head shares the embedding table (presets that tie, 1b, always do)
     aux_loss_coef: float = 0.01  # MoE load-balancing loss weight
     capacity_factor: float = 0.0  # MoE: 0 is dropless
     data: str | None = None
@@ -67,11 +69,16 @@ class TrainConfig:
     out: str | None = None  # None: runs/run_NNN, the first unused number
     save_every: int = 0
     resume: str | None = None
+    init_from: str | None = None  # start from these weights (convert.py import, or a checkpoint) at step 0
     wandb: bool = True
     log_json: str | None = None
     log_every: int = 10
     allow_config_change: bool = False  # --resume: accept a changed data, batch, seed or learning-rate schedule
     plan: bool = False  # print what each rank will hold (estimate.py) and exit
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return self.tie_embeddings or CONFIGS[self.model].tie_embeddings
 
     @property
     def accum_steps(self) -> int:
@@ -105,7 +112,7 @@ class TrainConfig:
         for name, fine, want in rules:
             if not fine:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: give {want}")
-        for name in ("data", "cache_dir", "out", "resume", "log_json"):
+        for name in ("data", "cache_dir", "out", "resume", "init_from", "log_json"):
             if getattr(self, name) == "":
                 raise ConfigError(f"--{name.replace('_', '-')} is empty: give a path, or leave the flag out")
 
@@ -139,6 +146,12 @@ class TrainConfig:
                 raise ConfigError(
                     f"{e} (micro-batches per step = --global-batch / (--dp x --micro-batch) = {self.accum_steps})"
                 ) from None
+        if self.pp > 1 and self.tied_embeddings:
+            raise ConfigError(f"--pp {self.pp} with tied embeddings (--model {self.model}"
+                              f"{' --tie-embeddings' if self.tie_embeddings else ''}): the embedding and the LM head "
+                              f"share one weight, and pipeline stages would split them; use --pp 1")
+        if self.init_from and self.resume:
+            raise ConfigError("--init-from and --resume: choose one (--resume continues a run, --init-from starts one)")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero {self.zero}: choose 0, 1, 2 or 3")
         if self.zero == 3 and self.pp > 1:
@@ -176,6 +189,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--virtual-stages", type=int, default=1, help="chunks per pipeline rank (interleaved)")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=d.model, choices=list(CONFIGS), help="named model size")
+    g.add_argument("--tie-embeddings", action="store_true",
+                   help="the LM head shares the embedding table (the 1b preset always does)")
     g.add_argument("--aux-loss-coef", type=float, default=d.aux_loss_coef, help="MoE load-balancing loss weight")
     g.add_argument("--capacity-factor", type=float, default=d.capacity_factor,
                    help="MoE: tokens an expert takes, x its fair share (0: dropless, every token served)")
@@ -208,6 +223,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")
     g.add_argument("--resume", default=None, help="a checkpoint folder, an --out folder (its newest that verifies), "
                    "or auto: --out's newest if it has one, else start fresh (for torchrun --max-restarts)")
+    g.add_argument("--init-from", default=None,
+                   help="start from these weights at step 0 with a fresh optimizer: a checkpoint folder, e.g. one "
+                   "scripts/convert.py import wrote from a Hugging Face model")
     g.add_argument("--allow-config-change", action="store_true",
                    help="--resume with another --data, --seq-len, --global-batch, --seed or learning-rate schedule")
     g.add_argument("--plan", action="store_true", help="print what each rank will hold under these flags, and exit")
@@ -243,6 +261,23 @@ def check_files(cfg: TrainConfig, resume: Path | None) -> None:
             check_writable("--log-json", cfg.log_json, file=True)
     if resume is not None:
         check_resume(cfg, json.loads((resume / "train_state.json").read_text()), resume)
+    if cfg.init_from:
+        check_init_from(cfg, Path(cfg.init_from))
+
+
+def check_init_from(cfg: TrainConfig, path: Path) -> None:
+    """The weights are of the model this run builds: every setting alike but the MoE loss's.
+    (`path` was verified when train.check_paths resolved it.)"""
+    saved = model_config_of(path, json.loads((path / "train_state.json").read_text()))
+    run = get_config(cfg.model, vocab_size=cfg.vocab_size, tie_embeddings=cfg.tied_embeddings,
+                     aux_loss_coef=saved.aux_loss_coef, capacity_factor=saved.capacity_factor)
+    for name in (f.name for f in fields(ModelConfig)):
+        old, new = getattr(saved, name), getattr(run, name)
+        if old != new:
+            hint = {"vocab_size": f"pass --vocab-size {old}", "tie_embeddings": "pass --tie-embeddings"}.get(
+                name, "choose the --model those weights have the shape of")
+            raise ConfigError(f"--init-from {path}: its model has {name} {old}, this run's (--model {cfg.model}) "
+                              f"{new}: {hint}")
 
 
 def check_writable(flag: str, path: str, file: bool = False) -> None:

@@ -24,7 +24,7 @@ from einops import repeat
 
 from minipar import checkpoint
 from minipar.data import data_key
-from minipar.model import Llama, get_config
+from minipar.model import Llama
 
 
 class KVCache:
@@ -110,17 +110,13 @@ def generate(model: Llama, prompt: torch.Tensor, new_tokens: int, temperature: f
 def plain_model_from(path: Path) -> tuple[Llama, dict]:
     """The plain model holding a checkpoint's weights (any layout wrote it: tensors are stored at
     their single-device shapes), and the run's train state."""
-    from safetensors import safe_open
-
     state = checkpoint.verify(path)
-    run = state["config"]
-    with safe_open(path / "model.safetensors", "pt") as f:
-        vocab = f.get_slice("tok_emb.weight").get_shape()[0]  # the tokenizer's, not the preset's
-    config = get_config(run["model"], vocab_size=vocab, aux_loss_coef=run["aux_loss_coef"],
-                        capacity_factor=run["capacity_factor"])
+    config = checkpoint.model_config_of(path, state)
     with torch.device("meta"):  # no initialisation: every weight comes from the checkpoint
         model = Llama(config, seed=0)
     model = model.to_empty(device="cpu")
+    if config.tie_embeddings:  # to_empty gave each module a new tensor of its own: share the table again
+        model.lm_head.weight = model.tok_emb.weight
     checkpoint.load(path, model)
     return model.eval(), state
 

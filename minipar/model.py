@@ -8,7 +8,7 @@ Chapter 0 of the course: the thing every parallel version must equal.
              attn: q, k, v projections, RoPE on q and k, causal softmax(q k^T / sqrt(hd)) v,
                    grouped-query: n_kv_heads <= n_heads, each kv head serves n_heads/n_kv_heads
              mlp:  w_down( silu(w_gate x) * w_up x )      (SwiGLU)
-      -> norm -> lm_head                            [b, s, V]
+      -> norm -> lm_head                            [b, s, V]   (tie_embeddings: lm_head is tok_emb's table)
       -> cross-entropy against the next token
 
 Initialisation does not depend on how the model will be split. Every parameter is drawn from its
@@ -48,7 +48,15 @@ class ModelConfig:
     vocab_size: int = 4096
     max_seq_len: int = 1024
     rope_theta: float = 10000.0
+    # Llama-3 RoPE scaling ("llama3"): frequencies whose wavelength exceeds original_max_len / low_freq_factor
+    # slow down by rope_factor, those shorter than original_max_len / high_freq_factor are kept, the band between
+    # is blended. rope_factor 1 is plain RoPE.
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     norm_eps: float = 1e-5
+    tie_embeddings: bool = False  # the LM head reads the embedding table (one [V, d] weight, not two)
     # Mixture of experts (moe.py): n_experts > 0 makes every block after the first `dense_layers` an MoE block.
     n_experts: int = 0
     top_k: int = 2
@@ -84,7 +92,7 @@ class ModelConfig:
         experts = (self.top_k if active else self.n_experts) + self.n_shared_experts
         moe = self.n_experts * d + 3 * d * fe * experts
         layers = sum(attn_and_norms + (moe if self.is_moe(i) else 3 * d * self.ffn_dim) for i in range(self.n_layers))
-        return 2 * self.vocab_size * d + layers + d
+        return (1 if self.tie_embeddings else 2) * self.vocab_size * d + layers + d
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 per weight (forward 2, backward 4) plus the attention
@@ -93,20 +101,21 @@ class ModelConfig:
         return 6 * self.num_params(active=True) + 12 * self.n_layers * seq_len * self.dim
 
 
-# Named sizes: "tiny" for tests, "small" for the CPU default, the rest real shapes for estimates.
+# Named sizes. Toy shapes, no real model's: "tiny" for tests, "small" the CPU default, "125m" a GPT-2-small-sized
+# Llama for GPU benchmarks. Real models' shapes (their config.json): "1b" Llama-3.2-1B, "8b" Llama-3.1-8B, "70b"
+# Llama-3.1-70B, all with Llama-3 RoPE scaling.
+LLAMA3 = dict(vocab_size=128256, max_seq_len=131072, rope_theta=500000.0, rope_factor=8.0)
 CONFIGS = {
     "tiny": ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=256, max_seq_len=128),
     "small": ModelConfig(),
     "125m": ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048, vocab_size=32000,
                         max_seq_len=2048),
-    "1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
-                      max_seq_len=8192, rope_theta=500000.0),
-    "8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
-                      max_seq_len=8192, rope_theta=500000.0),
-    "70b": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256,
-                       max_seq_len=8192, rope_theta=500000.0),
-    # Mixtures of experts: 4 experts for tests; a CPU-sized one; Mixtral-8x7B's shapes; a DeepSeek-MoE-16B
-    # style fine-grained one (64 narrow experts, 6 per token, 2 shared, the first layer dense).
+    "1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, **{**LLAMA3, "rope_factor": 32.0},
+                      tie_embeddings=True),
+    "8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, **LLAMA3),
+    "70b": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, **LLAMA3),
+    # Mixtures of experts: toys "tiny-moe" (tests) and "small-moe" (CPU); Mixtral-8x7B's shapes; DeepSeek-MoE-16B's
+    # (64 narrow experts, 6 per token, 2 shared, the first layer dense).
     "tiny-moe": ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=256, max_seq_len=128,
                             n_experts=4, top_k=2, expert_ffn_dim=32),
     "small-moe": ModelConfig(n_experts=8, top_k=2, expert_ffn_dim=192, n_shared_experts=1),
@@ -173,13 +182,29 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple:
+def rope_frequencies(config: ModelConfig) -> torch.Tensor:
+    """The rotation speed of each pair of dimensions, [head_dim/2], float64: theta^(-2i/hd), with
+    Llama-3's scaling when rope_factor > 1 (a wavelength is 2 pi / frequency, in tokens)."""
+    hd = config.head_dim
+    freqs = 1.0 / config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device="cpu") / hd)
+    if config.rope_factor == 1:
+        return freqs
+    # How many wavelengths fit in the original context: many (>= high_freq_factor): keep; few (<= low_freq_factor):
+    # slow down by rope_factor; in between, blend linearly in that count.
+    fits = config.rope_original_max_len * freqs / (2 * math.pi)
+    keep = ((fits - config.rope_low_freq_factor) / (config.rope_high_freq_factor - config.rope_low_freq_factor))
+    keep = keep.clamp(0.0, 1.0)
+    return keep * freqs + (1 - keep) * freqs / config.rope_factor
+
+
+def rope_cos_sin(positions: torch.Tensor, freqs: torch.Tensor, dtype) -> tuple:
     """cos and sin of position * frequency, [s, head_dim], computed in float64 then cast.
+    freqs: rope_frequencies(config).
 
     Positions are passed in (not assumed to be 0..s-1) so a rank holding a slice of the sequence
     (context parallelism) rotates by the tokens' global positions.
     """
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
+    freqs = freqs.to(positions.device)
     angles = positions.to(torch.float64)[:, None] * freqs[None, :]  # [s, hd/2]
     angles = torch.cat([angles, angles], dim=-1)  # [s, hd]
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -211,7 +236,7 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        hd, self.head_dim, self.rope_theta = config.head_dim, config.head_dim, config.rope_theta
+        hd, self.head_dim, self.rope_freqs = config.head_dim, config.head_dim, rope_frequencies(config)
         self.wq = nn.Linear(config.dim, config.n_heads * hd, bias=False)
         self.wk = nn.Linear(config.dim, config.n_kv_heads * hd, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * hd, bias=False)
@@ -223,7 +248,7 @@ class Attention(nn.Module):
         q = rearrange(self.wq(x), "b s (h d) -> b h s d", d=self.head_dim)
         k = rearrange(self.wk(x), "b s (h d) -> b h s d", d=self.head_dim)
         v = rearrange(self.wv(x), "b s (h d) -> b h s d", d=self.head_dim)
-        cos, sin = rope_cos_sin(self.positions(x.shape[1], x.device), self.head_dim, self.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(self.positions(x.shape[1], x.device), self.rope_freqs, x.dtype)
         out = self.attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)  # [b, h, s, hd]
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))
 
@@ -280,7 +305,9 @@ class Llama(nn.Module):
         self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)  # untied
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:  # one parameter, named tok_emb.weight; its gradient sums both uses
+            self.lm_head.weight = self.tok_emb.weight
         self.loss_fn = cross_entropy  # tensor parallelism swaps in the vocabulary-parallel loss
         init_weights(self, config, seed)
 

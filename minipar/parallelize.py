@@ -7,10 +7,11 @@ part of a parallel model that one rank holds, in five steps, always in this orde
                   head, if another stage has them) are deleted before anything else is done
                   to them
     2. tensor     swap modules from a plan, name pattern -> Column/Row/VocabParallel layer, each
-                  shard cut from the plain layer's own weight; the input of every attention, MLP
-                  and LM head enters the parallel region (f) through a forward pre-hook; the loss
-                  becomes the vocabulary-parallel one; with sequence parallelism the norms'
-                  gradients become partial sums over tp
+                  shard cut from the plain layer's own weight (tied embeddings: the head's shard
+                  is the embedding's, as both cut the vocabulary into the same blocks); the
+                  input of every attention, MLP and LM head enters the parallel region (f)
+                  through a forward pre-hook; the loss becomes the vocabulary-parallel one;
+                  with sequence parallelism the norms' gradients become partial sums over tp
     3. context    swap each attention's function for ring attention and its positions for this
                   rank's zigzag share; weigh the loss by this rank's share of the tokens
     4. experts    mixture-of-experts blocks: each rank keeps its E/ep experts and tokens reach
@@ -107,6 +108,8 @@ def parallel_llama(config, seed: int = 0, tp_group: Group | None = None, sequenc
 
 
 def keep_stage(model: Llama, layer_ids, embed: bool, head: bool) -> None:
+    if model.config.tie_embeddings and embed != head:
+        raise ValueError("tied embeddings need the embedding and the LM head on one pipeline stage: use --pp 1")
     keep = {str(i) for i in layer_ids}
     for name in [n for n in model.layers if n not in keep]:
         del model.layers[name]
@@ -135,6 +138,8 @@ def tensor_parallel(model: Llama, tp: Group, sp: bool) -> None:
         if sp and any(fnmatch.fnmatchcase(name, pattern) for pattern in NORMS):
             mark(module.weight, tuple(module.weight.shape), partial_grad=True)
     model.loss_fn = partial(_vocab_parallel_loss, group=tp, vocab_size=config.vocab_size)
+    if config.tie_embeddings and model.lm_head is not None:  # both cut the vocabulary alike: one shard serves both
+        model.lm_head.weight = model.tok_emb.weight
 
 
 def _sharded_layer(plain: nn.Module, style: str, tp: Group, sp: bool, config) -> nn.Module:

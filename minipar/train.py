@@ -164,6 +164,8 @@ def check_paths(cfg: TrainConfig) -> Path | None:
         cfg.out = str(resume.parent) if resume else next(
             f"runs/run_{i:03d}" for i in range(1, 10**4) if not Path(f"runs/run_{i:03d}").exists()
         )
+    if cfg.init_from:  # weights to start from: a checkpoint folder, or the newest in an --out folder
+        cfg.init_from = str(checkpoint.resolve(cfg.init_from, flag="--init-from"))
     check_files(cfg, resume)  # the data is text, --out and the logs writable, the checkpoint of this run
     start = json.loads((resume / "train_state.json").read_text())["step"] if resume else 0
     later = [p.name for p in checkpoint.checkpoints(cfg.out) if int(p.name[5:]) > start]
@@ -238,8 +240,11 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
     data = load_data(cfg)
     dtype, param_dtype, autocast = precision(cfg, device)
     model_cfg = get_config(cfg.model, vocab_size=data.vocab_size, aux_loss_coef=cfg.aux_loss_coef,
-                           capacity_factor=cfg.capacity_factor)
+                           capacity_factor=cfg.capacity_factor, tie_embeddings=cfg.tied_embeddings)
     model, pipeline = build_model(cfg, mesh, model_cfg, device, param_dtype)
+    if cfg.init_from:  # each rank reads only its shards of the weights
+        checkpoint.load_weights(Path(cfg.init_from), model, mesh.shard_groups())
+        log.say(f"started from the weights of {cfg.init_from}")
     start, consumed, saved_states = 0, 0, None
     if resume is not None:  # weights first: ZeRO builds its master slices from them
         state, saved_states = checkpoint.load(resume, model, mesh.shard_groups())  # each rank takes its shards
@@ -323,8 +328,9 @@ def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Me
         full = checkpoint.gather_full(wrapper.module, states, checkpoint.hyper_params(wrapper.optimizer),
                                       mesh.shard_groups(), mesh.pp_group)
     if log.is_main:
-        path = checkpoint.save(cfg.out, step, *full, {"step": step, "consumed": consumed, "config": asdict(cfg),
-                                                             "data_key": data_key})
+        state = {"step": step, "consumed": consumed, "config": asdict(cfg), "data_key": data_key,
+                 "model_config": asdict(wrapper.module.config)}  # what the weights are of (sample.py, convert.py)
+        path = checkpoint.save(cfg.out, step, *full, state)
         log.say(f"saved {path}")
     dist.barrier()
 

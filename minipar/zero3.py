@@ -55,8 +55,10 @@ def units_of(model: nn.Module) -> list[nn.Module]:
 
 def unit_chunks(units: list[nn.Module], params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     """ZeRO-3's buckets of `params`: one per unit, last unit first (backward's order)."""
-    ids = {id(p) for p in params}
-    chunks = [[p for p in unit.parameters() if id(p) in ids] for unit in reversed(units)]
+    ids, chunks = {id(p) for p in params}, []
+    for unit in reversed(units):  # a weight two units share (tied embeddings) goes with the later one
+        chunks.append([p for p in unit.parameters() if id(p) in ids])
+        ids -= {id(p) for p in chunks[-1]}
     return [c for c in chunks if c]
 
 

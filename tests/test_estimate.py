@@ -197,11 +197,11 @@ def test_train_py_plan_prints_each_pipeline_ranks_bytes_and_exits(capsys):
     import minipar.train
     from minipar.estimate import activation_bytes, temporary_bytes
 
-    assert minipar.train.main(["--model", "1b", "--dp", "2", "--pp", "2", "--micro-batch", "4", "--zero", "1",
+    assert minipar.train.main(["--model", "8b", "--dp", "2", "--pp", "2", "--micro-batch", "4", "--zero", "1",
                                "--plan"]) == 0
     out = capsys.readouterr().out
-    cfg = TrainConfig(model="1b", dp=2, pp=2, micro_batch=4, zero=1)
-    c = get_config("1b", vocab_size=cfg.vocab_size)
+    cfg = TrainConfig(model="8b", dp=2, pp=2, micro_batch=4, zero=1)
+    c = get_config("8b", vocab_size=cfg.vocab_size)
     for r in range(2):
         total = sum(held_bytes(c, cfg, r).values()) + activation_bytes(c, cfg, r)
         assert f"{total / 2**20:>12,.1f}" in out

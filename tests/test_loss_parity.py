@@ -33,8 +33,8 @@ def batch():
     return x, y
 
 
-def one_device():
-    model = Llama(get_config("tiny", **MODEL), seed=0).double()
+def one_device(tie_embeddings=False):
+    model = Llama(get_config("tiny", **MODEL, tie_embeddings=tie_embeddings), seed=0).double()
     loss = model(*batch())  # F.cross_entropy's mean over the real targets of the whole batch
     loss.backward()
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
@@ -57,8 +57,8 @@ def _one_sgd_step(layout, micro):
     cfg = TrainConfig(model="tiny", seq_len=SEQ, global_batch=ROWS, micro_batch=micro, weight_decay=0.0,
                       grad_clip=0.0, dtype="float64", **layout)
     with Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp) as mesh:
-        model, pipeline = train.build_model(cfg, mesh, get_config("tiny", **MODEL), torch.device("cpu"),
-                                            torch.float64)
+        model, pipeline = train.build_model(cfg, mesh, get_config("tiny", **MODEL, tie_embeddings=cfg.tie_embeddings),
+                                            torch.device("cpu"), torch.float64)
         wrapper = train.wrap(model, mesh, cfg)
         with wrapper.gathered():
             before = {n: unshard(p.detach(), p, mesh.shard_groups()).clone() for n, p in model.named_parameters()}
@@ -81,13 +81,17 @@ LAYOUTS = [
     (8, dict(dp=2, cp=2, pp=2, zero=1), 2),
     (4, dict(dp=2, cp=2, zero=3), 2),  # ZeRO-3 does not run under pp (config.py says why)
     (4, dict(dp=2, pp=2, zero=2, schedule="gpipe"), 1),
+    # Tied embeddings: one [V, d] table, its gradient the sum of the embedding's and the head's
+    (4, dict(dp=2, tp=2, sp=True, tie_embeddings=True), 2),
+    (4, dict(tp=2, cp=2, zero=1, tie_embeddings=True), 4),
+    (2, dict(dp=2, zero=3, tie_embeddings=True), 2),  # the table is in ZeRO-3's embedding and head units
 ]
 
 
 @pytest.mark.parametrize("world,layout,micro", LAYOUTS,
                          ids=["-".join(f"{k}{v}" for k, v in c[1].items()) or "accum4" for c in LAYOUTS])
 def test_the_loss_and_gradients_are_the_one_device_token_mean_under_every_layout(world, layout, micro):
-    ref_loss, ref_grads = one_device()
+    ref_loss, ref_grads = one_device(layout.get("tie_embeddings", False))
     moved, losses = {}, []
     for grads, loss, norm in run_ranks(world, _one_step, layout, micro, timeout=300):
         moved.update(grads)

@@ -1,0 +1,71 @@
+"""Convert Hugging Face Llama checkpoints to minipar's and back (minipar/hf.py does the renaming).
+
+    python scripts/convert.py import HF_DIR OUT_DIR     # a LlamaForCausalLM folder -> OUT_DIR/step_000000
+    python scripts/convert.py export CKPT_DIR HF_DIR    # a minipar checkpoint -> config.json + model.safetensors
+
+The imported checkpoint is an ordinary minipar one at step 0 (no optimizer state): train.py
+--init-from OUT_DIR starts from it under any layout, and scripts/sample.py and eval.py read it (give
+--tokenizer HF_DIR/tokenizer.json). The exported folder loads with
+`transformers.LlamaForCausalLM.from_pretrained(HF_DIR)`; transformers is not needed to convert.
+"""
+
+import argparse
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from minipar import checkpoint
+from minipar.config import TrainConfig
+from minipar.hf import export_hf, import_hf
+from minipar.model import Llama
+
+
+def check_weights(config, weights: dict, source) -> None:
+    """Every parameter of the model the config describes, at its shape, and nothing else."""
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in Llama(config).named_parameters()}
+    missing, extra = sorted(shapes.keys() - weights.keys()), sorted(weights.keys() - shapes.keys())
+    if missing or extra:
+        raise ValueError(f"{source}: the weights do not match config.json (missing {missing[:3]}, unexpected "
+                         f"{extra[:3]})")
+    for name, shape in shapes.items():
+        if tuple(weights[name].shape) != shape:
+            raise ValueError(f"{source}: {name} has shape {tuple(weights[name].shape)}, config.json says {shape}")
+
+
+def import_folder(hf_dir: str, out: str) -> Path:
+    config, weights = import_hf(hf_dir)
+    check_weights(config, weights, hf_dir)
+    run = asdict(TrainConfig(model="imported", vocab_size=config.vocab_size, tie_embeddings=config.tie_embeddings))
+    state = {"step": 0, "consumed": 0, "config": run, "model_config": asdict(config), "source": str(hf_dir)}
+    return checkpoint.save(out, 0, weights, {}, [], state)
+
+
+def export_folder(ckpt: str, hf_dir: str) -> Path:
+    path = checkpoint.resolve(ckpt, flag="export")
+    config = checkpoint.model_config_of(path, checkpoint.verify(path))
+    weights = load_file(path / "model.safetensors")
+    check_weights(config, weights, path)
+    export_hf(config, weights, hf_dir)
+    return Path(hf_dir)
+
+
+def main(argv=None) -> Path:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("direction", choices=["import", "export"])
+    p.add_argument("source", help="import: a Hugging Face Llama folder; export: a minipar checkpoint or --out folder")
+    p.add_argument("target", help="import: the minipar --out folder to write; export: the folder to write")
+    args = p.parse_args(argv)
+    try:
+        done = (import_folder if args.direction == "import" else export_folder)(args.source, args.target)
+    except (ValueError, OSError) as e:  # HFError, CheckpointError: one line
+        sys.exit(f"convert.py: error: {e}")
+    print(f"wrote {done}")
+    return done
+
+
+if __name__ == "__main__":
+    main()

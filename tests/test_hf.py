@@ -1,0 +1,272 @@
+"""Hugging Face Llama interop (minipar/hf.py, scripts/convert.py, train.py --init-from).
+
+Every test builds a small random LlamaForCausalLM locally (no download) and holds minipar to the
+logits transformers itself computes, on one process and under tp2, pp2 and cp2.
+
+transformers computes RoPE's angles and RMSNorm's mean square in float32 whatever the model's
+dtype, so in float64 its logits are only float32-accurate. The float64 comparison therefore lifts
+those two casts: the norms compute the same formula in float64, and the rotary embedding gets
+float64 angles from minipar's frequencies, which a separate test holds to transformers' own
+(Llama-3 scaling included) at float32 precision.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from harness import run_ranks
+from safetensors.torch import load_file
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local: never reach for the Hub
+transformers = pytest.importorskip("transformers")
+
+from minipar import checkpoint  # noqa: E402
+from minipar.context_parallel import split_sequence, zigzag_positions  # noqa: E402
+from minipar.hf import HFError, import_hf  # noqa: E402
+from minipar.mesh import Mesh  # noqa: E402
+from minipar.model import rope_frequencies  # noqa: E402
+from minipar.parallelize import parallel_llama  # noqa: E402
+from minipar.tensor_parallel import gather_logits  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 256}  # head_dim 8: one frequency kept, one blended, two slowed
+MODELS = {  # vocabulary 251: tp pads it; one kv head: tp2 gives each rank the whole of it
+    "tied-gqa-llama3": dict(tie_word_embeddings=True, num_key_value_heads=2, rope_theta=500000.0,
+                            rope_scaling=LLAMA3_ROPE),
+    "untied-1kv": dict(tie_word_embeddings=False, num_key_value_heads=1, rope_theta=10000.0),
+}
+TOL = {torch.float32: dict(rtol=0, atol=1e-5), torch.float64: dict(rtol=0, atol=1e-10)}
+
+
+def convert():
+    spec = importlib.util.spec_from_file_location("convert_script", ROOT / "scripts" / "convert.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def hf_llama(folder: Path, seed: int = 0, shard_size=None, vocab: int = 251, eps: float = 1e-6, max_pos: int = 512,
+             **kw) -> Path:
+    """A random LlamaForCausalLM saved to `folder`, weights drawn at 0.3 so the logits are not tiny."""
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=max_pos, rms_norm_eps=eps, **kw)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder, **({"max_shard_size": shard_size} if shard_size else {}))
+    return folder
+
+
+def hf_logits(folder: Path, tokens: torch.Tensor, dtype) -> torch.Tensor:
+    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
+    if dtype == torch.float64:  # no float32 inside (see the module docstring)
+        for norm in [m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]:
+            norm.forward = lambda x, n=norm: n.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+                                                                        + n.variance_epsilon)
+        config, _ = import_hf(folder)
+        freqs, rotary = rope_frequencies(config), model.model.rotary_emb
+        assert rotary.attention_scaling == 1.0
+
+        def float64_angles(x, position_ids):
+            angles = position_ids[..., None].double() * freqs
+            angles = torch.cat([angles, angles], dim=-1)
+            return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        rotary.forward = float64_angles
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def tokens(vocab: int = 251) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def imported(request, tmp_path_factory):
+    """(HF folder, minipar checkpoint converted from it, name); the tied one saved in shards."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    hf = hf_llama(tmp / "hf", shard_size="20KB" if "tied" in request.param else None, **MODELS[request.param])
+    return hf, convert().main(["import", str(hf), str(tmp / "minipar")]), request.param
+
+
+def test_sharded_and_tied_checkpoints_are_read(imported):
+    hf, ckpt, name = imported
+    assert (hf / "model.safetensors.index.json").exists() == ("tied" in name)
+    weights = load_file(ckpt / "model.safetensors")
+    assert ("lm_head.weight" in weights) == ("untied" in name)  # a tied model has one table
+
+
+def test_rope_frequencies_equal_transformers_own_llama3_scaled_ones(imported):
+    hf, _, _ = imported
+    model = transformers.LlamaForCausalLM.from_pretrained(hf)
+    config, _ = import_hf(hf)
+    ours = rope_frequencies(config)
+    torch.testing.assert_close(ours.float(), model.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
+    if config.rope_factor != 1:  # each regime of the scaling met: kept, blended, slowed by the factor
+        plain = rope_frequencies(replace(config, rope_factor=1.0))
+        assert ours[0] == plain[0] and plain[1] / 8 < ours[1] < plain[1] and ours[-1] == plain[-1] / 8
+
+
+def _logits(rank, world, ckpt, degrees, dtype):
+    """This layout's full logits on rank 0, the model built from the imported checkpoint."""
+    import torch.distributed as dist
+
+    from minipar.pipeline import Pipeline
+
+    with Mesh.build(**degrees) as mesh:
+        path = checkpoint.resolve(ckpt)
+        config = checkpoint.model_config_of(path, checkpoint.verify(path))
+        pipe = Pipeline(mesh.pp_group, "1f1b", config.n_layers) if mesh.layout.pp > 1 else None
+        model = parallel_llama(config, tp_group=mesh.tp_group, cp_group=mesh.cp_group,
+                               layer_ids=pipe.my_layers() if pipe else None, embed=not pipe or pipe.holds_first(),
+                               head=not pipe or pipe.holds_last()).to(dtype)
+        checkpoint.load_weights(path, model, mesh.shard_groups())  # each rank reads its shards only
+        x = split_sequence(tokens(config.vocab_size), mesh.cp_group)
+        with torch.no_grad():
+            if pipe is None:
+                out = model(x)
+            elif pipe.holds_first():
+                dist.send(model.forward_stage(x, pipe.my_layers(), first=True, last=False), 1)
+                return None
+            else:
+                h = torch.empty(*x.shape, config.dim, dtype=dtype)
+                dist.recv(h, 0)
+                out = model.forward_stage(h, pipe.my_layers(), first=False, last=True)
+        out = gather_logits(out, mesh.tp_group, config.vocab_size)
+        return out, zigzag_positions(mesh.cp_group.rank, mesh.cp_group.size, 16)
+
+
+LAYOUTS = {"one": (1, {}), "tp2": (2, dict(tp=2)), "pp2": (2, dict(pp=2)), "cp2": (2, dict(cp=2))}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_imported_model_gives_transformers_logits_under_each_layout(imported, layout, dtype):
+    hf, ckpt, name = imported
+    if layout == "pp2" and "untied" not in name:
+        pytest.skip("tied embeddings are refused under pp > 1 (test_tied_embeddings_refuse_a_pipeline_split)")
+    world, degrees = LAYOUTS[layout]
+    expected = hf_logits(hf, tokens(), dtype)
+    full = torch.empty_like(expected)
+    for r in run_ranks(world, _logits, ckpt, degrees, dtype):
+        if r is not None:
+            logits, positions = r
+            full[:, positions] = logits  # cp: each rank's zigzag share of the sequence
+    assert expected.abs().max() > 1  # a comparison of logits that say something
+    torch.testing.assert_close(full, expected, **TOL[dtype])
+
+
+def test_tied_embeddings_refuse_a_pipeline_split():
+    from minipar.config import ConfigError, parse_args
+    from minipar.model import get_config
+
+    with pytest.raises(ValueError, match="one pipeline stage"):
+        parallel_llama(get_config("tiny", tie_embeddings=True), layer_ids=[0], embed=True, head=False)
+    with pytest.raises(ConfigError, match="--pp 2 with tied embeddings"):
+        parse_args(["--model", "tiny", "--tie-embeddings", "--pp", "2", "--global-batch", "16"])
+
+
+def test_export_then_import_round_trips_bitwise(imported, tmp_path):
+    hf, ckpt, _ = imported
+    convert().main(["export", str(ckpt), str(tmp_path / "hf")])
+    again = convert().main(["import", str(tmp_path / "hf"), str(tmp_path / "again")])
+    first, second = load_file(checkpoint.resolve(ckpt) / "model.safetensors"), load_file(again / "model.safetensors")
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[n], second[n]) and first[n].dtype == second[n].dtype for n in first)
+    assert import_hf(hf)[0] == import_hf(tmp_path / "hf")[0]  # the same config
+    original = {}  # and the exported tensors are transformers' own, under transformers' names
+    for file in hf.glob("*.safetensors"):
+        original.update(load_file(file))
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert all(torch.equal(exported[n], original[n]) for n in exported) and exported.keys() <= original.keys()
+    # transformers reads the exported config.json as it read its own (RoPE scaling, tying): the same logits
+    assert torch.equal(hf_logits(tmp_path / "hf", tokens(), torch.float32), hf_logits(hf, tokens(), torch.float32))
+
+
+def test_bad_folders_are_refused_in_one_line(tmp_path, capsys):
+    script = convert()
+    (tmp_path / "empty").mkdir()
+    cases = [(tmp_path / "nope", "no such folder"), (tmp_path / "empty", "no config.json")]
+    for model_type, rope, why in (("mistral", {}, "only Llama"), ("llama", {"rope_type": "yarn"}, "rope type"),
+                                  ("llama", {"rope_type": "default"}, "lacks num_hidden_layers")):
+        folder = tmp_path / model_type / (rope.get("rope_type") or "default")
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({"model_type": model_type, "rope_scaling": rope,
+                                                        "hidden_size": 32, "num_attention_heads": 4}))
+        cases.append((folder, why))
+    for folder, why in cases:
+        with pytest.raises(SystemExit) as e:
+            script.main(["import", str(folder), str(tmp_path / "out")])
+        assert str(e.value).startswith("convert.py: error: ") and why in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(HFError, match="only Llama"):
+        import_hf(cases[2][0])
+
+
+def test_init_from_refuses_weights_of_another_model(imported, tmp_path):
+    from minipar.config import ConfigError, check_init_from, parse_args
+
+    _, ckpt, name = imported
+    path = checkpoint.resolve(ckpt)
+    tie = ["--tie-embeddings"] if "untied" not in name else []
+    with pytest.raises(ConfigError, match="--init-from and --resume"):
+        parse_args(["--init-from", str(ckpt), "--resume", str(ckpt)])
+    for flags, what in ((["--model", "small"], "dim 32"),
+                        (["--model", "tiny", "--vocab-size", "300"], "its model has")):
+        with pytest.raises(ConfigError, match=what):
+            check_init_from(parse_args(flags + tie + ["--init-from", str(ckpt)]), path)
+
+
+def test_train_py_refuses_init_from_another_model_in_one_line_before_any_process_group(imported, tmp_path, capsys):
+    import torch.distributed as dist
+
+    import minipar.train
+
+    _, ckpt, _ = imported
+    corpus = Path(__import__("sysconfig").get_paths()["stdlib"]) / "argparse.py"
+    common = ["--data", str(corpus), "--out", str(tmp_path / "out"), "--no-wandb", "--model", "tiny"]
+    for source, why in ((ckpt, "its model has"), (tmp_path / "nope", "--init-from {}: no such folder")):
+        assert minipar.train.main(common + ["--init-from", str(source)]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and why.format(source) in err[0], err
+    assert not dist.is_initialized()
+
+
+def test_import_train_20_steps_at_dp2_tp2_export_and_generate_with_transformers(tmp_path):
+    """The tiny preset's shape, tied; 20 steps at dp2 x tp2 from the imported weights; back to
+    transformers, which loads the result and generates."""
+    hf = hf_llama(tmp_path / "hf", vocab=512, eps=1e-5, max_pos=128, tie_word_embeddings=True, num_key_value_heads=2)
+    convert().main(["import", str(hf), str(tmp_path / "imported")])
+    corpus = Path(__import__("sysconfig").get_paths()["stdlib"]) / "argparse.py"
+    train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+             str(ROOT / "scripts" / "train.py"), "--model=tiny", "--tie-embeddings", f"--data={corpus}",
+             "--vocab-size=512", f"--cache-dir={tmp_path / 'cache'}", "--seq-len=32", "--global-batch=8",
+             "--micro-batch=4", "--dp=2", "--tp=2", "--steps=20", "--warmup=2", f"--init-from={tmp_path / 'imported'}",
+             f"--out={tmp_path / 'run'}", "--no-wandb", "--log-every=1", f"--log-json={tmp_path / 'log.json'}"]
+    run = subprocess.run(train, capture_output=True, text=True, cwd=ROOT, timeout=600,
+                         env={"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PATH": "/usr/bin:/bin",
+                              "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "started from the weights of" in run.stdout + run.stderr
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "log.json").read_text().splitlines()]
+    assert len(losses) == 20 and losses[-1] < losses[0]
+    convert().main(["export", str(tmp_path / "run"), str(tmp_path / "exported")])
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    trained = load_file(tmp_path / "run" / "step_000020" / "model.safetensors")
+    assert torch.equal(model.model.embed_tokens.weight, trained["tok_emb.weight"])
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
+    prompt = torch.tensor([[1, 2, 3]])
+    out = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 11) and torch.equal(out[:, :3], prompt)
+    from minipar.generate import generate, plain_model_from  # what sample.py and eval.py load
+
+    ours, _ = plain_model_from(tmp_path / "run" / "step_000020")
+    assert ours.lm_head.weight is ours.tok_emb.weight
+    assert torch.equal(generate(ours, prompt, 8), out)  # the same greedy continuation
