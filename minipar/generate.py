@@ -24,7 +24,7 @@ from einops import repeat
 
 from minipar import checkpoint
 from minipar.data import data_key
-from minipar.model import Llama, get_config
+from minipar.model import Llama, config_from
 
 
 class KVCache:
@@ -110,14 +110,8 @@ def generate(model: Llama, prompt: torch.Tensor, new_tokens: int, temperature: f
 def plain_model_from(path: Path) -> tuple[Llama, dict]:
     """The plain model holding a checkpoint's weights (any layout wrote it: tensors are stored at
     their single-device shapes), and the run's train state."""
-    from safetensors import safe_open
-
     state = checkpoint.verify(path)
-    run = state["config"]
-    with safe_open(path / "model.safetensors", "pt") as f:
-        vocab = f.get_slice("tok_emb.weight").get_shape()[0]  # the tokenizer's, not the preset's
-    config = get_config(run["model"], vocab_size=vocab, aux_loss_coef=run["aux_loss_coef"],
-                        capacity_factor=run["capacity_factor"])
+    config = config_from(state["config"])  # the preset with the run's shape flags
     with torch.device("meta"):  # no initialisation: every weight comes from the checkpoint
         model = Llama(config, seed=0)
     model = model.to_empty(device="cpu")
@@ -128,5 +122,5 @@ def plain_model_from(path: Path) -> tuple[Llama, dict]:
 def tokenizer_path(state: dict) -> Path:
     """Where train.py kept the tokenizer it trained on the run's --data (the data cache)."""
     run = state["config"]
-    key = state.get("data_key") or data_key(run["data"], run["vocab_size"])
+    key = state.get("data_key") or data_key(run["data"], run["bpe_vocab"])
     return Path(run["cache_dir"]).expanduser() / key / "tokenizer.json"
