@@ -51,11 +51,7 @@ class RunLog:
         self.memory_base = 0  # CPU: resident bytes when measuring began
 
     def measure_memory_from_here(self) -> None:
-        """Peak memory counts from now on (on the CPU: Linux's peak resident set is reset to the
-        current size, which becomes the baseline; elsewhere it stays the peak since the start)."""
-        if self.device.type == "cpu" and Path("/proc/self/clear_refs").exists():
-            Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak resident set size
-            self.memory_base = resident_bytes()
+        self.memory_base = memory_baseline(self.device)
 
     def say(self, text: str) -> None:
         if self.is_main:
@@ -158,9 +154,14 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident set (Linux: KiB)
 
 
-def resident_bytes() -> int:
-    """The process's resident set now (Linux: /proc/self/statm counts pages)."""
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def memory_baseline(device: torch.device) -> int:
+    """Peak memory counts from now on; returns what peak_memory_bytes' figures are to rise from. On
+    the CPU (Linux) the peak resident set is reset to the current one, the baseline; on a GPU, and
+    where /proc cannot reset it, the baseline is 0 and the peak is the process's since it began."""
+    if device.type != "cpu" or not Path("/proc/self/clear_refs").exists():
+        return 0
+    Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak resident set size (ru_maxrss)
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # resident pages
 
 
 def sent_by_group(ledger: Ledger) -> dict[str, int]:
