@@ -63,7 +63,8 @@ def t(tmp_path_factory):
     (t / "read_only").mkdir(mode=0o500)
     for name, text in (("unknown_key", "dpp = 2"), ("wrong_type", 'steps = "ten"'), ("bool_for_int", "dp = true"),
                        ("bad_choice", 'model = "huge"'), ("table", "[layout]\ndp = 2"), ("not_toml", "steps = "),
-                       ("nested", 'config = "other.toml"'), ("bad_range", "min-lr-ratio = 2"), ("good", "lr = 1\nsp = false")):
+                       ("nested", 'config = "other.toml"'), ("bad_range", "min-lr-ratio = 2"),
+                       ("good", "lr = 1\nsp = false")):
         (t / f"{name}.toml").write_text(text + "\n")
     cfg = parse_args(base(t))
     weights, optimizer, hyper = checkpoint.gather_full(Llama(get_config("tiny", vocab_size=512)), {}, [],

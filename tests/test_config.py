@@ -89,8 +89,9 @@ def test_a_toml_run_equals_the_flags_run_bitwise_and_its_checkpoint_keeps_the_ef
     a, b = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
     assert sorted(a) == list(range(1, 7)) and a == b  # bitwise
     saved = json.loads((tmp_path / "b" / "step_000006" / "train_state.json").read_text())["config"]
-    assert saved == asdict(parse_args(FLAGS + [cache, "--steps=6", f"--out={tmp_path / 'b'}",
-                                               f"--log-json={tmp_path / 'b.jsonl'}", f"--config={tmp_path / 'run.toml'}"]))
+    same = [cache, "--steps=6", f"--out={tmp_path / 'b'}", f"--log-json={tmp_path / 'b.jsonl'}",
+            f"--config={tmp_path / 'run.toml'}"]
+    assert saved == asdict(parse_args(FLAGS + same))
     printed = [line for line in from_file.stdout.splitlines() if line.startswith("effective config: ")]
     assert len(printed) == 1 and "vocab-size = 600, max-seq-len = 128" in printed[0]
     assert "effective config: " in flags.stdout
