@@ -224,6 +224,23 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def add_model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """--model and the shape flags that override its preset, the MoE weights, the data."""
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default=d.model, choices=list(CONFIGS), help="named model size: the preset the "
+                   "shape flags below override")
+    for name, what in SHAPE_FLAGS.items():
+        g.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"{what} (default: the preset's)")
+    g.add_argument("--aux-loss-coef", type=float, default=d.aux_loss_coef, help="MoE load-balancing loss weight")
+    g.add_argument("--capacity-factor", type=float, default=d.capacity_factor,
+                   help="MoE: tokens an expert takes, x its fair share (0: dropless, every token served)")
+    g.add_argument("--data", default=None, help="text file or folder (default: the Python standard library)")
+    g.add_argument("--bpe-vocab", type=int, help=f"tokens of the BPE trained on --data; it must fit in the "
+                   f"model's vocabulary (default: the model's vocabulary, at most {BPE_VOCAB})")
+    g.add_argument("--cache-dir", default=d.cache_dir, help="where tokenised data is kept")
+    g.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+
+
 def parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = Parser(
@@ -242,19 +259,7 @@ def parser() -> argparse.ArgumentParser:
                    "(tp > 1)")
     g.add_argument("--schedule", default=d.schedule, choices=SCHEDULES, help="pipeline schedule (pp > 1)")
     g.add_argument("--virtual-stages", type=int, default=1, help="chunks per pipeline rank (interleaved)")
-    g = p.add_argument_group("model and data")
-    g.add_argument("--model", default=d.model, choices=list(CONFIGS), help="named model size: the preset the "
-                   "shape flags below override")
-    for name, what in SHAPE_FLAGS.items():
-        g.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"{what} (default: the preset's)")
-    g.add_argument("--aux-loss-coef", type=float, default=d.aux_loss_coef, help="MoE load-balancing loss weight")
-    g.add_argument("--capacity-factor", type=float, default=d.capacity_factor,
-                   help="MoE: tokens an expert takes, x its fair share (0: dropless, every token served)")
-    g.add_argument("--data", default=None, help="text file or folder (default: the Python standard library)")
-    g.add_argument("--bpe-vocab", type=int, help=f"tokens of the BPE trained on --data; it must fit in the "
-                   f"model's vocabulary (default: the model's vocabulary, at most {BPE_VOCAB})")
-    g.add_argument("--cache-dir", default=d.cache_dir, help="where tokenised data is kept")
-    g.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    add_model_flags(p, d)
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
     g.add_argument("--global-batch", type=int, default=d.global_batch, help="sequences per step, all dp ranks")
