@@ -1,5 +1,12 @@
-"""The run's configuration: one dataclass, its command line, and the checks made before any
-process group exists.
+"""The run's configuration: one dataclass, its command line (and `--config run.toml`,
+config_file.py), and the checks made before any process group exists.
+
+The model is `--model`'s preset with any shape flag in its place (`--dim 64 --n-layers 2`), its
+vocabulary included: `--model 8b` builds the 8B model of the preset, whatever the data. The BPE
+trained on `--data` has `--bpe-vocab` tokens (default: the model's vocabulary, at most 4096) and
+must fit in the model's; embedding rows beyond it are never used (a `--tokenizer` file, or token
+files' ids, must fit too: preflight.py checks them). `parse_args` returns the
+effective config, every setting explicit: each run prints it and saves it with each checkpoint.
 
 Every check here runs on every rank *before* torch.distributed starts, so a layout that cannot
 work is refused with one line instead of eight ranks waiting forever for each other.
@@ -8,19 +15,15 @@ work is refused with one line instead of eight ranks waiting forever for each ot
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import tempfile
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import asdict, dataclass, fields, replace
 
-from minipar.checkpoint import model_config_of
+from minipar.config_file import as_toml, read_config_file
 from minipar.context_parallel import check_cp_layout
-from minipar.data import check_data, data_key
 from minipar.expert_parallel import check_expert_layout
 from minipar.mesh import MeshLayout
-from minipar.model import CONFIGS, ModelConfig, get_config
+from minipar.model import CONFIGS, ModelConfig, config_from
 from minipar.pipeline import stage_layers
 from minipar.pipeline_schedules import SCHEDULES, ScheduleError
 from minipar.pipeline_schedules import build as build_schedule
@@ -30,6 +33,14 @@ from minipar.tensor_parallel import check_tensor_layout
 
 class ConfigError(ValueError):
     """A bad command line; the message says what to change."""
+
+
+# Flags that override one field of --model's preset (ModelConfig's field of the same name).
+SHAPE_FLAGS = {"dim": "hidden size", "n_layers": "transformer blocks", "n_heads": "attention heads",
+               "n_kv_heads": "key/value heads (grouped-query attention)", "ffn_dim": "MLP hidden size",
+               "vocab_size": "the model's vocabulary: embedding rows, the tokenizer's must fit",
+               "max_seq_len": "longest sequence the run may use"}
+BPE_VOCAB = 4096  # the BPE's default size, when the model's vocabulary is larger
 
 
 @dataclass
@@ -46,11 +57,24 @@ class TrainConfig:
     offload: bool = False  # ZeRO 1-2: optimizer state and step on the CPU
     recompute: bool = False  # activation checkpointing per transformer layer
     model: str = "small"
-    tie_embeddings: bool = False  # the LM head shares the embedding table (presets that tie, 1b, always do)
+    # Shape flags (SHAPE_FLAGS): None takes the preset's value; parse_args fills them in.
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+    vocab_size: int | None = None
+    max_seq_len: int | None = None
+    tie_embeddings: bool | None = None  # the LM head shares the embedding table
     aux_loss_coef: float = 0.01  # MoE load-balancing loss weight
     capacity_factor: float = 0.0  # MoE: 0 is dropless
     data: str | None = None
-    vocab_size: int = 4096
+    bpe_vocab: int | None = None  # the BPE trained on --data; None: bpe_size()
+    tokenizer: str | None = None  # a Hugging Face tokenizer.json; None: a BPE trained on the data
+    token_dtype: str = "uint16"  # of .bin token files
+    val_fraction: float = 0.0  # documents held out for validation
+    eval_every: int = 0  # steps between validations (0: at the end only)
+    eval_batches: int = 4  # global batches of held-out windows per validation
     cache_dir: str = "~/.cache/minipar"
     steps: int = 300
     seq_len: int = 128
@@ -75,15 +99,28 @@ class TrainConfig:
     log_every: int = 10
     allow_config_change: bool = False  # --resume: accept a changed data, batch, seed or learning-rate schedule
     plan: bool = False  # print what each rank will hold (estimate.py) and exit
-
-    @property
-    def tied_embeddings(self) -> bool:
-        return self.tie_embeddings or CONFIGS[self.model].tie_embeddings
+    config: str | None = None  # the TOML file the settings came from, if any
 
     @property
     def accum_steps(self) -> int:
         """Micro-batches per optimizer step on each rank (gradient accumulation)."""
         return self.global_batch // (self.dp * self.micro_batch)
+
+    def model_config(self) -> ModelConfig:
+        """--model's preset with every model setting this config gives (not None) in its place."""
+        return config_from(asdict(self))
+
+    def bpe_size(self) -> int:
+        """The vocabulary of the BPE trained on --data: --bpe-vocab, else the model's, at most 4096
+        (more merges than a small corpus can teach only lengthen training)."""
+        return self.bpe_vocab if self.bpe_vocab is not None else min(BPE_VOCAB, self.model_config().vocab_size)
+
+    def resolved(self) -> TrainConfig:
+        """The effective config: what the preset and the BPE rule chose, written in."""
+        model = self.model_config()
+        chosen = {f.name: getattr(model, f.name) for f in fields(ModelConfig)
+                  if hasattr(self, f.name) and getattr(self, f.name) is None}
+        return replace(self, **chosen, bpe_vocab=self.bpe_size())
 
     def check_ranges(self, max_seq_len: int) -> None:
         """Every number in its range, every path flag not empty: one line naming the flag."""
@@ -93,7 +130,9 @@ class TrainConfig:
             ("global_batch", self.global_batch >= 1, "1 or more"),
             ("micro_batch", self.micro_batch >= 1, "1 or more"),
             ("max_bad_steps", self.max_bad_steps >= 1, "1 or more"),
-            ("vocab_size", 257 <= self.vocab_size < 2**32, "257 (the 256 bytes and <|endoftext|>) to 2**32 - 1"),
+            *((name, getattr(self, name) is None or getattr(self, name) >= 1, "1 or more") for name in SHAPE_FLAGS),
+            ("bpe_vocab", self.bpe_vocab is None or 257 <= self.bpe_vocab < 2**32,
+             "257 (the 256 bytes and <|endoftext|>) to 2**32 - 1"),
             ("lr", 0 < self.lr < math.inf, "a learning rate above 0"),
             ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "a fraction of --lr from 0 to 1"),
             ("warmup", self.warmup >= 0, "0 or more steps"),
@@ -106,21 +145,26 @@ class TrainConfig:
             ("seed", 0 <= self.seed < 2**32, "0 to 2**32 - 1"),
             ("save_every", self.save_every >= 0, "0 (only at the end) or more steps"),
             ("log_every", self.log_every >= 1, "1 or more steps"),
+            ("val_fraction", 0 <= self.val_fraction < 1, "a fraction of the documents, from 0 to below 1"),
+            ("eval_every", self.eval_every >= 0 and (self.val_fraction > 0 or self.eval_every == 0),
+             "0 (at the end) or more steps, with --val-fraction above 0"),
+            ("eval_batches", self.eval_batches >= 1, "1 or more global batches"),
             ("virtual_stages", self.virtual_stages == 1 or self.virtual_stages > 1 and self.pp > 1,
              "1, or more with --pp > 1"),
         )
         for name, fine, want in rules:
             if not fine:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: give {want}")
-        for name in ("data", "cache_dir", "out", "resume", "init_from", "log_json"):
+        for name in ("data", "tokenizer", "cache_dir", "out", "resume", "init_from", "log_json", "config"):
             if getattr(self, name) == "":
                 raise ConfigError(f"--{name.replace('_', '-')} is empty: give a path, or leave the flag out")
 
     def validate(self, world_size: int) -> None:
         """Ranges first, then what the model and data can take, then whether the world has the right size."""
-        m = CONFIGS[self.model]
+        m = self.model_config()
         self.check_ranges(m.max_seq_len)
         try:
+            m.validate()
             check_tensor_layout(m.n_heads, m.n_kv_heads, m.dim, m.ffn_dim, self.tp, self.sp, self.seq_len)
         except ValueError as e:
             raise ConfigError(f"{e} (--model {self.model})") from None
@@ -146,10 +190,12 @@ class TrainConfig:
                 raise ConfigError(
                     f"{e} (micro-batches per step = --global-batch / (--dp x --micro-batch) = {self.accum_steps})"
                 ) from None
-        if self.pp > 1 and self.tied_embeddings:
+        self.check_vocab(m)
+        if self.pp > 1 and m.tie_embeddings:
             raise ConfigError(f"--pp {self.pp} with tied embeddings (--model {self.model}"
-                              f"{' --tie-embeddings' if self.tie_embeddings else ''}): the embedding and the LM head "
-                              f"share one weight, and pipeline stages would split them; use --pp 1")
+                              f"{' --tie-embeddings' if self.tie_embeddings else ''}): the embedding and the LM "
+                              f"head share one weight, and pipeline stages would split them; use --pp 1 or "
+                              f"--no-tie-embeddings")
         if self.init_from and self.resume:
             raise ConfigError("--init-from and --resume: choose one (--resume continues a run, --init-from starts one)")
         if self.zero not in (0, 1, 2, 3):
@@ -165,6 +211,21 @@ class TrainConfig:
             raise ConfigError(f"--dtype {self.dtype}: choose float32, float64 or bfloat16")
         MeshLayout(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)  # raises LayoutError
 
+    def check_vocab(self, m: ModelConfig) -> None:
+        """The trained BPE's tokens are rows of the model's embedding: it must fit. (A --tokenizer
+        is a file: preflight.check_files reads its size.)"""
+        if self.tokenizer is not None:
+            if self.bpe_vocab is not None:
+                raise ConfigError("--bpe-vocab sizes the BPE trained on --data; with --tokenizer leave it out")
+            return
+        if self.bpe_size() < 257:  # a byte-level BPE has the 256 bytes and <|endoftext|> at least
+            given = "--vocab-size" if self.vocab_size is not None else f"--model {self.model}'s vocabulary"
+            raise ConfigError(f"{given} {m.vocab_size} cannot hold a byte-level BPE (the 256 bytes and "
+                              f"<|endoftext|>): pass --vocab-size 257 or more")
+        if self.bpe_size() > m.vocab_size:
+            raise ConfigError(f"--bpe-vocab {self.bpe_size()} does not fit in the model's vocabulary of "
+                              f"{m.vocab_size}: pass a smaller --bpe-vocab, or --vocab-size {self.bpe_size()} or more")
+
 
 class Parser(argparse.ArgumentParser):
     """argparse, but a flag it cannot parse is one line like every other refusal, not a usage block."""
@@ -173,31 +234,73 @@ class Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (train.py --help lists every flag)")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to a flag's help, unless the help says its default in words already or
+    the default is None (the help then says what leaving the flag out does)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def add_model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """--model, the shape flags that override its preset, the MoE weights, and where weights come from."""
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=d.model, choices=list(CONFIGS), help="named model size: the preset the "
+                   "shape flags below override")
+    for name, what in SHAPE_FLAGS.items():
+        g.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"{what} (default: the preset's)")
+    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction,
+                   help="the LM head shares the embedding table (default: the preset's; 1b ties)")
+    g.add_argument("--aux-loss-coef", type=float, default=d.aux_loss_coef, help="MoE load-balancing loss weight")
+    g.add_argument("--capacity-factor", type=float, default=d.capacity_factor,
+                   help="MoE: tokens an expert takes, x its fair share (0: dropless, every token served)")
+    g.add_argument("--init-from", default=None,
+                   help="start from these weights at step 0 with a fresh optimizer: a checkpoint folder, e.g. one "
+                   "scripts/convert.py import wrote from a Hugging Face model")
+
+
+def add_data_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """Where the tokens come from, how they are cut, and what is held out to validate on."""
+    g = p.add_argument_group("data and validation")
+    g.add_argument("--data", default=None, help="a text file or folder, or .bin token files (default: the Python "
+                   "standard library)")
+    g.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    g.add_argument("--bpe-vocab", type=int, help=f"tokens of the BPE trained on --data; it must fit in the "
+                   f"model's vocabulary (default: the model's vocabulary, at most {BPE_VOCAB})")
+    g.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer.json (default: a BPE trained on --data)")
+    g.add_argument("--token-dtype", default=d.token_dtype, choices=["uint16", "uint32"],
+                   help="the ids' type in .bin token files (nanoGPT's format: a bare array)")
+    g.add_argument("--cache-dir", default=d.cache_dir, help="where tokenised data is kept")
+    g.add_argument("--val-fraction", type=float, default=d.val_fraction,
+                   help="hold out this fraction of the documents (files) for validation, chosen by --seed")
+    g.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="validation loss every N steps (0: at the end only; needs --val-fraction)")
+    g.add_argument("--eval-batches", type=int, default=d.eval_batches,
+                   help="global batches of held-out windows per validation")
+
+
 def parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = Parser(
         prog="train.py",
         description="Train a Llama-style model with minipar. Launch with torchrun for more than one rank.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
+    switch = argparse.BooleanOptionalAction  # --sp and --no-sp: a flag can turn off what --config turned on
+    p.add_argument("--config", help="a TOML file of these flags' settings (keys: the flags' names, e.g. "
+                   "global-batch = 16); the flags given here override it")
     g = p.add_argument_group("layout (dp x tp x pp x cp must equal the number of ranks)")
     for dim, help_ in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline"), ("cp", "context")):
         g.add_argument(f"--{dim}", type=int, default=1, help=f"{help_}-parallel degree")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel degree, carved out of dp x cp (MoE models)")
-    g.add_argument("--sp", action="store_true", help="sequence parallelism in the norm/residual regions (tp > 1)")
+    g.add_argument("--sp", action=switch, default=False, help="sequence parallelism in the norm/residual regions "
+                   "(tp > 1)")
     g.add_argument("--schedule", default=d.schedule, choices=SCHEDULES, help="pipeline schedule (pp > 1)")
     g.add_argument("--virtual-stages", type=int, default=1, help="chunks per pipeline rank (interleaved)")
-    g = p.add_argument_group("model and data")
-    g.add_argument("--model", default=d.model, choices=list(CONFIGS), help="named model size")
-    g.add_argument("--tie-embeddings", action="store_true",
-                   help="the LM head shares the embedding table (the 1b preset always does)")
-    g.add_argument("--aux-loss-coef", type=float, default=d.aux_loss_coef, help="MoE load-balancing loss weight")
-    g.add_argument("--capacity-factor", type=float, default=d.capacity_factor,
-                   help="MoE: tokens an expert takes, x its fair share (0: dropless, every token served)")
-    g.add_argument("--data", default=None, help="text file or folder (default: the Python standard library)")
-    g.add_argument("--vocab-size", type=int, default=d.vocab_size, help="BPE vocabulary trained on the data")
-    g.add_argument("--cache-dir", default=d.cache_dir, help="where tokenised data is kept")
-    g.add_argument("--seq-len", type=int, default=d.seq_len)
+    add_model_flags(p, d)
+    add_data_flags(p, d)
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
     g.add_argument("--global-batch", type=int, default=d.global_batch, help="sequences per step, all dp ranks")
@@ -205,118 +308,50 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
     g.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="cosine floor, as a fraction of --lr")
     g.add_argument("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW's, on matrices only")
     g.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max global gradient norm (0: off)")
     g.add_argument("--timeout", type=float, default=d.timeout,
                    help="seconds a collective or message may wait (a stopped or dead rank) before the run stops")
     g.add_argument("--max-bad-steps", type=int, default=d.max_bad_steps,
                    help="stop after this many consecutive steps with a non-finite loss or gradient (each is skipped)")
-    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--seed", type=int, default=d.seed, help="weights and data order")
     g.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16"],
                    help="compute dtype (default: bfloat16 autocast on CUDA, float32 on CPU)")
     g.add_argument("--bucket-mb", type=float, default=d.bucket_mb, help="data-parallel gradient bucket size")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage over the dp group: 0, 1, 2 or 3")
-    g.add_argument("--offload", action="store_true", help="ZeRO 1-2: optimizer state and update on the CPU")
-    g.add_argument("--recompute", action="store_true", help="activation checkpointing per transformer layer")
+    g.add_argument("--offload", action=switch, default=False, help="ZeRO 1-2: optimizer state and update on the CPU")
+    g.add_argument("--recompute", action=switch, default=False, help="activation checkpointing per transformer layer")
     g = p.add_argument_group("checkpoints and logs")
     g.add_argument("--out", default=None, help="checkpoint directory (default: runs/run_NNN, a new one)")
     g.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")
     g.add_argument("--resume", default=None, help="a checkpoint folder, an --out folder (its newest that verifies), "
                    "or auto: --out's newest if it has one, else start fresh (for torchrun --max-restarts)")
-    g.add_argument("--init-from", default=None,
-                   help="start from these weights at step 0 with a fresh optimizer: a checkpoint folder, e.g. one "
-                   "scripts/convert.py import wrote from a Hugging Face model")
-    g.add_argument("--allow-config-change", action="store_true",
+    g.add_argument("--allow-config-change", action=switch, default=False,
                    help="--resume with another --data, --seq-len, --global-batch, --seed or learning-rate schedule")
-    g.add_argument("--plan", action="store_true", help="print what each rank will hold under these flags, and exit")
-    g.add_argument("--no-wandb", dest="wandb", action="store_false", help="do not log to wandb")
-    g.add_argument("--log-json", default=None, help="write one JSON object per step to this file")
+    g.add_argument("--plan", action=switch, default=False, help="print what each rank will hold under these flags, "
+                   "and exit")
+    g.add_argument("--wandb", action=switch, default=True, help="log to wandb (offline unless you have logged in)")
+    g.add_argument("--log-json", default=None, help="write one JSON object per step to this file (default: none)")
     g.add_argument("--log-every", type=int, default=d.log_every, help="print a log line every N steps")
     return p
 
 
 def parse_args(argv=None) -> TrainConfig:
-    args = parser().parse_args(argv)
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items()})
+    """The effective config of a command line (and its --config file), checked; see `resolved`."""
+    p = parser()
+    args = p.parse_args(argv)
+    if args.config:  # the file's values become the defaults: a flag given on the command line still wins
+        try:
+            p.set_defaults(**read_config_file(args.config, p))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        args = p.parse_args(argv)
+    cfg = TrainConfig(**vars(args))
     layout = cfg.dp * cfg.tp * cfg.pp * cfg.cp  # --plan: the ranks the flags ask for, none launched
     cfg.validate(layout if cfg.plan else int(os.environ.get("WORLD_SIZE", "1")))
-    return cfg
+    return cfg.resolved()
 
 
-# ----------------------------------------------------------------------------------------------
-# Checks that need the file system, called by train.check_paths before any process group
-# ----------------------------------------------------------------------------------------------
-
-# What a resumed run must share with the checkpoint's run; the layout and --steps may change.
-RESUMED_SETTINGS = ("model", "vocab_size", "data", "seq_len", "global_batch", "seed", "lr", "min_lr_ratio", "warmup")
-
-
-def check_files(cfg: TrainConfig, resume: Path | None) -> None:
-    """The data is text, the places this rank writes take a file, the checkpoint fits this run."""
-    check_data(cfg.data, cfg.seq_len, cfg.vocab_size, cfg.cache_dir)
-    check_writable("--cache-dir", cfg.cache_dir)
-    if os.environ.get("RANK", "0") == "0":  # only rank 0 writes checkpoints and the JSON log
-        check_writable("--out", cfg.out)
-        if cfg.log_json:
-            check_writable("--log-json", cfg.log_json, file=True)
-    if resume is not None:
-        check_resume(cfg, json.loads((resume / "train_state.json").read_text()), resume)
-    if cfg.init_from:
-        check_init_from(cfg, Path(cfg.init_from))
-
-
-def check_init_from(cfg: TrainConfig, path: Path) -> None:
-    """The weights are of the model this run builds: every setting alike but the MoE loss's.
-    (`path` was verified when train.check_paths resolved it.)"""
-    saved = model_config_of(path, json.loads((path / "train_state.json").read_text()))
-    run = get_config(cfg.model, vocab_size=cfg.vocab_size, tie_embeddings=cfg.tied_embeddings,
-                     aux_loss_coef=saved.aux_loss_coef, capacity_factor=saved.capacity_factor)
-    for name in (f.name for f in fields(ModelConfig)):
-        old, new = getattr(saved, name), getattr(run, name)
-        if old != new:
-            hint = {"vocab_size": f"pass --vocab-size {old}", "tie_embeddings": "pass --tie-embeddings"}.get(
-                name, "choose the --model those weights have the shape of")
-            raise ConfigError(f"--init-from {path}: its model has {name} {old}, this run's (--model {cfg.model}) "
-                              f"{new}: {hint}")
-
-
-def check_writable(flag: str, path: str, file: bool = False) -> None:
-    """Make and delete a file where `path` will be written: in its folder (file=True), or in the
-    nearest folder of `path` that exists. Nothing is left behind, not even a new folder."""
-    p = Path(path).expanduser()
-    if p.exists() and p.is_dir() == file:
-        kind, want = ("a folder", "a file") if file else ("a file", "a folder")
-        raise ConfigError(f"{flag} {path} is {kind}: give {want}")
-    folder = p.parent if file else next(q for q in (p, *p.parents) if q.exists())
-    try:
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".minipar-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ConfigError(f"{flag} {path}: cannot write in {folder} ({e.strerror}); choose another place") from None
-
-
-def check_resume(cfg: TrainConfig, state: dict, path: Path) -> None:
-    """A resumed run continues the saved one: RESUMED_SETTINGS must match (--allow-config-change
-    accepts a change, but never of the model or vocabulary: the weights would not fit), and the
-    checkpoint must be short of --steps (--resume auto, a restart, may find the run finished)."""
-    saved = state.get("config") if isinstance(state, dict) else None
-    if not (isinstance(saved, dict) and isinstance(state.get("step"), int) and "consumed" in state
-            and set(RESUMED_SETTINGS) <= saved.keys()):
-        raise ConfigError(f"checkpoint {path} is corrupt: its train_state.json lacks the step, the data consumed or "
-                          f"the run's settings; resume from another one")
-    if state["step"] >= cfg.steps and cfg.resume != "auto":
-        raise ConfigError(f"nothing to do: the checkpoint {path} is at step {state['step']}; pass --steps above "
-                          f"{state['step']} to train further")
-    for name in RESUMED_SETTINGS:
-        old, new, flag = saved[name], getattr(cfg, name), "--" + name.replace("_", "-")
-        same = old == new or (name == "data" and old and new and Path(old).resolve() == Path(new).resolve())
-        if not same and (name in ("model", "vocab_size") or not cfg.allow_config_change):
-            keep = f"pass {flag} {old}" if old is not None else f"leave {flag} out"
-            also = "" if name in ("model", "vocab_size") else ", or --allow-config-change to accept the change"
-            raise ConfigError(f"{flag} {new} differs from the checkpoint's {old} ({path}): {keep} to continue it{also}")
-    changed = state.get("data_key") and state["data_key"] != data_key(cfg.data, cfg.vocab_size)
-    if changed and not cfg.allow_config_change:
-        raise ConfigError(f"--data {cfg.data or '(the standard library)'} is not the data of {path}: its files' names, "
-                          f"sizes or times changed (or the run moved machines), so its tokens would too; restore "
-                          f"them, or pass --allow-config-change to go on with a new tokenizer")
+def effective(cfg: TrainConfig) -> str:
+    """The line each run prints first: every setting, in the file syntax --config reads."""
+    return "effective config: " + as_toml(asdict(cfg)).replace("\n", ", ")

@@ -124,5 +124,5 @@ def plain_model_from(path: Path) -> tuple[Llama, dict]:
 def tokenizer_path(state: dict) -> Path:
     """Where train.py kept the tokenizer it trained on the run's --data (the data cache)."""
     run = state["config"]
-    key = state.get("data_key") or data_key(run["data"], run["vocab_size"])
+    key = state.get("data_key") or data_key(run["data"], run["bpe_vocab"])
     return Path(run["cache_dir"]).expanduser() / key / "tokenizer.json"

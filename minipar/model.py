@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -131,6 +131,13 @@ def get_config(name: str, **overrides) -> ModelConfig:
     if name not in CONFIGS:
         raise ValueError(f"unknown model '{name}': choose one of {', '.join(CONFIGS)}")
     return replace(CONFIGS[name], **overrides)
+
+
+def config_from(settings: dict) -> ModelConfig:
+    """The preset settings["model"], with each ModelConfig field that `settings` gives (not None) in
+    its place: a run's flags or saved config in, the model it built out. A new field needs no code here."""
+    given = {f.name: settings[f.name] for f in fields(ModelConfig) if settings.get(f.name) is not None}
+    return get_config(settings["model"], **given)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -141,7 +141,7 @@ def device_memory() -> tuple[int, str]:
 def check_memory(cfg: TrainConfig, limit: int | None = None) -> None:
     """Raises ValueError (one line) when a rank would hold more than its memory, naming up to
     three layouts of the same ranks that would fit."""
-    model_cfg = get_config(cfg.model, vocab_size=cfg.vocab_size, tie_embeddings=cfg.tied_embeddings)
+    model_cfg = cfg.model_config()
     limit, what = (limit, "the limit") if limit is not None else device_memory()
     need = peak_bytes(model_cfg, cfg)
     if need <= limit:
@@ -181,9 +181,9 @@ def _flags(cfg: TrainConfig) -> str:
 
 def report(cfg: TrainConfig) -> str:
     """`train.py --plan`: what each pipeline rank will hold under cfg, and whether it fits."""
-    c = get_config(cfg.model, vocab_size=cfg.vocab_size, tie_embeddings=cfg.tied_embeddings)
+    c = cfg.model_config()
     limit, what = device_memory()
-    lines = [f"--model {cfg.model} ({c.num_params() / 1e6:,.1f}M parameters at --vocab-size {cfg.vocab_size}), "
+    lines = [f"--model {cfg.model} ({c.num_params() / 1e6:,.1f}M parameters, vocabulary {c.vocab_size}), "
              f"dp {cfg.dp} tp {cfg.tp} pp {cfg.pp} cp {cfg.cp} ep {cfg.ep}, --zero {cfg.zero}, "
              f"{PARAM_DTYPES[cfg.dtype].itemsize}-byte weights" + (" (bf16 autocast)" * (cfg.dtype == "bfloat16")),
              f"{'pp rank':>8} {'weights':>12} {'gradients':>12} {'optimizer':>12} {'activations':>12} {'total':>12}"

@@ -3,8 +3,13 @@
 Per-step metrics are gathered from every rank over a group of their own (with its own ledger, so
 the model's ledger shows only the traffic of training itself): the loss (from the ranks that
 compute it), each rank's peak memory and pipeline idle time. Rank 0 writes them where the user
-asked: one JSON object per step (`--log-json`), a line every `--log-every` steps, tqdm, and wandb
-(offline unless the user has logged in).
+asked: a line every `--log-every` steps, tqdm, and every record (`publish`) both as one JSON
+object (`--log-json`) and to wandb, flattened (`comm/dp/all_reduce/sent`, `peak_memory/1`): wandb
+gets every figure the JSON has. wandb is offline unless the user has logged in; its run id is kept
+in --out, so a resumed run (same --out) continues the same wandb run.
+
+Peak memory is the GPU's peak allocation; on the CPU, the rise of the process's peak resident set
+over its size once the data is ready (Linux resets the peak there: the tokenizer's is not the run's).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import resource
 import sys
 import time
+import uuid
 from dataclasses import asdict
 from pathlib import Path
 
@@ -42,6 +48,10 @@ class RunLog:
         self.group = Group("log", dist.group.WORLD, list(range(self.world)), Ledger())
         self.losses: list[float] = []
         self.wandb = self.file = self.bar = None
+        self.memory_base = 0  # CPU: resident bytes when measuring began
+
+    def measure_memory_from_here(self) -> None:
+        self.memory_base = memory_baseline(self.device)
 
     def say(self, text: str) -> None:
         if self.is_main:
@@ -53,7 +63,8 @@ class RunLog:
         self.flops_per_step = model_cfg.flops_per_token(cfg.seq_len) * self.tokens_per_step
         self.peak = peak_flops(self.device)
         self.first = start
-        self.say(f"model {cfg.model}: {model_cfg.num_params() / 1e6:.2f}M parameters, vocab {data.vocab_size}, "
+        self.say(f"model {cfg.model}: {model_cfg.num_params() / 1e6:.2f}M parameters, vocab {model_cfg.vocab_size} "
+                 f"(the tokenizer's {data.vocab_size}), "
                  f"{data.num_windows} windows of {cfg.seq_len} tokens; {cfg.accum_steps} micro-batch(es) of "
                  f"{cfg.micro_batch} per rank per step; {self.device.type}, {dtype}")
         if self.is_main:
@@ -73,13 +84,7 @@ class RunLog:
         self.losses.append(record["loss"])
         if not self.is_main:
             return
-        if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-        if self.wandb:
-            skip = ("comm", "peak_memory", "mfu", "bubble", "held_bytes", "expert_load")
-            self.wandb.log({k: v for k, v in record.items() if k not in skip}
-                           | {"peak_memory_max": max(record["peak_memory"])}, step=step + 1)
+        self.publish(record)
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{record['loss']:.4f}")
         if step == self.first:
@@ -87,13 +92,22 @@ class RunLog:
             self.say(f"rank 0 holds {held['params'] / 2**20:.2f} MiB of parameters, {held['grads'] / 2**20:.2f} "
                      f"MiB of gradients, {held['optimizer'] / 2**20:.2f} MiB of optimizer state")
         if (step + 1) % self.cfg.log_every == 0 or step == self.first or step + 1 == self.cfg.steps:
-            self.say(log_line(record, self.cfg.steps, self.mesh.ledger))
+            self.say(log_line(record, self.cfg.steps))
+
+    def publish(self, record: dict) -> None:
+        """Rank 0: one record of figures (its "step" says which) to the JSON log and to wandb."""
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.wandb:
+            self.wandb.log(flatten(record), step=record["step"])
 
     def record(self, step, loss, grad_norm, lr, dt, wrapper, pipeline) -> dict:
         """Every rank's loss, peak memory and pipeline idle time, gathered. The loss is the mean
         over the ranks that compute it (the last pipeline stage; all ranks without pp)."""
         has_loss = pipeline is None or pipeline.holds_last()
-        mine = [loss, float(peak_memory_bytes(self.device)), float(has_loss), pipeline.bubble if pipeline else 0.0]
+        peak = peak_memory_bytes(self.device) - self.memory_base
+        mine = [loss, float(peak), float(has_loss), pipeline.bubble if pipeline else 0.0]
         metrics = all_gather(torch.tensor(mine, dtype=torch.float64, device=self.device), self.group)
         metrics = metrics.view(self.world, 4).cpu()
         return {
@@ -101,7 +115,8 @@ class RunLog:
             "loss": (metrics[:, 0] * metrics[:, 2]).sum().item() / metrics[:, 2].sum().item(),
             "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
             "mfu": self.flops_per_step / dt / (self.world * self.peak) if self.peak else None,
-            "bytes_sent": self.mesh.ledger.total_sent(), "comm": self.mesh.ledger.snapshot(),
+            "bytes_sent": self.mesh.ledger.total_sent(), "sent_by_group": sent_by_group(self.mesh.ledger),
+            "comm": self.mesh.ledger.snapshot(),
             "peak_memory": [int(m) for m in metrics[:, 1].tolist()],
             "bubble": metrics[:, 3].mean().item() if pipeline else None,  # measured: mean time spent waiting
             "held_bytes": wrapper.held_bytes(),  # this rank's, measured on its tensors
@@ -117,12 +132,12 @@ class RunLog:
             self.wandb.finish()
 
 
-def log_line(r: dict, steps: int, ledger: Ledger) -> str:
+def log_line(r: dict, steps: int) -> str:
     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (cpu)"
     bubble = f"bubble {r['bubble']:.0%} | " if r["bubble"] is not None else ""
     return (f"step {r['step']:>5}/{steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.3f} | "
             f"{r['tokens_per_s']:,.0f} tok/s | mfu {mfu} | peak mem {max(r['peak_memory']) / 2**20:,.0f} MiB | "
-            f"{bubble}sent {r['bytes_sent'] / 2**20:.2f} MiB/step{per_group_sent(ledger)}{expert_load(r)}")
+            f"{bubble}sent {r['bytes_sent'] / 2**20:.2f} MiB/step{per_group_sent(r)}{expert_load(r)}")
 
 
 def expert_load(r: dict) -> str:
@@ -139,13 +154,40 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident set (Linux: KiB)
 
 
-def per_group_sent(ledger: Ledger) -> str:
-    """' (dp 3.50, tp 1.20 MiB)': this rank's bytes sent this step, by group."""
+def memory_baseline(device: torch.device) -> int:
+    """Peak memory counts from now on; returns what peak_memory_bytes' figures are to rise from. On
+    the CPU (Linux) the peak resident set is reset to the current one, the baseline; on a GPU, and
+    where /proc cannot reset it, the baseline is 0 and the peak is the process's since it began."""
+    if device.type != "cpu" or not Path("/proc/self/clear_refs").exists():
+        return 0
+    Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak resident set size (ru_maxrss)
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # resident pages
+
+
+def sent_by_group(ledger: Ledger) -> dict[str, int]:
+    """This rank's bytes sent this step, by group."""
     groups: dict[str, int] = {}
-    for (group, _op), entry in ledger.entries.items():
+    for (group, _op), entry in sorted(ledger.entries.items()):
         groups[group] = groups.get(group, 0) + entry.sent
-    parts = [f"{g} {b / 2**20:.2f}" for g, b in sorted(groups.items()) if b]
+    return groups
+
+
+def per_group_sent(r: dict) -> str:
+    """' (dp 3.50, tp 1.20 MiB)': the record's bytes sent by group, when more than one sent."""
+    parts = [f"{g} {b / 2**20:.2f}" for g, b in r["sent_by_group"].items() if b]
     return f" ({', '.join(parts)} MiB)" if len(parts) > 1 else ""
+
+
+def flatten(record, prefix: str = "") -> dict:
+    """A record as wandb's flat figures: {"held_bytes": {"params": 8}} -> {"held_bytes/params": 8}, a
+    list's items by index (peak_memory/0, peak_memory/1); None (no such figure here) is left out."""
+    flat = {}
+    for key, value in record.items() if isinstance(record, dict) else enumerate(record):
+        if isinstance(value, (dict, list)):
+            flat |= flatten(value, f"{prefix}{key}/")
+        elif value is not None:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -156,9 +198,14 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def start_wandb(cfg: TrainConfig):
-    """wandb on rank 0: online if the user has logged in (or set WANDB_MODE), otherwise offline."""
+    """wandb on rank 0: online if the user has logged in (or set WANDB_MODE), otherwise offline. The
+    run's id is kept in --out/wandb_run_id: a run that resumes there continues the same wandb run."""
     import wandb
 
     mode = os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False) else "offline")
-    Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    return wandb.init(project="minipar", config=asdict(cfg), mode=mode, dir=cfg.out)
+    id_file = Path(cfg.out) / "wandb_run_id"
+    id_file.parent.mkdir(parents=True, exist_ok=True)
+    if not id_file.exists():
+        id_file.write_text(uuid.uuid4().hex[:12])
+    return wandb.init(project="minipar", config=asdict(cfg), mode=mode, dir=cfg.out, id=id_file.read_text(),
+                      resume="allow", allow_val_change=True)  # a resumed run may change --steps, the layout...

@@ -36,16 +36,17 @@ import torch.distributed as dist
 
 from minipar import checkpoint
 from minipar.collectives import all_reduce
-from minipar.config import ConfigError, TrainConfig, check_files, parse_args
+from minipar.config import ConfigError, TrainConfig, effective, parse_args
 from minipar.context_parallel import split_sequence
 from minipar.data import TokenData, find_files, prepare
 from minipar.data_parallel import DataParallel, GradSync, param_groups
 from minipar.mesh import Mesh
-from minipar.model import Llama, get_config
+from minipar.model import Llama
 from minipar.moe import set_aux_scale
 from minipar.parallelize import parallelize
 from minipar.pipeline import Pipeline
 from minipar.planner import check_memory, report
+from minipar.preflight import check_files
 from minipar.run_log import RunLog
 from minipar.zero import ZeroDataParallel
 from minipar.zero3 import Zero3DataParallel
@@ -184,9 +185,9 @@ def check_paths(cfg: TrainConfig) -> Path | None:
 def load_data(cfg: TrainConfig) -> TokenData:
     """Tokenised once per machine (local rank 0); the other ranks wait and read the cache."""
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        prepare(cfg.data, cfg.vocab_size, cfg.cache_dir)
+        prepare(cfg.data, cfg.bpe_vocab, cfg.cache_dir)
     dist.barrier()
-    return TokenData(prepare(cfg.data, cfg.vocab_size, cfg.cache_dir), cfg.seq_len, cfg.seed)
+    return TokenData(prepare(cfg.data, cfg.bpe_vocab, cfg.cache_dir), cfg.seq_len, cfg.seed)
 
 
 def precision(cfg: TrainConfig, device: torch.device):
@@ -233,14 +234,15 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
     if cfg.ep > 1:  # experts: the dp x cp ranks reshaped to edp x ep
         mesh.unflatten(("dp", "cp"), edp=cfg.dp * cfg.cp // cfg.ep, ep=cfg.ep)
     log = RunLog(cfg, mesh, device)
+    log.say(effective(cfg))
     log.say(mesh.layout.table())
     if cfg.ep > 1:
         log.say(f"experts: the dp x cp ranks as edp {cfg.dp * cfg.cp // cfg.ep} x ep {cfg.ep}; this rank's ep group "
                 f"{mesh.group('ep').ranks}, edp group {mesh.group('edp').ranks}")
     data = load_data(cfg)
+    log.measure_memory_from_here()  # the run's own memory: not the tokenizer's peak
     dtype, param_dtype, autocast = precision(cfg, device)
-    model_cfg = get_config(cfg.model, vocab_size=data.vocab_size, aux_loss_coef=cfg.aux_loss_coef,
-                           capacity_factor=cfg.capacity_factor, tie_embeddings=cfg.tied_embeddings)
+    model_cfg = cfg.model_config()  # the preset with the shape flags; the tokenizer fits its vocabulary
     model, pipeline = build_model(cfg, mesh, model_cfg, device, param_dtype)
     if cfg.init_from:  # each rank reads only its shards of the weights
         checkpoint.load_weights(Path(cfg.init_from), model, mesh.shard_groups())

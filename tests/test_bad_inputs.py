@@ -61,6 +61,11 @@ def t(tmp_path_factory):
     (t / "a_folder").mkdir()
     (t / "a_file").write_text("not a folder")
     (t / "read_only").mkdir(mode=0o500)
+    for name, text in (("unknown_key", "dpp = 2"), ("wrong_type", 'steps = "ten"'), ("bool_for_int", "dp = true"),
+                       ("bad_choice", 'model = "huge"'), ("table", "[layout]\ndp = 2"), ("not_toml", "steps = "),
+                       ("nested", 'config = "other.toml"'), ("bad_range", "min-lr-ratio = 2"),
+                       ("good", "lr = 1\nsp = false")):
+        (t / f"{name}.toml").write_text(text + "\n")
     cfg = parse_args(base(t))
     weights, optimizer, hyper = checkpoint.gather_full(Llama(get_config("tiny", vocab_size=512)), {}, [],
                                                        Group.solo("tp"))
@@ -123,7 +128,27 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     (["--bucket-mb=0"], 1, "--bucket-mb 0.0: give a size above 0"),
     (["--save-every=-1"], 1, "--save-every -1:"),
     (["--log-every=0"], 1, "--log-every 0: give 1 or more steps"),
-    (["--vocab-size=100"], 1, "--vocab-size 100: give 257"),
+    (["--vocab-size=100"], 1, "--vocab-size 100 cannot hold a byte-level BPE (the 256 bytes and <|endoftext|>)"),
+    (["--bpe-vocab=256"], 1, "--bpe-vocab 256: give 257"),
+    (["--bpe-vocab=1024"], 1, "--bpe-vocab 1024 does not fit in the model's vocabulary of 512: pass a smaller"),
+    # model shapes the preset cannot take
+    (["--n-layers=0"], 1, "--n-layers 0: give 1 or more"),
+    (["--dim=30"], 1, "model dim 30 is not divisible by n_heads 4 (--model tiny)"),
+    (["--n-kv-heads=3"], 1, "n_heads 4 is not divisible by n_kv_heads 3"),
+    (["--dim=36", "--n-kv-heads=4"], 1, "head_dim 9 must be even"),
+    (["--ffn-dim=66", "--tp=4"], 4, "--model tiny"),
+    (["--max-seq-len=16"], 1, "--seq-len 32: give 1 to --model tiny's max_seq_len, 16"),
+    # a --config file that is not a run's settings
+    (["--config={t}/missing.toml"], 1, "missing.toml: cannot read it (No such file or directory)"),
+    (["--config="], 1, "--config is empty"),
+    (["--config={t}/not_toml.toml"], 1, "not_toml.toml is not TOML"),
+    (["--config={t}/unknown_key.toml"], 1, "unknown_key.toml: unknown key 'dpp'"),
+    (["--config={t}/nested.toml"], 1, "unknown key 'config'"),
+    (["--config={t}/wrong_type.toml"], 1, 'wrong_type.toml: steps = "ten" should be an integer'),
+    (["--config={t}/bool_for_int.toml"], 1, "bool_for_int.toml: dp = true should be an integer"),
+    (["--config={t}/bad_choice.toml"], 1, 'bad_choice.toml: model = "huge" is not one of tiny, small'),
+    (["--config={t}/table.toml"], 1, "unknown key 'layout'"),
+    (["--config={t}/bad_range.toml"], 1, "--min-lr-ratio 2.0: give a fraction of --lr from 0 to 1"),
     (["--aux-loss-coef=-1"], 1, "--aux-loss-coef -1.0:"),
     (["--capacity-factor=nan"], 1, "--capacity-factor nan:"),
     (["--timeout=0"], 1, "--timeout 0.0: give the seconds an operation may wait"),
@@ -161,6 +186,9 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     ([f"--resume={{t}}/other_model/{STEP}"], 1, "--model tiny differs from the checkpoint's small"),
     ([f"--resume={{t}}/other_model/{STEP}", "--allow-config-change"], 1, "pass --model small to continue it"),
     ([f"--resume={{t}}/other_vocab/{STEP}"], 1, "--vocab-size 512 differs from the checkpoint's 1024"),
+    ([RUN, "--dim=64"], 1, "--dim 64 differs from the checkpoint's 32 ("),
+    ([RUN, "--dim=64", "--allow-config-change"], 1, "pass --dim 32 to continue it"),
+    ([RUN, "--bpe-vocab=300"], 1, "--bpe-vocab 300 differs from the checkpoint's 512"),
     ([f"--resume={{t}}/empty_state/{STEP}"], 1, "is corrupt"),
     ([f"--resume={{t}}/no_step/{STEP}"], 1, "is corrupt: its train_state.json lacks the step"),
     ([RUN, "--steps=4"], 1, "nothing to do: the checkpoint"),
@@ -182,6 +210,13 @@ def test_bad_input_is_one_line_exit_2_and_no_process_group(t, extra, world, frag
     assert len(lines) == 1 and lines[0].startswith("minipar: error: "), err
     assert fragment.format(t=t) in lines[0], lines[0]
     assert not dist.is_initialized()
+
+
+def test_a_preset_vocabulary_too_small_for_a_bpe_is_one_line(t, monkeypatch, capsys):
+    monkeypatch.setattr(train, "run", lambda cfg, resume: pytest.fail("the checks passed"))
+    assert train.main([a for a in base(t) if not a.startswith("--vocab-size")]) == 2  # tiny's vocabulary: 256
+    assert capsys.readouterr().err == ("minipar: error: --model tiny's vocabulary 256 cannot hold a byte-level BPE "
+                                       "(the 256 bytes and <|endoftext|>): pass --vocab-size 257 or more\n")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
@@ -212,6 +247,10 @@ GOOD = [  # edge cases that are fine
     (["--grad-clip=0", "--warmup=0", "--save-every=0", "--weight-decay=0"], 1),
     (["--seq-len=128"], 1),  # the model's max_seq_len
     (["--vocab-size=257", "--log-every=1", "--seed=4294967295"], 1),
+    (["--dim=64", "--n-layers=3", "--n-heads=8", "--n-kv-heads=4", "--ffn-dim=96", "--max-seq-len=64"], 1),
+    (["--vocab-size=100000", "--bpe-vocab=300"], 1),  # a BPE smaller than the model's vocabulary
+    (["--config={t}/good.toml"], 1),
+    (["--config={t}/bad_range.toml", "--min-lr-ratio=0.5"], 1),  # the command line overrides the file
     (["--aux-loss-coef=0", "--capacity-factor=0"], 1),
     (["--data={t}/clean"], 1),  # a folder of text files, one of them empty
     (["--data={t}/bom.txt"], 1),  # UTF-8 with a byte-order mark
@@ -223,6 +262,7 @@ GOOD = [  # edge cases that are fine
     ([RUN, "--out={t}/resumed_c", "--lr=0.02", "--warmup=8", "--allow-config-change"], 1),
     ([RUN, "--out={t}/resumed_d", "--dp=2", "--micro-batch=2", "--zero=1"], 2),  # another layout
     ([RUN, "--out={t}/resumed_e", "--tp=2", "--pp=2", "--micro-batch=2"], 4),
+    ([RUN, "--out={t}/resumed_h", "--dim=32", "--max-seq-len=256"], 1),  # the same shape; a longer RoPE reach
     (["--resume={t}/run", "--out={t}/resumed_f"], 1),  # an --out folder: its newest checkpoint
     ([f"--resume={{t}}/other_files/{STEP}", "--out={t}/resumed_g", "--allow-config-change"], 1),
 ]

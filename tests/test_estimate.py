@@ -170,7 +170,7 @@ def test_a_layout_too_big_is_refused_naming_layouts_of_the_same_ranks_that_fit()
     from minipar.planner import _alternatives, _flags, check_memory
 
     cfg = TrainConfig(model="1b", dp=4, micro_batch=2, dtype="bfloat16")
-    c = get_config("1b", vocab_size=cfg.vocab_size)
+    c = cfg.model_config()  # the preset, its vocabulary included
     need = peak_bytes(c, cfg)
     check_memory(cfg, limit=need)  # exactly enough
     with pytest.raises(ValueError, match="with these ranks, ") as refused:
@@ -201,7 +201,7 @@ def test_train_py_plan_prints_each_pipeline_ranks_bytes_and_exits(capsys):
                                "--plan"]) == 0
     out = capsys.readouterr().out
     cfg = TrainConfig(model="8b", dp=2, pp=2, micro_batch=4, zero=1)
-    c = get_config("8b", vocab_size=cfg.vocab_size)
+    c = cfg.model_config()  # the preset, its vocabulary included
     for r in range(2):
         total = sum(held_bytes(c, cfg, r).values()) + activation_bytes(c, cfg, r)
         assert f"{total / 2**20:>12,.1f}" in out

@@ -211,7 +211,8 @@ def test_bad_folders_are_refused_in_one_line(tmp_path, capsys):
 
 
 def test_init_from_refuses_weights_of_another_model(imported, tmp_path):
-    from minipar.config import ConfigError, check_init_from, parse_args
+    from minipar.config import ConfigError, parse_args
+    from minipar.preflight import check_init_from
 
     _, ckpt, name = imported
     path = checkpoint.resolve(ckpt)
@@ -231,7 +232,8 @@ def test_train_py_refuses_init_from_another_model_in_one_line_before_any_process
 
     _, ckpt, _ = imported
     corpus = Path(__import__("sysconfig").get_paths()["stdlib"]) / "argparse.py"
-    common = ["--data", str(corpus), "--out", str(tmp_path / "out"), "--no-wandb", "--model", "tiny"]
+    common = ["--data", str(corpus), "--out", str(tmp_path / "out"), "--no-wandb", "--model", "tiny",
+              "--vocab-size", "300"]
     for source, why in ((ckpt, "its model has"), (tmp_path / "nope", "--init-from {}: no such folder")):
         assert minipar.train.main(common + ["--init-from", str(source)]) == 2
         err = capsys.readouterr().err.splitlines()

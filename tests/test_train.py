@@ -24,8 +24,8 @@ def common(tmp, **over):
     return [f"--{k.replace('_', '-')}={v}" for k, v in args.items()] + ["--no-wandb"]
 
 
-def run(argv, nproc=None, check=True):
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+def run(argv, nproc=None, check=True, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", **(env or {})}
     cmd = ([TORCHRUN, "--standalone", f"--nproc-per-node={nproc}"] if nproc else [sys.executable])
     proc = subprocess.run(cmd + [str(ROOT / "scripts" / "train.py"), *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)

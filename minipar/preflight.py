@@ -1,0 +1,127 @@
+"""Checks that need the file system, made by train.check_paths on every rank before any process
+group exists: the data reads and its tokens fit the model, each place this rank writes takes a
+file, a checkpoint to resume continues this very run, weights to start from are this model's.
+
+config.py checks what the settings say on their own; this file checks them against the disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import fields
+from pathlib import Path
+
+from minipar.checkpoint import model_config_of
+from minipar.config import SHAPE_FLAGS, ConfigError, TrainConfig
+from minipar.data import check_data, data_key, read_tokenizer
+from minipar.model import ModelConfig
+
+# What a resumed run must share with the checkpoint's run; the layout and --steps may change.
+# WEIGHT_SETTINGS never (the weights would not fit); --max-seq-len may grow (no weight has its size).
+WEIGHT_SETTINGS = ("model", *(name for name in SHAPE_FLAGS if name != "max_seq_len"), "tie_embeddings")
+RESUMED_SETTINGS = (*WEIGHT_SETTINGS, "data", "bpe_vocab", "seq_len", "global_batch", "seed", "lr", "min_lr_ratio",
+                    "warmup", "val_fraction")
+
+
+def check_files(cfg: TrainConfig, resume: Path | None) -> None:
+    """The data reads and fits the model, the places this rank writes take a file, the
+    checkpoint (or the weights to start from) fits this run."""
+    vocab = check_data(cfg.data, cfg.seq_len, cfg.bpe_vocab, cfg.cache_dir, cfg.tokenizer, cfg.token_dtype)
+    model_vocab = cfg.model_config().vocab_size
+    if vocab is not None and vocab > model_vocab:
+        what = f"--tokenizer {cfg.tokenizer} has {vocab} tokens" if cfg.tokenizer else \
+            f"--data {cfg.data} holds token ids up to {vocab - 1}"
+        raise ConfigError(f"{what}, more than the model's vocabulary of {model_vocab}: pass --vocab-size {vocab} "
+                          f"or more")
+    check_writable("--cache-dir", cfg.cache_dir)
+    if os.environ.get("RANK", "0") == "0":  # only rank 0 writes checkpoints and the JSON log
+        check_writable("--out", cfg.out)
+        if cfg.log_json:
+            check_writable("--log-json", cfg.log_json, file=True)
+    if resume is not None:
+        check_resume(cfg, json.loads((resume / "train_state.json").read_text()), resume)
+    if cfg.init_from:
+        check_init_from(cfg, Path(cfg.init_from))
+
+
+def check_writable(flag: str, path: str, file: bool = False) -> None:
+    """Make and delete a file where `path` will be written: in its folder (file=True), or in the
+    nearest folder of `path` that exists. Nothing is left behind, not even a new folder."""
+    p = Path(path).expanduser()
+    if p.exists() and p.is_dir() == file:
+        kind, want = ("a folder", "a file") if file else ("a file", "a folder")
+        raise ConfigError(f"{flag} {path} is {kind}: give {want}")
+    folder = p.parent if file else next(q for q in (p, *p.parents) if q.exists())
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".minipar-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot write in {folder} ({e.strerror}); choose another place") from None
+
+
+def check_resume(cfg: TrainConfig, state: dict, path: Path) -> None:
+    """A resumed run continues the saved one: RESUMED_SETTINGS must match (--allow-config-change
+    accepts a change, but never of WEIGHT_SETTINGS: the weights would not fit), and the
+    checkpoint must be short of --steps (--resume auto, a restart, may find the run finished).
+    A setting a checkpoint from before it lacks had its default then."""
+    saved = state.get("config") if isinstance(state, dict) else None
+    if not (isinstance(saved, dict) and isinstance(state.get("step"), int) and "consumed" in state
+            and {"model", "data", "seq_len", "global_batch", "seed"} <= saved.keys()):
+        raise ConfigError(f"checkpoint {path} is corrupt: its train_state.json lacks the step, the data consumed or "
+                          f"the run's settings; resume from another one")
+    if state["step"] >= cfg.steps and cfg.resume != "auto":
+        raise ConfigError(f"nothing to do: the checkpoint {path} is at step {state['step']}; pass --steps above "
+                          f"{state['step']} to train further")
+    before = saved_settings(path, state)
+    for name in RESUMED_SETTINGS:
+        old, new, flag = before[name], getattr(cfg, name), "--" + name.replace("_", "-")
+        same = old == new or (name == "data" and old and new and Path(old).resolve() == Path(new).resolve())
+        if not same and (name in WEIGHT_SETTINGS or not cfg.allow_config_change):
+            keep = f"pass {flag} {old}" if old is not None else f"leave {flag} out"
+            if isinstance(old, bool):
+                keep = f"pass {flag if old else '--no-' + flag[2:]}"
+            also = "" if name in WEIGHT_SETTINGS else ", or --allow-config-change to accept the change"
+            raise ConfigError(f"{flag} {new} differs from the checkpoint's {old} ({path}): {keep} to continue it{also}")
+    changed = state.get("data_key") and state["data_key"] != data_key(cfg.data, cfg.bpe_vocab, cfg.token_dtype)
+    if changed and not cfg.allow_config_change:
+        raise ConfigError(f"--data {cfg.data or '(the standard library)'} is not the data of {path}: its files' names, "
+                          f"sizes or times changed (or the run moved machines, or --token-dtype), so its tokens "
+                          f"would too; restore them, or pass --allow-config-change to go on with it (encoded by the "
+                          f"checkpoint's tokenizer, if it keeps one)")
+    if cfg.tokenizer and (path / "tokenizer.json").exists():  # compared by what they encode, not their bytes
+        old, new = (read_tokenizer(p, separator=True) for p in (path / "tokenizer.json", cfg.tokenizer))
+        fits = old.get_vocab_size() == new.get_vocab_size()
+        if not fits or (old.to_str() != new.to_str() and not cfg.allow_config_change):
+            raise ConfigError(f"--tokenizer {cfg.tokenizer} is not the tokenizer of {path} (its ids would differ): "
+                              f"leave --tokenizer out to use the checkpoint's" + (
+                                  ", or pass --allow-config-change" if fits else f" (its {new.get_vocab_size()} ids "
+                                  f"do not fit the weights' {old.get_vocab_size()})"))
+
+
+def saved_settings(path: Path, state: dict) -> dict:
+    """The checkpoint's run settings, its model's shape written in: a checkpoint from before the
+    shape flags saved only --model (and the BPE's size as vocab_size); then the defaults."""
+    saved, model = state["config"], model_config_of(path, state)
+    shape = {name: getattr(model, name) for name in (*SHAPE_FLAGS, "tie_embeddings")}
+    old_bpe = {"bpe_vocab": saved["vocab_size"]} if "bpe_vocab" not in saved and "vocab_size" in saved else {}
+    return {**{f.name: f.default for f in fields(TrainConfig)}, **shape, **old_bpe,
+            **{k: v for k, v in saved.items() if k not in shape}}
+
+
+def check_init_from(cfg: TrainConfig, path: Path) -> None:
+    """The weights are of the model this run builds: every setting alike but the MoE loss's.
+    (`path` was verified when train.check_paths resolved it.)"""
+    saved = model_config_of(path, json.loads((path / "train_state.json").read_text()))
+    run = cfg.model_config()
+    for name in (f.name for f in fields(ModelConfig)):
+        old, new = getattr(saved, name), getattr(run, name)
+        if old != new and name not in ("aux_loss_coef", "capacity_factor"):
+            flag = "--" + name.replace("_", "-")
+            hint = (f"pass {flag} {old}" if name in SHAPE_FLAGS else
+                    f"pass {flag if old else '--no-' + flag[2:]}" if name == "tie_embeddings" else
+                    "choose the --model those weights have the shape of")
+            raise ConfigError(f"--init-from {path}: its model has {name} {old}, this run's (--model {cfg.model}) "
+                              f"{new}: {hint}")

@@ -1,0 +1,90 @@
+"""What a run logs: wandb gets every figure the JSON log has, a resumed run continues the same
+wandb run (with wandb itself, offline), and peak memory on the CPU is the run's own rise, not an
+earlier peak of the process (the tokenizer's)."""
+
+import json
+import os
+import sys
+import types
+
+import pytest
+import torch
+from test_train import common, run
+
+from minipar import run_log, train
+from minipar.run_log import memory_baseline, peak_memory_bytes
+
+
+def leaves(value, path=""):
+    """(name, value) for every number or string in a JSON record, its path joined by "/"."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from leaves(v, f"{path}{k}/")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from leaves(v, f"{path}{i}/")
+    else:
+        yield path[:-1], value
+
+
+class FakeWandb(types.SimpleNamespace):
+    """Stands in for the wandb module: records what init and log are given."""
+
+    def __init__(self):
+        super().__init__(runs=[])
+
+    def init(self, **kwargs):
+        self.runs.append(types.SimpleNamespace(kwargs=kwargs, logged=[], log=None, finish=lambda: None))
+        self.runs[-1].log = lambda figures, step: self.runs[-1].logged.append((step, figures))
+        return self.runs[-1]
+
+
+def test_wandb_gets_every_figure_of_the_json_log_and_a_resumed_run_keeps_its_id(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setattr(run_log, "peak_flops", lambda device: 1e12)  # an MFU figure on the CPU too
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    argv = [a for a in common(tmp_path, out=tmp_path / "out", log_json=tmp_path / "log.jsonl", save_every=2,
+                              log_every=1) if a != "--no-wandb"]
+    assert train.main(argv + ["--steps=4"]) == 0
+    assert train.main(argv + ["--steps=6", f"--resume={tmp_path / 'out'}"]) == 0
+    first, resumed = fake.runs
+    run_id = (tmp_path / "out" / "wandb_run_id").read_text()
+    for r in (first, resumed):
+        assert (r.kwargs["id"], r.kwargs["resume"], r.kwargs["mode"]) == (run_id, "allow", "offline")
+    assert resumed.kwargs["config"]["steps"] == 6 and resumed.kwargs["config"]["dim"] == 32
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    logged = first.logged + resumed.logged
+    assert [step for step, _ in logged] == [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    for (_, figures), record in zip(logged, records):
+        expected = {name: value for name, value in leaves(record) if value is not None}
+        assert figures == expected
+        assert {"loss", "mfu", "bytes_sent", "sent_by_group/dp", "held_bytes/params", "held_bytes/optimizer",
+                "peak_memory/0", "comm/dp/all_reduce/sent", "tokens_per_s"} <= figures.keys()
+        assert figures["mfu"] > 0
+
+
+def test_a_resumed_run_continues_the_same_wandb_run_with_wandb_itself(tmp_path):
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    argv = [a for a in common(tmp_path, out=tmp_path / "out", save_every=2) if a != "--no-wandb"]
+    run(argv + ["--steps=2"], env=env)
+    run(argv + ["--steps=4", f"--resume={tmp_path / 'out'}"], env=env)
+    run_id = (tmp_path / "out" / "wandb_run_id").read_text()
+    runs = sorted(p.name for p in (tmp_path / "out" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs), runs
+
+
+def test_cpu_peak_memory_is_the_rise_after_the_baseline_not_an_earlier_peak():
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux's /proc/self/clear_refs")
+    cpu = torch.device("cpu")
+    earlier = torch.ones(300 * 2**20, dtype=torch.uint8)  # 300 MiB, touched: like the tokenizer's peak
+    del earlier
+    assert peak_memory_bytes(cpu) > 300 * 2**20
+    base = memory_baseline(cpu)
+    run_tensors = torch.ones(40 * 2**20, dtype=torch.uint8)  # what the run itself adds: 40 MiB
+    rise = peak_memory_bytes(cpu) - base
+    assert 40 * 2**20 <= rise < 60 * 2**20, rise / 2**20
+    del run_tensors
