@@ -49,6 +49,11 @@ class TrainConfig:
     capacity_factor: float = 0.0  # MoE: 0 is dropless
     data: str | None = None
     vocab_size: int = 4096
+    tokenizer: str | None = None  # a Hugging Face tokenizer.json; None: a BPE trained on the data
+    token_dtype: str = "uint16"  # of .bin token files
+    val_fraction: float = 0.0  # documents held out for validation
+    eval_every: int = 0  # steps between validations (0: at the end only)
+    eval_batches: int = 4  # global batches of held-out windows per validation
     cache_dir: str = "~/.cache/minipar"
     steps: int = 300
     seq_len: int = 128
@@ -99,13 +104,17 @@ class TrainConfig:
             ("seed", 0 <= self.seed < 2**32, "0 to 2**32 - 1"),
             ("save_every", self.save_every >= 0, "0 (only at the end) or more steps"),
             ("log_every", self.log_every >= 1, "1 or more steps"),
+            ("val_fraction", 0 <= self.val_fraction < 1, "a fraction of the documents, from 0 to below 1"),
+            ("eval_every", self.eval_every >= 0 and (self.val_fraction > 0 or self.eval_every == 0),
+             "0 (at the end) or more steps, with --val-fraction above 0"),
+            ("eval_batches", self.eval_batches >= 1, "1 or more global batches"),
             ("virtual_stages", self.virtual_stages == 1 or self.virtual_stages > 1 and self.pp > 1,
              "1, or more with --pp > 1"),
         )
         for name, fine, want in rules:
             if not fine:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: give {want}")
-        for name in ("data", "cache_dir", "out", "resume", "log_json"):
+        for name in ("data", "tokenizer", "cache_dir", "out", "resume", "log_json"):
             if getattr(self, name) == "":
                 raise ConfigError(f"--{name.replace('_', '-')} is empty: give a path, or leave the flag out")
 
@@ -181,6 +190,15 @@ def parser() -> argparse.ArgumentParser:
                    help="MoE: tokens an expert takes, x its fair share (0: dropless, every token served)")
     g.add_argument("--data", default=None, help="text file or folder (default: the Python standard library)")
     g.add_argument("--vocab-size", type=int, default=d.vocab_size, help="BPE vocabulary trained on the data")
+    g.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer.json (default: a BPE trained on --data)")
+    g.add_argument("--token-dtype", default=d.token_dtype, choices=["uint16", "uint32"],
+                   help="the ids' type in .bin token files (nanoGPT's format: a bare array)")
+    g.add_argument("--val-fraction", type=float, default=d.val_fraction,
+                   help="hold out this fraction of the documents (files) for validation, chosen by --seed")
+    g.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="validation loss every N steps (0: at the end only; needs --val-fraction)")
+    g.add_argument("--eval-batches", type=int, default=d.eval_batches,
+                   help="global batches of held-out windows per validation")
     g.add_argument("--cache-dir", default=d.cache_dir, help="where tokenised data is kept")
     g.add_argument("--seq-len", type=int, default=d.seq_len)
     g = p.add_argument_group("optimisation")
@@ -231,11 +249,12 @@ def parse_args(argv=None) -> TrainConfig:
 
 # What a resumed run must share with the checkpoint's run; the layout and --steps may change.
 RESUMED_SETTINGS = ("model", "vocab_size", "data", "seq_len", "global_batch", "seed", "lr", "min_lr_ratio", "warmup")
+DATA_SETTINGS = ("val_fraction",)  # resumed alike too; a checkpoint from before them had the default
 
 
 def check_files(cfg: TrainConfig, resume: Path | None) -> None:
     """The data is text, the places this rank writes take a file, the checkpoint fits this run."""
-    check_data(cfg.data, cfg.seq_len, cfg.vocab_size, cfg.cache_dir)
+    check_data(cfg.data, cfg.seq_len, cfg.vocab_size, cfg.cache_dir, cfg.tokenizer, cfg.token_dtype)
     check_writable("--cache-dir", cfg.cache_dir)
     if os.environ.get("RANK", "0") == "0":  # only rank 0 writes checkpoints and the JSON log
         check_writable("--out", cfg.out)
@@ -273,15 +292,20 @@ def check_resume(cfg: TrainConfig, state: dict, path: Path) -> None:
     if state["step"] >= cfg.steps and cfg.resume != "auto":
         raise ConfigError(f"nothing to do: the checkpoint {path} is at step {state['step']}; pass --steps above "
                           f"{state['step']} to train further")
-    for name in RESUMED_SETTINGS:
-        old, new, flag = saved[name], getattr(cfg, name), "--" + name.replace("_", "-")
+    for name in RESUMED_SETTINGS + DATA_SETTINGS:
+        old, new, flag = saved.get(name, getattr(TrainConfig, name)), getattr(cfg, name), "--" + name.replace("_", "-")
         same = old == new or (name == "data" and old and new and Path(old).resolve() == Path(new).resolve())
         if not same and (name in ("model", "vocab_size") or not cfg.allow_config_change):
             keep = f"pass {flag} {old}" if old is not None else f"leave {flag} out"
             also = "" if name in ("model", "vocab_size") else ", or --allow-config-change to accept the change"
             raise ConfigError(f"{flag} {new} differs from the checkpoint's {old} ({path}): {keep} to continue it{also}")
-    changed = state.get("data_key") and state["data_key"] != data_key(cfg.data, cfg.vocab_size)
+    changed = state.get("data_key") and state["data_key"] != data_key(cfg.data, cfg.vocab_size, cfg.token_dtype)
     if changed and not cfg.allow_config_change:
         raise ConfigError(f"--data {cfg.data or '(the standard library)'} is not the data of {path}: its files' names, "
-                          f"sizes or times changed (or the run moved machines), so its tokens would too; restore "
-                          f"them, or pass --allow-config-change to go on with a new tokenizer")
+                          f"sizes or times changed (or the run moved machines, or --token-dtype), so its tokens "
+                          f"would too; restore them, or pass --allow-config-change to go on with a new tokenizer")
+    saved_tokenizer = path / "tokenizer.json"
+    if cfg.tokenizer and saved_tokenizer.exists() and not cfg.allow_config_change and \
+            saved_tokenizer.read_bytes() != Path(cfg.tokenizer).expanduser().read_bytes():
+        raise ConfigError(f"--tokenizer {cfg.tokenizer} is not the tokenizer of {path} (its ids would differ): leave "
+                          f"--tokenizer out to use the checkpoint's, or pass --allow-config-change")

@@ -108,6 +108,22 @@ class RunLog:
             "expert_load": take_load(wrapper.module),  # MoE: this rank's assignments per expert, per block
         }
 
+    def validation(self, step: int, loss: float, pipeline, windows: int) -> float:
+        """The held-out loss, gathered as the training loss is (the mean over the ranks that hold
+        it), printed, and written to the JSON log ({"step", "val_loss"}) and wandb."""
+        has_loss = float(pipeline is None or pipeline.holds_last())
+        mine = torch.tensor([loss * has_loss, has_loss], dtype=torch.float64, device=self.device)
+        total = all_gather(mine, self.group).view(self.world, 2).sum(0).cpu()
+        val = total[0].item() / total[1].item()
+        if self.is_main:
+            if self.file:
+                self.file.write(json.dumps({"step": step + 1, "val_loss": val}) + "\n")
+                self.file.flush()
+            if self.wandb:
+                self.wandb.log({"val_loss": val}, step=step + 1)
+            self.say(f"step {step + 1:>5}/{self.cfg.steps} | val loss {val:.4f} | {windows} held-out windows")
+        return val
+
     def close(self) -> None:
         if self.bar:
             self.bar.close()

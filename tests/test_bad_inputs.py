@@ -49,10 +49,10 @@ def t(tmp_path_factory):
     text = CORPUS.read_bytes()
     (t / "empty.txt").write_bytes(b"")
     (t / "one_byte.txt").write_bytes(b"x")
-    (t / "binary.bin").write_bytes(bytes(range(256)) * 4)  # bytes 0-127 are ASCII; 128 (0x80) is not UTF-8
+    (t / "binary.dat").write_bytes(bytes(range(256)) * 4)  # bytes 0-127 are ASCII; 128 (0x80) is not UTF-8
     (t / "bad_middle.txt").write_bytes(text[:5000] + b"\xff" + text[5000:])
     (t / "bom.txt").write_bytes(b"\xef\xbb\xbf" + text)
-    for name, files in (("mixed", {"a.txt": text, "b.bin": b"\x89PNG\r\n\x1a\n\x00\xff"}),
+    for name, files in (("mixed", {"a.txt": text, "b.dat": b"\x89PNG\r\n\x1a\n\x00\xff"}),
                         ("clean", {"a.txt": text, "pkg/__init__.py": b"", "pkg/b.py": text[:2000]})):
         for rel, data in files.items():
             (t / name / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -103,9 +103,9 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     (["--data={t}/no_files"], 1, "the folder holds no files"),
     (["--data={t}/empty.txt"], 1, "holds 0 bytes of text, fewer than one window of --seq-len 32"),
     (["--data={t}/one_byte.txt"], 1, "holds 1 bytes of text, fewer than one window"),
-    (["--data={t}/binary.bin"], 1, "binary.bin is not UTF-8 text (byte 128 is 0x80)"),
+    (["--data={t}/binary.dat"], 1, "binary.dat is not UTF-8 text (byte 128 is 0x80)"),
     (["--data={t}/bad_middle.txt"], 1, "bad_middle.txt is not UTF-8 text (byte 5000 is 0xff)"),
-    (["--data={t}/mixed"], 1, "b.bin is not UTF-8 text (byte 0 is 0x89)"),
+    (["--data={t}/mixed"], 1, "b.dat is not UTF-8 text (byte 0 is 0x89)"),
     # numbers out of range
     (["--seq-len=10000000"], 1, "--seq-len 10000000: give 1 to --model tiny's max_seq_len, 128"),
     (["--seq-len=129"], 1, "--seq-len 129: give 1 to --model tiny's max_seq_len, 128"),

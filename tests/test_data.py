@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from minipar.data import DataError, TokenData, default_corpus, find_files, load_tokenizer, prepare
+from minipar.batches import TokenData
+from minipar.data import DataError, default_corpus, find_files, prepare, read_tokenizer
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
@@ -27,7 +28,7 @@ def test_default_corpus_exists_without_network():
 
 
 def test_tokenizer_is_trained_bpe_that_round_trips_text(folder):
-    tok = load_tokenizer(folder)
+    tok = read_tokenizer(folder / "tokenizer.json")
     assert tok.get_vocab_size() == 400
     text = "def wrap(text, width=70):\n    return TextWrapper(width=width).wrap(text)\n"
     ids = tok.encode(text).ids
@@ -81,6 +82,6 @@ def test_a_file_that_is_not_text_is_refused_by_name_and_offset_not_skipped(tmp_p
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.txt").write_text("plain text " * 100)
-    (corpus / "blob.bin").write_bytes(b"ab" + bytes([0xFF, 0xFE, 0x00, 0x81]) * 50)
-    with pytest.raises(DataError, match=r"blob.bin is not UTF-8 text \(byte 2 is 0xff\)"):
+    (corpus / "blob.dat").write_bytes(b"ab" + bytes([0xFF, 0xFE, 0x00, 0x81]) * 50)
+    with pytest.raises(DataError, match=r"blob.dat is not UTF-8 text \(byte 2 is 0xff\)"):
         prepare(str(corpus), vocab_size=300, cache_dir=tmp_path / "cache")
