@@ -188,19 +188,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--aux-loss-coef", type=float, default=d.aux_loss_coef, help="MoE load-balancing loss weight")
     g.add_argument("--capacity-factor", type=float, default=d.capacity_factor,
                    help="MoE: tokens an expert takes, x its fair share (0: dropless, every token served)")
-    g.add_argument("--data", default=None, help="text file or folder (default: the Python standard library)")
-    g.add_argument("--vocab-size", type=int, default=d.vocab_size, help="BPE vocabulary trained on the data")
-    g.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer.json (default: a BPE trained on --data)")
-    g.add_argument("--token-dtype", default=d.token_dtype, choices=["uint16", "uint32"],
-                   help="the ids' type in .bin token files (nanoGPT's format: a bare array)")
-    g.add_argument("--val-fraction", type=float, default=d.val_fraction,
-                   help="hold out this fraction of the documents (files) for validation, chosen by --seed")
-    g.add_argument("--eval-every", type=int, default=d.eval_every,
-                   help="validation loss every N steps (0: at the end only; needs --val-fraction)")
-    g.add_argument("--eval-batches", type=int, default=d.eval_batches,
-                   help="global batches of held-out windows per validation")
-    g.add_argument("--cache-dir", default=d.cache_dir, help="where tokenised data is kept")
     g.add_argument("--seq-len", type=int, default=d.seq_len)
+    data_arguments(p.add_argument_group("data and validation"), d)
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
     g.add_argument("--global-batch", type=int, default=d.global_batch, help="sequences per step, all dp ranks")
@@ -233,6 +222,22 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--log-json", default=None, help="write one JSON object per step to this file")
     g.add_argument("--log-every", type=int, default=d.log_every, help="print a log line every N steps")
     return p
+
+
+def data_arguments(g, d: TrainConfig) -> None:
+    g.add_argument("--data", default=None, help="a text file or folder, or .bin token files (default: the Python "
+                   "standard library)")
+    g.add_argument("--vocab-size", type=int, default=d.vocab_size, help="BPE vocabulary trained on the data")
+    g.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer.json (default: a BPE trained on --data)")
+    g.add_argument("--token-dtype", default=d.token_dtype, choices=["uint16", "uint32"],
+                   help="the ids' type in .bin token files (nanoGPT's format: a bare array)")
+    g.add_argument("--cache-dir", default=d.cache_dir, help="where tokenised data is kept")
+    g.add_argument("--val-fraction", type=float, default=d.val_fraction,
+                   help="hold out this fraction of the documents (files) for validation, chosen by --seed")
+    g.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="validation loss every N steps (0: at the end only; needs --val-fraction)")
+    g.add_argument("--eval-batches", type=int, default=d.eval_batches,
+                   help="global batches of held-out windows per validation")
 
 
 def parse_args(argv=None) -> TrainConfig:

@@ -36,7 +36,8 @@ neighbour sends backward could otherwise wait on each other.
 The loss is the mean over all micro-batches (each micro-batch's loss is divided by m), gradients
 accumulate over micro-batches, and the data-parallel reduction runs once, after the last backward
 (train.py). The executor records each
-action's start and end, so a measured run draws the same timeline as the simulation.
+action's start and end, so a measured run draws the same timeline as the simulation. Validation
+runs the F actions alone (`forward_actions`), in the same (micro-batch, stage) order on every rank.
 """
 
 from __future__ import annotations
@@ -131,10 +132,9 @@ class Pipeline:
             pending.append((isend(t, channel, self.placement[stage]), t))
 
     def run(self, model, micro_batches, divisor: float | None = None, forward_only: bool = False):
-        """Run this rank's actions on its stages of `model` (a model.Llama holding those stages);
-        forward_only: the forward actions alone (call it under torch.no_grad). Returns the sum over
-        micro-batches of loss / m (given a divisor: of token-loss sum / divisor) on the last stage,
-        0 elsewhere; the measured timeline is left in `self.timeline`."""
+        """Run this rank's actions (forward_only: its forward_actions) on its stages of `model`.
+        Returns the sum over micro-batches of loss / m (given a divisor: of token-loss sum / divisor)
+        on the last stage, 0 elsewhere; the measured timeline is left in `self.timeline`."""
         m, last = len(micro_batches), self.n_stages - 1
         tokens = micro_batches[0][0]
         act_shape = (tokens.shape[0], tokens.shape[1] // self.seq_shards, model.config.dim)  # what stages pass on
