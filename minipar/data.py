@@ -10,7 +10,7 @@ number of ids is refused by name before any process group starts (check_data), n
 Preparation runs once per corpus and tokenizer (cached under a key of the files' names, sizes and
 times, and the tokenizer), streaming, so memory stays bounded whatever the corpus's size:
 
-    text files --(pieces of ~256K characters)--> a BPE trained from that iterator, or --tokenizer
+    text files --(pieces of ~64K characters)---> a BPE trained from that iterator, or --tokenizer
                --(a few pieces per encode)------> tokens.bin (uint16/uint32, appended to)
                                                   each file's ids, then <|endoftext|>
     .bin files --(scanned in blocks: the id count, the largest id)--> read in place
@@ -34,7 +34,7 @@ import numpy as np
 
 EOT = "<|endoftext|>"
 DEFAULT_CACHE = Path.home() / ".cache" / "minipar"
-PIECE = 1 << 18  # characters per encode call: memory follows this, not the corpus
+PIECE = 1 << 16  # characters per piece of text: memory follows this, not the corpus
 BLOCK = 1 << 24  # ids per block when a token file is scanned
 CUT = re.compile(r".*\S(?= )", re.S)  # the longest prefix that ends on a non-space before a space
 
@@ -202,7 +202,7 @@ def corpus_pieces(files: list[Path]):
         yield from text_pieces(f)
 
 
-def encode_files(tok, files: list[Path], eot: int, batch: int = 8):
+def encode_files(tok, files: list[Path], eot: int, batch: int = 16):
     """Each file's ids, then <|endoftext|>, as numpy arrays of a few pieces' worth at a time."""
     for f in files:
         pieces = text_pieces(f)

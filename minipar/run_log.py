@@ -56,6 +56,9 @@ class RunLog:
         self.say(f"model {cfg.model}: {model_cfg.num_params() / 1e6:.2f}M parameters, vocab {data.vocab_size}, "
                  f"{data.num_windows} windows of {cfg.seq_len} tokens; {cfg.accum_steps} micro-batch(es) of "
                  f"{cfg.micro_batch} per rank per step; {self.device.type}, {dtype}")
+        if cfg.val_fraction:
+            self.say(f"validation: {data.val_docs} documents held out, {len(data.val_windows)} windows; the loss on "
+                     f"{cfg.eval_batches} batch(es) of them every {cfg.eval_every or cfg.steps} steps and at the end")
         if self.is_main:
             self.wandb = start_wandb(cfg) if cfg.wandb else None
             self.file = open(cfg.log_json, "a") if cfg.log_json else None
