@@ -4,6 +4,7 @@ and measuring it changes nothing: no weight, no gradient, no optimizer state.
 The held-out windows come from a real token file (batches.py holds out whole documents); the
 reference runs the plain model over the same windows, on one device, in float64."""
 
+import json
 import sysconfig
 from contextlib import nullcontext
 from pathlib import Path
@@ -98,3 +99,29 @@ def test_the_validation_loss_is_the_one_device_loss_and_leaves_the_model_untouch
     for val, untouched, no_grads in run_ranks(world, _validate, folder, model, layout, micro, timeout=300):
         assert val == pytest.approx(reference, rel=1e-12)  # every rank gets the gathered value
         assert untouched and no_grads
+
+
+class FakeWandb:
+    def __init__(self):
+        self.logged = []
+
+    def log(self, values, step):
+        self.logged.append((values, step))
+
+
+def _log_validation(rank, world, path):
+    from minipar.run_log import RunLog
+
+    cfg = TrainConfig(model="tiny", steps=20, wandb=False)
+    with Mesh.build() as mesh:
+        log = RunLog(cfg, mesh, torch.device("cpu"))
+        log.wandb, log.file = FakeWandb(), open(path, "a")
+        val = log.validation(9, 2.5, None, 16)
+        log.file.close()
+        return val, log.wandb.logged
+
+
+def test_the_validation_loss_goes_to_the_json_log_and_wandb_at_its_step(tmp_path):
+    val, logged = run_ranks(1, _log_validation, tmp_path / "log.jsonl")[0]
+    assert val == 2.5 and logged == [({"val_loss": 2.5}, 10)]
+    assert json.loads((tmp_path / "log.jsonl").read_text()) == {"step": 10, "val_loss": 2.5}
