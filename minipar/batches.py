@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minipar.data import BLOCK, EOT, DataError
+from minipar.data import BLOCK, EOT, DataError, read_tokenizer
 
 
 def documents(parts: list[np.ndarray], eot: int | None) -> np.ndarray:
@@ -89,7 +89,8 @@ class TokenData:
         self.parts = [np.memmap(self.folder / p, dtype=meta["dtype"], mode="r")
                       for p in meta.get("parts", ["tokens.bin"])]  # a cache from before token files: one
         self.tokens = self.parts[0]
-        docs = documents(self.parts, meta.get("eot") if self.val_fraction else None)
+        eot = meta["eot"] if "eot" in meta else read_tokenizer(self.folder / "tokenizer.json").token_to_id(EOT)
+        docs = documents(self.parts, eot if self.val_fraction else None)  # a cache from before: its BPE's
         val = held_out(len(docs), self.val_fraction, self.seed)
         self.windows, self.val_windows = windows_in(docs, ~val, self.seq_len), windows_in(docs, val, self.seq_len)
         self.num_windows, self.val_docs = len(self.windows), int(val.sum())

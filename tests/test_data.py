@@ -1,6 +1,8 @@
 """Data: a real tokenizer, a token file made once, a seeded order, dp ranks read disjoint rows."""
 
+import json
 import resource
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -188,3 +190,15 @@ def test_tokenising_a_few_megabytes_stays_within_a_bounded_memory(tmp_path):
     subprocess.run([sys.executable, "-c", child, str(text), str(tmp_path / "cache")], check=True, cwd=ROOT,
                    env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 350 * 2**10  # KiB
+
+
+def test_a_cache_made_before_token_files_and_validation_is_read_alike(folder, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(folder, old)
+    meta = json.loads((old / "meta.json").read_text())
+    for key in ("eot", "parts", "fingerprint"):  # what the cache's meta.json did not say before
+        del meta[key]
+    (old / "meta.json").write_text(json.dumps(meta))
+    then, now = TokenData(old, 16, 1, val_fraction=0.34), TokenData(folder, 16, 1, val_fraction=0.34)
+    assert np.array_equal(then.windows, now.windows) and np.array_equal(then.val_windows, now.val_windows)
+    assert then.fingerprint == old.name  # a trained BPE's cache is named by the data's fingerprint

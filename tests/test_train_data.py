@@ -70,3 +70,15 @@ def test_a_bin_token_file_drives_a_training_run(tmp_path):
     assert f"vocab {max(ids) + 1}," in proc.stdout and f"{(len(ids) - 1) // 32} windows of 32 tokens" in proc.stdout
     train, _ = records(tmp_path / "log.jsonl")
     assert sum(train[s] for s in range(16, 21)) < sum(train[s] for s in range(1, 6)) - 2.5  # 0.5 lower on average
+
+
+def test_a_bin_file_of_the_texts_ids_trains_and_validates_exactly_like_the_text(tokenized_run):
+    from tokenizers import Tokenizer
+
+    tmp, argv, _ = tokenized_run
+    tok = Tokenizer.from_file(str(tmp / "tok.json"))
+    ids = [i for f in sorted((tmp / "corpus").iterdir()) for i in (*tok.encode(f.read_text()).ids, 0)]  # 0: EOT
+    np.asarray(ids, dtype=np.uint16).tofile(tmp / "corpus.bin")
+    swapped = [a for a in argv if not a.startswith(("--data", "--out", "--log-json"))]
+    run(swapped + [f"--data={tmp / 'corpus.bin'}", f"--out={tmp / 'bin'}", f"--log-json={tmp / 'bin.jsonl'}"])
+    assert records(tmp / "bin.jsonl") == records(tmp / "a.jsonl")  # documents end at the tokenizer's EOT id
