@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minipar.context_parallel import check_cp_layout
-from minipar.data import check_data, data_key
+from minipar.data import check_data, data_key, same_tokenizer
 from minipar.expert_parallel import check_expert_layout
 from minipar.mesh import MeshLayout
 from minipar.model import CONFIGS
@@ -311,6 +311,6 @@ def check_resume(cfg: TrainConfig, state: dict, path: Path) -> None:
                           f"would too; restore them, or pass --allow-config-change to go on with a new tokenizer")
     saved_tokenizer = path / "tokenizer.json"
     if cfg.tokenizer and saved_tokenizer.exists() and not cfg.allow_config_change and \
-            saved_tokenizer.read_bytes() != Path(cfg.tokenizer).expanduser().read_bytes():
+            not same_tokenizer(saved_tokenizer, cfg.tokenizer):
         raise ConfigError(f"--tokenizer {cfg.tokenizer} is not the tokenizer of {path} (its ids would differ): leave "
                           f"--tokenizer out to use the checkpoint's, or pass --allow-config-change")

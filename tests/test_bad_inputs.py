@@ -69,6 +69,7 @@ def t(tmp_path_factory):
     (t / "broken_link" / "gone.txt").symlink_to(t / "nowhere.txt")
     tokenizer_json(t / "tok.json", 300)
     tokenizer_json(t / "tok2.json", 320)
+    (t / "tok_indented.json").write_text(json.dumps(json.loads((t / "tok.json").read_text()), indent=4))
     (t / "a_folder").mkdir()
     (t / "a_file").write_text("not a folder")
     (t / "read_only").mkdir(mode=0o500)
@@ -274,6 +275,7 @@ GOOD = [  # edge cases that are fine
     (["--tokenizer={t}/tok.json", "--val-fraction=0.1", "--eval-every=5", "--eval-batches=2"], 1),
     ([f"--resume={{t}}/tok_run/{STEP}", "--tokenizer={t}/tok.json", "--out={t}/resumed_h"], 1),  # the same one
     ([f"--resume={{t}}/tok_run/{STEP}", "--out={t}/resumed_i"], 1),  # the checkpoint's tokenizer
+    ([f"--resume={{t}}/tok_run/{STEP}", "--tokenizer={t}/tok_indented.json", "--out={t}/resumed_j"], 1),
 ]
 
 
