@@ -111,7 +111,10 @@ def check_data(path: str | None, seq_len: int, vocab_size: int, cache_dir: str |
     if tokenizer is not None:
         read_tokenizer(tokenizer)
     if are_token_files(path, files):
-        prepare(path, vocab_size, cache_dir, tokenizer, token_dtype)
+        count = json.loads((prepare(path, vocab_size, cache_dir, tokenizer, token_dtype) / "meta.json").read_text())
+        if count["num_tokens"] <= seq_len:
+            raise DataError(f"--data {path} holds {count['num_tokens']} token ids, fewer than one window of --seq-len "
+                            f"{seq_len} + 1: give more or a shorter --seq-len")
         return
     if path is None or (Path(cache_dir).expanduser() / corpus_key(files, vocab_size) / "meta.json").exists():
         return

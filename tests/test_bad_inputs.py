@@ -61,6 +61,7 @@ def t(tmp_path_factory):
     (t / "no_files").mkdir()
     (t / "odd.bin").write_bytes(b"abc")  # 3 bytes: no whole number of uint16 ids
     (t / "ids.bin").write_bytes((np.arange(3001) % 310).astype("uint16").tobytes())  # ids 0-309
+    (t / "few.bin").write_bytes(np.arange(32, dtype="uint16").tobytes())
     (t / "kinds").mkdir()
     (t / "kinds" / "a.txt").write_bytes(text)
     (t / "kinds" / "b.bin").write_bytes(b"\x00\x01")
@@ -138,6 +139,7 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     (["--data={t}/ids.bin", "--token-dtype=uint32"], 1, "ids.bin is 6002 bytes, not a whole number of uint32 ids"),
     (["--data={t}/ids.bin", "--tokenizer={t}/tok.json"], 1, "ids.bin holds token id 309, outside --tokenizer"),
     (["--data={t}/kinds"], 1, "mixes .bin token files with text files"),
+    (["--data={t}/few.bin"], 1, "holds 32 token ids, fewer than one window of --seq-len 32 + 1"),
     (["--token-dtype=int8"], 1, "argument --token-dtype: invalid choice: 'int8'"),
     (["--tokenizer="], 1, "--tokenizer is empty"),
     (["--tokenizer={t}/missing.json"], 1, "missing.json: cannot load it as a Hugging Face tokenizer.json"),
