@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minipar.data import BLOCK, EOT, DataError, read_tokenizer
+from minipar.data import BLOCK, EOT, DataError
 
 
 def documents(parts: list[np.ndarray], eot: int | None) -> np.ndarray:
@@ -88,9 +88,9 @@ class TokenData:
         self.tokenizer_file = self.folder / "tokenizer.json" if (self.folder / "tokenizer.json").exists() else None
         self.parts = [np.memmap(self.folder / p, dtype=meta["dtype"], mode="r")
                       for p in meta.get("parts", ["tokens.bin"])]  # a cache from before token files: one
-        self.tokens = self.parts[0]
-        eot = meta["eot"] if "eot" in meta else read_tokenizer(self.folder / "tokenizer.json").token_to_id(EOT)
-        docs = documents(self.parts, eot if self.val_fraction else None)  # a cache from before: its BPE's
+        self.tokens = self.parts[0]  # the first (text: the only) token file
+        eot = meta.get("eot", 0)  # a cache from before token files: a trained BPE, whose <|endoftext|> is id 0
+        docs = documents(self.parts, eot if self.val_fraction else None)
         val = held_out(len(docs), self.val_fraction, self.seed)
         self.windows, self.val_windows = windows_in(docs, ~val, self.seq_len), windows_in(docs, val, self.seq_len)
         self.num_windows, self.val_docs = len(self.windows), int(val.sum())
@@ -126,10 +126,6 @@ class TokenData:
         per_rank = global_batch // dp
         ids = self.window_ids(consumed, global_batch)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         return self.fetch(ids)
-
-    def val_batches(self, global_batch: int) -> int:
-        """How many whole global batches of held-out windows there are."""
-        return len(self.val_windows) // global_batch
 
     def rank_val_batch(self, k: int, global_batch: int, dp_rank: int, dp: int):
         """This rank's rows of held-out batch k: the same windows at every evaluation."""
