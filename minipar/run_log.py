@@ -57,8 +57,9 @@ class RunLog:
                  f"{data.num_windows} windows of {cfg.seq_len} tokens; {cfg.accum_steps} micro-batch(es) of "
                  f"{cfg.micro_batch} per rank per step; {self.device.type}, {dtype}")
         if cfg.val_fraction:
+            batches = min(cfg.eval_batches, len(data.val_windows) // cfg.global_batch)
             self.say(f"validation: {data.val_docs} documents held out, {len(data.val_windows)} windows; the loss on "
-                     f"{cfg.eval_batches} batch(es) of them every {cfg.eval_every or cfg.steps} steps and at the end")
+                     f"{batches} batch(es) of them every {cfg.eval_every or cfg.steps} steps and at the end")
         if self.is_main:
             self.wandb = start_wandb(cfg) if cfg.wandb else None
             self.file = open(cfg.log_json, "a") if cfg.log_json else None
