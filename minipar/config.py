@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minipar.context_parallel import check_cp_layout
-from minipar.data import check_data, data_key, same_tokenizer
+from minipar.data import check_data, data_key, read_tokenizer
 from minipar.expert_parallel import check_expert_layout
 from minipar.mesh import MeshLayout
 from minipar.model import CONFIGS
@@ -309,8 +309,11 @@ def check_resume(cfg: TrainConfig, state: dict, path: Path) -> None:
         raise ConfigError(f"--data {cfg.data or '(the standard library)'} is not the data of {path}: its files' names, "
                           f"sizes or times changed (or the run moved machines, or --token-dtype), so its tokens "
                           f"would too; restore them, or pass --allow-config-change to go on with a new tokenizer")
-    saved_tokenizer = path / "tokenizer.json"
-    if cfg.tokenizer and saved_tokenizer.exists() and not cfg.allow_config_change and \
-            not same_tokenizer(saved_tokenizer, cfg.tokenizer):
-        raise ConfigError(f"--tokenizer {cfg.tokenizer} is not the tokenizer of {path} (its ids would differ): leave "
-                          f"--tokenizer out to use the checkpoint's, or pass --allow-config-change")
+    if cfg.tokenizer and (path / "tokenizer.json").exists():  # compared by what they encode, not their bytes
+        old, new = (read_tokenizer(p, separator=True) for p in (path / "tokenizer.json", cfg.tokenizer))
+        fits = old.get_vocab_size() == new.get_vocab_size()
+        if not fits or (old.to_str() != new.to_str() and not cfg.allow_config_change):
+            raise ConfigError(f"--tokenizer {cfg.tokenizer} is not the tokenizer of {path} (its ids would differ): "
+                              f"leave --tokenizer out to use the checkpoint's" + (
+                                  ", or pass --allow-config-change" if fits else f" (its {new.get_vocab_size()} ids "
+                                  f"do not fit the weights' {old.get_vocab_size()})"))

@@ -159,11 +159,6 @@ def read_tokenizer(path: str | Path, separator: bool = False):
     return tok
 
 
-def same_tokenizer(a: str | Path, b: str | Path) -> bool:
-    """Whether two tokenizer.json files give the same ids (either may have gained <|endoftext|>)."""
-    return read_tokenizer(a, separator=True).to_str() == read_tokenizer(b, separator=True).to_str()
-
-
 def train_tokenizer(texts, vocab_size: int):
     """A byte-level BPE (GPT-2's scheme) trained on the corpus itself, with HF tokenizers, from
     an iterator of texts: it counts words as they come, never holding the corpus."""

@@ -217,6 +217,8 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     ([RUN, "--data={t}/clean"], 1, "or --allow-config-change to accept the change"),
     ([f"--resume={{t}}/other_files/{STEP}"], 1, "sizes or times changed (or the run moved machines"),
     ([f"--resume={{t}}/tok_run/{STEP}", "--tokenizer={t}/tok2.json"], 1, "tok2.json is not the tokenizer of"),
+    ([f"--resume={{t}}/tok_run/{STEP}", "--tokenizer={t}/tok2.json", "--allow-config-change"], 1,
+     "(its 320 ids do not fit the weights' 300)"),
     ([RUN, "--val-fraction=0.2"], 1, "--val-fraction 0.2 differs from the checkpoint's 0.0"),
 ]
 
