@@ -62,7 +62,7 @@ def find_files(path: str | None) -> list[Path]:
 
     def refuse(e: OSError):
         raise DataError(f"--data: cannot read the folder {e.filename} ({e.strerror})")
-    for folder, dirs, names in os.walk(p, onerror=refuse):
+    for folder, dirs, names in os.walk(p, onerror=refuse, followlinks=True):  # as rglob did
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         for f in (Path(folder) / n for n in names if not n.startswith(".")):
             if not f.is_file():
