@@ -309,7 +309,7 @@ def check_resume(cfg: TrainConfig, state: dict, path: Path) -> None:
         raise ConfigError(f"--data {cfg.data or '(the standard library)'} is not the data of {path}: its files' names, "
                           f"sizes or times changed (or the run moved machines, or --token-dtype), so its tokens "
                           f"would too; restore them, or pass --allow-config-change to go on with it (encoded by the "
-                          f"checkpoint's tokenizer)")
+                          f"checkpoint's tokenizer, if it keeps one)")
     if cfg.tokenizer and (path / "tokenizer.json").exists():  # compared by what they encode, not their bytes
         old, new = (read_tokenizer(p, separator=True) for p in (path / "tokenizer.json", cfg.tokenizer))
         fits = old.get_vocab_size() == new.get_vocab_size()
