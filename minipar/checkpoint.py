@@ -4,7 +4,9 @@
         model.safetensors       every parameter at its single-device shape, by its model name
         optimizer.safetensors   "<param name>/<state>" for each optimizer state tensor
                                 (header metadata: the optimizer's hyper-parameters)
-        train_state.json        step, windows of data consumed, scheduler state, the config
+        train_state.json        step, windows of data consumed, scheduler state, the config,
+                                the data's fingerprint
+        tokenizer.json          the tokenizer the run encoded its data with (if it had one)
 
 Because tensors are stored at their single-device shapes (tensor-parallel shards are gathered
 first, padding dropped), a checkpoint written at one layout can be loaded at another (torchtitan's
@@ -13,8 +15,9 @@ first, padding dropped), a checkpoint written at one layout can be loaded at ano
 A checkpoint is written to a hidden temporary folder, flushed to disk (fsync) and renamed into
 place only when complete, so a crash while saving never damages an earlier checkpoint, and a
 `step_*` folder is always whole; an existing one is never replaced. train_state.json, written
-last, holds the sha256 of both tensor files: loading checks them and fails with one line naming
-the bad file. Folders and files take the user's umask, like any file the user writes.
+last, holds the sha256 of both tensor files (and of the tokenizer): loading checks them and fails
+with one line naming the bad file. Folders and files take the user's umask, like any file the user
+writes.
 
 One run at a time writes into an --out folder: rank 0 holds `out/.lock` (host and pid) for the run.
 """
@@ -94,7 +97,7 @@ def verify(path: Path) -> dict:
     try:
         state = json.loads((path / "train_state.json").read_text())
         sums = state.pop("sha256")
-        for name in FILES[:2]:
+        for name in FILES[:2] + (("tokenizer.json",) if "tokenizer.json" in sums else ()):
             if sha256(path / name) != sums[name]:  # a flipped bit, a truncated or overwritten file
                 raise CheckpointError(f"checkpoint {path} is corrupt: {name} does not match its checksum; "
                                       f"resume from another one")
@@ -149,8 +152,10 @@ def gather_full(model: nn.Module, states: dict, hyper: list, tp_group: Group, pp
     return weights, tensors, hyper
 
 
-def save(out: str | Path, step: int, weights: dict, optimizer_tensors: dict, hyper: list, train_state: dict) -> Path:
-    """Write one checkpoint from `gather_full`'s output (call on one rank). Never replaces one."""
+def save(out: str | Path, step: int, weights: dict, optimizer_tensors: dict, hyper: list, train_state: dict,
+         tokenizer: Path | None = None) -> Path:
+    """Write one checkpoint from `gather_full`'s output (call on one rank), with a copy of the
+    `tokenizer` file if given. Never replaces one."""
     final = step_dir(out, step)
     if final.exists():
         raise CheckpointError(f"{final} exists already: a checkpoint is never overwritten")
@@ -160,11 +165,14 @@ def save(out: str | Path, step: int, weights: dict, optimizer_tensors: dict, hyp
     try:
         save_file(weights, tmp / "model.safetensors")
         save_file(optimizer_tensors, tmp / "optimizer.safetensors", metadata={"param_groups": json.dumps(hyper)})
-        sums = {name: sha256(tmp / name) for name in FILES[:2]}
+        names = FILES[:2] + (("tokenizer.json",) if tokenizer else ())
+        if tokenizer:
+            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+        sums = {name: sha256(tmp / name) for name in names}
         (tmp / "train_state.json").write_text(json.dumps({**train_state, "sha256": sums}, indent=1))
         for name in FILES[:2]:  # safetensors writes 0600: give them the umask's mode, as Python gave the json
             os.chmod(tmp / name, (tmp / "train_state.json").stat().st_mode)
-        for path in [tmp / name for name in FILES] + [tmp]:  # on disk before the rename makes it visible
+        for path in [tmp / name for name in FILES + names[2:]] + [tmp]:  # on disk before the rename makes it visible
             fsync(path)
         os.rename(tmp, final)
         fsync(final.parent)  # the rename itself

@@ -1,22 +1,22 @@
-"""Data: text -> a trained BPE tokenizer -> one memory-mapped file of tokens -> batches.
+"""Data, from files to token files: the corpus, the tokenizer, and one pass that tokenises.
 
 The default corpus is the Python standard library's own source (the top-level modules of the
 running interpreter's `Lib/`): several megabytes of real text that exists on every machine that
-can run minipar, with no download. `--data PATH` takes your own text file or directory instead;
-every file in it must be UTF-8 text, and one that is not is refused by name before any process
-group starts (check_data), never skipped.
+can run minipar, with no download. `--data PATH` takes your own text file or folder instead, or
+token files in nanoGPT's format (`.bin`: a bare array of uint16 or uint32 ids, `--token-dtype`),
+which are read where they lie. A file that cannot be read, is not UTF-8 text, or is not a whole
+number of ids is refused by name before any process group starts (check_data), never skipped.
 
-Preparation runs once per corpus (cached under a key of the files' names, sizes and times):
+Preparation runs once per corpus and tokenizer (cached under a key of the files' names, sizes and
+times, and the tokenizer), streaming, so memory stays bounded whatever the corpus's size:
 
-    texts --(train byte-level BPE, HF tokenizers)--> tokenizer.json
-          --(encode, join with <|endoftext|>)-----> tokens.bin  (uint16/uint32, memory-mapped)
+    text files --(pieces of ~64K characters)---> a BPE trained from that iterator, or --tokenizer
+               --(a few pieces per encode)------> tokens.bin (uint16/uint32, appended to)
+                                                  each file's ids, then <|endoftext|>
+    .bin files --(scanned in blocks: the id count, the largest id)--> read in place
 
-Batches. The token stream is cut into windows of seq_len + 1 tokens; a window gives the input
-(its first seq_len tokens) and the target (the same, shifted by one). The windows are shuffled
-by a permutation drawn from the seed, one per epoch. A run is a walk through that fixed order:
-optimizer step t uses the next `global_batch` windows, and data-parallel rank r takes rows
-[r*G/dp, (r+1)*G/dp) of them. The only state is how many windows were consumed, which the
-checkpoint stores, so a resumed run reads exactly what the uninterrupted one would have.
+The tokenizer goes into each checkpoint, so a resumed run encodes with the same ids even when the
+cache is gone. batches.py cuts the token files into documents, held-out documents and windows.
 """
 
 from __future__ import annotations
@@ -25,15 +25,18 @@ import codecs
 import hashlib
 import json
 import os
+import re
 import sysconfig
-from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
-import torch
 
 EOT = "<|endoftext|>"
 DEFAULT_CACHE = Path.home() / ".cache" / "minipar"
+PIECE = 1 << 16  # characters per piece of text: memory follows this, not the corpus
+BLOCK = 1 << 24  # ids per block when a token file is scanned
+CUT = re.compile(r".*\S(?= )", re.S)  # the longest prefix that ends on a non-space before a space
 
 
 class DataError(ValueError):
@@ -46,15 +49,36 @@ def default_corpus() -> list[Path]:
 
 
 def find_files(path: str | None) -> list[Path]:
+    """The corpus's files, in a fixed order. A folder is walked recursively (hidden names left
+    out); a folder that cannot be listed or an entry that is no file (a broken link) is named."""
     if path is None:
         return default_corpus()
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"--data {path}: no such file or directory (give a text file or a folder of them)")
-    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+    if p.is_file():
+        return [p]
+    files = []
+
+    def refuse(e: OSError):
+        raise DataError(f"--data: cannot read the folder {e.filename} ({e.strerror})")
+    for folder, dirs, names in os.walk(p, onerror=refuse, followlinks=True):  # as rglob did
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for f in (Path(folder) / n for n in names if not n.startswith(".")):
+            if not f.is_file():
+                raise DataError(f"--data: {f} is not a file (a broken link?): remove it or point it at one")
+            files.append(f)
     if not files:
         raise DataError(f"--data {path}: the folder holds no files")
-    return files
+    return sorted(files)
+
+
+def are_token_files(path: str | None, files: list[Path]) -> bool:
+    """Whether --data is nanoGPT-style .bin token files (all of them) rather than text."""
+    kinds = {f.suffix == ".bin" for f in files}
+    if len(kinds) > 1:
+        raise DataError(f"--data {path} mixes .bin token files with text files: give a folder of one kind")
+    return kinds == {True}
 
 
 def check_text(f: Path, chunk: int = 1 << 20) -> int:
@@ -77,45 +101,68 @@ def check_text(f: Path, chunk: int = 1 << 20) -> int:
         raise DataError(f"--data: cannot read {f} ({e.strerror})") from None
 
 
-def check_data(path: str | None, seq_len: int, vocab_size: int, cache_dir: str | Path) -> None:
-    """Before any process group: every file is UTF-8 text and there is enough of it for one window
-    of seq_len + 1 tokens (byte-level BPE makes at most one token per byte, plus one <|endoftext|>
-    per file). The standard library, and a corpus tokenised before, are not read again."""
+def check_data(path: str | None, seq_len: int, vocab_size: int, cache_dir: str | Path,
+               tokenizer: str | None = None, token_dtype: str = "uint16") -> int | None:
+    """Before any process group: the tokenizer loads; token files are scanned (prepared: cheap);
+    text files are UTF-8 with enough of it for one window of seq_len + 1 tokens (byte-level BPE
+    makes at most one token per byte, plus one <|endoftext|> per file). The standard library,
+    and a corpus tokenised before, are not read again. Returns the ids the data will use, where
+    known before tokenising (a tokenizer's, token files'), for the caller to fit in the model."""
     files = find_files(path)
+    vocab = read_tokenizer(tokenizer, separator=True).get_vocab_size() if tokenizer is not None else None
+    if are_token_files(path, files):
+        count = json.loads((prepare(path, vocab_size, cache_dir, tokenizer, token_dtype) / "meta.json").read_text())
+        if count["num_tokens"] <= seq_len:
+            raise DataError(f"--data {path} holds {count['num_tokens']} token ids, fewer than one window of --seq-len "
+                            f"{seq_len} + 1: give more or a shorter --seq-len")
+        return count["vocab_size"]
     if path is None or (Path(cache_dir).expanduser() / corpus_key(files, vocab_size) / "meta.json").exists():
-        return
+        return vocab
     size = sum(check_text(f) for f in files)
     if size + len(files) <= seq_len:
         raise DataError(f"--data {path} holds {size} bytes of text, fewer than one window of --seq-len {seq_len} "
                         f"+ 1 tokens: give more text or a shorter --seq-len")
+    return vocab
 
 
-def read_texts(files: list[Path]) -> list[str]:
-    texts = []
-    for f in files:
-        try:
-            texts.append(f.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, OSError):
-            check_text(f)  # raises DataError, naming the file and its first bad byte
-            raise
-    return texts
-
-
-def corpus_key(files: list[Path], vocab_size: int) -> str:
-    h = hashlib.sha256(f"v1 vocab={vocab_size}".encode())
+def corpus_key(files: list[Path], tag) -> str:
+    """A hash of the files' names, sizes and times, and `tag` (what turns them into ids)."""
+    h = hashlib.sha256(f"v1 vocab={tag}".encode())
     for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]
 
 
-def data_key(data: str | None, vocab_size: int) -> str:
-    """The name of the corpus's cache folder: checkpoints keep it, so a resume sees changed data."""
-    return corpus_key(find_files(data), vocab_size)
+def data_key(data: str | None, vocab_size: int, token_dtype: str = "uint16") -> str:
+    """The corpus's fingerprint: checkpoints keep it, so a resume sees changed data. (For text
+    trained on with its own BPE it is also the name of the cache folder.)"""
+    files = find_files(data)
+    return corpus_key(files, f"{vocab_size} {token_dtype}" if are_token_files(data, files) else vocab_size)
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
-    """A byte-level BPE (GPT-2's scheme) trained on the corpus itself, with HF tokenizers."""
+def file_hash(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()[:16]
+
+
+def read_tokenizer(path: str | Path, separator: bool = False):
+    """A Hugging Face tokenizer.json. separator: give it <|endoftext|> (one more id) if it has none,
+    since text documents are joined with it."""
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(Path(path).expanduser()))
+    except Exception as e:  # tokenizers raises a bare Exception: a missing file, bad JSON
+        raise DataError(f"--tokenizer {path}: cannot load it as a Hugging Face tokenizer.json "
+                        f"({str(e).splitlines()[0][:200]})") from None
+    if separator and tok.token_to_id(EOT) is None:
+        tok.add_special_tokens([EOT])
+    return tok
+
+
+def train_tokenizer(texts, vocab_size: int):
+    """A byte-level BPE (GPT-2's scheme) trained on the corpus itself, with HF tokenizers, from
+    an iterator of texts: it counts words as they come, never holding the corpus."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -131,32 +178,122 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tok
 
 
-def prepare(data: str | None, vocab_size: int, cache_dir: str | Path = DEFAULT_CACHE) -> Path:
-    """Tokenise the corpus once; return the folder with tokenizer.json, tokens.bin, meta.json.
+def text_pieces(f: Path, size: int = PIECE):
+    """A text file in pieces of about `size` characters, each cut just before a space that follows
+    a non-space. Pre-tokenizers of the GPT-2 family (ours, GPT-2's, Llama 3's) split there anyway,
+    so the pieces encode to exactly the file's ids; text with no such space for `size` characters
+    is cut where it stands. Bytes are read in blocks and decoded as they come."""
+    decoder, carry = codecs.getincrementaldecoder("utf-8")(), ""
+    try:
+        with open(f, "rb") as fh:
+            while block := fh.read(size):
+                carry += decoder.decode(block)
+                if len(carry) >= size:
+                    cut = CUT.match(carry)
+                    end = cut.end() if cut else len(carry)
+                    yield carry[:end]
+                    carry = carry[end:]
+            carry += decoder.decode(b"", final=True)
+    except (UnicodeDecodeError, OSError):
+        check_text(f)  # raises DataError, naming the file (and its first bad byte)
+        raise
+    if carry:
+        yield carry
+
+
+def corpus_pieces(files: list[Path]):
+    for f in files:
+        yield from text_pieces(f)
+
+
+def encode_files(tok, files: list[Path], eot: int, batch: int = 16):
+    """Each file's ids, then <|endoftext|>, as numpy arrays of a few pieces' worth at a time."""
+    for f in files:
+        pieces = text_pieces(f)
+        while chunk := list(islice(pieces, batch)):
+            for enc in tok.encode_batch(chunk, add_special_tokens=False):
+                yield np.asarray(enc.ids, dtype=np.int64)
+        yield np.array([eot], dtype=np.int64)
+
+
+def prepare(data: str | None, vocab_size: int, cache_dir: str | Path = DEFAULT_CACHE, tokenizer: str | None = None,
+            token_dtype: str = "uint16") -> Path:
+    """Tokenise the corpus once; return the folder with meta.json, tokenizer.json and tokens.bin
+    (token files: meta.json, and tokenizer.json if given; the ids stay where they are).
 
     Call it on one process per machine (train.py uses local rank 0) while the others wait. The
     folder is built under a temporary name and renamed into place, so an interrupted run never
     leaves a half-written cache behind.
     """
-    files = find_files(data)
-    out = Path(cache_dir).expanduser() / corpus_key(files, vocab_size)
+    files, cache = find_files(data), Path(cache_dir).expanduser()
+    fingerprint = data_key(data, vocab_size, token_dtype)
+    if are_token_files(data, files):
+        out = cache / corpus_key(files, f"bin {token_dtype} {file_hash(tokenizer) if tokenizer else '-'}")
+        if (out / "meta.json").exists():
+            return out
+        tok = read_tokenizer(tokenizer) if tokenizer else None
+        meta = scan_token_files(files, token_dtype, tok, tokenizer)
+        return publish(out, meta | {"fingerprint": fingerprint, "source": data}, tok)
+    out = cache / corpus_key(files, vocab_size)  # the BPE trained on this corpus
+    if tokenizer is not None and not same_bytes(out / "tokenizer.json", tokenizer):  # else: that very tokenizer
+        out = cache / corpus_key(files, f"tokenizer {file_hash(tokenizer)}")
     if (out / "meta.json").exists():
         return out
-    texts = read_texts(files)
-    tok = train_tokenizer(texts, vocab_size)
-    eot = tok.token_to_id(EOT)
-    ids: list[int] = []
-    for enc in tok.encode_batch(texts):
-        ids.extend(enc.ids)
-        ids.append(eot)
-    dtype = np.uint16 if tok.get_vocab_size() < 2**16 else np.uint32
+    tok = read_tokenizer(tokenizer, separator=True) if tokenizer else train_tokenizer(corpus_pieces(files), vocab_size)
+    dtype, eot = np.uint16 if tok.get_vocab_size() <= 2**16 else np.uint32, tok.token_to_id(EOT)
+    tmp, count = building(out), 0
+    with open(tmp / "tokens.bin", "wb") as sink:  # appended to: the ids are never all in memory
+        for ids in encode_files(tok, files, eot):
+            sink.write(ids.astype(dtype).tobytes())
+            count += len(ids)
+    meta = {"num_tokens": count, "vocab_size": tok.get_vocab_size(), "dtype": np.dtype(dtype).name,
+            "parts": ["tokens.bin"], "eot": eot, "files": len(files), "source": data or "python-stdlib",
+            "fingerprint": fingerprint}
+    return publish(out, meta, tok)
+
+
+def scan_token_files(files: list[Path], dtype: str, tok, tokenizer: str | None) -> dict:
+    """What meta.json says of token files, read through memory maps a block at a time. Ids
+    outside the tokenizer's vocabulary are refused; without one, the vocabulary is the largest
+    id + 1."""
+    parts, count, top = [], 0, (-1, "")
+    for f in files:
+        size, width = f.stat().st_size, np.dtype(dtype).itemsize
+        if size % width:
+            raise DataError(f"--data: {f} is {size} bytes, not a whole number of {dtype} ids: check --token-dtype")
+        try:
+            ids = np.memmap(f, dtype=dtype, mode="r") if size else np.empty(0, dtype)
+        except OSError as e:
+            raise DataError(f"--data: cannot read {f} ({e.strerror})") from None
+        for a in range(0, len(ids), BLOCK):
+            top = max(top, (int(ids[a:a + BLOCK].max()), str(f)))
+        parts += [str(f.resolve())] if size else []
+        count += len(ids)
+    vocab = tok.get_vocab_size() if tok else top[0] + 1
+    if top[0] >= vocab:
+        raise DataError(f"--data: {top[1]} holds token id {top[0]}, outside --tokenizer {tokenizer}'s {vocab} ids: "
+                        f"check --token-dtype, or give the data's own tokenizer")
+    return {"num_tokens": count, "vocab_size": vocab, "dtype": dtype, "parts": parts,
+            "eot": tok.token_to_id(EOT) if tok else None, "files": len(files)}
+
+
+def same_bytes(a: Path, b: str | Path) -> bool:
+    return a.exists() and a.read_bytes() == Path(b).expanduser().read_bytes()
+
+
+def building(out: Path) -> Path:
+    """A fresh temporary folder beside `out` (a plain mkdir: the mode follows the umask)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{os.getpid()}-{out.name}"  # a plain mkdir: the mode follows the umask
+    tmp = out.parent / f".tmp-{os.getpid()}-{out.name}"
     tmp.mkdir(exist_ok=True)
-    np.asarray(ids, dtype=dtype).tofile(tmp / "tokens.bin")
-    tok.save(str(tmp / "tokenizer.json"))
-    meta = {"num_tokens": len(ids), "vocab_size": tok.get_vocab_size(), "dtype": np.dtype(dtype).name,
-            "files": len(files), "source": data or "python-stdlib"}
+    return tmp
+
+
+def publish(out: Path, meta: dict, tok=None) -> Path:
+    """Write meta.json (and the tokenizer) into the temporary folder, then rename it into place."""
+    tmp = building(out)
+    if tok is not None:
+        tok.save(str(tmp / "tokenizer.json"))
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     try:
         os.rename(tmp, out)
@@ -165,54 +302,3 @@ def prepare(data: str | None, vocab_size: int, cache_dir: str | Path = DEFAULT_C
             f.unlink()
         tmp.rmdir()
     return out
-
-
-@dataclass
-class TokenData:
-    """Windows of a token file in a seeded order. See the module docstring."""
-
-    folder: Path
-    seq_len: int
-    seed: int
-
-    def __post_init__(self):
-        meta = json.loads((self.folder / "meta.json").read_text())
-        self.vocab_size = meta["vocab_size"]
-        self.tokens = np.memmap(self.folder / "tokens.bin", dtype=meta["dtype"], mode="r")
-        self.num_windows = (len(self.tokens) - 1) // self.seq_len
-        if self.num_windows < 1:
-            raise DataError(
-                f"the corpus has {len(self.tokens)} tokens, fewer than one window of --seq-len "
-                f"{self.seq_len} + 1: use more text or a shorter sequence"
-            )
-        self._perms: dict[int, torch.Tensor] = {}
-
-    def window_ids(self, start: int, count: int) -> list[int]:
-        """Indices of windows start, start+1, ... of the run's order (epochs wrap around)."""
-        ids = []
-        for k in range(start, start + count):
-            epoch, i = divmod(k, self.num_windows)
-            if epoch not in self._perms:
-                g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
-                self._perms = {epoch: torch.randperm(self.num_windows, generator=g)}
-            ids.append(int(self._perms[epoch][i]))
-        return ids
-
-    def fetch(self, window_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each [len(window_ids), seq_len] int64."""
-        s = self.seq_len
-        rows = np.stack([self.tokens[w * s : w * s + s + 1] for w in window_ids]).astype(np.int64)
-        rows = torch.from_numpy(rows)
-        return rows[:, :-1], rows[:, 1:]
-
-    def rank_batch(self, consumed: int, global_batch: int, dp_rank: int, dp: int):
-        """This data-parallel rank's rows of the global batch that starts after `consumed` windows."""
-        per_rank = global_batch // dp
-        ids = self.window_ids(consumed, global_batch)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
-        return self.fetch(ids)
-
-
-def load_tokenizer(folder: Path):
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(folder / "tokenizer.json"))

@@ -98,6 +98,19 @@ def by_grad_mean(params: list[nn.Parameter]) -> dict[tuple[str, ...], list[nn.Pa
     return out
 
 
+def loss_divisor(micro_batches, group) -> float:
+    """The global batch's count of real targets / the replicas that average the gradients.
+
+    `group` is the dense parameters' reduction group (dp x cp): summed over it, the count covers
+    the global batch once; the wrappers then divide the summed gradient by group.size, so dividing
+    each token loss by count / size here makes the whole a single division by the count. An
+    all-ignored batch divides by 1: its loss and gradients are 0, not NaN.
+    """
+    count = sum((y != -100).sum() for _, y in micro_batches).to(torch.float64).reshape(1)
+    all_reduce(count, group)  # 8 bytes, once per step
+    return max(float(count.item()), 1.0) / group.size
+
+
 def clip_grads(grads: list[torch.Tensor], spread: list[tuple[Group, ...]], max_norm: float, groups=()) -> float:
     """The global norm of `grads`, scaled in place to at most max_norm (0: no clipping); returns it.
 

@@ -121,8 +121,11 @@ def plain_model_from(path: Path) -> tuple[Llama, dict]:
     return model.eval(), state
 
 
-def tokenizer_path(state: dict) -> Path:
-    """Where train.py kept the tokenizer it trained on the run's --data (the data cache)."""
+def tokenizer_path(state: dict, folder: Path | None = None) -> Path:
+    """The tokenizer the run encoded its data with: the checkpoint's own copy (in `folder`), or,
+    for a checkpoint saved before they kept one, the data cache's."""
+    if folder is not None and (folder / "tokenizer.json").exists():
+        return folder / "tokenizer.json"
     run = state["config"]
     key = state.get("data_key") or data_key(run["data"], run["bpe_vocab"])
     return Path(run["cache_dir"]).expanduser() / key / "tokenizer.json"

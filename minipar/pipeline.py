@@ -36,7 +36,8 @@ neighbour sends backward could otherwise wait on each other.
 The loss is the mean over all micro-batches (each micro-batch's loss is divided by m), gradients
 accumulate over micro-batches, and the data-parallel reduction runs once, after the last backward
 (train.py). The executor records each
-action's start and end, so a measured run draws the same timeline as the simulation.
+action's start and end, so a measured run draws the same timeline as the simulation. Validation
+runs the F actions alone (`forward_actions`), in the same (micro-batch, stage) order on every rank.
 """
 
 from __future__ import annotations
@@ -110,6 +111,12 @@ class Pipeline:
     def actions(self, n_micro: int) -> list[Action]:
         return make(self.schedule, self.group.size, n_micro, self.virtual).actions[self.group.rank]
 
+    def forward_actions(self, n_micro: int) -> list[Action]:
+        """Forward only (validation, no gradient): each micro-batch through this rank's stages in
+        turn. Every rank walks (micro-batch, stage) in the same order, so each receive meets the
+        send its neighbour posted for it, in order, and no rank waits on one that waits on it."""
+        return [Action("F", i, k) for i in range(n_micro) for k in self.my_stages]
+
     # Messages between stages. Two stages on one rank (zbv's turn of the V) hand tensors over
     # directly; every other message goes to or comes from the rank the placement names.
     def _receive(self, like: torch.Tensor, channel: Group, stage: int, key, local: dict) -> torch.Tensor:
@@ -124,15 +131,15 @@ class Pipeline:
         else:
             pending.append((isend(t, channel, self.placement[stage]), t))
 
-    def run(self, model, micro_batches, divisor: float | None = None) -> torch.Tensor | float:
-        """Run this rank's actions on its stages of `model` (a model.Llama holding those stages).
-        Returns the sum over micro-batches of loss / m (given a divisor: of token-loss sum /
-        divisor) on the last stage, 0 elsewhere; the measured timeline is left in `self.timeline`."""
+    def run(self, model, micro_batches, divisor: float | None = None, forward_only: bool = False):
+        """Run this rank's actions (forward_only: its forward_actions) on its stages of `model`.
+        Returns the sum over micro-batches of loss / m (given a divisor: of token-loss sum / divisor)
+        on the last stage, 0 elsewhere; the measured timeline is left in `self.timeline`."""
         m, last = len(micro_batches), self.n_stages - 1
         tokens = micro_batches[0][0]
         act_shape = (tokens.shape[0], tokens.shape[1] // self.seq_shards, model.config.dim)  # what stages pass on
         act_dtype, device = next(model.parameters()).dtype, tokens.device
-        actions = self.actions(m)
+        actions = self.forward_actions(m) if forward_only else self.actions(m)
         split = any(a.kind == "W" for a in actions)
         stage_params = {k: model.stage_parameters(self.layers_of(k), first=k == 0, last=k == last)
                         for k in self.my_stages}

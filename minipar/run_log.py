@@ -67,6 +67,10 @@ class RunLog:
                  f"(the tokenizer's {data.vocab_size}), "
                  f"{data.num_windows} windows of {cfg.seq_len} tokens; {cfg.accum_steps} micro-batch(es) of "
                  f"{cfg.micro_batch} per rank per step; {self.device.type}, {dtype}")
+        if cfg.val_fraction:
+            batches = min(cfg.eval_batches, len(data.val_windows) // cfg.global_batch)
+            self.say(f"validation: {data.val_docs} documents held out, {len(data.val_windows)} windows; the loss on "
+                     f"{batches} batch(es) of them every {cfg.eval_every or cfg.steps} steps and at the end")
         if self.is_main:
             self.wandb = start_wandb(cfg) if cfg.wandb else None
             self.file = open(cfg.log_json, "a") if cfg.log_json else None
@@ -122,6 +126,18 @@ class RunLog:
             "held_bytes": wrapper.held_bytes(),  # this rank's, measured on its tensors
             "expert_load": take_load(wrapper.module),  # MoE: this rank's assignments per expert, per block
         }
+
+    def validation(self, step: int, loss: float, pipeline, windows: int) -> float:
+        """The held-out loss, gathered as the training loss is (the mean over the ranks that hold
+        it), printed, and written to the JSON log ({"step", "val_loss"}) and wandb."""
+        has_loss = float(pipeline is None or pipeline.holds_last())
+        mine = torch.tensor([loss * has_loss, has_loss], dtype=torch.float64, device=self.device)
+        total = all_gather(mine, self.group).view(self.world, 2).sum(0).cpu()
+        val = total[0].item() / total[1].item()
+        if self.is_main:
+            self.publish({"step": step + 1, "val_loss": val})
+            self.say(f"step {step + 1:>5}/{self.cfg.steps} | val loss {val:.4f} | {windows} held-out windows")
+        return val
 
     def close(self) -> None:
         if self.bar:

@@ -35,11 +35,12 @@ import torch
 import torch.distributed as dist
 
 from minipar import checkpoint
+from minipar.batches import TokenData
 from minipar.collectives import all_reduce
 from minipar.config import ConfigError, TrainConfig, effective, parse_args
 from minipar.context_parallel import split_sequence
-from minipar.data import TokenData, find_files, prepare
-from minipar.data_parallel import DataParallel, GradSync, param_groups
+from minipar.data import DataError, find_files, prepare
+from minipar.data_parallel import DataParallel, GradSync, loss_divisor, param_groups
 from minipar.mesh import Mesh
 from minipar.model import Llama
 from minipar.moe import set_aux_scale
@@ -48,6 +49,7 @@ from minipar.pipeline import Pipeline
 from minipar.planner import check_memory, report
 from minipar.preflight import check_files
 from minipar.run_log import RunLog
+from minipar.validation import is_due, validate, validation_batches
 from minipar.zero import ZeroDataParallel
 from minipar.zero3 import Zero3DataParallel
 
@@ -71,19 +73,6 @@ def make_adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.AdamW:
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return make_adamw(param_groups(model, cfg), cfg)
-
-
-def loss_divisor(micro_batches, group) -> float:
-    """The global batch's count of real targets / the replicas that average the gradients.
-
-    `group` is the dense parameters' reduction group (dp x cp): summed over it, the count covers
-    the global batch once; the wrappers then divide the summed gradient by group.size, so dividing
-    each token loss by count / size here makes the whole a single division by the count. An
-    all-ignored batch divides by 1: its loss and gradients are 0, not NaN.
-    """
-    count = sum((y != -100).sum() for _, y in micro_batches).to(torch.float64).reshape(1)
-    all_reduce(count, group)  # 8 bytes, once per step
-    return max(float(count.item()), 1.0) / group.size
 
 
 def train_step(model: GradSync, micro_batches, grad_clip: float = 0.0, autocast=nullcontext,
@@ -182,12 +171,18 @@ def check_paths(cfg: TrainConfig) -> Path | None:
     return resume
 
 
-def load_data(cfg: TrainConfig) -> TokenData:
-    """Tokenised once per machine (local rank 0); the other ranks wait and read the cache."""
+def load_data(cfg: TrainConfig, resume: Path | None = None) -> TokenData:
+    """Tokenised once per machine (local rank 0); the other ranks wait and read the cache. The
+    tokenizer: --tokenizer, else a resumed checkpoint's (the same ids, even if the cache is gone),
+    else a BPE trained on the data."""
+    saved = resume / "tokenizer.json" if resume is not None and (resume / "tokenizer.json").exists() else None
+    args = (cfg.data, cfg.bpe_vocab, cfg.cache_dir, cfg.tokenizer or saved, cfg.token_dtype)
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        prepare(cfg.data, cfg.bpe_vocab, cfg.cache_dir)
+        prepare(*args)
     dist.barrier()
-    return TokenData(prepare(cfg.data, cfg.bpe_vocab, cfg.cache_dir), cfg.seq_len, cfg.seed)
+    data = TokenData(prepare(*args), cfg.seq_len, cfg.seed, cfg.val_fraction)
+    validation_batches(cfg, data)  # raises DataError when too little is held out
+    return data
 
 
 def precision(cfg: TrainConfig, device: torch.device):
@@ -239,7 +234,7 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
     if cfg.ep > 1:
         log.say(f"experts: the dp x cp ranks as edp {cfg.dp * cfg.cp // cfg.ep} x ep {cfg.ep}; this rank's ep group "
                 f"{mesh.group('ep').ranks}, edp group {mesh.group('edp').ranks}")
-    data = load_data(cfg)
+    data = load_data(cfg, resume)
     log.measure_memory_from_here()  # the run's own memory: not the tokenizer's peak
     dtype, param_dtype, autocast = precision(cfg, device)
     model_cfg = cfg.model_config()  # the preset with the shape flags; the tokenizer fits its vocabulary
@@ -282,6 +277,9 @@ def train_loop(cfg, start, consumed, data, mesh, wrapper, pipeline, autocast, de
         loss, grad_norm = train_step(wrapper, micro, cfg.grad_clip, autocast, pipeline)
         consumed += cfg.global_batch
         log.step(step, loss, grad_norm, lr_at(step, cfg), wrapper, pipeline)
+        if is_due(cfg, step + 1):
+            log.validation(step, validate(cfg, data, mesh, wrapper, pipeline, autocast, device), pipeline,
+                           validation_batches(cfg, data) * cfg.global_batch)
         bad = 0 if math.isfinite(grad_norm) else bad + 1  # the norm is global: every rank agrees
         if bad:
             log.say(f"step {step + 1}: non-finite gradient norm ({grad_norm}): step skipped, weights unchanged "
@@ -291,7 +289,7 @@ def train_loop(cfg, start, consumed, data, mesh, wrapper, pipeline, autocast, de
                                   f"(last at step {step + 1}); resume from the last checkpoint in {cfg.out} with a "
                                   f"lower --lr or longer --warmup and --allow-config-change")
         if step + 1 == cfg.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
-            save(cfg, step + 1, consumed, wrapper, mesh, log, data.folder.name)
+            save(cfg, step + 1, consumed, wrapper, mesh, log, data)
         kill_for_test(cfg, step + 1)
 
 
@@ -314,9 +312,10 @@ class RankTimeout(RuntimeError):
 
 
 def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Mesh, log: RunLog,
-         data_key: str = "") -> None:
-    """Every rank helps gather the tp shards and pp stages into full tensors; rank 0 writes them.
-    A non-finite weight anywhere stops the run instead: nothing bad is ever saved."""
+         data: TokenData) -> None:
+    """Every rank helps gather the tp shards and pp stages into full tensors; rank 0 writes them,
+    with the data's fingerprint and tokenizer. A non-finite weight anywhere stops the run instead:
+    nothing bad is ever saved."""
     with wrapper.gathered():
         finite = torch.tensor([float(all(torch.isfinite(p).all() for p in wrapper.module.parameters()))],
                               device=next(wrapper.module.parameters()).device)
@@ -330,9 +329,9 @@ def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Me
         full = checkpoint.gather_full(wrapper.module, states, checkpoint.hyper_params(wrapper.optimizer),
                                       mesh.shard_groups(), mesh.pp_group)
     if log.is_main:
-        state = {"step": step, "consumed": consumed, "config": asdict(cfg), "data_key": data_key,
+        state = {"step": step, "consumed": consumed, "config": asdict(cfg), "data_key": data.fingerprint,
                  "model_config": asdict(wrapper.module.config)}  # what the weights are of (sample.py, convert.py)
-        path = checkpoint.save(cfg.out, step, *full, state)
+        path = checkpoint.save(cfg.out, step, *full, state, data.tokenizer_file)
         log.say(f"saved {path}")
     dist.barrier()
 
@@ -364,6 +363,10 @@ def main(argv=None) -> int:
         if is_main:
             print(f"minipar: error: {e}", file=sys.stderr)
         return 3
+    except DataError as e:  # found while tokenising, alike on every rank (too little held out)
+        if is_main:
+            print(f"minipar: error: {e}", file=sys.stderr)
+        return 2
     except RankTimeout as e:  # printed by every rank that gave up: the others may be the stopped ones
         print(f"minipar: error: {e}", file=sys.stderr)
         return 4

@@ -12,11 +12,12 @@ import argparse
 import math
 import sys
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
 from minipar import checkpoint
-from minipar.data import EOT, DataError, find_files, read_texts  # read_texts names a file that is not text
+from minipar.data import EOT, DataError, encode_files, find_files  # names a file that is not text
 from minipar.generate import plain_model_from, tokenizer_path
 
 
@@ -34,12 +35,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def windows(tokenizer: Tokenizer, data: str, seq_len: int, limit: int) -> torch.Tensor:
     """[n, seq_len + 1] consecutive windows of the tokenised text."""
     eot = tokenizer.token_to_id(EOT)
-    ids = [i for enc in tokenizer.encode_batch(read_texts(find_files(data))) for i in (*enc.ids, eot)]
+    ids = np.concatenate(list(encode_files(tokenizer, find_files(data), eot)))
     n = (len(ids) - 1) // seq_len
     if n < 1:
         raise DataError(f"--data {data}: {len(ids)} tokens, fewer than one window of --seq-len {seq_len} + 1")
     n = min(n, limit) if limit else n
-    return torch.tensor(ids[: n * seq_len + 1]).unfold(0, seq_len + 1, seq_len)
+    return torch.from_numpy(ids[: n * seq_len + 1]).unfold(0, seq_len + 1, seq_len)
 
 
 @torch.no_grad()
@@ -59,7 +60,7 @@ def main(argv=None) -> tuple[float, float]:
         path = checkpoint.resolve(args.checkpoint)
         model, state = plain_model_from(path)
         seq_len = args.seq_len or state["config"]["seq_len"]
-        tok = Tokenizer.from_file(str(tokenizer_path(state)))
+        tok = Tokenizer.from_file(str(tokenizer_path(state, path)))
         rows = windows(tok, args.data, seq_len, args.max_windows)
     except (ValueError, OSError) as e:  # CheckpointError, DataError, a missing tokenizer
         sys.exit(f"eval.py: error: {e}")

@@ -4,8 +4,8 @@
     .venv/bin/python scripts/sample.py runs/run_001/step_000300 --temperature 0.8 --top-k 40 --seed 1
 
 A checkpoint holds every tensor at its single-device shape (checkpoint.py), so the plain model
-loads it directly. The tokenizer is the one train.py trained on the run's --data: it is found in
-the data cache under the key the checkpoint keeps (or give --tokenizer). Generation keeps a KV
+loads it directly. The tokenizer is the run's own, which the checkpoint keeps (older checkpoints:
+found in the data cache under the key the checkpoint keeps; or give --tokenizer). Generation keeps a KV
 cache (minipar/generate.py).
 """
 
@@ -33,8 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def tokenizer_of(state: dict, given: str | None) -> Tokenizer:
-    path = Path(given) if given else tokenizer_path(state)
+def tokenizer_of(state: dict, given: str | None, folder: Path) -> Tokenizer:
+    path = Path(given) if given else tokenizer_path(state, folder)
     if not path.exists():
         data = state["config"]["data"] or "the standard library"
         raise SystemExit(f"sample.py: error: no tokenizer at {path}: train.py builds it from the run's --data "
@@ -49,7 +49,7 @@ def main(argv=None) -> str:
         model, state = plain_model_from(path)
     except ValueError as e:  # CheckpointError: missing, corrupt
         sys.exit(f"sample.py: error: {e}")
-    tok = tokenizer_of(state, args.tokenizer)
+    tok = tokenizer_of(state, args.tokenizer, path)
     prompt = torch.tensor([tok.encode(args.prompt).ids or [0]])
     out = generate(model, prompt, args.tokens, args.temperature, args.top_k,
                    torch.Generator().manual_seed(args.seed))

@@ -12,6 +12,7 @@ import sysconfig
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch.distributed as dist
 
@@ -49,15 +50,27 @@ def t(tmp_path_factory):
     text = CORPUS.read_bytes()
     (t / "empty.txt").write_bytes(b"")
     (t / "one_byte.txt").write_bytes(b"x")
-    (t / "binary.bin").write_bytes(bytes(range(256)) * 4)  # bytes 0-127 are ASCII; 128 (0x80) is not UTF-8
+    (t / "binary.dat").write_bytes(bytes(range(256)) * 4)  # bytes 0-127 are ASCII; 128 (0x80) is not UTF-8
     (t / "bad_middle.txt").write_bytes(text[:5000] + b"\xff" + text[5000:])
     (t / "bom.txt").write_bytes(b"\xef\xbb\xbf" + text)
-    for name, files in (("mixed", {"a.txt": text, "b.bin": b"\x89PNG\r\n\x1a\n\x00\xff"}),
+    for name, files in (("mixed", {"a.txt": text, "b.dat": b"\x89PNG\r\n\x1a\n\x00\xff"}),
                         ("clean", {"a.txt": text, "pkg/__init__.py": b"", "pkg/b.py": text[:2000]})):
         for rel, data in files.items():
             (t / name / rel).parent.mkdir(parents=True, exist_ok=True)
             (t / name / rel).write_bytes(data)
     (t / "no_files").mkdir()
+    (t / "odd.bin").write_bytes(b"abc")  # 3 bytes: no whole number of uint16 ids
+    (t / "ids.bin").write_bytes((np.arange(3001) % 310).astype("uint16").tobytes())  # ids 0-309
+    (t / "few.bin").write_bytes(np.arange(32, dtype="uint16").tobytes())
+    (t / "kinds").mkdir()
+    (t / "kinds" / "a.txt").write_bytes(text)
+    (t / "kinds" / "b.bin").write_bytes(b"\x00\x01")
+    (t / "broken_link").mkdir()
+    (t / "broken_link" / "a.txt").write_bytes(text)
+    (t / "broken_link" / "gone.txt").symlink_to(t / "nowhere.txt")
+    tokenizer_json(t / "tok.json", 300)
+    tokenizer_json(t / "tok2.json", 320)
+    (t / "tok_indented.json").write_text(json.dumps(json.loads((t / "tok.json").read_text()), indent=4))
     (t / "a_folder").mkdir()
     (t / "a_file").write_text("not a folder")
     (t / "read_only").mkdir(mode=0o500)
@@ -80,8 +93,22 @@ def t(tmp_path_factory):
     saved_copy(t, "other_files", lambda sums: {"step": 4, "consumed": 32, "config": asdict(cfg), "sha256": sums,
                                                "data_key": "a corpus whose files have changed"})
     saved_copy(t, "empty_state", lambda sums: {})
+    checkpoint.save(t / "tok_run", 4, weights, optimizer, hyper, {"step": 4, "consumed": 32, "config": asdict(cfg),
+                                                                  "data_key": key}, tokenizer=t / "tok.json")
     saved_copy(t, "no_step", lambda sums: {"sha256": sums})
     return t
+
+
+def tokenizer_json(path: Path, vocab: int) -> None:
+    """A Hugging Face tokenizer.json made here, with no download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([CORPUS.read_text()], trainer)
+    tok.save(str(path))
 
 
 def main(t, extra, world, monkeypatch):
@@ -108,9 +135,27 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     (["--data={t}/no_files"], 1, "the folder holds no files"),
     (["--data={t}/empty.txt"], 1, "holds 0 bytes of text, fewer than one window of --seq-len 32"),
     (["--data={t}/one_byte.txt"], 1, "holds 1 bytes of text, fewer than one window"),
-    (["--data={t}/binary.bin"], 1, "binary.bin is not UTF-8 text (byte 128 is 0x80)"),
+    (["--data={t}/binary.dat"], 1, "binary.dat is not UTF-8 text (byte 128 is 0x80)"),
     (["--data={t}/bad_middle.txt"], 1, "bad_middle.txt is not UTF-8 text (byte 5000 is 0xff)"),
-    (["--data={t}/mixed"], 1, "b.bin is not UTF-8 text (byte 0 is 0x89)"),
+    (["--data={t}/mixed"], 1, "b.dat is not UTF-8 text (byte 0 is 0x89)"),
+    (["--data={t}/broken_link"], 1, "gone.txt is not a file (a broken link?)"),
+    # token files and tokenizers
+    (["--data={t}/odd.bin"], 1, "odd.bin is 3 bytes, not a whole number of uint16 ids: check --token-dtype"),
+    (["--data={t}/ids.bin", "--token-dtype=uint32"], 1, "ids.bin is 6002 bytes, not a whole number of uint32 ids"),
+    (["--data={t}/ids.bin", "--tokenizer={t}/tok.json"], 1, "ids.bin holds token id 309, outside --tokenizer"),
+    (["--data={t}/kinds"], 1, "mixes .bin token files with text files"),
+    (["--data={t}/few.bin"], 1, "holds 32 token ids, fewer than one window of --seq-len 32 + 1"),
+    (["--token-dtype=int8"], 1, "argument --token-dtype: invalid choice: 'int8'"),
+    (["--tokenizer="], 1, "--tokenizer is empty"),
+    (["--tokenizer={t}/missing.json"], 1, "missing.json: cannot load it as a Hugging Face tokenizer.json"),
+    (["--tokenizer={t}/a_file"], 1, "a_file: cannot load it as a Hugging Face tokenizer.json"),
+    # validation
+    (["--val-fraction=1"], 1, "--val-fraction 1.0: give a fraction of the documents, from 0 to below 1"),
+    (["--val-fraction=-0.1"], 1, "--val-fraction -0.1:"),
+    (["--val-fraction=nan"], 1, "--val-fraction nan:"),
+    (["--eval-every=5"], 1, "--eval-every 5: give 0 (at the end) or more steps, with --val-fraction above 0"),
+    (["--val-fraction=0.1", "--eval-every=-1"], 1, "--eval-every -1:"),
+    (["--eval-batches=0"], 1, "--eval-batches 0: give 1 or more"),
     # numbers out of range
     (["--seq-len=10000000"], 1, "--seq-len 10000000: give 1 to --model tiny's max_seq_len, 128"),
     (["--seq-len=129"], 1, "--seq-len 129: give 1 to --model tiny's max_seq_len, 128"),
@@ -198,7 +243,11 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     ([RUN, "--lr=0.02"], 1, "--lr 0.02 differs from the checkpoint's 0.01"),
     ([RUN, "--warmup=8"], 1, "--warmup 8 differs"),
     ([RUN, "--data={t}/clean"], 1, "or --allow-config-change to accept the change"),
-    ([f"--resume={{t}}/other_files/{STEP}"], 1, "sizes or times changed (or the run moved machines)"),
+    ([f"--resume={{t}}/other_files/{STEP}"], 1, "sizes or times changed (or the run moved machines"),
+    ([f"--resume={{t}}/tok_run/{STEP}", "--tokenizer={t}/tok2.json"], 1, "tok2.json is not the tokenizer of"),
+    ([f"--resume={{t}}/tok_run/{STEP}", "--tokenizer={t}/tok2.json", "--allow-config-change"], 1,
+     "(its 320 ids do not fit the weights' 300)"),
+    ([RUN, "--val-fraction=0.2"], 1, "--val-fraction 0.2 differs from the checkpoint's 0.0"),
 ]
 
 
@@ -265,6 +314,12 @@ GOOD = [  # edge cases that are fine
     ([RUN, "--out={t}/resumed_h", "--dim=32", "--max-seq-len=256"], 1),  # the same shape; a longer RoPE reach
     (["--resume={t}/run", "--out={t}/resumed_f"], 1),  # an --out folder: its newest checkpoint
     ([f"--resume={{t}}/other_files/{STEP}", "--out={t}/resumed_g", "--allow-config-change"], 1),
+    (["--data={t}/ids.bin"], 1),  # token ids, uint16: the vocabulary is the largest id + 1
+    (["--data={t}/ids.bin", "--tokenizer={t}/tok2.json"], 1),  # ids below the tokenizer's 320
+    (["--tokenizer={t}/tok.json", "--val-fraction=0.1", "--eval-every=5", "--eval-batches=2"], 1),
+    ([f"--resume={{t}}/tok_run/{STEP}", "--tokenizer={t}/tok.json", "--out={t}/resumed_h"], 1),  # the same one
+    ([f"--resume={{t}}/tok_run/{STEP}", "--out={t}/resumed_i"], 1),  # the checkpoint's tokenizer
+    ([f"--resume={{t}}/tok_run/{STEP}", "--tokenizer={t}/tok_indented.json", "--out={t}/resumed_j"], 1),
 ]
 
 
@@ -273,3 +328,12 @@ def test_edge_cases_that_are_fine_pass_every_check(t, extra, world, monkeypatch,
     with pytest.raises(Started):
         main(t, extra, world, monkeypatch)
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+@pytest.mark.parametrize("name", ["a.txt", "ids.bin"])
+def test_a_file_that_cannot_be_read_is_named(t, name, tmp_path, monkeypatch, capsys):
+    (tmp_path / name).write_bytes(b"\x00\x01" * 100)
+    (tmp_path / name).chmod(0)
+    assert main(t, [f"--data={tmp_path / name}"], 1, monkeypatch) == 2
+    assert f"cannot read {tmp_path / name} (Permission denied)" in capsys.readouterr().err

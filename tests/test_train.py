@@ -65,7 +65,7 @@ def test_resumed_run_continues_exactly_where_it_stopped(run_a):
     tmp = run_a
     ckpt = tmp / "a" / "step_000010"
     assert sorted(p.name for p in ckpt.iterdir()) == ["model.safetensors", "optimizer.safetensors",
-                                                     "train_state.json"]
+                                                     "tokenizer.json", "train_state.json"]
     run(common(tmp, dp=2, steps=20, resume=ckpt, out=tmp / "c", log_json=tmp / "c.jsonl"), nproc=2)
     a, c = losses(tmp / "a.jsonl"), losses(tmp / "c.jsonl")
     assert sorted(c) == list(range(11, 21))
