@@ -105,10 +105,10 @@ def saved_settings(path: Path, state: dict) -> dict:
     """The checkpoint's run settings, its model's shape written in: a checkpoint from before the
     shape flags saved only --model (and the BPE's size as vocab_size); then the defaults."""
     saved, model = state["config"], model_config_of(path, state)
-    shape = {name: getattr(model, name) for name in (*SHAPE_FLAGS, "tie_embeddings")}
+    shape = {name: getattr(model, name) for name in (*SHAPE_FLAGS, "tie_embeddings") if saved.get(name) is None}
     old_bpe = {"bpe_vocab": saved["vocab_size"]} if "bpe_vocab" not in saved and "vocab_size" in saved else {}
-    return {**{f.name: f.default for f in fields(TrainConfig)}, **shape, **old_bpe,
-            **{k: v for k, v in saved.items() if k not in shape}}
+    return {**{f.name: f.default for f in fields(TrainConfig)}, **old_bpe,
+            **{k: v for k, v in saved.items() if v is not None}, **shape}
 
 
 def check_init_from(cfg: TrainConfig, path: Path) -> None:

@@ -171,7 +171,7 @@ def test_tied_embeddings_refuse_a_pipeline_split():
     with pytest.raises(ValueError, match="one pipeline stage"):
         parallel_llama(get_config("tiny", tie_embeddings=True), layer_ids=[0], embed=True, head=False)
     with pytest.raises(ConfigError, match="--pp 2 with tied embeddings"):
-        parse_args(["--model", "tiny", "--tie-embeddings", "--pp", "2", "--global-batch", "16"])
+        parse_args(["--model", "tiny", "--vocab-size", "512", "--tie-embeddings", "--pp", "2", "--global-batch", "16"])
 
 
 def test_export_then_import_round_trips_bitwise(imported, tmp_path):

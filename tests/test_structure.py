@@ -11,8 +11,11 @@ LIBRARY = sorted((ROOT / "minipar").glob("*.py"))
 # The architecture refactor (issue 10) left the library at 4,000 lines. The budget after it grows
 # only by what a new capability needs, stated here: hardening (validation, checkpoint safety,
 # self-resume, one loss whatever the layout), expert parallelism, the estimator and planner
-# (issue 12), and the bridge to the ecosystem: sampling, evaluation, Hugging Face interop (issue 13).
-LINE_BUDGET = 4000 + 400 + 500 + 500 + 400
+# (issue 12), and the bridge to the ecosystem: sampling, evaluation, Hugging Face interop (issue 13);
+# then issue 13's data (tokenizer files, token files, streaming tokenisation, held-out validation:
+# batches.py, validation.py) and run configuration (shape flags, --config files, the effective
+# config, every figure to wandb: config_file.py, preflight.py).
+LINE_BUDGET = 4000 + 400 + 500 + 500 + 400 + 500 + 300
 
 
 def test_the_library_stays_within_its_line_budget_and_400_lines_per_file():

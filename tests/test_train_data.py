@@ -37,7 +37,7 @@ def tokenized_run(tmp_path_factory):
 
 def test_a_run_with_a_tokenizer_json_and_val_fraction_logs_the_validation_loss(tokenized_run):
     tmp, _, proc = tokenized_run
-    assert "vocab 300," in proc.stdout  # the tokenizer's, not --vocab-size's 512
+    assert "vocab 512 (the tokenizer's 300)," in proc.stdout  # the model keeps --vocab-size's 512
     assert "validation: 2 documents held out" in proc.stdout
     assert [line.split("|")[1].strip() for line in proc.stdout.splitlines() if "val loss" in line] == [
         f"val loss {v:.4f}" for v in records(tmp / "a.jsonl")[1].values()]
@@ -67,7 +67,8 @@ def test_a_bin_token_file_drives_a_training_run(tmp_path):
     np.asarray(ids, dtype=np.uint16).tofile(tmp_path / "train.bin")  # nanoGPT's format: the ids, nothing else
     proc = run(common(tmp_path, data=tmp_path / "train.bin", steps=20, out=tmp_path / "out",
                       log_json=tmp_path / "log.jsonl"))
-    assert f"vocab {max(ids) + 1}," in proc.stdout and f"{(len(ids) - 1) // 32} windows of 32 tokens" in proc.stdout
+    assert f"(the tokenizer's {max(ids) + 1})," in proc.stdout
+    assert f"{(len(ids) - 1) // 32} windows of 32 tokens" in proc.stdout
     train, _ = records(tmp_path / "log.jsonl")
     assert sum(train[s] for s in range(16, 21)) < sum(train[s] for s in range(1, 6)) - 2.5  # 0.5 lower on average
 

@@ -123,5 +123,5 @@ def _log_validation(rank, world, path):
 
 def test_the_validation_loss_goes_to_the_json_log_and_wandb_at_its_step(tmp_path):
     val, logged = run_ranks(1, _log_validation, tmp_path / "log.jsonl")[0]
-    assert val == 2.5 and logged == [({"val_loss": 2.5}, 10)]
+    assert val == 2.5 and logged == [({"step": 10, "val_loss": 2.5}, 10)]
     assert json.loads((tmp_path / "log.jsonl").read_text()) == {"step": 10, "val_loss": 2.5}
