@@ -145,6 +145,11 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     (["--data={t}/ids.bin", "--tokenizer={t}/tok.json"], 1, "ids.bin holds token id 309, outside --tokenizer"),
     (["--data={t}/kinds"], 1, "mixes .bin token files with text files"),
     (["--data={t}/few.bin"], 1, "holds 32 token ids, fewer than one window of --seq-len 32 + 1"),
+    (["--tokenizer={t}/tok.json", "--vocab-size=290"], 1, "tok.json has 300 tokens, more than the model's "
+     "vocabulary of 290: pass --vocab-size 300 or more"),
+    (["--data={t}/ids.bin", "--vocab-size=300"], 1, "ids.bin holds token ids up to 309, more than the model's "
+     "vocabulary of 300: pass --vocab-size 310 or more"),
+    (["--tokenizer={t}/tok.json", "--bpe-vocab=300"], 1, "with --tokenizer leave it out"),
     (["--token-dtype=int8"], 1, "argument --token-dtype: invalid choice: 'int8'"),
     (["--tokenizer="], 1, "--tokenizer is empty"),
     (["--tokenizer={t}/missing.json"], 1, "missing.json: cannot load it as a Hugging Face tokenizer.json"),
