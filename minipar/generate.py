@@ -127,5 +127,6 @@ def tokenizer_path(state: dict, folder: Path | None = None) -> Path:
     if folder is not None and (folder / "tokenizer.json").exists():
         return folder / "tokenizer.json"
     run = state["config"]
-    key = state.get("data_key") or data_key(run["data"], run["bpe_vocab"])
+    bpe = run.get("bpe_vocab", run.get("vocab_size"))  # runs before --bpe-vocab sized the BPE by --vocab-size
+    key = state.get("data_key") or data_key(run["data"], bpe)
     return Path(run["cache_dir"]).expanduser() / key / "tokenizer.json"
