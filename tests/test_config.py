@@ -134,3 +134,23 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_refused(argv):
 
     with pytest.raises(ConfigError, match="cannot hold a byte-level BPE|does not fit in the model's vocabulary"):
         parse_args(argv)
+
+
+def test_a_checkpoint_from_before_the_shape_flags_resumes_with_its_model_and_bpe_written_in(tmp_path):
+    """Checkpoints saved before the shape flags, --bpe-vocab and --val-fraction kept only --model and
+    the BPE's size (as vocab_size): the model they saved fills the shape in, vocab_size the BPE's
+    size, the defaults the rest; such a checkpoint resumes, and another shape is still refused."""
+    from minipar.config import ConfigError
+    from minipar.preflight import check_resume, saved_settings
+
+    old = {"model": "tiny", "vocab_size": 512, "data": CORPUS, "seq_len": 32, "global_batch": 8, "seed": 0,
+           "lr": 1.0, "min_lr_ratio": 0.5, "warmup": 2}
+    state = {"step": 4, "consumed": 32, "config": old, "model_config": asdict(get_config("tiny", vocab_size=512))}
+    before = saved_settings(tmp_path, state)
+    assert (before["dim"], before["vocab_size"], before["bpe_vocab"], before["tie_embeddings"],
+            before["val_fraction"]) == (32, 512, 512, False, 0.0)
+    argv = [a for a in FLAGS if not a.startswith(("--dim", "--n-", "--ffn", "--vocab", "--bpe", "--recompute"))]
+    check_resume(parse_args(argv + ["--vocab-size=512", "--steps=10"]), state, tmp_path)  # continues it
+    with pytest.raises(ConfigError, match="--dim 48 differs from the checkpoint's 32"):
+        check_resume(parse_args(argv + ["--vocab-size=512", "--dim=48", "--n-heads=6", "--steps=10"]), state,
+                     tmp_path)
