@@ -13,8 +13,9 @@ sends `out` rows to the experts on other ep ranks, and its E/ep experts receive 
     capacity c > 0                 an expert takes at most cap = ceil(c*T*k/E) of each rank's
                                    assignments (and never more than T): kept = E*cap' with
                                    cap' = min(cap, T), out = (E - E/ep)*cap', R = E*cap'. An upper
-                                   bound that is exact as soon as every expert fills its capacity
-                                   (the usual case for c <= 1), with no dependence on the router.
+                                   bound, exact as soon as every expert fills its capacity on every
+                                   rank: likely when c is well below 1 (the tests use 0.25), not
+                                   at c = 1 unless routing is perfectly even.
 
 Activations (float32/float64: what autograd saves in MoE.forward, tests/test_estimate.py counts
 them; bf16 autocast: the same tensors at bf16 width, not measured):
@@ -26,7 +27,7 @@ them; bf16 autocast: the same tensors at bf16 width, not measured):
     experts    gate, silu(gate), up and their product per row: 4 * expert_ffn per row (R rows);
                the shared expert the same per token at its width
     combine    the index back to assignment order, the [T*k, d] results weighed by the router
-    aux loss   the probabilities' row sums, and two E-sized vectors
+    aux loss   the probabilities' row sums, and the E load shares that weigh them
 
 Traffic, on the ep group, per MoE block and micro-batch: the counts per expert (all-to-all of E
 int64), the tokens out and the results back (out + in rows, in = R - what stays here), and in
