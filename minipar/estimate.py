@@ -24,13 +24,19 @@ tests: after the gradients are synchronised, before the optimizer step.
                  ZeRO, only this rank's slices
     optimizer    AdamW's two moments: of every weight, or of this rank's slices under ZeRO
     activations  what autograd keeps for backward (layer_activation_bytes: to the byte in
-                 float64 on CPU), times the micro-batches the pipeline schedule keeps in flight
+                 float64 on CPU; mixture-of-experts layers: estimate_moe.py), times the micro-
+                 batches the pipeline schedule keeps in flight
+    temporary    ZeRO's buffers that live only for a moment of the step (`temporary_bytes`)
 
-Bytes sent per step, by group and operation (`bytes_sent`; the data-parallel part alone:
-`dp_bytes_sent`), equal to the ledger. ZeRO's buffers that live only for a moment of the step
-(`temporary_bytes`). planner.py uses these figures: `check_memory` (train.py, before anything is
-built), `--plan`, and the layout planner. Not yet here (issue #12): temporary buffers in the fit
-check, and mixture-of-experts layers' activations and traffic.
+Bytes sent per step, by group and operation (`bytes_sent`; the data-parallel groups' part alone:
+`dp_bytes_sent`), equal to the ledger; with experts, the all-to-all's rows depend on the router:
+with a capacity factor, full expert buffers (exact once each fills), dropless the uniform-routing
+expectation (estimate_moe.py).
+planner.py uses these figures: `check_memory` (train.py, before anything is built), `--plan`, and
+the layout planner. The fit check's total (`peak_bytes`) adds model states, activations and ZeRO's
+buffers at their peaks, as if they fell at one moment. Not estimated: the logits' gradient, what a
+kernel or the allocator takes for itself, traffic that --recompute replays for dense layers, and
+mixture-of-experts layers under bf16 autocast to the byte (the same tensors at bf16 width).
 """
 
 from __future__ import annotations
@@ -43,8 +49,10 @@ import torch
 
 from minipar.collectives import Group, Ledger, ring_bytes_sent
 from minipar.config import TrainConfig
-from minipar.data_parallel import bucket_params, param_groups
+from minipar.data_parallel import bucket_params, by_grad_mean, param_groups
+from minipar.estimate_moe import moe_block_bytes, moe_bytes_sent
 from minipar.model import Llama, ModelConfig
+from minipar.moe import MoE
 from minipar.parallelize import parallelize_groups
 from minipar.pipeline import Pipeline, stage_layers
 from minipar.pipeline_schedules import make as make_schedule
@@ -119,34 +127,49 @@ def _replicas(grad_mean: tuple[str, ...], cfg: TrainConfig) -> int:
 
 
 def dp_bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> dict[str, int]:
-    """What pp rank `pp_rank` sends in one step over its data-parallel group (dp, or dp x cp), by
-    the ledger's "group/op" keys and ring volumes: train_step's 8-byte count of real targets; the
-    gradient all-reduce, bucket by bucket; under ZeRO instead a reduce-scatter of every bucket
-    (stage 2 and 3: every micro-batch) and an all-gather (stage 3: forward and backward of every
-    micro-batch), and the norm's partial sums (one per kind of bucket cut). Dense models."""
+    """What pp rank `pp_rank` sends in one step over its data-parallel groups (dp, or dp x cp; edp
+    for experts' gradients), by the ledger's "group/op" keys and ring volumes: train_step's 8-byte
+    count of real targets; the gradient all-reduce, bucket by bucket; under ZeRO instead a reduce-
+    scatter of every bucket (stage 2 and 3: every micro-batch) and an all-gather (stage 3: forward
+    and backward of every micro-batch), and the norm's partial sums (one per kind of bucket)."""
     n, m = cfg.dp * cfg.cp, cfg.accum_steps
-    if model_cfg.n_experts:
-        raise NotImplementedError("traffic estimates for mixture-of-experts models are not built yet")
     if n == 1:
         return {}
-    group = "dp" if cfg.cp == 1 else "dp_cp"
     model = rank_model(model_cfg, cfg, pp_rank)
     width = PARAM_DTYPES[cfg.dtype].itemsize
-    sent = {f"{group}/all_reduce": ring_bytes_sent("all_reduce", 8, n)}
-    if cfg.zero == 0:
-        for chunk in bucket_params(list(reversed(list(model.parameters()))), cfg.bucket_mb):
-            sent[f"{group}/all_reduce"] += ring_bytes_sent("all_reduce", sum(p.numel() for p in chunk) * width, n)
-        return sent
-    plan = _zero_plan(model, cfg)
-    sent[f"{group}/reduce_scatter"] = sent[f"{group}/all_gather"] = 0
-    for _, _, chunk in plan:
-        padded = -(-sum(p.numel() for p in chunk) // n) * n * width
-        sent[f"{group}/reduce_scatter"] += (m if cfg.zero >= 2 else 1) * ring_bytes_sent("reduce_scatter", padded, n)
-        sent[f"{group}/all_gather"] += (2 * m if cfg.zero == 3 else 1) * ring_bytes_sent("all_gather", padded, n)
-    cuts = {tuple(d for d, _ in placement_of(chunk[0]).shards if getattr(cfg, d) > 1) for _, _, chunk in plan}
-    master = torch.promote_types(PARAM_DTYPES[cfg.dtype], torch.float32).itemsize
-    sent[f"{group}/all_reduce"] += len(cuts) * ring_bytes_sent("all_reduce", master, n)
-    return sent
+    sent = Counter({f"{_dp_name(DENSE, cfg)}/all_reduce": ring_bytes_sent("all_reduce", 8, n)})
+    if cfg.zero == 0:  # a bucket never mixes reduction groups (DataParallel._make_buckets)
+        for dims, params in by_grad_mean(list(reversed(list(model.parameters())))).items():
+            for chunk in bucket_params(params, cfg.bucket_mb):
+                sent[f"{_dp_name(dims, cfg)}/all_reduce"] += ring_bytes_sent(
+                    "all_reduce", sum(p.numel() for p in chunk) * width, _replicas(dims, cfg))
+        return {k: v for k, v in sent.items() if v}
+    for _, dims, chunk in _zero_plan(model, cfg):
+        r, group = _replicas(dims, cfg), _dp_name(dims, cfg)
+        padded = -(-sum(p.numel() for p in chunk) // r) * r * width
+        sent[f"{group}/reduce_scatter"] += (m if cfg.zero >= 2 else 1) * ring_bytes_sent("reduce_scatter", padded, r)
+        sent[f"{group}/all_gather"] += (2 * m if cfg.zero == 3 else 1) * ring_bytes_sent("all_gather", padded, r)
+    for group, (size, times) in _norm_sums(model, cfg).items():
+        if group in ("dp", "dp_cp", "edp"):
+            sent[f"{group}/all_reduce"] += times * ring_bytes_sent("all_reduce", _grad_width(cfg), size)
+    return {k: v for k, v in sent.items() if v}
+
+
+def _dp_name(grad_mean: tuple[str, ...], cfg: TrainConfig) -> str:
+    return "edp" if tuple(grad_mean) != DENSE else "dp" if cfg.cp == 1 else "dp_cp"
+
+
+def _norm_sums(model, cfg: TrainConfig) -> dict[str, tuple[int, int]]:
+    """{group: (its size, how many all-reduces)}: clip_grads sums the squares of each kind of
+    gradient (those whose other pieces lie on the same groups: tp, ep, ZeRO's) over those groups."""
+    sizes = {"tp": cfg.tp, "ep": cfg.ep}
+    kinds = set()
+    for _, dims, chunk in _zero_plan(model, cfg) if cfg.zero else [((), (), [p]) for p in model.parameters()]:
+        groups = [(d, sizes[d]) for d, _ in placement_of(chunk[0]).shards]
+        groups += [(_dp_name(dims, cfg), _replicas(dims, cfg))] if cfg.zero else []
+        kinds.add(tuple(g for g in groups if g[1] > 1))
+    times = Counter(g for kind in kinds for g in kind)
+    return {name: (size, k) for (name, size), k in times.items()}
 
 
 def bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> dict[str, int]:
@@ -154,30 +177,33 @@ def bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
     parallel group's (dp_bytes_sent) and, per micro-batch, tensor parallelism's four messages per
     layer (sp: all-gathers and reduce-scatters instead of all-reduces) with the embedding's, the
     head's and the vocabulary-parallel loss's; the pipeline's activations and gradients; ring
-    attention's K/V blocks (forward) and K/V with their gradients (backward). Dense models."""
+    attention's K/V blocks (forward) and K/V with their gradients (backward); mixture-of-experts
+    blocks' all-to-alls and load-balancing sums (estimate_moe.moe_bytes_sent: with a capacity factor
+    exact once every expert fills it, dropless the expectation under uniform routing) and the experts' norm over ep."""
     sent = Counter(dp_bytes_sent(model_cfg, cfg, pp_rank))
     model, m, w = rank_model(model_cfg, cfg, pp_rank), cfg.accum_steps, ACT_WIDTH[cfg.dtype]
-    layers = len(model.layers)
+    layers, moe_blocks = len(model.layers), sum(isinstance(x, MoE) for x in model.modules())
+    if moe_blocks:
+        sent.update(moe_bytes_sent(model_cfg, cfg, moe_blocks))
+        if "ep" in _norm_sums(model, cfg):  # the experts' squares, summed over the ep ranks holding the rest
+            sent["ep/all_reduce"] += ring_bytes_sent("all_reduce", _grad_width(cfg), cfg.ep)
     first, last = model.tok_emb is not None, model.lm_head is not None
     tokens = cfg.micro_batch * cfg.seq_len // cfg.cp  # this rank's, per micro-batch
     # Under bf16 autocast the matmuls' outputs (and their gradients) are bf16, but the residual
     # stream, the norms' outputs and RoPE's rotations stay in the weights' fp32.
     weight_width = PARAM_DTYPES[cfg.dtype].itemsize
     stream, product = tokens * model_cfg.dim * weight_width, tokens * model_cfg.dim * w
-    grad_width = torch.promote_types(PARAM_DTYPES[cfg.dtype], torch.float32).itemsize if cfg.zero else weight_width
+    grad_width = _grad_width(cfg)
     if cfg.tp > 1:
         t = cfg.tp
         # Per micro-batch: each block's input (a normed stream: all-gathered under sp, its gradient
         # all-reduced or reduce-scattered in backward) and output (a matmul product: all-reduced or
         # reduce-scattered, its gradient all-gathered); the embedding's output and the head's input.
+        # Two blocks a layer, attention and MLP; an MoE block enters no tp region (experts are replicated).
+        blocks = 2 * layers - moe_blocks
         ends = (first + last) * ring_bytes_sent("all_reduce" if not cfg.sp else "all_gather", stream, t)
-        if cfg.sp:
-            for op in ("all_gather", "reduce_scatter"):
-                sent[f"tp/{op}"] += m * (2 * layers * (ring_bytes_sent(op, stream, t) + ring_bytes_sent(op, product, t))
-                                         + ends)
-        else:
-            sent["tp/all_reduce"] += m * (2 * layers * (ring_bytes_sent("all_reduce", stream, t) + ring_bytes_sent(
-                "all_reduce", product, t)) + ends)
+        for op in ("all_gather", "reduce_scatter") if cfg.sp else ("all_reduce",):
+            sent[f"tp/{op}"] += m * (blocks * (ring_bytes_sent(op, stream, t) + ring_bytes_sent(op, product, t)) + ends)
         if last:  # the loss: max, target logit and sum of exponentials per token, in at least fp32
             sent["tp/all_reduce"] += m * 3 * ring_bytes_sent("all_reduce", tokens * max(w, 4), t)
         sent["tp/all_reduce"] += ring_bytes_sent("all_reduce", grad_width, t)  # the norm of the tp shards
@@ -199,6 +225,12 @@ def bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
     return {k: v for k, v in sent.items() if v}
 
 
+def _grad_width(cfg: TrainConfig) -> int:
+    """The width of the gradients the norm is taken of: ZeRO's master slices, or the weights'."""
+    return torch.promote_types(PARAM_DTYPES[cfg.dtype], torch.float32).itemsize if cfg.zero else \
+        PARAM_DTYPES[cfg.dtype].itemsize
+
+
 def _pipeline_bytes(sent: Counter, model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int, act: int) -> None:
     """Each of this rank's stages sends its output on (pp) and its input's gradient back (pp_grad),
     once per micro-batch, unless the neighbouring stage is on this rank too (zbv's turn)."""
@@ -218,7 +250,7 @@ def temporary_bytes(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) 
         flattened  ZeRO 1-3: the largest bucket's gradients, flattened and padded to a multiple of
                    N for its reduce-scatter (one bucket at a time)
         gathered   ZeRO-3: the whole weights of the unit running and of the next one (prefetched)
-    Not yet in peak_bytes, nor the logits' gradient, nor what a kernel allocates for itself."""
+    Both are in peak_bytes; the logits' gradient and what a kernel allocates for itself are not."""
     if cfg.zero == 0:
         return {}
     model, width = rank_model(model_cfg, cfg, pp_rank), PARAM_DTYPES[cfg.dtype].itemsize
@@ -302,34 +334,52 @@ def head_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
     return w * (tokens * c.dim + 2 * tokens * c.dim // sp + tokens // sp) + logits
 
 
-def activation_bytes(c: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> int:
+def moe_layer_activation_bytes(c: ModelConfig, cfg: TrainConfig, worst: bool = False) -> int:
+    """A mixture-of-experts layer's activations for one micro-batch: a dense layer's without its
+    MLP (and its normed input is the rank's own share under sp: experts are not entered through
+    tp), plus the MoE block's own (estimate_moe.moe_block_bytes; worst: dropless routing's bound)."""
+    if cfg.recompute:
+        return layer_activation_bytes(c, cfg)  # its input only
+    tokens, t = cfg.micro_batch * cfg.seq_len // cfg.cp, cfg.tp
+    shared_input = ACT_WIDTH[cfg.dtype] * tokens * c.dim * (t - 1) // t if cfg.sp else 0
+    return layer_activation_bytes(replace(c, ffn_dim=0), cfg) - shared_input + moe_block_bytes(c, cfg, worst)
+
+
+def activation_bytes(c: ModelConfig, cfg: TrainConfig, pp_rank: int = 0, worst: bool = False) -> int:
     """The most activation bytes pp rank `pp_rank` holds during a step: its layers' activations times
     the micro-batches in flight, read off the pipeline schedule itself (1F1B keeps at most pp - rank,
-    GPipe all of them), plus the head's on the last stage. Dense models only (MoE: not yet)."""
-    if c.n_experts:
-        raise NotImplementedError("activation estimates for mixture-of-experts layers are not built yet")
-    per_layer, head = layer_activation_bytes(c, cfg), head_activation_bytes(c, cfg)
-    recompute = layer_activation_bytes(c, replace(cfg, recompute=False)) if cfg.recompute else 0
+    GPipe all of them), plus the head's on the last stage. Mixture-of-experts layers: dropless
+    routing's expectation (worst: its bound), with a capacity factor, full expert buffers."""
+    dense, head = layer_activation_bytes(c, cfg), head_activation_bytes(c, cfg)
+    moe = moe_layer_activation_bytes(c, cfg, worst) if c.n_experts else 0
+    rebuilt = 0  # with recompute, backward rebuilds one whole layer at a time: the largest
+    if cfg.recompute:
+        plain = replace(cfg, recompute=False)
+        rebuilt = max(layer_activation_bytes(c, plain), moe_layer_activation_bytes(c, plain, worst) if moe else 0)
     casts = weight_casts(c, cfg) * (1 if cfg.recompute else len(rank_model(c, cfg, pp_rank).layers))
-    if cfg.pp == 1:
-        return c.n_layers * per_layer + head + recompute + casts
-    states = _alive(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages, c.n_layers, pp_rank)
-    return max(layers * per_layer + heads * head for layers, heads in states) + recompute + casts
+    first_moe = c.dense_layers if c.n_experts else c.n_layers
+    states = _alive(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages, c.n_layers, first_moe, pp_rank)
+    return max(d * dense + e * moe + h * head for d, e, h in states) + rebuilt + casts
 
 
 @lru_cache(maxsize=1024)
-def _alive(schedule: str, pp: int, m: int, virtual: int, n_layers: int, pp_rank: int) -> frozenset:
-    """Every (layers, heads) whose activations pp rank `pp_rank` holds at once during the schedule:
-    a stage's live from its F until its B (or W, when the backward is split)."""
+def _alive(schedule: str, pp: int, m: int, virtual: int, n_layers: int, first_moe: int, pp_rank: int) -> frozenset:
+    """Every (dense layers, MoE layers, heads) whose activations pp rank `pp_rank` holds at once
+    during the schedule: a stage's live from its F until its B (or W, when the backward is split).
+    Without a pipeline: one micro-batch's, the whole model."""
+    if pp == 1:
+        return frozenset({(min(first_moe, n_layers), n_layers - min(first_moe, n_layers), 1)})
     pipeline = Pipeline(paper_group("pp", pp, pp_rank), schedule, n_layers, virtual)
     actions = _schedule(schedule, pp, m, virtual)[pp_rank]
     split, last = any(a.kind == "W" for a in actions), pipeline.n_stages - 1
-    sizes = [len(layers) for layers in stage_layers(n_layers, pipeline.n_stages)]
-    layers, heads, states = 0, 0, {(0, 0)}
+    sizes = [(sum(i < first_moe for i in ls), sum(i >= first_moe for i in ls))
+             for ls in stage_layers(n_layers, pipeline.n_stages)]
+    dense, moe, heads, states = 0, 0, 0, {(0, 0, 0)}
     for a in actions:
         sign = 1 if a.kind == "F" else -1 if a.kind == ("W" if split else "B") else 0
-        layers, heads = layers + sign * sizes[a.stage], heads + sign * (a.stage == last)
-        states.add((layers, heads))
+        dense, moe = dense + sign * sizes[a.stage][0], moe + sign * sizes[a.stage][1]
+        heads += sign * (a.stage == last)
+        states.add((dense, moe, heads))
     return frozenset(states)
 
 
@@ -339,7 +389,7 @@ def _schedule(schedule: str, pp: int, m: int, virtual: int):
 
 
 def peak_bytes(model_cfg: ModelConfig, cfg: TrainConfig) -> int:
-    """The most any rank holds: model states plus activations (mixture of experts: model states)."""
-    def activations(r):
-        return 0 if model_cfg.n_experts else activation_bytes(model_cfg, cfg, r)
-    return max(sum(held_bytes(model_cfg, cfg, r).values()) + activations(r) for r in range(cfg.pp))
+    """The most any rank holds: model states, activations at their peak and ZeRO's temporary
+    buffers at theirs, added as if all three peaks fell at one moment (they need not: a bound)."""
+    return max(sum(held_bytes(model_cfg, cfg, r).values()) + activation_bytes(model_cfg, cfg, r)
+               + sum(temporary_bytes(model_cfg, cfg, r).values()) for r in range(cfg.pp))

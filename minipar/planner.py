@@ -111,8 +111,8 @@ def plan(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_ba
     """(the layouts that fit, fastest first; how many did not fit)."""
     c, fits, too_big = get_config(model), [], 0
     if c.n_experts:
-        raise ValueError(f"--model {model}: the planner does not weigh mixture-of-experts layouts yet (ep, "
-                         f"expert activations and all-to-all traffic); choose a dense model")
+        raise ValueError(f"--model {model}: the planner does not search expert-parallel layouts yet (ep "
+                         f"and the all-to-all's time); choose a dense model, or ask train.py --plan about one layout")
     for cfg in layouts(model, cluster, seq_len, global_batch, micro_batch):
         memory = peak_bytes(c, cfg)
         if memory > cluster.memory:
@@ -148,7 +148,8 @@ def check_memory(cfg: TrainConfig, limit: int | None = None) -> None:
         return
     fits = list(islice((_flags(alt) for alt in _alternatives(cfg, model_cfg)
                         if peak_bytes(model_cfg, alt) <= limit), 3))
-    held = "weights, gradients and optimizer state" + ("" if model_cfg.n_experts else " and activations")
+    held = "weights, gradients, optimizer state, activations and ZeRO's buffers" if cfg.zero else \
+        "weights, gradients, optimizer state and activations"
     raise ValueError(f"--model {cfg.model} needs {need / 2**30:.1f} GiB per rank for {held}, more than {what} "
                      f"({limit / 2**30:.1f} GiB): " + (f"with these ranks, {' or '.join(fits)} would fit" if fits else
                                                        "no layout of these ranks fits: use more ranks or a smaller "
@@ -186,16 +187,16 @@ def report(cfg: TrainConfig) -> str:
     lines = [f"--model {cfg.model} ({c.num_params() / 1e6:,.1f}M parameters, vocabulary {c.vocab_size}), "
              f"dp {cfg.dp} tp {cfg.tp} pp {cfg.pp} cp {cfg.cp} ep {cfg.ep}, --zero {cfg.zero}, "
              f"{PARAM_DTYPES[cfg.dtype].itemsize}-byte weights" + (" (bf16 autocast)" * (cfg.dtype == "bfloat16")),
-             f"{'pp rank':>8} {'weights':>12} {'gradients':>12} {'optimizer':>12} {'activations':>12} {'total':>12}"
-             f"   (MiB per rank; activations at their peak in the step)"]
+             f"{'pp rank':>8} {'weights':>12} {'gradients':>12} {'optimizer':>12} {'activations':>12} "
+             f"{'ZeRO buffers':>12} {'total':>12}   (MiB per rank; activations and buffers at their peak in the step)"]
     for r in range(cfg.pp):
-        held = list(held_bytes(c, cfg, r).values())
-        held.append(float("nan") if c.n_experts else activation_bytes(c, cfg, r))
+        held = [*held_bytes(c, cfg, r).values(), activation_bytes(c, cfg, r), sum(temporary_bytes(c, cfg, r).values())]
         lines.append(f"{r:>8} " + " ".join(f"{v / 2**20:>12,.1f}" for v in (*held, sum(held))))
     lines.append(f"the fullest rank needs {peak_bytes(c, cfg) / 2**30:.2f} GiB ({what}: {limit / 2**30:.1f} GiB)"
-                 + (": activations of expert layers are not estimated yet" if c.n_experts else ""))
+                 + (": expert layers' activations for dropless routing spread evenly over the experts"
+                    if c.n_experts and not c.capacity_factor else ""))
     if cfg.zero:
-        lines.append("ZeRO's buffers of a moment in the step (pp rank 0), not in the total yet: " + ", ".join(
+        lines.append("ZeRO's buffers of a moment in the step (pp rank 0), in the total: " + ", ".join(
             f"{k} {v / 2**20:,.1f} MiB" for k, v in temporary_bytes(c, cfg).items()))
     flops = cfg.global_batch * cfg.seq_len * c.flops_per_token(cfg.seq_len) * (8 / 6 if cfg.recompute else 1)
     step = f"a step: {flops / 1e12:,.1f} TFLOP in all"
@@ -203,7 +204,6 @@ def report(cfg: TrainConfig) -> str:
         idle = simulate(build_schedule(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages)).idle_fraction()
         step += f"; the pipeline idles {idle:.1%} of the step (its schedule simulated with F = 1, B = 2)"
     lines.append(step)
-    if not c.n_experts:
-        lines.append("bytes pp rank 0 sends per step: " + ", ".join(f"{k} {v / 2**20:,.1f} MiB"
-                                                                    for k, v in bytes_sent(c, cfg).items()))
+    lines.append("bytes pp rank 0 sends per step: " + ", ".join(f"{k} {v / 2**20:,.1f} MiB"
+                                                                for k, v in bytes_sent(c, cfg).items()))
     return "\n".join(lines)

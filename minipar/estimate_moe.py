@@ -1,0 +1,105 @@
+"""Mixture-of-experts blocks on paper: what they keep for backward and what they send.
+
+Chapter 8, second part: the estimator (estimate.py) for chapter 7's layers (moe.py,
+expert_parallel.py). Per MoE block and micro-batch a rank routes T tokens (its share of the
+micro-batch: / cp, and / tp under sp), each to k of E experts, A = T*k assignments. Of those it
+sends `out` rows to the experts on other ep ranks, and its E/ep experts receive R rows in all:
+
+    dropless (capacity_factor 0)   A = T*k exactly; out and R depend on the router. The estimate is
+                                   the expectation under uniform routing: out = T*k*(ep-1)/ep,
+                                   R = T*k. The bound (worst=True): a token's k experts are
+                                   distinct, so it sends at most min(k, E - E/ep) rows away and a
+                                   rank receives at most min(k, E/ep) rows per token of each rank.
+    capacity c > 0                 an expert takes at most cap = ceil(c*T*k/E) of each rank's
+                                   assignments (and never more than T): kept = E*cap' with
+                                   cap' = min(cap, T), out = (E - E/ep)*cap', R = E*cap'. An upper
+                                   bound, exact as soon as every expert fills its capacity on every
+                                   rank: likely when c is well below 1 (the tests use 0.25), not
+                                   at c = 1 unless routing is perfectly even.
+
+Activations (float32/float64: what autograd saves in MoE.forward, tests/test_estimate.py counts
+them; bf16 autocast: the same tensors at bf16 width, not measured):
+
+    router     the probabilities [T, E] (in at least fp32), the top-k indices and values, their
+               sum, the renormalised weights
+    dispatch   the index that gathers the A kept rows, the gathered rows [A, d] (under ep: the
+               R received rows, and the two indices that regroup them by expert)
+    experts    gate, silu(gate), up and their product per row: 4 * expert_ffn per row (R rows);
+               the shared expert the same per token at its width
+    combine    the index back to assignment order, the [T*k, d] results weighed by the router
+    aux loss   the probabilities' row sums, and the E load shares that weigh them
+
+Traffic, on the ep group, per MoE block and micro-batch: the counts per expert (all-to-all of E
+int64), the tokens out and the results back (out + in rows, in = R - what stays here), and in
+backward the same rows again; --recompute replays the forward ones. With cp (or sp) the load-
+balancing loss adds two E-sized all-reduces per block over those groups (forward only).
+"""
+
+from __future__ import annotations
+
+import math
+
+from minipar.collectives import ring_bytes_sent
+from minipar.config import TrainConfig
+from minipar.model import ModelConfig
+
+INDEX = 8  # int64 indices
+
+
+def widths(cfg: TrainConfig) -> tuple[int, int]:
+    """(the weights' and the residual stream's width, the matmul products' width): bf16 autocast
+    keeps fp32 weights and makes bf16 products."""
+    weight = 8 if cfg.dtype == "float64" else 4
+    return weight, 2 if cfg.dtype == "bfloat16" else weight
+
+
+def routed_tokens(c: ModelConfig, cfg: TrainConfig) -> int:
+    """T: the tokens of one micro-batch that this rank routes (its cp share; its tp share under sp)."""
+    return cfg.micro_batch * cfg.seq_len // cfg.cp // (cfg.tp if cfg.sp else 1)
+
+
+def expert_rows(c: ModelConfig, cfg: TrainConfig, worst: bool = False) -> tuple[int, int, int, int]:
+    """(A kept assignments, rows sent to other ep ranks, rows received from them, R rows this
+    rank's experts run) per MoE block and micro-batch: the module docstring's formulas."""
+    t, k, e, ep = routed_tokens(c, cfg), c.top_k, c.n_experts, cfg.ep
+    if c.capacity_factor > 0:
+        cap = min(math.ceil(c.capacity_factor * (t * k) / e), t)  # as MoE.within_capacity computes it
+        return e * cap, (e - e // ep) * cap, (ep - 1) * (e // ep) * cap, e * cap
+    if worst:
+        return t * k, t * min(k, e - e // ep), (ep - 1) * t * min(k, e // ep), ep * t * min(k, e // ep)
+    return t * k, t * k * (ep - 1) // ep, t * k * (ep - 1) // ep, t * k
+
+
+def moe_block_bytes(c: ModelConfig, cfg: TrainConfig, worst: bool = False) -> int:
+    """The MoE part of a block's activations for one micro-batch (module docstring), in bytes."""
+    p, w = widths(cfg)  # the router works in at least fp32: the weights' width
+    t, k, e, d = routed_tokens(c, cfg), c.top_k, c.n_experts, c.dim
+    kept, _, _, rows = expert_rows(c, cfg, worst)
+    router = t * e * p + t * k * INDEX + t * k * p + t * p + t * k * w
+    dispatch = kept * INDEX + rows * d * w + (2 * rows * INDEX if cfg.ep > 1 else 0)
+    experts = 4 * rows * c.expert_ffn_dim * w + 4 * t * c.n_shared_experts * c.expert_ffn_dim * w
+    combine = t * k * INDEX + t * k * d * w
+    aux = t * p + e * p if c.aux_loss_coef else 0  # the row sums; the load shares that weigh P_i
+    return router + dispatch + experts + combine + aux
+
+
+def moe_bytes_sent(c: ModelConfig, cfg: TrainConfig, n_blocks: int, worst: bool = False) -> dict[str, int]:
+    """What a rank holding `n_blocks` MoE blocks sends in one step for them, by the ledger's keys:
+    the ep all-to-alls (module docstring) and the load-balancing loss's all-reduces over cp, and
+    over tp under sp. Dropless: the expectation under uniform routing (worst: its bound)."""
+    sent: dict[str, int] = {}
+    forwards = cfg.accum_steps * n_blocks * (2 if cfg.recompute else 1)
+    backwards = cfg.accum_steps * n_blocks
+    stream, product = widths(cfg)
+    if cfg.ep > 1:
+        _, out, back, _ = expert_rows(c, cfg, worst)
+        counts = (c.n_experts - c.n_experts // cfg.ep) * INDEX
+        # Forward: tokens out (the normed stream's width), results back (products); backward: the
+        # results' gradients out, the tokens' gradients back.
+        sent["ep/all_to_all"] = forwards * (counts + c.dim * (out * stream + back * product)) + \
+            backwards * c.dim * (out * product + back * stream)
+    if c.aux_loss_coef:  # the probabilities' and the counts' sums, in the router's width
+        for name, size in (("cp", cfg.cp), ("tp", cfg.tp if cfg.sp else 1)):
+            if size > 1:
+                sent[f"{name}/all_reduce"] = forwards * 2 * ring_bytes_sent("all_reduce", c.n_experts * stream, size)
+    return sent
