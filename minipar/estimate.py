@@ -29,14 +29,11 @@ tests: after the gradients are synchronised, before the optimizer step.
     temporary    ZeRO's buffers that live only for a moment of the step (`temporary_bytes`)
 
 Bytes sent per step, by group and operation (`bytes_sent`; the data-parallel groups' part alone:
-`dp_bytes_sent`), equal to the ledger; with experts, the all-to-all's rows depend on the router:
-with a capacity factor, full expert buffers (exact once each fills), dropless the uniform-routing
-expectation (estimate_moe.py).
-planner.py uses these figures: `check_memory` (train.py, before anything is built), `--plan`, and
-the layout planner. The fit check's total (`peak_bytes`) adds model states, activations and ZeRO's
-buffers at their peaks, as if they fell at one moment. Not estimated: the logits' gradient, what a
-kernel or the allocator takes for itself, traffic that --recompute replays for dense layers, and
-mixture-of-experts layers under bf16 autocast to the byte (the same tensors at bf16 width).
+`dp_bytes_sent`), equal to the ledger (experts' all-to-all rows depend on the router:
+estimate_moe.py). planner.py uses these figures: `check_memory`, `--plan` and the layout planner.
+The fit check's total (`peak_bytes`) adds model states, activations and ZeRO's buffers at their
+peaks, as if they fell at one moment. Not estimated: the logits' gradient, what a kernel or the
+allocator takes for itself, and mixture-of-experts layers under bf16 autocast to the byte.
 """
 
 from __future__ import annotations
@@ -179,7 +176,8 @@ def bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
     head's and the vocabulary-parallel loss's; the pipeline's activations and gradients; ring
     attention's K/V blocks (forward) and K/V with their gradients (backward); mixture-of-experts
     blocks' all-to-alls and load-balancing sums (estimate_moe.moe_bytes_sent: with a capacity factor
-    exact once every expert fills it, dropless the expectation under uniform routing) and the experts' norm over ep."""
+    exact once every expert fills it, dropless the expectation under uniform routing) and the experts' norm over
+    ep. Under --recompute, backward replays each layer's forward messages, up to the last it needs."""
     sent = Counter(dp_bytes_sent(model_cfg, cfg, pp_rank))
     model, m, w = rank_model(model_cfg, cfg, pp_rank), cfg.accum_steps, ACT_WIDTH[cfg.dtype]
     layers, moe_blocks = len(model.layers), sum(isinstance(x, MoE) for x in model.modules())
@@ -204,6 +202,11 @@ def bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
         ends = (first + last) * ring_bytes_sent("all_reduce" if not cfg.sp else "all_gather", stream, t)
         for op in ("all_gather", "reduce_scatter") if cfg.sp else ("all_reduce",):
             sent[f"tp/{op}"] += m * (blocks * (ring_bytes_sent(op, stream, t) + ring_bytes_sent(op, product, t)) + ends)
+        if cfg.recompute:  # backward replays each layer's forward messages, but stops once it has rebuilt
+            # what it needs (torch's early stop): not a dense layer's last, the MLP's output (feeding a sum).
+            out_op = "reduce_scatter" if cfg.sp else "all_reduce"
+            sent[f"tp/{out_op}"] += m * (blocks - layers + moe_blocks) * ring_bytes_sent(out_op, product, t)
+            sent["tp/all_gather"] += m * blocks * ring_bytes_sent("all_gather", stream, t) if cfg.sp else 0
         if last:  # the loss: max, target logit and sum of exponentials per token, in at least fp32
             sent["tp/all_reduce"] += m * 3 * ring_bytes_sent("all_reduce", tokens * max(w, 4), t)
         sent["tp/all_reduce"] += ring_bytes_sent("all_reduce", grad_width, t)  # the norm of the tp shards
@@ -221,7 +224,8 @@ def bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
         sent["pp/all_reduce"] += ring_bytes_sent("all_reduce", grad_width, cfg.pp)  # the norm, over stages
     if cfg.cp > 1:
         kv = max(1, model_cfg.n_kv_heads // cfg.tp) * tokens * model_cfg.head_dim * weight_width  # K or V, rotated
-        sent["cp/send"] += m * layers * ((cfg.cp - 1) * 2 * kv + cfg.cp * 4 * kv)
+        forward = (cfg.cp - 1) * 2 * kv * (2 if cfg.recompute else 1)  # K and V round the ring (replayed)
+        sent["cp/send"] += m * layers * (forward + cfg.cp * 4 * kv)
     return {k: v for k, v in sent.items() if v}
 
 

@@ -478,7 +478,10 @@ TRAFFIC_LAYOUTS = [(2, dict(dp=2)), (4, dict(dp=4)), (2, dict(dp=2, zero=1)), (2
                    # bf16 autocast: matmul products travel in bf16, the residual stream and K/V in fp32
                    (2, dict(tp=2, dtype="bfloat16")), (2, dict(tp=2, sp=True, dtype="bfloat16")),
                    (2, dict(cp=2, dtype="bfloat16")), (2, dict(pp=2, dtype="bfloat16")),
-                   (2, dict(dp=2, zero=1, dtype="bfloat16"))]
+                   (2, dict(dp=2, zero=1, dtype="bfloat16")),
+                   # --recompute: backward replays each layer's forward, its tp and ring messages included
+                   (2, dict(tp=2, recompute=True)), (2, dict(tp=2, sp=True, recompute=True)),
+                   (2, dict(cp=2, recompute=True))]
 
 
 @pytest.mark.parametrize("world,layout", TRAFFIC_LAYOUTS,
@@ -577,7 +580,8 @@ def test_an_moe_models_activation_estimate_is_its_peak_in_a_real_step(world, lay
 
 MOE_TRAFFIC_LAYOUTS = [(2, dict(dp=2, ep=2)), (4, dict(dp=4, ep=2, zero=1)), (2, dict(dp=2, ep=2, zero=3)),
                        (4, dict(dp=4, ep=2, zero=2)), (4, dict(dp=2, tp=2, sp=True, ep=2)), (4, dict(dp=2, tp=2, ep=2)),
-                       (4, dict(dp=2, cp=2, ep=2)), (4, dict(dp=2, pp=2, ep=2)), (2, dict(dp=2, ep=2, recompute=True))]
+                       (4, dict(dp=2, cp=2, ep=2)), (4, dict(dp=2, pp=2, ep=2)), (2, dict(dp=2, ep=2, recompute=True)),
+                       (4, dict(dp=2, tp=2, sp=True, ep=2, recompute=True))]
 
 
 @pytest.mark.parametrize("world,layout", MOE_TRAFFIC_LAYOUTS,
