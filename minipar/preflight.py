@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from minipar.checkpoint import model_config_of
@@ -111,14 +111,26 @@ def saved_settings(path: Path, state: dict) -> dict:
             **{k: v for k, v in saved.items() if v is not None}, **shape}
 
 
+# What --init-from's weights bring with them, whatever the preset says: settings no flag sets, that
+# shape no weight (an imported Llama's RoPE and norm), and the MoE loss's, which the run's flags set.
+FROM_WEIGHTS = ("rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                "rope_original_max_len", "norm_eps")
+
+
+def init_model_config(cfg: TrainConfig) -> ModelConfig:
+    """The model a run with --init-from builds: its own shape, the weights' FROM_WEIGHTS settings."""
+    saved = model_config_of(Path(cfg.init_from), json.loads((Path(cfg.init_from) / "train_state.json").read_text()))
+    return replace(cfg.model_config(), **{name: getattr(saved, name) for name in FROM_WEIGHTS})
+
+
 def check_init_from(cfg: TrainConfig, path: Path) -> None:
-    """The weights are of the model this run builds: every setting alike but the MoE loss's.
-    (`path` was verified when train.check_paths resolved it.)"""
+    """The weights are of the model this run builds: every setting alike but FROM_WEIGHTS and the
+    MoE loss's. (`path` was verified when train.check_paths resolved it.)"""
     saved = model_config_of(path, json.loads((path / "train_state.json").read_text()))
     run = cfg.model_config()
     for name in (f.name for f in fields(ModelConfig)):
         old, new = getattr(saved, name), getattr(run, name)
-        if old != new and name not in ("aux_loss_coef", "capacity_factor"):
+        if old != new and name not in (*FROM_WEIGHTS, "aux_loss_coef", "capacity_factor"):
             flag = "--" + name.replace("_", "-")
             hint = (f"pass {flag} {old}" if name in SHAPE_FLAGS else
                     f"pass {flag if old else '--no-' + flag[2:]}" if name == "tie_embeddings" else

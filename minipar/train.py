@@ -47,7 +47,7 @@ from minipar.moe import set_aux_scale
 from minipar.parallelize import parallelize
 from minipar.pipeline import Pipeline
 from minipar.planner import check_memory, report
-from minipar.preflight import check_files
+from minipar.preflight import check_files, init_model_config
 from minipar.run_log import RunLog
 from minipar.validation import is_due, validate, validation_batches
 from minipar.zero import ZeroDataParallel
@@ -237,7 +237,8 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
     data = load_data(cfg, resume)
     log.measure_memory_from_here()  # the run's own memory: not the tokenizer's peak
     dtype, param_dtype, autocast = precision(cfg, device)
-    model_cfg = cfg.model_config()  # the preset with the shape flags; the tokenizer fits its vocabulary
+    # The preset with the shape flags (the tokenizer fits its vocabulary); weights to start from bring their RoPE.
+    model_cfg = init_model_config(cfg) if cfg.init_from else cfg.model_config()
     model, pipeline = build_model(cfg, mesh, model_cfg, device, param_dtype)
     if cfg.init_from:  # each rank reads only its shards of the weights
         checkpoint.load_weights(Path(cfg.init_from), model, mesh.shard_groups())

@@ -242,9 +242,11 @@ def test_train_py_refuses_init_from_another_model_in_one_line_before_any_process
 
 
 def test_import_train_20_steps_at_dp2_tp2_export_and_generate_with_transformers(tmp_path):
-    """The tiny preset's shape, tied; 20 steps at dp2 x tp2 from the imported weights; back to
+    """The tiny preset's shape, tied, with a RoPE base and norm epsilon of its own (no flag sets them:
+    the run takes them from the weights); 20 steps at dp2 x tp2 from the imported weights; back to
     transformers, which loads the result and generates."""
-    hf = hf_llama(tmp_path / "hf", vocab=512, eps=1e-5, max_pos=128, tie_word_embeddings=True, num_key_value_heads=2)
+    hf = hf_llama(tmp_path / "hf", vocab=512, eps=1e-6, max_pos=128, tie_word_embeddings=True, num_key_value_heads=2,
+                  rope_theta=5000.0)
     convert().main(["import", str(hf), str(tmp_path / "imported")])
     corpus = Path(__import__("sysconfig").get_paths()["stdlib"]) / "argparse.py"
     train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
@@ -259,6 +261,8 @@ def test_import_train_20_steps_at_dp2_tp2_export_and_generate_with_transformers(
     assert "started from the weights of" in run.stdout + run.stderr
     losses = [json.loads(line)["loss"] for line in (tmp_path / "log.json").read_text().splitlines()]
     assert len(losses) == 20 and losses[-1] < losses[0]
+    built = json.loads((tmp_path / "run" / "step_000020" / "train_state.json").read_text())["model_config"]
+    assert (built["rope_theta"], built["norm_eps"]) == (5000.0, 1e-6)  # the weights', not tiny's 10000 and 1e-5
     convert().main(["export", str(tmp_path / "run"), str(tmp_path / "exported")])
     model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "exported").eval()
     trained = load_file(tmp_path / "run" / "step_000020" / "model.safetensors")
