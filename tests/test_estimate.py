@@ -442,7 +442,8 @@ def test_a_pipeline_ranks_activation_estimate_is_its_peak_in_a_real_step(world, 
 # ----------------------------------------------------------------------------------------------
 
 
-def _dp_traffic(rank, world, layout, model_settings=None):
+def _dp_traffic(rank, world, layout, model_settings=None, device: str = "cpu"):
+    """(bytes sent per group as the ledger counts them in a step, the estimate). tests/gpu runs it on CUDA."""
     from minipar.context_parallel import split_sequence
     from minipar.estimate import bytes_sent
     from minipar.mesh import Mesh
@@ -451,16 +452,17 @@ def _dp_traffic(rank, world, layout, model_settings=None):
     cfg = TrainConfig(**{"model": "small", "seq_len": 16, "global_batch": 8, "micro_batch": 2, "dtype": "float64",
                          "bucket_mb": 0.5, **layout})
     c = get_config(cfg.model, vocab_size=250, **(model_settings or {}))
-    _, param_dtype, autocast = precision(cfg, torch.device("cpu"))  # bfloat16: autocast over fp32 weights
+    device = torch.device(device)
+    _, param_dtype, autocast = precision(cfg, device)  # bfloat16: autocast over fp32 weights
     with Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp) as mesh:
         if cfg.ep > 1:
             mesh.unflatten(("dp", "cp"), edp=cfg.dp * cfg.cp // cfg.ep, ep=cfg.ep)
-        model, pipeline = build_model(cfg, mesh, c, torch.device("cpu"), param_dtype)
+        model, pipeline = build_model(cfg, mesh, c, device, param_dtype)
         wrapper = wrap(model, mesh, cfg)
         seed = mesh.group("ep").rank if cfg.ep > 1 else 0  # experts: ep ranks route different tokens
         x = torch.randint(0, 250, (cfg.global_batch // cfg.dp, cfg.seq_len),
                           generator=torch.Generator().manual_seed(seed))
-        x = split_sequence(x, mesh.cp_group)
+        x = split_sequence(x, mesh.cp_group).to(device)
         micro = list(zip(x.split(cfg.micro_batch), x.split(cfg.micro_batch)))
         train_step(wrapper, micro, 1.0, autocast, pipeline=pipeline)
         mesh.ledger.reset()

@@ -183,26 +183,9 @@ def test_the_estimators_bf16_activations_match_cuda_autocast(report):
 
 
 def _bf16_traffic(rank, world, layout):
-    from minipar.context_parallel import split_sequence
-    from minipar.estimate import bytes_sent
-    from minipar.train import build_model, precision, train_step, wrap
+    from test_estimate import _dp_traffic  # the CPU test's step and ledger reading, on this rank's GPU
 
-    device = rank_device()
-    cfg = TrainConfig(**{"model": "small", "seq_len": 16, "global_batch": 8, "micro_batch": 2, "dtype": "bfloat16",
-                         "bucket_mb": 0.5, **layout})
-    c = get_config("small", vocab_size=250)
-    _, param_dtype, autocast = precision(cfg, device)
-    with Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp) as mesh:
-        model, pipeline = build_model(cfg, mesh, c, device, param_dtype)
-        wrapper = wrap(model, mesh, cfg)
-        x = torch.randint(0, 250, (cfg.global_batch // cfg.dp, cfg.seq_len), generator=torch.Generator().manual_seed(0))
-        x = split_sequence(x, mesh.cp_group).to(device)
-        micro = list(zip(x.split(cfg.micro_batch), x.split(cfg.micro_batch)))
-        train_step(wrapper, micro, 1.0, autocast, pipeline=pipeline)
-        mesh.ledger.reset()
-        train_step(wrapper, micro, 1.0, autocast, pipeline=pipeline)  # a step like every other
-        measured = {k: v["sent"] for k, v in mesh.ledger.snapshot().items() if v["sent"]}
-        return measured, bytes_sent(c, cfg, pipeline.group.rank if pipeline else 0)
+    return _dp_traffic(rank, world, {"dtype": "bfloat16", **layout}, device=rank_device())
 
 
 TRAFFIC = [dict(tp=2), dict(tp=2, sp=True), dict(cp=2), dict(pp=2), dict(dp=2, zero=1), dict(dp=2, zero=3)]
