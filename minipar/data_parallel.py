@@ -57,9 +57,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from minipar import checkpoint
 from minipar.collectives import Group, all_reduce, broadcast
 from minipar.placement import DENSE, placement_of
+from minipar.run import checkpoint
 from minipar.tensor_parallel import sync_partial_grads
 
 

@@ -54,11 +54,11 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 from minipar.collectives import Group, Ledger, all_reduce
-from minipar.config import TrainConfig
 from minipar.data_parallel import clip_grads
 from minipar.mesh import Mesh
 from minipar.model import CONFIGS, Block, Llama, ModelConfig
-from minipar.train import start_distributed
+from minipar.run.config import TrainConfig
+from minipar.run.train import start_distributed
 
 # ----------------------------------------------------------------------------------------------
 # Starting

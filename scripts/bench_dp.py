@@ -6,7 +6,7 @@
 
 One launch trains two copies of the same model side by side, on every rank:
 
-    (a) minipar   DataParallel(model, mesh.dp_group, optimizer=...)   step: minipar.train.train_step
+    (a) minipar   DataParallel(model, mesh.dp_group, optimizer=...)   step: minipar.run.train.train_step
     (b) PyTorch   DistributedDataParallel(copy of model)              step: the same train_step
 
 Both start from the same weights (Llama(config, seed)), see the same random token batches in the
@@ -39,11 +39,11 @@ import bench_common as bench
 import torch
 import torch.distributed as dist
 
-from minipar.config import ConfigError, TrainConfig
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
-from minipar.train import build_optimizer, train_step
+from minipar.run.config import ConfigError, TrainConfig
+from minipar.run.train import build_optimizer, train_step
 
 
 def parse_args(argv=None) -> argparse.Namespace:

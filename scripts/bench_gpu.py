@@ -121,7 +121,7 @@ class Setup:
     model_cfg: object  # minipar.model.ModelConfig
     mesh: object  # minipar.mesh.Mesh, every rank along the strategy's dimension
     device: torch.device
-    train_cfg: object  # minipar.config.TrainConfig: lr, weight decay for param_groups
+    train_cfg: object  # minipar.run.config.TrainConfig: lr, weight decay for param_groups
 
     def adamw(self, groups):
         return torch.optim.AdamW(groups, lr=self.train_cfg.lr, betas=(0.9, 0.95), eps=1e-8,
@@ -131,7 +131,7 @@ class Setup:
         return {"lr": self.train_cfg.lr, "betas": (0.9, 0.95), "eps": 1e-8, "fused": self.args.fused_adamw or None}
 
     def groups_of(self, model):
-        from minipar.train import param_groups
+        from minipar.run.train import param_groups
         return param_groups(model, self.train_cfg)
 
     def autocast(self):  # bf16 over fp32 weights on CUDA, as train.py; float32 in the CPU test mode
@@ -182,7 +182,7 @@ def build_data_parallel(strategy: str, side: str, s: Setup):
 
     from minipar.data_parallel import DataParallel
     from minipar.model import Llama
-    from minipar.train import train_step
+    from minipar.run.train import train_step
     from minipar.zero import ZeroDataParallel
     from minipar.zero3 import Zero3DataParallel
 
@@ -240,7 +240,7 @@ def build_tensor_parallel(side: str, s: Setup):
 
     from minipar.data_parallel import DataParallel
     from minipar.parallelize import parallel_llama
-    from minipar.train import train_step
+    from minipar.run.train import train_step
 
     if side == "minipar":
         model = s.compiled(parallel_llama(s.model_cfg, seed=0, tp_group=s.mesh.tp_group).to(s.device))
@@ -259,8 +259,8 @@ def build_pipeline(side: str, s: Setup):
 
     from minipar.data_parallel import DataParallel
     from minipar.parallelize import parallel_llama
-    from minipar.pipeline import Pipeline
-    from minipar.train import train_step
+    from minipar.pipeline.executor import Pipeline
+    from minipar.run.train import train_step
 
     mesh, name = s.mesh, s.args.pp_schedule
     pipeline = Pipeline(mesh.pp_group, name, s.model_cfg.n_layers, grad_group=mesh.pp_grad_group)
@@ -289,7 +289,7 @@ def build_context_parallel(side: str, s: Setup):
     from minipar.data_parallel import DataParallel
     from minipar.model import Llama
     from minipar.parallelize import parallel_llama
-    from minipar.train import train_step
+    from minipar.run.train import train_step
 
     cp = s.mesh.cp_group
     if side == "minipar":
@@ -345,7 +345,7 @@ def clear_memory(device) -> int:
 
 def measure(strategy, side, name, args, mesh, device, micro) -> dict:
     from minipar.model import get_config
-    from minipar.train import TrainConfig
+    from minipar.run.train import TrainConfig
 
     base = clear_memory(device)
     s = Setup(args, get_config(name), mesh, device, TrainConfig(model=name, lr=args.lr))
@@ -377,7 +377,7 @@ def measure(strategy, side, name, args, mesh, device, micro) -> dict:
 
 
 def peak_flops(device) -> float | None:
-    from minipar.run_log import peak_flops as known
+    from minipar.run.run_log import peak_flops as known
 
     return known(device)
 
@@ -390,7 +390,7 @@ def peak_flops(device) -> float | None:
 def run_one(args) -> dict:
     """This process's part of one side (--one MODEL STRATEGY SIDE), under torchrun."""
     from minipar.mesh import Mesh
-    from minipar.train import start_distributed
+    from minipar.run.train import start_distributed
 
     name, strategy, side = args.one
     if args.device == "cpu":

@@ -10,7 +10,7 @@ layer_ids=..., embed=..., head=...): the plain Llama(config, seed) keeping only 
 
     (a) minipar  Pipeline(mesh.pp_group, schedule, n_layers, grad_group=...) runs the stage Llama, wrapped in
                  DataParallel holding its AdamW (no traffic at dp = 1);
-                 step: minipar.train.train_step(..., pipeline=...)
+                 step: minipar.run.train.train_step(..., pipeline=...)
     (b) PyTorch  PipelineStage(StageModule(stage Llama)) run by ScheduleGPipe / Schedule1F1B;
                  step: `pipelining_train_step`: schedule.step, then train_step's own tail
                  (both in bench_common, shared with bench_gpu.py)
@@ -60,14 +60,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from minipar.config import ConfigError, TrainConfig
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import CONFIGS, Llama, get_config
 from minipar.parallelize import parallel_llama
-from minipar.pipeline import Pipeline, stage_layers
-from minipar.pipeline_schedules import bubble_formula
-from minipar.train import build_optimizer, train_step
+from minipar.pipeline.executor import Pipeline, stage_layers
+from minipar.pipeline.schedules import bubble_formula
+from minipar.run.config import ConfigError, TrainConfig
+from minipar.run.train import build_optimizer, train_step
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

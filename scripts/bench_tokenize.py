@@ -1,4 +1,4 @@
-"""Peak memory of tokenising one large text file (minipar.data.prepare), in a fresh child process.
+"""Peak memory of tokenising one large text file (minipar.run.data.prepare), in a fresh child process.
 
     .venv/bin/python scripts/bench_tokenize.py --mb 50                      # this checkout's minipar
     .venv/bin/python scripts/bench_tokenize.py --mb 10 --code ../old-clone  # another checkout's
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CHILD = "import sys; from minipar.data import prepare; prepare(sys.argv[1], int(sys.argv[2]), sys.argv[3])"
+CHILD = "import sys; from minipar.run.data import prepare; prepare(sys.argv[1], int(sys.argv[2]), sys.argv[3])"
 
 
 def corpus(work: Path, mb: int) -> Path:

@@ -8,7 +8,7 @@ One launch trains two copies of the same model side by side, every rank a tp ran
     (a) minipar   parallel_llama(config, seed, tp_group=mesh.tp_group): the plain Llama(config, seed)
                   with its layers swapped for minipar's tensor-parallel ones, each holding its shard;
                   DataParallel(model, mesh.dp_group, tp_group=..., optimizer=...) (no traffic at dp = 1);
-                  step: minipar.train.train_step
+                  step: minipar.run.train.train_step
     (b) PyTorch   the same plain Llama(config, seed), then parallelize_module(model, device_mesh, plan)
                   (bench_common.dtensor_tp_plan); step: `bench_common.dtensor_train_step`,
                   written with torch's own tools
@@ -79,13 +79,13 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minipar.collectives import ring_bytes_sent
-from minipar.config import ConfigError, TrainConfig
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import CONFIGS, get_config
 from minipar.parallelize import parallel_llama
+from minipar.run.config import ConfigError, TrainConfig
+from minipar.run.train import build_optimizer, train_step
 from minipar.tensor_parallel import unshard
-from minipar.train import build_optimizer, train_step
 
 
 def parse_args(argv=None) -> argparse.Namespace:

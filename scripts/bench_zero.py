@@ -6,9 +6,9 @@
 
 One launch trains four copies of the same model side by side, on every rank:
 
-    (1) minipar  ZeroDataParallel(model, dp, stage=1)              step: minipar.train.train_step
+    (1) minipar  ZeroDataParallel(model, dp, stage=1)              step: minipar.run.train.train_step
         PyTorch  DistributedDataParallel + ZeroRedundancyOptimizer  step: torch_step (below)
-    (2) minipar  Zero3DataParallel(model, dp)                      step: minipar.train.train_step
+    (2) minipar  Zero3DataParallel(model, dp)                      step: minipar.run.train.train_step
         PyTorch  fully_shard on each transformer layer, then root  step: torch_step
 
 DDP + ZeroRedundancyOptimizer is the combination PyTorch documents for ZeRO-1: DDP all-reduces
@@ -71,10 +71,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from minipar.config import ConfigError, TrainConfig
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
-from minipar.train import make_adamw, param_groups, train_step
+from minipar.run.config import ConfigError, TrainConfig
+from minipar.run.train import make_adamw, param_groups, train_step
 from minipar.zero import ZeroDataParallel
 from minipar.zero3 import Zero3DataParallel
 

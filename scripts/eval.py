@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from minipar import checkpoint
-from minipar.data import EOT, DataError, encode_files, find_files  # names a file that is not text
-from minipar.generate import plain_model_from, tokenizer_path
+from minipar.run import checkpoint
+from minipar.run.data import EOT, DataError, encode_files, find_files  # names a file that is not text
+from minipar.run.generate import plain_model_from, tokenizer_path
 
 
 def parse_args(argv=None) -> argparse.Namespace:

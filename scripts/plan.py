@@ -3,15 +3,15 @@
     .venv/bin/python scripts/plan.py --model 8b --gpus 64 --gpus-per-node 8 --gpu-memory 80GB \
         --seq-len 8192 --global-batch 1024
 
-Memory is minipar's own estimate (minipar/estimate.py, checked byte for byte against real ranks);
-time is the stated model of minipar/planner.py (compute at --mfu of --peak-tflops, communication
+Memory is minipar's own estimate (minipar/planning/estimate.py, checked byte for byte against real ranks);
+time is the stated model of minipar/planning/planner.py (compute at --mfu of --peak-tflops, communication
 at the given bandwidths). Nothing runs on a GPU: it is arithmetic, for any number of GPUs.
 """
 
 import argparse
 
 from minipar.model import CONFIGS, get_config
-from minipar.planner import Cluster, plan, step_time
+from minipar.planning.planner import Cluster, plan, step_time
 
 
 def parse_args(argv=None) -> argparse.Namespace:

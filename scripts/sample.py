@@ -6,7 +6,7 @@
 A checkpoint holds every tensor at its single-device shape (checkpoint.py), so the plain model
 loads it directly. The tokenizer is the run's own, which the checkpoint keeps (older checkpoints:
 found in the data cache under the key the checkpoint keeps; or give --tokenizer). Generation keeps a KV
-cache (minipar/generate.py).
+cache (minipar/run/generate.py).
 """
 
 import argparse
@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from minipar import checkpoint
-from minipar.generate import generate, plain_model_from, tokenizer_path
+from minipar.run import checkpoint
+from minipar.run.generate import generate, plain_model_from, tokenizer_path
 
 
 def parse_args(argv=None) -> argparse.Namespace:

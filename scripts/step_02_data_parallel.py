@@ -93,7 +93,7 @@ def part_a(mesh: Mesh, dp_model: DataParallel, x, y) -> tuple[dict | None, int]:
 
 
 def one_step(mesh: Mesh, dp_model: DataParallel, micro: list, use_no_sync: bool) -> dict[str, torch.Tensor]:
-    """The gradient part of train_step (minipar/train.py), without the optimizer."""
+    """The gradient part of train_step (minipar/run/train.py), without the optimizer."""
     dp_model.module.zero_grad(set_to_none=True)
     mesh.ledger.reset()
     for i, (mx, my) in enumerate(micro):

@@ -30,8 +30,8 @@ from course_common import finish, say, start_gloo, to_rank0
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.parallelize import parallel_llama
-from minipar.pipeline import Pipeline, stage_layers
-from minipar.pipeline_schedules import Timeline, bubble_formula, build, peak_activations, simulate
+from minipar.pipeline.executor import Pipeline, stage_layers
+from minipar.pipeline.schedules import Timeline, bubble_formula, build, peak_activations, simulate
 
 CFG = get_config("tiny", n_layers=8)
 SEED, ROWS, SEQ = 0, 16, 32

@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 from course_common import each_rank, finish, say, start_gloo
 
-from minipar.config import TrainConfig
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.parallelize import parallel_llama
-from minipar.train import make_adamw, param_groups, train_step
+from minipar.run.config import TrainConfig
+from minipar.run.train import make_adamw, param_groups, train_step
 from minipar.zero import ZeroDataParallel
 from minipar.zero3 import Zero3DataParallel, units_of
 
@@ -93,7 +93,7 @@ def state_bytes(optimizer) -> int:
 
 
 def step_with_a_look(wrapper, x, y) -> int:
-    """train_step (minipar/train.py) for one micro-batch, spelled out so we can count the
+    """train_step (minipar/run/train.py) for one micro-batch, spelled out so we can count the
     gradients between backward and the step. Returns that count."""
     wrapper(x, y).backward()
     grads = grad_bytes(wrapper)

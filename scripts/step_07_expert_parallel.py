@@ -29,13 +29,13 @@ import torch.nn.functional as F
 from course_common import each_rank, finish, say, start_gloo, to_rank0
 
 from minipar.collectives import all_reduce
-from minipar.config import TrainConfig
 from minipar.expert_parallel import parallelize_experts
 from minipar.mesh import Mesh
 from minipar.model import get_config, init_weights
 from minipar.moe import MoE, take_load
-from minipar.order_check import order_problems
-from minipar.train import build_model, train_step, wrap
+from minipar.pipeline.order_check import order_problems
+from minipar.run.config import TrainConfig
+from minipar.run.train import build_model, train_step, wrap
 
 E, K, DIM, FFN = 8, 2, 8, 8  # the layer of (a)-(c): 8 experts, top-2, d = 8
 TOKENS = 4  # per rank, in (a) and (b)

@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 from course_common import each_rank, say, start_gloo
 
-from minipar.config import TrainConfig
-from minipar.estimate import activation_bytes, head_activation_bytes, held_bytes, layer_activation_bytes
 from minipar.mesh import Mesh
 from minipar.model import get_config
-from minipar.planner import Cluster, plan
-from minipar.train import build_model, train_step, wrap
+from minipar.planning.estimate import activation_bytes, head_activation_bytes, held_bytes, layer_activation_bytes
+from minipar.planning.planner import Cluster, plan
+from minipar.run.config import TrainConfig
+from minipar.run.train import build_model, train_step, wrap
 
 SEQ, ROWS = 32, 4  # per step: 4 rows of 32 tokens over the dp ranks, one row per micro-batch
 

@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 from course_common import each_rank, say, start_gloo, to_rank0
 
-from minipar.config import TrainConfig
 from minipar.context_parallel import split_sequence
-from minipar.estimate import bytes_sent, held_bytes, peak_bytes
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
-from minipar.train import build_model, train_step, wrap
+from minipar.planning.estimate import bytes_sent, held_bytes, peak_bytes
+from minipar.run.config import TrainConfig
+from minipar.run.train import build_model, train_step, wrap
 
 LAYOUT = dict(dp=2, tp=2, pp=2, cp=2, sp=True, zero=1)
 CFG = TrainConfig(model="small", seq_len=32, global_batch=8, micro_batch=2, dtype="float64", **LAYOUT)

@@ -4,12 +4,12 @@
     torchrun --nproc-per-node 2 scripts/train.py --dp 2            # two data-parallel ranks
     python scripts/train.py --help                                 # every flag
 
-The loop itself is minipar/train.py; this file only launches it.
+The loop itself is minipar/run/train.py; this file only launches it.
 """
 
 import sys
 
-from minipar.train import main
+from minipar.run.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

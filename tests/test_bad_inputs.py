@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from minipar import checkpoint, train
 from minipar.collectives import Group
-from minipar.config import parse_args
-from minipar.data import data_key
 from minipar.model import Llama, get_config
+from minipar.run import checkpoint, train
+from minipar.run.config import parse_args
+from minipar.run.data import data_key
 
 CORPUS = Path(sysconfig.get_paths()["stdlib"]) / "argparse.py"  # ~100 KB of UTF-8 text
 STEP = "step_000004"

@@ -55,9 +55,9 @@ def _both_sides(rank, world, strategy):
 def one_device_losses(strategy: str) -> list[float]:
     """The plain model on one device, trained as bench_gpu's sides train (the same AdamW, clipping
     at 1.0): its loss on the whole global batch of step 0, one step, then its loss on step 1's."""
-    from minipar.config import TrainConfig
     from minipar.data_parallel import param_groups
     from minipar.model import Llama, get_config
+    from minipar.run.config import TrainConfig
 
     b = bench_gpu()
     args = b.parse_args(FLAGS)

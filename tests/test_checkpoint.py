@@ -9,11 +9,11 @@ import subprocess
 import pytest
 import torch
 
-from minipar import checkpoint
 from minipar.collectives import Group
-from minipar.config import TrainConfig
 from minipar.model import Llama, get_config
-from minipar.train import build_optimizer
+from minipar.run import checkpoint
+from minipar.run.config import TrainConfig
+from minipar.run.train import build_optimizer
 
 SOLO = Group.solo("tp")
 

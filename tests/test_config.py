@@ -10,9 +10,9 @@ import pytest
 from safetensors.torch import load_file
 from test_train import CORPUS, losses, run
 
-from minipar.config import effective, parse_args, parser
-from minipar.config_file import as_toml
 from minipar.model import get_config
+from minipar.run.config import effective, parse_args, parser
+from minipar.run.config_file import as_toml
 
 # The same settings twice: as flags, and as a TOML file written by hand (dashes and underscores,
 # an integer for a float, switches as true/false).
@@ -130,7 +130,7 @@ def test_help_states_each_default_once_and_never_none():
 
 @pytest.mark.parametrize("argv", [["--bpe-vocab=8192"], ["--model=tiny"]])
 def test_a_tokenizer_that_does_not_fit_the_model_is_refused(argv):
-    from minipar.config import ConfigError
+    from minipar.run.config import ConfigError
 
     with pytest.raises(ConfigError, match="cannot hold a byte-level BPE|does not fit in the model's vocabulary"):
         parse_args(argv)
@@ -140,8 +140,8 @@ def test_a_checkpoint_from_before_the_shape_flags_resumes_with_its_model_and_bpe
     """Checkpoints saved before the shape flags, --bpe-vocab and --val-fraction kept only --model and
     the BPE's size (as vocab_size): the model they saved fills the shape in, vocab_size the BPE's
     size, the defaults the rest; such a checkpoint resumes, and another shape is still refused."""
-    from minipar.config import ConfigError
-    from minipar.preflight import check_resume, saved_settings
+    from minipar.run.config import ConfigError
+    from minipar.run.preflight import check_resume, saved_settings
 
     old = {"model": "tiny", "vocab_size": 512, "data": CORPUS, "seq_len": 32, "global_batch": 8, "seed": 0,
            "lr": 1.0, "min_lr_ratio": 0.5, "warmup": 2}

@@ -7,13 +7,13 @@ from einops import repeat
 from harness import run_ranks
 
 from minipar import context_parallel as C
-from minipar.config import TrainConfig
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.parallelize import parallel_llama
+from minipar.run.config import TrainConfig
+from minipar.run.train import build_optimizer, train_step
 from minipar.tensor_parallel import unshard
-from minipar.train import build_optimizer, train_step
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 S = 16
@@ -141,8 +141,8 @@ def single_device_training(n_layers):
 
 
 def _train(rank, world, degrees, zero, sp):
-    from minipar.pipeline import Pipeline
-    from minipar.train import make_adamw, param_groups
+    from minipar.pipeline.executor import Pipeline
+    from minipar.run.train import make_adamw, param_groups
     from minipar.zero import ZeroDataParallel
 
     with Mesh.build(**degrees) as mesh:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from minipar.batches import TokenData, documents, held_out
-from minipar.data import EOT, DataError, default_corpus, find_files, prepare, read_tokenizer, text_pieces
+from minipar.run.batches import TokenData, documents, held_out
+from minipar.run.data import EOT, DataError, default_corpus, find_files, prepare, read_tokenizer, text_pieces
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -187,7 +187,7 @@ def test_tokenising_a_few_megabytes_stays_within_a_bounded_memory(tmp_path):
     text.write_text("".join(f.read_text() for f in default_corpus()))
     # The child's own peak, VmHWM: ru_maxrss would count earlier children, and across exec Linux
     # carries the forking parent's resident size into the child's.
-    child = ("import re, sys; from minipar.data import prepare; prepare(sys.argv[1], 300, sys.argv[2]); "
+    child = ("import re, sys; from minipar.run.data import prepare; prepare(sys.argv[1], 300, sys.argv[2]); "
              "print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1])")
     out = subprocess.run([sys.executable, "-c", child, str(text), str(tmp_path / "cache")], check=True, cwd=ROOT,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True).stdout

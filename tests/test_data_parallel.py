@@ -8,11 +8,11 @@ import torch
 from harness import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from minipar.config import TrainConfig
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
-from minipar.train import build_optimizer, train_step
+from minipar.run.config import TrainConfig
+from minipar.run.train import build_optimizer, train_step
 
 STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
 OPT = TrainConfig(lr=1e-2, weight_decay=0.1)

@@ -1,4 +1,4 @@
-"""The estimator (minipar/estimate.py) against published figures and against what ranks hold."""
+"""The estimator (minipar/planning/estimate.py) against published figures and against what ranks hold."""
 
 from collections import Counter
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from harness import run_ranks
 
-from minipar.config import TrainConfig
-from minipar.estimate import held_bytes, peak_held_bytes
 from minipar.model import get_config
+from minipar.planning.estimate import held_bytes, peak_held_bytes
+from minipar.run.config import TrainConfig
 from minipar.zero import model_state_bytes
 
 # ----------------------------------------------------------------------------------------------
@@ -80,7 +80,7 @@ LAYOUTS = [
 
 def _measure(rank, world, layout):
     from minipar.mesh import Mesh
-    from minipar.train import build_model, train_step, wrap
+    from minipar.run.train import build_model, train_step, wrap
 
     cfg = TrainConfig(**{"model": "tiny", "seq_len": 16, "global_batch": 4, "micro_batch": 2, "dtype": "float64",
                          "bucket_mb": 0.01, **layout})
@@ -113,9 +113,9 @@ def test_the_estimate_equals_what_every_rank_holds(world, layout):
 
 
 def _temporaries(rank, world, layout):
-    from minipar.estimate import temporary_bytes
     from minipar.mesh import Mesh
-    from minipar.train import build_model, train_step, wrap
+    from minipar.planning.estimate import temporary_bytes
+    from minipar.run.train import build_model, train_step, wrap
     from minipar.zero import ZeroBucket
     from minipar.zero3 import ShardedBucket
 
@@ -166,8 +166,8 @@ def test_zeros_temporary_buffers_are_what_the_buckets_allocate_in_a_step(world, 
 
 
 def test_a_layout_too_big_is_refused_naming_layouts_of_the_same_ranks_that_fit():
-    from minipar.estimate import peak_bytes
-    from minipar.planner import _alternatives, _flags, check_memory
+    from minipar.planning.estimate import peak_bytes
+    from minipar.planning.planner import _alternatives, _flags, check_memory
 
     cfg = TrainConfig(model="1b", dp=4, micro_batch=2, dtype="bfloat16")
     c = cfg.model_config()  # the preset, its vocabulary included
@@ -183,21 +183,21 @@ def test_a_layout_too_big_is_refused_naming_layouts_of_the_same_ranks_that_fit()
 
 
 def test_train_py_refuses_a_model_that_cannot_fit_in_one_line_before_any_process_group(monkeypatch, capsys):
-    import minipar.planner
-    import minipar.train
+    import minipar.planning.planner
+    import minipar.run.train
 
-    monkeypatch.setattr(minipar.planner, "device_memory", lambda: (2**30, "this test's memory"))
-    assert minipar.train.main(["--model", "1b", "--no-wandb"]) == 2
+    monkeypatch.setattr(minipar.planning.planner, "device_memory", lambda: (2**30, "this test's memory"))
+    assert minipar.run.train.main(["--model", "1b", "--no-wandb"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "more than this test's memory (1.0 GiB)" in err[0]
     assert not torch.distributed.is_initialized()
 
 
 def test_train_py_plan_prints_each_pipeline_ranks_bytes_and_exits(capsys):
-    import minipar.train
-    from minipar.estimate import activation_bytes, temporary_bytes
+    import minipar.run.train
+    from minipar.planning.estimate import activation_bytes, temporary_bytes
 
-    assert minipar.train.main(["--model", "8b", "--dp", "2", "--pp", "2", "--micro-batch", "4", "--zero", "1",
+    assert minipar.run.train.main(["--model", "8b", "--dp", "2", "--pp", "2", "--micro-batch", "4", "--zero", "1",
                                "--plan"]) == 0
     out = capsys.readouterr().out
     cfg = TrainConfig(model="8b", dp=2, pp=2, micro_batch=4, zero=1)
@@ -213,8 +213,8 @@ def test_train_py_plan_prints_each_pipeline_ranks_bytes_and_exits(capsys):
 def test_the_fit_check_counts_zeros_temporary_buffers_in_the_total():
     # A rank needs room for its model states, its activations and ZeRO's flat buckets (ZeRO-3: two
     # gathered layers too) at once: a limit that holds only the first two is refused.
-    from minipar.estimate import activation_bytes, peak_bytes, temporary_bytes
-    from minipar.planner import check_memory
+    from minipar.planning.estimate import activation_bytes, peak_bytes, temporary_bytes
+    from minipar.planning.planner import check_memory
 
     cfg = TrainConfig(model="1b", dp=8, micro_batch=1, zero=3, dtype="bfloat16")
     c = cfg.model_config()
@@ -248,10 +248,10 @@ def _activations(rank, world, layout, whole_model):
     from contextlib import nullcontext
 
     from minipar.context_parallel import split_sequence
-    from minipar.estimate import head_activation_bytes, layer_activation_bytes, weight_casts
     from minipar.mesh import Mesh
     from minipar.model import Llama
     from minipar.parallelize import parallelize_groups
+    from minipar.planning.estimate import head_activation_bytes, layer_activation_bytes, weight_casts
 
     cfg = TrainConfig(**{"model": "small", "seq_len": 32, "micro_batch": 2, "dtype": "float64", **layout})
     c = get_config("small", vocab_size=250)
@@ -295,7 +295,7 @@ def test_the_whole_models_activation_estimate_is_within_one_percent(world, layou
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_activations_count_the_micro_batches_the_schedule_keeps_in_flight(schedule):
-    from minipar.estimate import activation_bytes, head_activation_bytes, layer_activation_bytes
+    from minipar.planning.estimate import activation_bytes, head_activation_bytes, layer_activation_bytes
 
     c = get_config("small")  # 4 layers: one per stage at pp 4
     cfg = TrainConfig(model="small", pp=4, global_batch=8, micro_batch=1, schedule=schedule)  # 8 micro-batches
@@ -407,9 +407,9 @@ def peak_kept_for_backward(fn, *args, skip=()) -> int:
 
 
 def _pipeline_peak(rank, world, schedule):
-    from minipar.estimate import activation_bytes
     from minipar.mesh import Mesh
-    from minipar.train import build_model, train_step, wrap
+    from minipar.planning.estimate import activation_bytes
+    from minipar.run.train import build_model, train_step, wrap
 
     cfg = TrainConfig(model="small", pp=world, seq_len=16, global_batch=8, micro_batch=2, dtype="float64",
                       schedule=schedule)  # 4 micro-batches
@@ -445,9 +445,9 @@ def test_a_pipeline_ranks_activation_estimate_is_its_peak_in_a_real_step(world, 
 def _dp_traffic(rank, world, layout, model_settings=None, device: str = "cpu"):
     """(bytes sent per group as the ledger counts them in a step, the estimate). tests/gpu runs it on CUDA."""
     from minipar.context_parallel import split_sequence
-    from minipar.estimate import bytes_sent
     from minipar.mesh import Mesh
-    from minipar.train import build_model, precision, train_step, wrap
+    from minipar.planning.estimate import bytes_sent
+    from minipar.run.train import build_model, precision, train_step, wrap
 
     cfg = TrainConfig(**{"model": "small", "seq_len": 16, "global_batch": 8, "micro_batch": 2, "dtype": "float64",
                          "bucket_mb": 0.5, **layout})
@@ -508,10 +508,10 @@ CAPACITY = dict(capacity_factor=0.25)
 
 
 def _moe_layer(rank, world, layout, capacity):
-    from minipar.estimate import moe_layer_activation_bytes
     from minipar.mesh import Mesh
     from minipar.model import Llama
     from minipar.parallelize import parallelize_groups
+    from minipar.planning.estimate import moe_layer_activation_bytes
 
     cfg = TrainConfig(**{"model": "tiny-moe", "seq_len": 16, "micro_batch": 2, "dtype": "float64", **layout})
     c = get_config("tiny-moe", vocab_size=250, **capacity)
@@ -544,9 +544,9 @@ def test_an_moe_layers_activation_estimate_is_what_autograd_keeps(world, layout,
 
 
 def _moe_step_peak(rank, world, layout, capacity):
-    from minipar.estimate import activation_bytes
     from minipar.mesh import Mesh
-    from minipar.train import build_model, train_step, wrap
+    from minipar.planning.estimate import activation_bytes
+    from minipar.run.train import build_model, train_step, wrap
 
     cfg = TrainConfig(**{"model": "tiny-moe", "seq_len": 16, "global_batch": 8, "micro_batch": 2,
                          "dtype": "float64", **layout})
@@ -599,7 +599,7 @@ def test_an_moe_models_traffic_estimate_equals_the_ledger_with_a_capacity_factor
 @pytest.mark.parametrize("world,layout", [(2, dict(dp=2, ep=2)), (4, dict(dp=4, ep=2, zero=1))],
                          ids=["dp2-ep2", "dp4-ep2-zero1"])
 def test_a_dropless_moe_models_all_to_all_is_near_its_expectation_and_within_its_bound(world, layout):
-    from minipar.estimate_moe import moe_bytes_sent
+    from minipar.planning.estimate_moe import moe_bytes_sent
 
     layout = {"model": "tiny-moe", "bucket_mb": 0.01, **layout}
     cfg = TrainConfig(**{"seq_len": 16, "global_batch": 8, "micro_batch": 2, "dtype": "float64", **layout})

@@ -138,7 +138,7 @@ def test_bad_expert_layouts_are_refused_in_one_line():
     ("--model tiny --dp 2 --ep 2", "needs a mixture-of-experts model"),
 ])
 def test_bad_expert_layouts_on_the_command_line_are_refused_before_any_process_group(argv, words, monkeypatch):
-    from minipar.config import ConfigError, parse_args
+    from minipar.run.config import ConfigError, parse_args
 
     world = 1
     for flag, value in zip(argv.split()[::2], argv.split()[1::2]):
@@ -182,7 +182,7 @@ def batch(step):
 
 
 def train_config(**layout):
-    from minipar.config import TrainConfig
+    from minipar.run.config import TrainConfig
 
     return TrainConfig(model="tiny-moe", seq_len=SEQ, global_batch=ROWS, micro_batch=MICRO, lr=1e-2,
                        weight_decay=0.1, grad_clip=0.5, dtype="float64", **layout)
@@ -191,7 +191,7 @@ def train_config(**layout):
 def single_device():
     from minipar.model import Llama
     from minipar.moe import set_aux_scale
-    from minipar.train import build_optimizer
+    from minipar.run.train import build_optimizer
 
     cfg = train_config()
     model = Llama(get_config("tiny-moe", **MODEL), seed=cfg.seed).double()
@@ -210,8 +210,8 @@ def single_device():
 
 def _train(rank, world, layout):
     from minipar.context_parallel import split_sequence
+    from minipar.run.train import build_model, train_step, wrap
     from minipar.tensor_parallel import unshard
-    from minipar.train import build_model, train_step, wrap
 
     cfg = train_config(**layout)
     with Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp) as mesh:

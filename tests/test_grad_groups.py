@@ -16,7 +16,7 @@ from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.placement import Placement, place
-from minipar.train import param_groups, train_step
+from minipar.run.train import param_groups, train_step
 from minipar.zero import ZeroDataParallel
 from minipar.zero3 import Zero3DataParallel
 

@@ -1,4 +1,4 @@
-"""Hugging Face Llama interop (minipar/hf.py, scripts/convert.py, train.py --init-from).
+"""Hugging Face Llama interop (minipar/run/hf.py, scripts/convert.py, train.py --init-from).
 
 Every test builds a small random LlamaForCausalLM locally (no download) and holds minipar to the
 logits transformers itself computes, on one process and under tp2, pp2 and cp2.
@@ -26,12 +26,12 @@ from safetensors.torch import load_file
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local: never reach for the Hub
 transformers = pytest.importorskip("transformers")
 
-from minipar import checkpoint  # noqa: E402
 from minipar.context_parallel import split_sequence, zigzag_positions  # noqa: E402
-from minipar.hf import HFError, import_hf  # noqa: E402
 from minipar.mesh import Mesh  # noqa: E402
 from minipar.model import rope_frequencies  # noqa: E402
 from minipar.parallelize import parallel_llama  # noqa: E402
+from minipar.run import checkpoint  # noqa: E402
+from minipar.run.hf import HFError, import_hf  # noqa: E402
 from minipar.tensor_parallel import gather_logits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,7 +119,7 @@ def _logits(rank, world, ckpt, degrees, dtype):
     """This layout's full logits on rank 0, the model built from the imported checkpoint."""
     import torch.distributed as dist
 
-    from minipar.pipeline import Pipeline
+    from minipar.pipeline.executor import Pipeline
 
     with Mesh.build(**degrees) as mesh:
         path = checkpoint.resolve(ckpt)
@@ -165,8 +165,8 @@ def test_imported_model_gives_transformers_logits_under_each_layout(imported, la
 
 
 def test_tied_embeddings_refuse_a_pipeline_split():
-    from minipar.config import ConfigError, parse_args
     from minipar.model import get_config
+    from minipar.run.config import ConfigError, parse_args
 
     with pytest.raises(ValueError, match="one pipeline stage"):
         parallel_llama(get_config("tiny", tie_embeddings=True), layer_ids=[0], embed=True, head=False)
@@ -211,8 +211,8 @@ def test_bad_folders_are_refused_in_one_line(tmp_path, capsys):
 
 
 def test_init_from_refuses_weights_of_another_model(imported, tmp_path):
-    from minipar.config import ConfigError, parse_args
-    from minipar.preflight import check_init_from
+    from minipar.run.config import ConfigError, parse_args
+    from minipar.run.preflight import check_init_from
 
     _, ckpt, name = imported
     path = checkpoint.resolve(ckpt)
@@ -228,14 +228,14 @@ def test_init_from_refuses_weights_of_another_model(imported, tmp_path):
 def test_train_py_refuses_init_from_another_model_in_one_line_before_any_process_group(imported, tmp_path, capsys):
     import torch.distributed as dist
 
-    import minipar.train
+    import minipar.run.train
 
     _, ckpt, _ = imported
     corpus = Path(__import__("sysconfig").get_paths()["stdlib"]) / "argparse.py"
     common = ["--data", str(corpus), "--out", str(tmp_path / "out"), "--no-wandb", "--model", "tiny",
               "--vocab-size", "300"]
     for source, why in ((ckpt, "its model has"), (tmp_path / "nope", "--init-from {}: no such folder")):
-        assert minipar.train.main(common + ["--init-from", str(source)]) == 2
+        assert minipar.run.train.main(common + ["--init-from", str(source)]) == 2
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and why.format(source) in err[0], err
     assert not dist.is_initialized()
@@ -271,7 +271,7 @@ def test_import_train_20_steps_at_dp2_tp2_export_and_generate_with_transformers(
     prompt = torch.tensor([[1, 2, 3]])
     out = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 11) and torch.equal(out[:, :3], prompt)
-    from minipar.generate import generate, plain_model_from  # what sample.py and eval.py load
+    from minipar.run.generate import generate, plain_model_from  # what sample.py and eval.py load
 
     ours, _ = plain_model_from(tmp_path / "run" / "step_000020")
     assert ours.lm_head.weight is ours.tok_emb.weight

@@ -15,9 +15,9 @@ import pytest
 import torch
 from harness import run_ranks
 
-from minipar.config import TrainConfig
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.run.config import TrainConfig
 
 ROWS, SEQ = 8, 16
 REAL = [0, 0, 0, 0, 16, 5, 2, 9]  # real targets at the start of each row; the rest are -100
@@ -45,12 +45,12 @@ def sgd(groups, cfg):  # in place of train.make_adamw, for one test: weights mov
 
 
 def _one_step(rank, world, layout, micro):
-    with mock.patch("minipar.train.make_adamw", sgd):  # the worker processes run other tests afterwards
+    with mock.patch("minipar.run.train.make_adamw", sgd):  # the worker processes run other tests afterwards
         return _one_sgd_step(layout, micro)
 
 
 def _one_sgd_step(layout, micro):
-    import minipar.train as train
+    import minipar.run.train as train
     from minipar.context_parallel import split_sequence
     from minipar.tensor_parallel import unshard
 
@@ -111,12 +111,12 @@ def test_a_batch_with_no_real_target_gives_zero_loss_and_zero_gradients_not_nan(
 
 
 def _all_ignored(rank, world):
-    with mock.patch("minipar.train.make_adamw", sgd):
+    with mock.patch("minipar.run.train.make_adamw", sgd):
         return _all_ignored_step()
 
 
 def _all_ignored_step():
-    import minipar.train as train
+    import minipar.run.train as train
 
     cfg = TrainConfig(model="tiny", seq_len=SEQ, global_batch=ROWS, micro_batch=4, grad_clip=1.0, dtype="float64",
                       weight_decay=0.0)

@@ -8,14 +8,14 @@ import pytest
 import torch
 from harness import run_ranks
 
-from minipar.config import TrainConfig
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import get_config
-from minipar.order_check import order_problems
 from minipar.parallelize import parallel_llama
-from minipar.pipeline import Pipeline
-from minipar.train import build_optimizer, make_adamw, param_groups, train_step
+from minipar.pipeline.executor import Pipeline
+from minipar.pipeline.order_check import order_problems
+from minipar.run.config import TrainConfig
+from minipar.run.train import build_optimizer, make_adamw, param_groups, train_step
 from minipar.zero3 import Zero3DataParallel
 
 CFG = get_config("tiny", n_layers=8, vocab_size=250)

@@ -4,14 +4,14 @@ import pytest
 import torch
 from harness import run_ranks
 
-from minipar.config import TrainConfig
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.parallelize import parallel_llama
-from minipar.pipeline import Pipeline, stage_layers
+from minipar.pipeline.executor import Pipeline, stage_layers
+from minipar.run.config import TrainConfig
+from minipar.run.train import build_optimizer, train_step
 from minipar.tensor_parallel import unshard
-from minipar.train import build_optimizer, train_step
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 CFG = get_config("tiny", n_layers=8, vocab_size=250)

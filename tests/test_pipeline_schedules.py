@@ -2,8 +2,8 @@
 
 import pytest
 
-from minipar.order_check import order_problems
-from minipar.pipeline_schedules import (
+from minipar.pipeline.order_check import order_problems
+from minipar.pipeline.schedules import (
     Action,
     ScheduleError,
     bubble_formula,

@@ -1,14 +1,14 @@
-"""The layout planner (minipar/planner.py, scripts/plan.py): it picks what practitioners pick."""
+"""The layout planner (minipar/planning/planner.py, scripts/plan.py): it picks what practitioners pick."""
 
 import importlib.util
 from pathlib import Path
 
 import pytest
 
-from minipar.config import TrainConfig
-from minipar.estimate import bytes_sent
 from minipar.model import get_config
-from minipar.planner import Cluster, layouts, plan, step_time
+from minipar.planning.estimate import bytes_sent
+from minipar.planning.planner import Cluster, layouts, plan, step_time
+from minipar.run.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from test_train import ROOT, TORCHRUN, _worker_of, common, losses, one_line_error, run
 
-from minipar import checkpoint
+from minipar.run import checkpoint
 
 TRAIN = str(ROOT / "scripts" / "train.py")
 ARGS = dict(dp=2, steps=12, save_every=3, timeout=60)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from test_train import common, run
 
-from minipar import run_log, train
-from minipar.run_log import memory_baseline, peak_memory_bytes
+from minipar.run import run_log, train
+from minipar.run.run_log import memory_baseline, peak_memory_bytes
 
 
 def leaves(value, path=""):

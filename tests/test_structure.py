@@ -5,7 +5,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LIBRARY = sorted((ROOT / "minipar").glob("*.py"))
+# Every file of the package, in its subfolders too (pipeline/, planning/, run/).
+LIBRARY = sorted((ROOT / "minipar").rglob("*.py"))
 
 
 # The architecture refactor (issue 10) left the library at 4,000 lines. The budget after it grows
@@ -19,7 +20,7 @@ LINE_BUDGET = 4000 + 400 + 500 + 500 + 400 + 500 + 300
 
 
 def test_the_library_stays_within_its_line_budget_and_400_lines_per_file():
-    lengths = {p.name: len(p.read_text().splitlines()) for p in LIBRARY}
+    lengths = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in LIBRARY}
     assert sum(lengths.values()) <= LINE_BUDGET, sum(lengths.values())
     assert {n: k for n, k in lengths.items() if k > 400} == {}
 
@@ -29,7 +30,7 @@ def test_no_function_in_the_library_or_the_scripts_is_over_60_lines():
     for path in LIBRARY + sorted((ROOT / "scripts").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
-                long.append(f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+                long.append(f"{path.relative_to(ROOT)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert long == []
 
 

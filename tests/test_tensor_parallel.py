@@ -7,13 +7,13 @@ from harness import run_ranks
 
 from minipar import tensor_parallel as T
 from minipar.collectives import Group
-from minipar.config import TrainConfig
 from minipar.data_parallel import DataParallel, clip_grads
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.parallelize import parallel_llama
 from minipar.placement import placement_of
-from minipar.train import build_optimizer, train_step
+from minipar.run.config import TrainConfig
+from minipar.run.train import build_optimizer, train_step
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 
@@ -299,7 +299,7 @@ def test_solo_group_has_one_rank_at_index_zero_and_row_layer_checks_its_split():
 
 
 def _save_at_tp(rank, world, out):
-    from minipar import checkpoint
+    from minipar.run import checkpoint
 
     with Mesh.build(tp=world) as mesh:
         model = parallel_llama(gqa_config(), seed=5, tp_group=mesh.tp_group).double()
@@ -323,7 +323,7 @@ def _save_at_tp(rank, world, out):
 
 
 def test_checkpoint_written_at_tp4_loads_at_tp1_and_back(tmp_path):
-    from minipar import checkpoint
+    from minipar.run import checkpoint
 
     params = run_ranks(4, _save_at_tp, tmp_path)[0]
     single = Llama(gqa_config(), seed=0).double()

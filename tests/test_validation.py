@@ -13,11 +13,11 @@ import pytest
 import torch
 from harness import run_ranks
 
-from minipar.batches import TokenData
-from minipar.config import TrainConfig
-from minipar.data import prepare
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.run.batches import TokenData
+from minipar.run.config import TrainConfig
+from minipar.run.data import prepare
 
 SEQ, ROWS, SEED, FRACTION = 16, 8, 5, 0.4
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -48,10 +48,10 @@ def one_device(folder, model: str, batches: int) -> float:
 
 
 def _validate(rank, world, folder, model, layout, micro):
-    import minipar.train as train
-    from minipar.run_log import RunLog
+    import minipar.run.train as train
+    from minipar.run.run_log import RunLog
+    from minipar.run.validation import validate
     from minipar.tensor_parallel import unshard
-    from minipar.validation import validate
 
     cfg = TrainConfig(model=model, seq_len=SEQ, global_batch=ROWS, micro_batch=micro, dtype="float64", seed=SEED,
                       val_fraction=FRACTION, eval_batches=2, wandb=False, **layout)
@@ -110,7 +110,7 @@ class FakeWandb:
 
 
 def _log_validation(rank, world, path):
-    from minipar.run_log import RunLog
+    from minipar.run.run_log import RunLog
 
     cfg = TrainConfig(model="tiny", steps=20, wandb=False)
     with Mesh.build() as mesh:

@@ -11,8 +11,8 @@ from minipar.collectives import ring_bytes_sent
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.parallelize import parallel_llama
+from minipar.run.train import make_adamw, param_groups, train_step
 from minipar.tensor_parallel import unshard
-from minipar.train import make_adamw, param_groups, train_step
 from minipar.zero import ZeroDataParallel
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
@@ -191,7 +191,7 @@ def test_zero_optimizer_state_by_name_round_trips_and_has_parameter_shapes():
 
 
 def _zero_pp(rank, world, stage):
-    from minipar.pipeline import Pipeline
+    from minipar.pipeline.executor import Pipeline
 
     with Mesh.build(dp=2, pp=2) as mesh:
         cfg = get_config("tiny", n_layers=4, vocab_size=250)

@@ -10,8 +10,8 @@ from minipar.collectives import ring_bytes_sent
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.parallelize import parallel_llama
+from minipar.run.train import make_adamw, param_groups, train_step
 from minipar.tensor_parallel import unshard
-from minipar.train import make_adamw, param_groups, train_step
 from minipar.zero3 import Zero3DataParallel, units_of
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)

@@ -24,10 +24,10 @@ from harness import run_ranks
 from test_gpu_layouts import rank_device
 
 from minipar import collectives as C
-from minipar.config import TrainConfig
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.parallelize import parallel_llama
+from minipar.run.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -113,7 +113,7 @@ def test_several_processes_on_one_gpu(report):
 
 def _wrapper_equals_one_device(rank, world, kind):
     from minipar.data_parallel import DataParallel
-    from minipar.train import build_optimizer, make_adamw, param_groups, train_step
+    from minipar.run.train import build_optimizer, make_adamw, param_groups, train_step
     from minipar.zero import ZeroDataParallel
     from minipar.zero3 import Zero3DataParallel
 

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from harness import run_ranks
 
-from minipar.config import TrainConfig
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.run.config import TrainConfig
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 STEPS, ROWS, SEQ, MICRO = 3, 8, 16, 2
@@ -56,7 +56,7 @@ def one_device(model: str, device) -> dict[str, torch.Tensor]:
     """The plain model trained on the whole global batch, micro-batch by micro-batch as the ranks
     cut it (a mixture of experts' load-balancing loss is per micro-batch: moe.set_aux_scale)."""
     from minipar.moe import set_aux_scale
-    from minipar.train import build_optimizer
+    from minipar.run.train import build_optimizer
 
     cfg = train_config(model)
     reference = Llama(model_config(model), seed=cfg.seed).to(device=device, dtype=torch.float64)
@@ -74,8 +74,8 @@ def one_device(model: str, device) -> dict[str, torch.Tensor]:
 
 def _layout_equals_one_device(rank, world, model, layout):
     from minipar.context_parallel import split_sequence
+    from minipar.run.train import build_model, train_step, wrap
     from minipar.tensor_parallel import unshard
-    from minipar.train import build_model, train_step, wrap
 
     device = rank_device()
     want = one_device(model, device)
@@ -141,8 +141,8 @@ def _activations_under_autocast(rank, world):
     with torch.cuda.memory_allocated (CUDA) or counted from the saved tensors (CPU)."""
     from test_estimate import kept_for_backward
 
-    from minipar.estimate import activation_bytes, layer_activation_bytes, weight_casts
-    from minipar.train import precision
+    from minipar.planning.estimate import activation_bytes, layer_activation_bytes, weight_casts
+    from minipar.run.train import precision
 
     device = rank_device()
     cfg = TrainConfig(model="small", seq_len=ACT_SEQ, micro_batch=ACT_MICRO, dtype="bfloat16")

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minipar.pipeline_timeline import Timeline
+from minipar.pipeline.timeline import Timeline
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from minipar.collectives import Group, Ledger, all_gather
-from minipar.config import TrainConfig
 from minipar.mesh import Mesh
 from minipar.moe import take_load
+from minipar.run.config import TrainConfig
 
 # Dense bfloat16 peak FLOP/s, for model FLOPs utilisation (MFU) on known GPUs.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}

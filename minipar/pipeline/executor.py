@@ -49,7 +49,7 @@ from functools import cached_property
 import torch
 
 from minipar.collectives import Group, irecv, isend
-from minipar.pipeline_schedules import Action, Timeline, make, placement
+from minipar.pipeline.schedules import Action, Timeline, make, placement
 
 
 def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:

@@ -40,8 +40,8 @@ from __future__ import annotations
 import math
 
 from minipar.collectives import ring_bytes_sent
-from minipar.config import TrainConfig
 from minipar.model import ModelConfig
+from minipar.run.config import TrainConfig
 
 INDEX = 8  # int64 indices
 

@@ -21,11 +21,11 @@ from contextlib import nullcontext
 
 import torch
 
-from minipar.batches import TokenData
 from minipar.context_parallel import split_sequence
-from minipar.data import DataError
 from minipar.data_parallel import loss_divisor
 from minipar.moe import take_load
+from minipar.run.batches import TokenData
+from minipar.run.data import DataError
 
 
 def is_due(cfg, step: int) -> bool:

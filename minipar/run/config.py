@@ -19,15 +19,15 @@ import math
 import os
 from dataclasses import asdict, dataclass, fields, replace
 
-from minipar.config_file import as_toml, read_config_file
 from minipar.context_parallel import check_cp_layout
 from minipar.expert_parallel import check_expert_layout
 from minipar.mesh import MeshLayout
 from minipar.model import CONFIGS, ModelConfig, config_from
-from minipar.pipeline import stage_layers
-from minipar.pipeline_schedules import SCHEDULES, ScheduleError
-from minipar.pipeline_schedules import build as build_schedule
-from minipar.pipeline_schedules import placement as schedule_placement
+from minipar.pipeline.executor import stage_layers
+from minipar.pipeline.schedules import SCHEDULES, ScheduleError
+from minipar.pipeline.schedules import build as build_schedule
+from minipar.pipeline.schedules import placement as schedule_placement
+from minipar.run.config_file import as_toml, read_config_file
 from minipar.tensor_parallel import check_tensor_layout
 
 

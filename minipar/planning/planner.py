@@ -35,11 +35,18 @@ from itertools import islice
 
 import torch
 
-from minipar.config import TrainConfig
-from minipar.estimate import PARAM_DTYPES, activation_bytes, bytes_sent, held_bytes, peak_bytes, temporary_bytes
 from minipar.model import ModelConfig, get_config
-from minipar.pipeline_schedules import build as build_schedule
-from minipar.pipeline_schedules import simulate
+from minipar.pipeline.schedules import build as build_schedule
+from minipar.pipeline.schedules import simulate
+from minipar.planning.estimate import (
+    PARAM_DTYPES,
+    activation_bytes,
+    bytes_sent,
+    held_bytes,
+    peak_bytes,
+    temporary_bytes,
+)
+from minipar.run.config import TrainConfig
 
 
 @dataclass(frozen=True)

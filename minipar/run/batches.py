@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minipar.data import BLOCK, EOT, DataError
+from minipar.run.data import BLOCK, EOT, DataError
 
 
 def documents(parts: list[np.ndarray], eot: int | None) -> np.ndarray:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # actions are defined with the schedules, which use this file
-    from minipar.pipeline_schedules import Action
+    from minipar.pipeline.schedules import Action
 
 
 @dataclass

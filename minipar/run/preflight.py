@@ -13,10 +13,10 @@ import tempfile
 from dataclasses import fields, replace
 from pathlib import Path
 
-from minipar.checkpoint import model_config_of
-from minipar.config import SHAPE_FLAGS, ConfigError, TrainConfig
-from minipar.data import check_data, data_key, read_tokenizer
 from minipar.model import ModelConfig
+from minipar.run.checkpoint import model_config_of
+from minipar.run.config import SHAPE_FLAGS, ConfigError, TrainConfig
+from minipar.run.data import check_data, data_key, read_tokenizer
 
 # What a resumed run must share with the checkpoint's run; the layout and --steps may change.
 # WEIGHT_SETTINGS never (the weights would not fit); --max-seq-len may grow (no weight has its size).

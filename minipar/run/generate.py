@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from einops import repeat
 
-from minipar import checkpoint
-from minipar.data import data_key
 from minipar.model import Llama
+from minipar.run import checkpoint
+from minipar.run.data import data_key
 
 
 class KVCache:

@@ -45,15 +45,15 @@ from functools import lru_cache
 import torch
 
 from minipar.collectives import Group, Ledger, ring_bytes_sent
-from minipar.config import TrainConfig
 from minipar.data_parallel import bucket_params, by_grad_mean, param_groups
-from minipar.estimate_moe import moe_block_bytes, moe_bytes_sent
 from minipar.model import Llama, ModelConfig
 from minipar.moe import MoE
 from minipar.parallelize import parallelize_groups
-from minipar.pipeline import Pipeline, stage_layers
-from minipar.pipeline_schedules import make as make_schedule
+from minipar.pipeline.executor import Pipeline, stage_layers
+from minipar.pipeline.schedules import make as make_schedule
 from minipar.placement import DENSE, placement_of
+from minipar.planning.estimate_moe import moe_block_bytes, moe_bytes_sent
+from minipar.run.config import TrainConfig
 from minipar.zero import bucket_plan
 from minipar.zero3 import unit_chunks, units_of
 

@@ -34,22 +34,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minipar import checkpoint
-from minipar.batches import TokenData
 from minipar.collectives import all_reduce
-from minipar.config import ConfigError, TrainConfig, effective, parse_args
 from minipar.context_parallel import split_sequence
-from minipar.data import DataError, find_files, prepare
 from minipar.data_parallel import DataParallel, GradSync, loss_divisor, param_groups
 from minipar.mesh import Mesh
 from minipar.model import Llama
 from minipar.moe import set_aux_scale
 from minipar.parallelize import parallelize
-from minipar.pipeline import Pipeline
-from minipar.planner import check_memory, report
-from minipar.preflight import check_files, init_model_config
-from minipar.run_log import RunLog
-from minipar.validation import is_due, validate, validation_batches
+from minipar.pipeline.executor import Pipeline
+from minipar.planning.planner import check_memory, report
+from minipar.run import checkpoint
+from minipar.run.batches import TokenData
+from minipar.run.config import ConfigError, TrainConfig, effective, parse_args
+from minipar.run.data import DataError, find_files, prepare
+from minipar.run.preflight import check_files, init_model_config
+from minipar.run.run_log import RunLog
+from minipar.run.validation import is_due, validate, validation_batches
 from minipar.zero import ZeroDataParallel
 from minipar.zero3 import Zero3DataParallel
 
