@@ -58,7 +58,7 @@ from minipar.data_parallel import clip_grads
 from minipar.mesh import Mesh
 from minipar.model import CONFIGS, Block, Llama, ModelConfig
 from minipar.run.config import TrainConfig
-from minipar.run.train import start_distributed
+from minipar.run.launch import start_distributed
 
 # ----------------------------------------------------------------------------------------------
 # Starting

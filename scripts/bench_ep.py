@@ -46,7 +46,8 @@ from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.moe import take_load
 from minipar.run.config import ConfigError, TrainConfig
-from minipar.run.train import build_model, build_optimizer, start_distributed, train_step, wrap
+from minipar.run.launch import start_distributed
+from minipar.run.train import build_model, build_optimizer, train_step, wrap
 
 SIDES = ("minipar ep", "minipar ep=1", "torch DDP ep=1", "torch DDP dense")
 

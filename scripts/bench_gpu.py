@@ -390,7 +390,7 @@ def peak_flops(device) -> float | None:
 def run_one(args) -> dict:
     """This process's part of one side (--one MODEL STRATEGY SIDE), under torchrun."""
     from minipar.mesh import Mesh
-    from minipar.run.train import start_distributed
+    from minipar.run.launch import start_distributed
 
     name, strategy, side = args.one
     if args.device == "cpu":

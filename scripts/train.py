@@ -4,12 +4,12 @@
     torchrun --nproc-per-node 2 scripts/train.py --dp 2            # two data-parallel ranks
     python scripts/train.py --help                                 # every flag
 
-The loop itself is minipar/run/train.py; this file only launches it.
+The start-up is minipar/run/launch.py and the loop minipar/run/train.py; this file only calls launch.main.
 """
 
 import sys
 
-from minipar.run.train import main
+from minipar.run.launch import main
 
 if __name__ == "__main__":
     sys.exit(main())

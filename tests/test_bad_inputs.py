@@ -1,9 +1,9 @@
 """Bad input costs one line, before any process group: a table of command lines, each refused by
-train.main with exit 2 and exactly one `minipar: error: ...` line naming what is wrong, and a table
+launch.main with exit 2 and exactly one `minipar: error: ...` line naming what is wrong, and a table
 of edge cases that are fine and pass the same checks.
 
-Everything runs in this process. `train.run`, which would start the process group, is replaced by
-one that raises `Started`: a bad row that slipped through the checks fails its test instead."""
+Everything runs in this process. `launch.launch`, which would start the process group, is replaced
+by one that raises `Started`: a bad row that slipped through the checks fails its test instead."""
 
 import json
 import os
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from minipar.collectives import Group
 from minipar.model import Llama, get_config
-from minipar.run import checkpoint, train
+from minipar.run import checkpoint, launch
 from minipar.run.config import parse_args
 from minipar.run.data import data_key
 
@@ -112,15 +112,15 @@ def tokenizer_json(path: Path, vocab: int) -> None:
 
 
 def main(t, extra, world, monkeypatch):
-    """train.main(base + extra) as rank 0 of `world` ranks; returns its exit code."""
+    """launch.main(base + extra) as rank 0 of `world` ranks; returns its exit code."""
     monkeypatch.chdir(t)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.delenv("RANK", raising=False)
 
     def run(cfg, resume):
         raise Started
-    monkeypatch.setattr(train, "run", run)
-    return train.main(base(t) + [a.format(t=t) for a in extra])
+    monkeypatch.setattr(launch, "launch", run)
+    return launch.main(base(t) + [a.format(t=t) for a in extra])
 
 
 class Started(Exception):
@@ -267,8 +267,8 @@ def test_bad_input_is_one_line_exit_2_and_no_process_group(t, extra, world, frag
 
 
 def test_a_preset_vocabulary_too_small_for_a_bpe_is_one_line(t, monkeypatch, capsys):
-    monkeypatch.setattr(train, "run", lambda cfg, resume: pytest.fail("the checks passed"))
-    assert train.main([a for a in base(t) if not a.startswith("--vocab-size")]) == 2  # tiny's vocabulary: 256
+    monkeypatch.setattr(launch, "launch", lambda cfg, resume: pytest.fail("the checks passed"))
+    assert launch.main([a for a in base(t) if not a.startswith("--vocab-size")]) == 2  # tiny's vocabulary: 256
     assert capsys.readouterr().err == ("minipar: error: --model tiny's vocabulary 256 cannot hold a byte-level BPE "
                                        "(the 256 bytes and <|endoftext|>): pass --vocab-size 257 or more\n")
 
@@ -283,12 +283,12 @@ def test_an_error_of_another_rank_alone_is_printed_by_it_with_its_rank(t, monkey
     # Under torchrun, rank 0 speaks first; a rank whose error is its own (its node's data is
     # missing) speaks after a pause, naming itself, while rank 0 waits in init_process_group.
     pauses = []
-    monkeypatch.setattr(train.time, "sleep", pauses.append)
+    monkeypatch.setattr(launch.time, "sleep", pauses.append)
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.setattr(train, "run", lambda cfg, resume: pytest.fail("the checks passed"))
+    monkeypatch.setattr(launch, "launch", lambda cfg, resume: pytest.fail("the checks passed"))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.chdir(t)
-    assert train.main(base(t) + ["--dp=2", f"--data={t}/missing.txt"]) == 2
+    assert launch.main(base(t) + ["--dp=2", f"--data={t}/missing.txt"]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("minipar: error: rank 1: --data "), lines
     assert pauses == [2.0] and not dist.is_initialized()

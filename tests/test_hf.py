@@ -228,14 +228,14 @@ def test_init_from_refuses_weights_of_another_model(imported, tmp_path):
 def test_train_py_refuses_init_from_another_model_in_one_line_before_any_process_group(imported, tmp_path, capsys):
     import torch.distributed as dist
 
-    import minipar.run.train
+    import minipar.run.launch
 
     _, ckpt, _ = imported
     corpus = Path(__import__("sysconfig").get_paths()["stdlib"]) / "argparse.py"
     common = ["--data", str(corpus), "--out", str(tmp_path / "out"), "--no-wandb", "--model", "tiny",
               "--vocab-size", "300"]
     for source, why in ((ckpt, "its model has"), (tmp_path / "nope", "--init-from {}: no such folder")):
-        assert minipar.run.train.main(common + ["--init-from", str(source)]) == 2
+        assert minipar.run.launch.main(common + ["--init-from", str(source)]) == 2
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and why.format(source) in err[0], err
     assert not dist.is_initialized()

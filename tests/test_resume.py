@@ -1,10 +1,11 @@
-"""Self-resume and the safety of --out, end to end through torchrun: a worker killed mid-run is
-restarted by `torchrun --max-restarts` with `--resume auto`, and the run ends exactly as an
-uninterrupted one; later checkpoints are never overwritten; a live run's --out is refused; and
-workers die with their launcher."""
+"""Self-resume and the safety of --out, end to end through torchrun: a worker this test kills
+mid-run is restarted by `torchrun --max-restarts` with `--resume auto`, and the run ends exactly
+as an uninterrupted one; later checkpoints are never overwritten; a live run's --out is refused;
+and workers die with their launcher."""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,28 +23,55 @@ ARGS = dict(dp=2, steps=12, save_every=3, timeout=60)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """An uninterrupted run, and the same run whose rank 1 is killed (SIGKILL) after step 7."""
+    """An uninterrupted run, and the same run under `torchrun --max-restarts` whose rank 1 this
+    test kills (SIGKILL, from outside) the moment the first checkpoint appears in --out: rank 1 is
+    then still in that save (waiting for rank 0 to finish writing) or just past it."""
     tmp = tmp_path_factory.mktemp("resume")
     run(common(tmp, **ARGS, out=tmp / "whole", log_json=tmp / "whole.jsonl"), nproc=2)
     # torchrun shares its rendezvous store with the workers and keeps it across restarts, so a
     # restarted rank can read the dead attempt's addresses (pytorch#135712): opt out, as the README says.
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", MINIPAR_TEST_KILL_AT_STEP="7",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     argv = common(tmp, **ARGS, out=tmp / "auto", log_json=tmp / "auto.jsonl", resume="auto")
-    killed = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=3", TRAIN, *argv],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    return tmp, killed
+    with open(tmp / "auto.out", "w+") as out, open(tmp / "auto.err", "w+") as err:  # files: no pipe fills up
+        proc = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=3", TRAIN, *argv],
+                                cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+        try:
+            kill_rank_1_when_it_appears(proc, tmp / "auto" / "step_000003")
+            proc.wait(timeout=300)
+        finally:
+            proc.kill()
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        return tmp, subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+
+
+def kill_rank_1_when_it_appears(proc: subprocess.Popen, folder: Path) -> None:
+    """SIGKILL torchrun's worker of rank 1 as soon as `folder` exists (a checkpoint is renamed into
+    place only when whole)."""
+    t0 = time.monotonic()
+    while not folder.exists():
+        assert proc.poll() is None, f"the run ended ({proc.returncode}) before {folder.name} appeared"
+        assert time.monotonic() - t0 < 300, f"no {folder.name} after 300 s"
+        time.sleep(0.005)
+    os.kill(_worker_of(proc.pid, 1), signal.SIGKILL)
 
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_exactly_as_an_uninterrupted_one(runs):
     tmp, killed = runs
     assert killed.returncode == 0, killed.stderr[-3000:]
-    assert (tmp / "auto" / ".test-killed").exists()  # the hook did kill rank 1 once
-    # The first attempt started fresh (--out was empty); the restart took the newest checkpoint.
-    assert f"resumed from {tmp / 'auto' / 'step_000006'} at step 6" in killed.stdout, killed.stdout[-3000:]
+    # One restart, from the newest whole checkpoint when rank 1 died (step 3, or a later one had
+    # the run gone on before the kill landed); the first attempt started fresh (--out was empty).
+    resumed = re.findall(r"resumed from (\S+) at step (\d+)", killed.stdout)
+    assert len(resumed) == 1, killed.stdout[-3000:]
+    start = int(resumed[0][1])
+    assert resumed[0][0] == str(tmp / "auto" / f"step_{start:06d}") and start % ARGS["save_every"] == 0
     steps = [json.loads(line)["step"] for line in (tmp / "auto.jsonl").read_text().splitlines()]
-    assert steps[:7] == list(range(1, 8)) and steps[-6:] == list(range(7, 13))  # the log is appended to
-    assert losses(tmp / "auto.jsonl") == losses(tmp / "whole.jsonl")  # bitwise: the restart's steps 7-12
+    # The log is appended to: the first attempt's steps, then the restart's from start + 1 on.
+    first = next((i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]), start)
+    assert first >= start and steps[:first] == list(range(1, first + 1)), steps
+    assert steps[first:] == list(range(start + 1, 13)), steps
+    assert losses(tmp / "auto.jsonl") == losses(tmp / "whole.jsonl")  # bitwise: the restart's steps too
     for name in ("model.safetensors", "optimizer.safetensors"):
         assert (tmp / "auto" / "step_000012" / name).read_bytes() == (tmp / "whole" / "step_000012" / name).read_bytes()
     assert [p.name for p in checkpoint.checkpoints(tmp / "auto")] == [f"step_{s:06d}" for s in (3, 6, 9, 12)]

@@ -1,4 +1,4 @@
-"""Checks that need the file system, made by train.check_paths on every rank before any process
+"""Checks that need the file system, made by launch.check_paths on every rank before any process
 group exists: the data reads and its tokens fit the model, each place this rank writes takes a
 file, a checkpoint to resume continues this very run, weights to start from are this model's.
 
@@ -125,7 +125,7 @@ def init_model_config(cfg: TrainConfig) -> ModelConfig:
 
 def check_init_from(cfg: TrainConfig, path: Path) -> None:
     """The weights are of the model this run builds: every setting alike but FROM_WEIGHTS and the
-    MoE loss's. (`path` was verified when train.check_paths resolved it.)"""
+    MoE loss's. (`path` was verified when launch.check_paths resolved it.)"""
     saved = model_config_of(path, json.loads((path / "train_state.json").read_text()))
     run = cfg.model_config()
     for name in (f.name for f in fields(ModelConfig)):

@@ -29,8 +29,8 @@ from tqdm import tqdm
 
 from minipar.collectives import Group, Ledger, all_gather
 from minipar.mesh import Mesh
-from minipar.moe import take_load
 from minipar.run.config import TrainConfig
+from minipar.run.step import take_expert_load
 
 # Dense bfloat16 peak FLOP/s, for model FLOPs utilisation (MFU) on known GPUs.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
@@ -124,7 +124,7 @@ class RunLog:
             "peak_memory": [int(m) for m in metrics[:, 1].tolist()],
             "bubble": metrics[:, 3].mean().item() if pipeline else None,  # measured: mean time spent waiting
             "held_bytes": wrapper.held_bytes(),  # this rank's, measured on its tensors
-            "expert_load": take_load(wrapper.module),  # MoE: this rank's assignments per expert, per block
+            "expert_load": take_expert_load(wrapper),  # MoE: this rank's assignments per expert, per block
         }
 
     def validation(self, step: int, loss: float, pipeline, windows: int) -> float:

@@ -4,13 +4,14 @@
 the end, the run measures the loss on the same `--eval-batches` global batches of them. The sum
 is train_step's, forward only:
 
-    each micro-batch:  sum of its token losses / loss_divisor      (no backward, no optimizer)
+    each micro-batch:  sum of its token losses / divisor           (no backward, no optimizer)
     summed over the micro-batches of this rank                     (pipeline: the last stage's)
     the run log averages it over the ranks that hold the loss      (run_log.RunLog.validation)
 
 so, as for the training loss, dp and cp's shares add up to one division by the global batch's
 count of targets, tp ranks agree, and a pipeline runs its forward actions alone
-(Pipeline.forward_actions). No gradient is made (torch.no_grad), so no gradient hook fires,
+(Pipeline.forward_actions). The micro-batches, the divisor and the expert counts are the
+training step's (step.py). No gradient is made (torch.no_grad), so no gradient hook fires,
 ZeRO-3 gathers and frees each layer as in a training forward, and an MoE block adds no
 auxiliary loss; its expert counts are dropped so that the log shows training tokens only.
 """
@@ -21,11 +22,9 @@ from contextlib import nullcontext
 
 import torch
 
-from minipar.context_parallel import split_sequence
-from minipar.data_parallel import loss_divisor
-from minipar.moe import take_load
 from minipar.run.batches import TokenData
 from minipar.run.data import DataError
+from minipar.run.step import begin_step, micro_batches_of, take_expert_load
 
 
 def is_due(cfg, step: int) -> bool:
@@ -48,7 +47,7 @@ def validation_batches(cfg, data: TokenData) -> int:
 def validation_loss(model, micro_batches, autocast=nullcontext, pipeline=None) -> torch.Tensor | float:
     """This rank's share of one global batch's mean token loss, as train_step sums it. `model`
     is the gradient-sync wrapper (ZeRO-3's gathers its layers in forward)."""
-    divisor = loss_divisor(micro_batches, model.group)
+    divisor = begin_step(model, micro_batches)
     with autocast():
         if pipeline is not None:
             return pipeline.run(model.module, micro_batches, divisor, forward_only=True)
@@ -59,9 +58,8 @@ def validate(cfg, data: TokenData, mesh, model, pipeline, autocast, device) -> f
     """This rank's share of the mean loss over the held-out batches (see the module docstring)."""
     batches, total = validation_batches(cfg, data), 0.0
     for k in range(batches):
-        x, y = data.rank_val_batch(k, cfg.global_batch, mesh.dp_rank, cfg.dp)
-        x, y = split_sequence(x, mesh.cp_group), split_sequence(y, mesh.cp_group)  # zigzag share (cp)
-        micro = list(zip(x.to(device).split(cfg.micro_batch), y.to(device).split(cfg.micro_batch)))
+        rows = data.rank_val_batch(k, cfg.global_batch, mesh.dp_rank, cfg.dp)
+        micro = micro_batches_of(rows, mesh, cfg.micro_batch, device)
         total += float(validation_loss(model, micro, autocast, pipeline))
-    take_load(model.module)  # MoE: the next log line counts training tokens only
+    take_expert_load(model)  # dropped: the next log line counts training tokens only
     return total / batches

@@ -1,0 +1,197 @@
+"""The launch: everything a run does before and around its loop (scripts/train.py calls `main`).
+
+    main                    parse the command line and check it (config.py)      --plan: print, exit
+      check_memory          the estimator's peak per rank must fit (planning/)
+      check_paths           data, the checkpoint to resume, --out (locked by rank 0)
+      launch                the process group, the mesh, the run log, the data, then train.run
+      exit code             0 done; 2 bad input (one line); 3 the run diverged; 4 a rank stopped
+                            answering within --timeout (hang_report names what it waited for)
+
+Everything checkable is checked before torch.distributed starts: a bad command line costs one
+line, not a hang. Under torchrun each worker asks Linux to end it when torchrun dies
+(`exit_with_parent`); `--resume auto` lets `torchrun --max-restarts` continue from --out's newest
+checkpoint. The loop itself, and the model it trains, are train.py's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from minipar.mesh import Mesh
+from minipar.planning.planner import check_memory, report
+from minipar.run import checkpoint, train
+from minipar.run.batches import TokenData
+from minipar.run.config import ConfigError, TrainConfig, effective, parse_args
+from minipar.run.data import DataError, find_files, prepare
+from minipar.run.preflight import check_files
+from minipar.run.run_log import RunLog
+from minipar.run.saving import TrainingStopped
+from minipar.run.validation import validation_batches
+
+
+def main(argv=None) -> int:
+    """Parse, check, run. A bad command line or input prints one line and exits 2."""
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    exit_with_parent()
+    local = False  # the command line reads alike on every rank; memory and files are each node's own
+    try:
+        cfg = parse_args(argv)
+        if cfg.plan:
+            print(report(cfg))
+            return 0
+        local = True
+        check_memory(cfg)  # weights, gradients, optimizer state and activations must fit
+        resume = check_paths(cfg)
+    except ValueError as e:  # ConfigError, LayoutError, DataError, CheckpointError
+        if not is_main:  # rank 0 says what every rank found; a node's own problem its ranks say, after it
+            if not local:
+                return 2
+            time.sleep(2.0)  # if rank 0 failed too, torchrun has ended this rank by now
+        where = "" if is_main else f"rank {os.environ['RANK']}: "
+        print(f"minipar: error: {where}{e}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        launch(cfg, resume)
+    except TrainingStopped as e:
+        if is_main:
+            print(f"minipar: error: {e}", file=sys.stderr)
+        return 3
+    except DataError as e:  # found while tokenising, alike on every rank (too little held out)
+        if is_main:
+            print(f"minipar: error: {e}", file=sys.stderr)
+        return 2
+    except RankTimeout as e:  # printed by every rank that gave up: the others may be the stopped ones
+        print(f"minipar: error: {e}", file=sys.stderr)
+        return 4
+    finally:
+        if is_main:  # killed instead (torchrun restarting us)? The next rank 0 takes the stale lock over
+            checkpoint.unlock(cfg.out)
+    return 0
+
+
+def check_paths(cfg: TrainConfig) -> Path | None:
+    """File-system checks, before any process group: data, the checkpoint to resume, --out. Then
+    rank 0 locks --out for the run (and clears what an interrupted save left there)."""
+    find_files(cfg.data)  # raises DataError when missing
+    source = cfg.resume
+    if cfg.resume == "auto":  # self-resume (torchrun --max-restarts): --out's newest checkpoint, if any yet
+        if cfg.out is None:
+            raise ConfigError("--resume auto needs --out: the folder the run saves to and continues from")
+        source = cfg.out if checkpoint.checkpoints(cfg.out) else None
+    skipped: list[str] = []
+    resume = checkpoint.resolve(source, skipped) if source else None
+    if cfg.out is None:  # continue where we resume, else a fresh numbered folder
+        cfg.out = str(resume.parent) if resume else next(
+            f"runs/run_{i:03d}" for i in range(1, 10**4) if not Path(f"runs/run_{i:03d}").exists()
+        )
+    if cfg.init_from:  # weights to start from: a checkpoint folder, or the newest in an --out folder
+        cfg.init_from = str(checkpoint.resolve(cfg.init_from, flag="--init-from"))
+    check_files(cfg, resume)  # the data is text, --out and the logs writable, the checkpoint of this run
+    start = json.loads((resume / "train_state.json").read_text())["step"] if resume else 0
+    later = [p.name for p in checkpoint.checkpoints(cfg.out) if int(p.name[5:]) > start]
+    if later:  # this run would save over them: refuse, whether they are another run's or this one's future
+        raise ConfigError(
+            f"--out {cfg.out} already holds checkpoints {f'after {resume}' if resume else 'of an earlier run'} "
+            f"({later[0]}{f' ... {later[-1]}' if len(later) > 1 else ''}): continue the newest with --resume "
+            f"{cfg.out}, or choose another --out (nothing is overwritten)"
+        )
+    if os.environ.get("RANK", "0") == "0":
+        for note in [f"skipped {s}" for s in skipped] + checkpoint.lock(cfg.out):
+            print(f"minipar: {note}", flush=True)
+    return resume
+
+
+def launch(cfg: TrainConfig, resume: Path | None) -> None:
+    """This rank's part of the run: the process group, the mesh, the log and the data; then the
+    loop (train.run). A rank that stops answering becomes a RankTimeout naming what we waited for."""
+    device = start_distributed(cfg.timeout)
+    torch.manual_seed(cfg.seed)
+    mesh = Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, timeout=cfg.timeout)
+    if cfg.ep > 1:  # experts: the dp x cp ranks reshaped to edp x ep
+        mesh.unflatten(("dp", "cp"), edp=cfg.dp * cfg.cp // cfg.ep, ep=cfg.ep)
+    log = RunLog(cfg, mesh, device)
+    log.say(effective(cfg))
+    log.say(mesh.layout.table())
+    if cfg.ep > 1:
+        log.say(f"experts: the dp x cp ranks as edp {cfg.dp * cfg.cp // cfg.ep} x ep {cfg.ep}; this rank's ep group "
+                f"{mesh.group('ep').ranks}, edp group {mesh.group('edp').ranks}")
+    data = load_data(cfg, resume)
+    log.measure_memory_from_here()  # the run's own memory: not the tokenizer's peak
+    try:
+        train.run(cfg, resume, mesh, data, log, device)
+    except RuntimeError as e:  # DistBackendError too: a rank stopped answering? name what we waited for
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        raise RankTimeout(hang_report(cfg, mesh.ledger, e)) from None
+    log.close()
+    mesh.destroy()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_distributed(timeout: float | None = None) -> torch.device:
+    """NCCL on GPUs, gloo on CPU. Without torchrun, a world of one. timeout: seconds (None: torch's)."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    limit = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    if "RANK" in os.environ:
+        if backend == "nccl":  # one GPU per local rank (ranks beyond the GPU count share them)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        dist.init_process_group(backend, **limit)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                                **limit)
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def exit_with_parent() -> None:
+    """Under torchrun, ask Linux to SIGTERM this worker when torchrun dies, even by kill -9: no
+    orphaned worker trains on alone, holding its GPU and --out's lock."""
+    if sys.platform == "linux" and "TORCHELASTIC_RUN_ID" in os.environ:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
+def load_data(cfg: TrainConfig, resume: Path | None = None) -> TokenData:
+    """Tokenised once per machine (local rank 0); the other ranks wait and read the cache. The
+    tokenizer: --tokenizer, else a resumed checkpoint's (the same ids, even if the cache is gone),
+    else a BPE trained on the data."""
+    saved = resume / "tokenizer.json" if resume is not None and (resume / "tokenizer.json").exists() else None
+    args = (cfg.data, cfg.bpe_vocab, cfg.cache_dir, cfg.tokenizer or saved, cfg.token_dtype)
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        prepare(*args)
+    dist.barrier()
+    data = TokenData(prepare(*args), cfg.seq_len, cfg.seed, cfg.val_fraction)
+    validation_batches(cfg, data)  # raises DataError when too little is held out
+    return data
+
+
+class RankTimeout(RuntimeError):
+    """Another rank did not answer within --timeout; the message names what this rank waited for."""
+
+
+def hang_report(cfg: TrainConfig, ledger, error: Exception) -> str:
+    """One line: which rank gave up, after how long, and the last operation it had asked of others."""
+    rank, last = os.environ.get("RANK", "0"), ledger.last
+    if last is None:
+        return f"rank {rank}: a collective failed ({str(error).splitlines()[0][:200]})"
+    group, op, ranks, peer = last
+    waits = f", from rank {peer}" if peer is not None else f" with ranks {list(ranks)}"
+    return (f"rank {rank}: no answer within --timeout {cfg.timeout:g} s; the last operation it asked of others "
+            f"was {group}/{op}{waits} (a rank there stopped, died or runs a different step); the job stops")

@@ -1,0 +1,55 @@
+"""The checkpoint policy: when the loop saves, and what it never saves.
+
+A run saves after every `--save-every` steps and after its last. Every rank helps: the tp shards
+and pp stages are gathered into full tensors (checkpoint.gather_full), rank 0 writes them with the
+data's fingerprint and tokenizer (checkpoint.save: a hidden folder, renamed when whole), and the
+others wait for it. A non-finite weight anywhere stops the run instead (`TrainingStopped`, exit 3):
+nothing bad is ever saved, and the last good checkpoint stays the newest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from minipar.collectives import all_reduce
+from minipar.data_parallel import GradSync
+from minipar.mesh import Mesh
+from minipar.run import checkpoint
+from minipar.run.batches import TokenData
+from minipar.run.config import TrainConfig
+from minipar.run.run_log import RunLog
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (it diverged); the message says why and what to do."""
+
+
+def is_due(cfg: TrainConfig, step: int) -> bool:
+    """Save after step `step` (counted from 1)? Every --save-every steps, and at the end."""
+    return step == cfg.steps or (cfg.save_every > 0 and step % cfg.save_every == 0)
+
+
+def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Mesh, log: RunLog,
+         data: TokenData) -> None:
+    """The checkpoint of step `step`, every rank helping (see the module docstring)."""
+    with wrapper.gathered():
+        finite = torch.tensor([float(all(torch.isfinite(p).all() for p in wrapper.module.parameters()))],
+                              device=next(wrapper.module.parameters()).device)
+    all_reduce(finite, log.group, op="min")  # every rank decides alike
+    if not finite.item():
+        raise TrainingStopped(f"not saving step {step}: the weights hold non-finite values (the run diverged); the "
+                              f"last good checkpoint in {cfg.out} is kept: resume from it with a lower --lr and "
+                              f"--allow-config-change")
+    states = wrapper.state_by_name()
+    with wrapper.gathered():  # ZeRO-3: the weights are sharded
+        full = checkpoint.gather_full(wrapper.module, states, checkpoint.hyper_params(wrapper.optimizer),
+                                      mesh.shard_groups(), mesh.pp_group)
+    if log.is_main:
+        state = {"step": step, "consumed": consumed, "config": asdict(cfg), "data_key": data.fingerprint,
+                 "model_config": asdict(wrapper.module.config)}  # what the weights are of (sample.py, convert.py)
+        path = checkpoint.save(cfg.out, step, *full, state, data.tokenizer_file)
+        log.say(f"saved {path}")
+    dist.barrier()

@@ -1,0 +1,45 @@
+"""What a step is made of under any layout: the one place that knows how context parallelism and
+experts change a step. The training loop (train.py) and validation (validation.py) both use it.
+
+    this dp rank's rows       [b, s]         (batches.TokenData)
+      cp: its zigzag share    [b, s/cp]      (context_parallel.split_sequence)
+      on the device, cut into micro-batches of --micro-batch rows
+    each micro-batch's loss = its sum of token losses / divisor,
+      divisor = the global batch's real targets / |dp x cp|   (data_parallel.loss_divisor: the
+      wrappers average gradients over dp x cp, each cp rank having seen part of every sequence)
+    experts: each micro-batch's load-balancing loss weighs 1/micro-batches (the step's mean), and
+      the tokens each expert was given are counted in forward, taken for the log after a step
+
+Validation runs the same micro-batches and divisor, forward only: no gradient, so no auxiliary
+loss; it drops the expert counts of its forwards so that the log shows training tokens only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minipar.context_parallel import split_sequence
+from minipar.data_parallel import GradSync, loss_divisor
+from minipar.mesh import Mesh
+from minipar.moe import set_aux_scale, take_load
+
+
+def micro_batches_of(rows: tuple[torch.Tensor, torch.Tensor], mesh: Mesh, micro_batch: int,
+                  device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, targets) of this dp rank, [b, s] each: their cp share on the device, cut into
+    micro-batches of `micro_batch` rows."""
+    x, y = (split_sequence(t, mesh.cp_group).to(device) for t in rows)  # [b, s/cp] zigzag share (cp)
+    return list(zip(x.split(micro_batch), y.split(micro_batch)))
+
+
+def begin_step(model: GradSync, micro: list) -> float:
+    """Ready the wrapped model for a step over these micro-batches: each MoE block's auxiliary loss
+    weighs 1/len(micro). Returns the divisor of each micro-batch's sum of token losses (one 8-byte
+    all-reduce over dp x cp)."""
+    set_aux_scale(model.module, 1 / len(micro))
+    return loss_divisor(micro, model.group)
+
+
+def take_expert_load(model: GradSync) -> list[list[int]]:
+    """MoE: this rank's assignments per expert in each block since the last call; counting restarts."""
+    return take_load(model.module)
