@@ -7,10 +7,11 @@ loads what it resumes, and runs the steps:
 
     one optimizer step, on each rank:
         lr <- warm-up then cosine                                  (lr_at)
-        micro-batches <- this dp rank's rows of the next global batch, cp's share of each sequence
-                                                                   (step.py, batches.py)
+        micro-batches <- this dp rank's rows of the next global batch, cp's share of each
+                         sequence, cut into --micro-batch rows     (step.py, batches.py)
+        divisor <- the global batch's real targets / |dp x cp|    (step.begin_step)
         for each micro-batch:            (all but the last inside model.no_sync())
-            loss = its sum of token losses / loss_divisor; loss.backward()
+            loss = its sum of token losses / divisor; loss.backward()
                                                                    (buckets all-reduce on the last)
         model.finish_grad_sync()                                   (data_parallel.py)
         model.clip_and_step(): clip the global gradient norm; AdamW step

@@ -81,7 +81,7 @@ def _layout_equals_one_device(rank, world, model, layout):
     want = one_device(model, device)
     cfg = train_config(model, **layout)
     with Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp) as mesh:
-        if cfg.ep > 1:  # as train.run: experts carved out of dp x cp
+        if cfg.ep > 1:  # as launch.launch: experts carved out of dp x cp
             mesh.unflatten(("dp", "cp"), edp=cfg.dp * cfg.cp // cfg.ep, ep=cfg.ep)
         net, pipeline = build_model(cfg, mesh, model_config(model), device, torch.float64)
         wrapper = wrap(net, mesh, cfg)
