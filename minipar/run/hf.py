@@ -123,7 +123,7 @@ def read_json(path: Path) -> dict:
     except ValueError as e:  # not UTF-8, not JSON
         raise HFError(f"{path} is not JSON ({str(e)[:200]}): download it again") from None
     if not isinstance(value, dict):
-        raise HFError(f"{path} holds a JSON {type(value).__name__}, not an object")
+        raise HFError(f"{path} holds a JSON {type(value).__name__}, not an object: download it again")
     return value
 
 
