@@ -72,6 +72,11 @@ class ModelConfig:
         return self.dim // self.n_heads
 
     def validate(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:  # a hand-written config.json
+                raise ValueError(f"{name} {getattr(self, name)!r}: a size is a whole number, 1 or more")
+        if not all(type(x) in (int, float) and 0 < x < math.inf for x in (self.norm_eps, self.rope_theta)):
+            raise ValueError(f"norm_eps {self.norm_eps!r} and rope_theta {self.rope_theta!r} must be numbers above 0")
         if self.dim % self.n_heads:
             raise ValueError(f"model dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:

@@ -9,8 +9,6 @@ The imported checkpoint is an ordinary minipar one at step 0 (no optimizer state
 `transformers.LlamaForCausalLM.from_pretrained(HF_DIR)`; transformers is not needed to convert.
 """
 
-import argparse
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from safetensors.torch import load_file
 
 from minipar.model import Llama
 from minipar.run import checkpoint
+from minipar.run.args import Parser, refusals
 from minipar.run.config import TrainConfig
 from minipar.run.hf import export_hf, import_hf
 
@@ -54,15 +53,14 @@ def export_folder(ckpt: str, hf_dir: str) -> Path:
 
 
 def main(argv=None) -> Path:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    """Convert; a bad folder or file is one line (`minipar: error: ...`) and exit code 2."""
+    p = Parser(prog="convert.py", description=__doc__.split("\n")[0])
     p.add_argument("direction", choices=["import", "export"])
     p.add_argument("source", help="import: a Hugging Face Llama folder; export: a minipar checkpoint or --out folder")
     p.add_argument("target", help="import: the minipar --out folder to write; export: the folder to write")
-    args = p.parse_args(argv)
-    try:
+    with refusals():  # HFError, CheckpointError, InputError: one line naming the file
+        args = p.parse_args(argv)
         done = (import_folder if args.direction == "import" else export_folder)(args.source, args.target)
-    except (ValueError, OSError) as e:  # HFError, CheckpointError: one line
-        sys.exit(f"convert.py: error: {e}")
     print(f"wrote {done}")
     return done
 

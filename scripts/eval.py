@@ -5,31 +5,45 @@
 The text is tokenised with the run's own tokenizer, joined with <|endoftext|> between files as in
 training, and cut into consecutive windows of --seq-len + 1 tokens (no shuffling, no overlap). The
 loss is the mean next-token cross-entropy over every target of every window; the perplexity is
-its exponential. Use text the run did not train on: train.py's --data is read whole.
+its exponential. Use text the run did not train on: train.py's --data is read whole. A bad flag
+or file is one line and exit code 2 (minipar/run/args.py).
 """
 
-import argparse
 import math
-import sys
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
 
 from minipar.run import checkpoint
+from minipar.run.args import HelpFormatter, InputError, Parser, existing_file, non_negative_int, positive_int, refusals
 from minipar.run.data import EOT, DataError, encode_files, find_files  # names a file that is not text
-from minipar.run.generate import plain_model_from, tokenizer_path
+from minipar.run.generate import checkpoint_tokenizer, plain_model_from, run_config
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def parse_args(argv=None):
+    p = Parser(prog="eval.py", description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     p.add_argument("checkpoint", help="a checkpoint folder, or an --out folder (its newest that verifies)")
     p.add_argument("--data", required=True, help="held-out text: a file or a folder of them")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per window (default: the run's)")
-    p.add_argument("--batch-size", type=int, default=8, help="windows per forward")
-    p.add_argument("--max-windows", type=int, default=0, help="stop after this many windows (0: all)")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per window (default: the run's)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward")
+    p.add_argument("--max-windows", type=non_negative_int, default=0, help="stop after this many windows (0: all)")
+    p.add_argument("--tokenizer", type=existing_file, default=None,
+                   help="tokenizer.json (default: the checkpoint's, or the run's data cache's)")
     return p.parse_args(argv)
+
+
+def window_length(seq_len: int | None, state: dict, path, max_seq_len: int) -> int:
+    """--seq-len, else the run's; at most the model's max_seq_len, as train.py demands."""
+    if seq_len is None:
+        seq_len = run_config(state, path).get("seq_len")
+        if type(seq_len) is not int or seq_len < 1:
+            raise checkpoint.CheckpointError(f"checkpoint {path}: its train_state.json holds no --seq-len "
+                                             f"({seq_len!r}); give --seq-len")
+    if seq_len > max_seq_len:
+        raise InputError(f"--seq-len {seq_len} is above the model's max_seq_len {max_seq_len}: give "
+                         f"{max_seq_len} or less")
+    return seq_len
 
 
 def windows(tokenizer: Tokenizer, data: str, seq_len: int, limit: int) -> torch.Tensor:
@@ -55,15 +69,13 @@ def evaluate(model, rows: torch.Tensor, batch_size: int) -> tuple[float, int]:
 
 
 def main(argv=None) -> tuple[float, float]:
-    args = parse_args(argv)
-    try:
-        path = checkpoint.resolve(args.checkpoint)
+    with refusals():  # CheckpointError, DataError, InputError: one line
+        args = parse_args(argv)
+        path = checkpoint.resolve(args.checkpoint, flag="checkpoint")
         model, state = plain_model_from(path)
-        seq_len = args.seq_len or state["config"]["seq_len"]
-        tok = Tokenizer.from_file(str(tokenizer_path(state, path)))
+        seq_len = window_length(args.seq_len, state, path, model.config.max_seq_len)
+        tok = checkpoint_tokenizer(state, path, model.config.vocab_size, args.tokenizer, separator=True)  # joins files
         rows = windows(tok, args.data, seq_len, args.max_windows)
-    except (ValueError, OSError) as e:  # CheckpointError, DataError, a missing tokenizer
-        sys.exit(f"eval.py: error: {e}")
     loss, count = evaluate(model, rows, args.batch_size)
     print(f"{path}: {count:,} targets in {len(rows)} windows of {seq_len} tokens | loss {loss:.4f} | "
           f"perplexity {math.exp(loss):.2f}")

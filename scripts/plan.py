@@ -5,37 +5,39 @@
 
 Memory is minipar's own estimate (minipar/planning/estimate.py, checked byte for byte against real ranks);
 time is the stated model of minipar/planning/planner.py (compute at --mfu of --peak-tflops, communication
-at the given bandwidths). Nothing runs on a GPU: it is arithmetic, for any number of GPUs.
+at the given bandwidths). Nothing runs on a GPU: it is arithmetic, for any number of GPUs. A flag
+out of its range is one line and exit code 2 (minipar/run/args.py).
 """
-
-import argparse
 
 from minipar.model import CONFIGS, get_config
 from minipar.planning.planner import Cluster, plan, step_time
+from minipar.run.args import (
+    HelpFormatter,
+    InputError,
+    Parser,
+    byte_size,
+    fraction,
+    positive_float,
+    positive_int,
+    refusals,
+)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def parse_args(argv=None):
+    p = Parser(prog="plan.py", description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--model", default="8b", choices=list(CONFIGS))
-    p.add_argument("--gpus", type=int, default=8)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu-memory", default="80GB", help="per GPU, e.g. 80GB or 24GiB")
-    p.add_argument("--seq-len", type=int, default=8192)
-    p.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step")
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 per GPU (H100 SXM: 989)")
-    p.add_argument("--mfu", type=float, default=0.45, help="the share of peak the matmuls reach")
-    p.add_argument("--intra-gbps", type=float, default=450.0, help="GB/s per GPU inside a node (NVLink)")
-    p.add_argument("--inter-gbps", type=float, default=50.0, help="GB/s per GPU between nodes (InfiniBand)")
-    p.add_argument("--top", type=int, default=8, help="how many layouts to list")
+    p.add_argument("--gpus", type=positive_int, default=8)
+    p.add_argument("--gpus-per-node", type=positive_int, default=8)
+    p.add_argument("--gpu-memory", type=byte_size, default="80GB", help="per GPU, e.g. 80GB or 24GiB")
+    p.add_argument("--seq-len", type=positive_int, default=8192)
+    p.add_argument("--global-batch", type=positive_int, default=1024, help="sequences per optimizer step")
+    p.add_argument("--micro-batch", type=positive_int, default=1)
+    p.add_argument("--peak-tflops", type=positive_float, default=989.0, help="dense bf16 per GPU (H100 SXM: 989)")
+    p.add_argument("--mfu", type=fraction, default=0.45, help="the share of peak the matmuls reach")
+    p.add_argument("--intra-gbps", type=positive_float, default=450.0, help="GB/s per GPU inside a node (NVLink)")
+    p.add_argument("--inter-gbps", type=positive_float, default=50.0, help="GB/s per GPU between nodes (InfiniBand)")
+    p.add_argument("--top", type=positive_int, default=8, help="how many layouts to list")
     return p.parse_args(argv)
-
-
-def memory_bytes(text: str) -> float:
-    units = {"GIB": 2**30, "GB": 1e9, "MIB": 2**20, "MB": 1e6}
-    unit = next(u for u in units if text.upper().endswith(u))
-    return float(text[: -len(unit)]) * units[unit]
 
 
 def row(choice) -> str:
@@ -68,13 +70,14 @@ def why_not(best, fits, args, cluster) -> list[str]:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    cluster = Cluster(args.gpus, args.gpus_per_node, memory_bytes(args.gpu_memory), args.peak_tflops * 1e12,
-                      args.mfu, args.intra_gbps * 1e9, args.inter_gbps * 1e9)
-    try:
+    with refusals():  # a flag out of its range, or a layout the planner refuses: one line
+        args = parse_args(argv)
+        if args.seq_len > get_config(args.model).max_seq_len:  # as train.py refuses it
+            raise InputError(f"--seq-len {args.seq_len} is above --model {args.model}'s max_seq_len "
+                             f"{get_config(args.model).max_seq_len}: give {get_config(args.model).max_seq_len} or less")
+        cluster = Cluster(args.gpus, args.gpus_per_node, args.gpu_memory, args.peak_tflops * 1e12, args.mfu,
+                          args.intra_gbps * 1e9, args.inter_gbps * 1e9)
         fits, too_big = plan(args.model, cluster, args.seq_len, args.global_batch, args.micro_batch)
-    except ValueError as e:
-        raise SystemExit(f"plan.py: error: {e}") from None
     c = get_config(args.model)
     print(f"{args.model}: {c.num_params() / 1e9:.2f}B parameters on {args.gpus} GPUs ({args.gpus_per_node} per "
           f"node, {cluster.memory / 1e9:.0f} GB each), seq {args.seq_len}, global batch {args.global_batch}")

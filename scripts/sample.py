@@ -6,53 +6,49 @@
 A checkpoint holds every tensor at its single-device shape (checkpoint.py), so the plain model
 loads it directly. The tokenizer is the run's own, which the checkpoint keeps (older checkpoints:
 found in the data cache under the key the checkpoint keeps; or give --tokenizer). Generation keeps a KV
-cache (minipar/run/generate.py).
+cache (minipar/run/generate.py). A bad flag or file is one line and exit code 2 (minipar/run/args.py).
 """
 
-import argparse
-import sys
-from pathlib import Path
-
 import torch
-from tokenizers import Tokenizer
 
 from minipar.run import checkpoint
-from minipar.run.generate import generate, plain_model_from, tokenizer_path
+from minipar.run.args import (
+    HelpFormatter,
+    InputError,
+    Parser,
+    existing_file,
+    non_negative_float,
+    non_negative_int,
+    refusals,
+)
+from minipar.run.generate import checkpoint_tokenizer, generate, plain_model_from
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def parse_args(argv=None):
+    p = Parser(prog="sample.py", description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     p.add_argument("checkpoint", help="a checkpoint folder, or an --out folder (its newest that verifies)")
     p.add_argument("--prompt", default="\n", help="the text to continue")
-    p.add_argument("--tokens", type=int, default=100, help="how many tokens to add")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: always the most likely token")
-    p.add_argument("--top-k", type=int, default=0, help="draw among the k most likely only (0: all)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's, from the data cache)")
+    p.add_argument("--tokens", type=non_negative_int, default=100, help="how many tokens to add")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: always the most likely token")
+    p.add_argument("--top-k", type=non_negative_int, default=0, help="draw among the k most likely only (0: all)")
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--tokenizer", type=existing_file, default=None,
+                   help="tokenizer.json (default: the checkpoint's, or the run's data cache's)")
     return p.parse_args(argv)
 
 
-def tokenizer_of(state: dict, given: str | None, folder: Path) -> Tokenizer:
-    path = Path(given) if given else tokenizer_path(state, folder)
-    if not path.exists():
-        data = state["config"]["data"] or "the standard library"
-        raise SystemExit(f"sample.py: error: no tokenizer at {path}: train.py builds it from the run's --data "
-                         f"({data}); give --tokenizer PATH")
-    return Tokenizer.from_file(str(path))
-
-
 def main(argv=None) -> str:
-    args = parse_args(argv)
-    try:
-        path = checkpoint.resolve(args.checkpoint)
+    with refusals():  # CheckpointError, DataError, InputError: one line
+        args = parse_args(argv)
+        path = checkpoint.resolve(args.checkpoint, flag="checkpoint")
         model, state = plain_model_from(path)
-    except ValueError as e:  # CheckpointError: missing, corrupt
-        sys.exit(f"sample.py: error: {e}")
-    tok = tokenizer_of(state, args.tokenizer, path)
-    prompt = torch.tensor([tok.encode(args.prompt).ids or [0]])
-    out = generate(model, prompt, args.tokens, args.temperature, args.top_k,
-                   torch.Generator().manual_seed(args.seed))
+        tok = checkpoint_tokenizer(state, path, model.config.vocab_size, args.tokenizer)
+        prompt = torch.tensor([tok.encode(args.prompt).ids or [0]])
+        if prompt.shape[1] + args.tokens > model.config.max_seq_len:
+            raise InputError(f"--tokens {args.tokens} after the prompt's {prompt.shape[1]} tokens pass the model's "
+                             f"max_seq_len {model.config.max_seq_len}: give --tokens "
+                             f"{max(model.config.max_seq_len - prompt.shape[1], 0)} or fewer, or a shorter prompt")
+    out = generate(model, prompt, args.tokens, args.temperature, args.top_k, torch.Generator().manual_seed(args.seed))
     text = tok.decode(out[0].tolist())
     print(text)
     return text

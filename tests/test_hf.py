@@ -205,7 +205,8 @@ def test_bad_folders_are_refused_in_one_line(tmp_path, capsys):
     for folder, why in cases:
         with pytest.raises(SystemExit) as e:
             script.main(["import", str(folder), str(tmp_path / "out")])
-        assert str(e.value).startswith("convert.py: error: ") and why in str(e.value) and "\n" not in str(e.value)
+        assert e.value.code == 2 and why in str(e.value)
+        assert capsys.readouterr().err.splitlines() == [str(e.value)] and str(e.value).startswith("minipar: error: ")
     with pytest.raises(HFError, match="only Llama"):
         import_hf(cases[2][0])
 

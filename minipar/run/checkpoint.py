@@ -39,6 +39,7 @@ from torch import nn
 from minipar.collectives import Group
 from minipar.model import ModelConfig, get_config
 from minipar.placement import placement_of
+from minipar.run.args import InputError, folder_path
 from minipar.tensor_parallel import shard, unshard
 
 FILES = ("model.safetensors", "optimizer.safetensors", "train_state.json")
@@ -62,8 +63,12 @@ def resolve(path: str | Path, skipped: list[str] | None = None, flag: str = "--r
     """A checkpoint folder, which must verify, or an --out folder whose newest step_* checkpoint
     that verifies is taken; why each newer one was skipped is appended to `skipped`."""
     p = Path(path).expanduser()
-    if not p.exists():
+    if not os.path.lexists(p):
         raise CheckpointError(f"{flag} {path}: no such folder")
+    try:
+        folder_path(p, f"{flag} {path}")  # a symlink loop, a broken link, a file
+    except InputError as e:
+        raise CheckpointError(str(e)) from None
     if (p / "train_state.json").exists() or p.name.startswith("step_"):
         verify(p)
         return p
@@ -271,8 +276,14 @@ def load(path: Path, model: nn.Module, tp_group: Group | None = None) -> tuple[d
 def model_config_of(path: Path, state: dict) -> ModelConfig:
     """The model a checkpoint's weights are for: stored beside them (train.py, convert.py import),
     or, in a checkpoint from before that, the run's --model with the tokenizer's vocabulary."""
-    if "model_config" in state:
-        return ModelConfig(**state["model_config"])
+    if "model_config" in state:  # train_state.json may have been edited by hand: one line, naming it
+        try:
+            config = ModelConfig(**state["model_config"])
+            config.validate()
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {path}: train_state.json's model_config is not a model's ({e}); "
+                                  f"use another checkpoint") from None
+        return config
     run = state["config"]
     with safe_open(path / "model.safetensors", "pt") as f:
         vocab = f.get_slice("tok_emb.weight").get_shape()[0]

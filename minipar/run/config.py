@@ -27,11 +27,12 @@ from minipar.pipeline.executor import stage_layers
 from minipar.pipeline.schedules import SCHEDULES, ScheduleError
 from minipar.pipeline.schedules import build as build_schedule
 from minipar.pipeline.schedules import placement as schedule_placement
+from minipar.run.args import HelpFormatter, InputError, Parser
 from minipar.run.config_file import as_toml, read_config_file
 from minipar.tensor_parallel import check_tensor_layout
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A bad command line; the message says what to change."""
 
 
@@ -225,23 +226,6 @@ class TrainConfig:
         if self.bpe_size() > m.vocab_size:
             raise ConfigError(f"--bpe-vocab {self.bpe_size()} does not fit in the model's vocabulary of "
                               f"{m.vocab_size}: pass a smaller --bpe-vocab, or --vocab-size {self.bpe_size()} or more")
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, but a flag it cannot parse is one line like every other refusal, not a usage block."""
-
-    def error(self, message):
-        raise ConfigError(f"{message} (train.py --help lists every flag)")
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Adds "(default: X)" to a flag's help, unless the help says its default in words already or
-    the default is None (the help then says what leaving the flag out does)."""
-
-    def _get_help_string(self, action):
-        if action.default is None or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
 
 
 def add_model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:

@@ -21,6 +21,8 @@ import argparse
 import json
 import tomllib
 
+from minipar.run.args import regular_if_present
+
 KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
@@ -28,10 +30,13 @@ def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
     """{flag's dest: value} from the TOML file at `path`, each checked against the parser's flag.
     Raises ValueError (one line) naming the file and the key."""
     try:
-        with open(path, "rb") as f:
+        with open(regular_if_present(path, f"--config {path}"), "rb") as f:  # a FIFO would block: refused first
             table = tomllib.load(f)
     except OSError as e:
         raise ValueError(f"--config {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--config {path} is not UTF-8 (byte {e.start} is {e.object[e.start]:#04x}): TOML files are "
+                         f"UTF-8; save it as UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"--config {path} is not TOML: {e}") from None
     flags = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}

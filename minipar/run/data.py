@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from minipar.run.args import InputError, regular_file, regular_if_present
+
 EOT = "<|endoftext|>"
 DEFAULT_CACHE = Path.home() / ".cache" / "minipar"
 PIECE = 1 << 16  # characters per piece of text: memory follows this, not the corpus
@@ -54,16 +56,23 @@ def find_files(path: str | None) -> list[Path]:
     if path is None:
         return default_corpus()
     p = Path(path).expanduser()
-    if not p.exists():
-        raise DataError(f"--data {path}: no such file or directory (give a text file or a folder of them)")
-    if p.is_file():
-        return [p]
-    files = []
+    if not p.is_dir():  # a file, or what regular_file names: missing, a loop, a FIFO
+        try:
+            return [regular_file(p, f"--data {path}")]
+        except InputError as e:
+            raise DataError(str(e)) from None
+    files, seen = [], {str(p): {os.path.realpath(p)}}  # each folder walked: the real folders above it
 
     def refuse(e: OSError):
         raise DataError(f"--data: cannot read the folder {e.filename} ({e.strerror})")
     for folder, dirs, names in os.walk(p, onerror=refuse, followlinks=True):  # as rglob did
         dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for d in dirs:  # a link back to a folder above it would be walked forever
+            real = os.path.realpath(Path(folder) / d)
+            if real in seen[folder]:
+                raise DataError(f"--data: {Path(folder) / d} links back to {real}, a folder it is in (a symlink "
+                                f"loop): remove the link")
+            seen[os.path.join(folder, d)] = seen[folder] | {real}
         for f in (Path(folder) / n for n in names if not n.startswith(".")):
             if not f.is_file():
                 raise DataError(f"--data: {f} is not a file (a broken link?): remove it or point it at one")
@@ -151,7 +160,9 @@ def read_tokenizer(path: str | Path, separator: bool = False):
     from tokenizers import Tokenizer
 
     try:
-        tok = Tokenizer.from_file(str(Path(path).expanduser()))
+        tok = Tokenizer.from_file(str(regular_if_present(path, f"--tokenizer {path}")))  # a FIFO would block
+    except InputError:
+        raise
     except Exception as e:  # tokenizers raises a bare Exception: a missing file, bad JSON
         raise DataError(f"--tokenizer {path}: cannot load it as a Hugging Face tokenizer.json "
                         f"({str(e).splitlines()[0][:200]})") from None

@@ -15,6 +15,7 @@ installs it for the length of a `with` block.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,7 +25,8 @@ from einops import repeat
 
 from minipar.model import Llama
 from minipar.run import checkpoint
-from minipar.run.data import data_key
+from minipar.run.args import inside
+from minipar.run.data import data_key, read_tokenizer
 
 
 class KVCache:
@@ -121,12 +123,41 @@ def plain_model_from(path: Path) -> tuple[Llama, dict]:
     return model.eval(), state
 
 
+def run_config(state: dict, folder: Path | None) -> dict:
+    """The run's settings saved in a checkpoint's train_state.json (a dict, or one line naming the file)."""
+    if not isinstance(state.get("config"), dict):
+        raise checkpoint.CheckpointError(f"checkpoint {folder}: its train_state.json holds no run settings "
+                                         f"(\"config\"); use another checkpoint")
+    return state["config"]
+
+
 def tokenizer_path(state: dict, folder: Path | None = None) -> Path:
     """The tokenizer the run encoded its data with: the checkpoint's own copy (in `folder`), or,
-    for a checkpoint saved before they kept one, the data cache's."""
+    for a checkpoint saved before they kept one, the data cache's: a cache key from the state, which
+    must name a folder inside the cache (train_state.json is not checksummed: never follow a `..`)."""
     if folder is not None and (folder / "tokenizer.json").exists():
         return folder / "tokenizer.json"
-    run = state["config"]
+    run = run_config(state, folder)
     bpe = run.get("bpe_vocab", run.get("vocab_size"))  # runs before --bpe-vocab sized the BPE by --vocab-size
-    key = state.get("data_key") or data_key(run["data"], bpe)
-    return Path(run["cache_dir"]).expanduser() / key / "tokenizer.json"
+    key, cache = state.get("data_key") or data_key(run.get("data"), bpe), run.get("cache_dir")
+    if not (isinstance(key, str) and isinstance(cache, str)):
+        raise checkpoint.CheckpointError(f"checkpoint {folder}: its train_state.json names no data cache (cache_dir "
+                                         f"{cache!r}, data_key {key!r}); give --tokenizer PATH")
+    return inside(cache, key, f"checkpoint {folder}: train_state.json's data_key") / "tokenizer.json"
+
+
+def checkpoint_tokenizer(state: dict, folder: Path, vocab_size: int, given: Path | None = None,
+                         separator: bool = False):
+    """`given` (--tokenizer), else the run's own (tokenizer_path); one line when there is none or
+    its ids do not fit the model's `vocab_size` embedding rows. separator: as data.read_tokenizer."""
+    path = given or tokenizer_path(state, folder)
+    if given is None and not os.path.lexists(path):
+        data = run_config(state, folder).get("data") or "the standard library"
+        raise checkpoint.CheckpointError(f"no tokenizer at {path}: train.py builds it from the run's --data "
+                                         f"({data}); give --tokenizer PATH")
+    tok = read_tokenizer(path, separator)
+    if tok.get_vocab_size() > vocab_size:
+        raise checkpoint.CheckpointError(f"--tokenizer {path} has {tok.get_vocab_size()} tokens, more than the "
+                                         f"model's vocabulary of {vocab_size}: give the tokenizer the model was "
+                                         f"trained with")
+    return tok

@@ -23,14 +23,16 @@ model, never to convert it (scripts/convert.py drives it).
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from minipar.model import ModelConfig
+from minipar.run.args import folder_path, inside, regular_file
 
 # (transformers name, minipar name); "{}" is the layer number.
 NAMES = [("model.embed_tokens.weight", "tok_emb.weight"), ("model.norm.weight", "norm.weight"),
@@ -44,6 +46,8 @@ NAMES += [(f"model.layers.{{}}.{hf}.weight", f"layers.{{}}.{ours}.weight") for h
 CONFIG_KEYS = {"hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
                "intermediate_size": "ffn_dim", "vocab_size": "vocab_size", "rms_norm_eps": "norm_eps",
                "max_position_embeddings": "max_seq_len", "tie_word_embeddings": "tie_embeddings"}
+SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
+             "max_position_embeddings")
 SCALING_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
                 "high_freq_factor": "rope_high_freq_factor",
                 "original_max_position_embeddings": "rope_original_max_len"}
@@ -66,30 +70,36 @@ def rename(name: str, to_minipar: bool = True) -> str:
 def config_from_hf(hf: dict) -> ModelConfig:
     """A ModelConfig from a transformers LlamaConfig's config.json (4.x or 5.x keys)."""
     if hf.get("model_type") != "llama":
-        raise HFError(f"config.json: model_type {hf.get('model_type')!r}, architectures {hf.get('architectures')}: "
+        raise HFError(f"model_type {hf.get('model_type')!r}, architectures {hf.get('architectures')}: "
                       f"only Llama (LlamaForCausalLM) checkpoints are supported")
     rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}  # 4.x, 5.x
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "llama3"):
-        raise HFError(f"config.json: rope type {kind!r} is not supported (only default and llama3)")
+        raise HFError(f"rope type {kind!r} is not supported (only default and llama3)")
     if kind == "llama3" and not SCALING_KEYS.keys() <= rope.keys():
-        raise HFError(f"config.json: llama3 rope scaling without {', '.join(SCALING_KEYS.keys() - rope.keys())}")
+        raise HFError(f"llama3 rope scaling without {', '.join(SCALING_KEYS.keys() - rope.keys())}")
     missing = [k for k in CONFIG_KEYS if k not in hf and k not in ("rms_norm_eps", "tie_word_embeddings")]
     if missing:
-        raise HFError(f"config.json lacks {', '.join(missing)}")
+        raise HFError(f"lacks {', '.join(missing)}")
+    optional = [k for k in ("num_key_value_heads", "head_dim") if hf.get(k) is not None]  # null: derived
+    bad = [f"{k} {hf[k]!r}" for k in (*SIZE_KEYS, *optional) if type(hf[k]) is not int or hf[k] < 1]
+    if bad:
+        raise HFError(f"{', '.join(bad)}: a size is a whole number, 1 or more")
     unsupported = [k for k in ("attention_bias", "mlp_bias") if hf.get(k)] + (
         [f"hidden_act {hf['hidden_act']}"] if hf.get("hidden_act", "silu") != "silu" else [])
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     if head_dim * hf["num_attention_heads"] != hf["hidden_size"]:
         unsupported.append(f"head_dim {head_dim} x {hf['num_attention_heads']} heads != hidden_size")
     if unsupported:
-        raise HFError(f"config.json: {', '.join(unsupported)}: not supported by minipar's Llama")
+        raise HFError(f"{', '.join(unsupported)}: not supported by minipar's Llama")
     values = {"norm_eps": 1e-6, **{ours: hf[key] for key, ours in CONFIG_KEYS.items() if key in hf}}  # 1e-6: theirs
     values["n_kv_heads"] = hf.get("num_key_value_heads") or hf["num_attention_heads"]
     values["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     if kind == "llama3":
         values.update({ours: type(getattr(ModelConfig, ours))(rope[key]) for key, ours in SCALING_KEYS.items()})
-    return ModelConfig(**values)
+    config = ModelConfig(**values)
+    config.validate()  # heads that divide, a norm epsilon above 0 ...
+    return config
 
 
 def config_to_hf(c: ModelConfig) -> dict:
@@ -105,25 +115,54 @@ def config_to_hf(c: ModelConfig) -> dict:
     return hf
 
 
+def read_json(path: Path) -> dict:
+    """A JSON object from a file of the checkpoint, or HFError naming the file."""
+    text = regular_file(path).read_bytes()  # InputError: a FIFO, a symlink loop
+    try:
+        value = json.loads(text)
+    except ValueError as e:  # not UTF-8, not JSON
+        raise HFError(f"{path} is not JSON ({str(e)[:200]}): download it again") from None
+    if not isinstance(value, dict):
+        raise HFError(f"{path} holds a JSON {type(value).__name__}, not an object: download it again")
+    return value
+
+
 def read_config(folder: str | Path) -> ModelConfig:
     folder = Path(folder)
-    if not folder.is_dir():
+    if not os.path.lexists(folder):
         raise HFError(f"{folder}: no such folder")
-    if not (folder / "config.json").exists():
+    folder_path(folder)  # a symlink loop, a file
+    if not os.path.lexists(folder / "config.json"):
         raise HFError(f"{folder}: no config.json (a Hugging Face checkpoint folder holds config.json and "
                       f"*.safetensors)")
-    return config_from_hf(json.loads((folder / "config.json").read_text()))
+    hf = read_json(folder / "config.json")
+    try:
+        return config_from_hf(hf)
+    except (TypeError, ValueError) as e:  # HFError, or a value of the wrong type (rope_scaling: "x")
+        raise HFError(f"{folder / 'config.json'}: {e}") from None
 
 
 def weight_files(folder: Path) -> dict[str, Path]:
-    """transformers tensor name -> the .safetensors file holding it (one file, or an index of shards)."""
+    """transformers tensor name -> the .safetensors file holding it (one file, or an index of
+    shards). Every file lies in the folder: an index naming `../elsewhere` is refused."""
     index = folder / "model.safetensors.index.json"
-    if index.exists():
-        return {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
-    if not (folder / "model.safetensors").exists():
+    if os.path.lexists(index):
+        weight_map = read_json(index).get("weight_map")
+        if not (isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())):
+            raise HFError(f"{index}: its weight_map is not an object of tensor name -> file name")
+        return {name: inside(folder, file, f"{index}: tensor {name}") for name, file in weight_map.items()}
+    if not os.path.lexists(folder / "model.safetensors"):
         raise HFError(f"{folder}: neither model.safetensors nor model.safetensors.index.json")
-    with safe_open(folder / "model.safetensors", "pt") as f:
+    with safetensors_of(folder / "model.safetensors") as f:
         return {name: folder / "model.safetensors" for name in f.keys()}
+
+
+def safetensors_of(path: Path):
+    """An open safetensors file, or HFError naming it (truncated, not safetensors, missing)."""
+    try:
+        return safe_open(regular_file(path), "pt")
+    except (SafetensorError, OSError) as e:
+        raise HFError(f"{path} is not a whole safetensors file ({str(e)[:200]}): download it again") from None
 
 
 def import_hf(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -134,8 +173,11 @@ def import_hf(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     for name, file in files.items():
         if name == "lm_head.weight" and config.tie_embeddings or name.endswith("rotary_emb.inv_freq"):
             continue  # derived, not learned
-        with safe_open(file, "pt") as f:
-            weights[rename(name)] = f.get_tensor(name)
+        with safetensors_of(file) as f:
+            try:
+                weights[rename(name)] = f.get_tensor(name)
+            except SafetensorError as e:  # a shard that lacks it, or cut short
+                raise HFError(f"{file}: {name} cannot be read ({str(e)[:200]}): download it again") from None
     return config, weights
 
 

@@ -1,0 +1,212 @@
+"""Command lines checked before anything runs: the argparse types and path checks every script
+shares (train.py, convert.py, sample.py, eval.py, plan.py).
+
+A bad flag or file costs one line and exit code 2, never a traceback, and names what to give:
+
+    minipar: error: argument --gpu-memory: 80 has no unit: give e.g. 80GB or 80GiB (plan.py --help ...)
+    minipar: error: --tokenizer loop.json is a symlink loop (a link that leads back to itself): ...
+
+    Parser             argparse, with its errors one line (an InputError), not a usage block
+    positive_int ...   argparse types: a number in its range, a size with a unit, a file, a folder
+    regular_file       a file that can be read without blocking: not a FIFO, a device, a loop
+    inside             a path written in a file stays in the folder the user gave
+    refusals()         a script's checks: any InputError (or other ValueError, OSError) -> one line, exit 2
+
+Why the file checks: a FIFO given as a file blocks its reader forever, a symlink loop reads as "no
+such file", and a path read from a file (a shard list, a cache key) may climb out with `..`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import math
+import os
+import re
+import stat
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class InputError(ValueError):
+    """A bad command line or input file; the message names it and says what to give instead."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a flag it cannot parse is one line like every other refusal, not a usage block."""
+
+    def error(self, message):
+        raise InputError(f"{message} ({self.prog} --help lists every flag)")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to a flag's help, unless the help says its default in words already or
+    the default is None (the help then says what leaving the flag out does)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Refusal(SystemExit):
+    """Exit code 2, after the one line is printed; str() is that line (for callers of main())."""
+
+    def __init__(self, line: str):
+        super().__init__(2)
+        self.line = line
+
+    def __str__(self):
+        return self.line
+
+
+def refuse(message: str):
+    """Print `minipar: error: message` as one line on stderr and exit with code 2."""
+    line = "minipar: error: " + " ".join(str(message).split("\n"))
+    print(line, file=sys.stderr, flush=True)
+    raise Refusal(line)
+
+
+@contextmanager
+def refusals():
+    """A script's parsing and checks: a bad input (InputError and the other ValueErrors minipar
+    raises, naming the file: CheckpointError, DataError, HFError; an OSError) is one line, exit 2."""
+    try:
+        yield
+    except (ValueError, OSError) as e:
+        refuse(str(e))
+
+
+# ----------------------------------------------------------------------------------------------
+# argparse types: each returns the value or raises ArgumentTypeError; argparse names the flag.
+# ----------------------------------------------------------------------------------------------
+
+
+def _number(text: str, kind):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'a whole number' if kind is int else 'a number'}") \
+            from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number: give one")
+    return value
+
+
+def _checked(text: str, kind, fine, want: str):
+    value = _number(text, kind)
+    if not fine(value):
+        raise argparse.ArgumentTypeError(f"{text} is out of range: give {want}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _checked(text, int, lambda v: v >= 1, "1 or more")
+
+
+def non_negative_int(text: str) -> int:
+    return _checked(text, int, lambda v: v >= 0, "0 or more")
+
+
+def positive_float(text: str) -> float:
+    return _checked(text, float, lambda v: v > 0, "a number above 0")
+
+
+def non_negative_float(text: str) -> float:
+    return _checked(text, float, lambda v: v >= 0, "0 or more")
+
+
+def fraction(text: str) -> float:
+    """A share or probability above 0, at most 1."""
+    return _checked(text, float, lambda v: 0 < v <= 1, "a fraction above 0, at most 1 (0.45 is 45%)")
+
+
+UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """A size with its unit: 80GB (10^9 bytes each) or 80GiB (2^30); a bare number is ambiguous."""
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-z]*)\s*", text)
+    if match is None or match.group(2).upper() not in UNITS and match.group(2):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give a number and a unit, e.g. 80GB or 80GiB")
+    if not match.group(2):
+        raise argparse.ArgumentTypeError(f"{text} has no unit: give e.g. {text}GB or {text}GiB")
+    value = _number(match.group(1), float) * UNITS[match.group(2).upper()]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is out of range: give a size of 1 byte or more")
+    return round(value)
+
+
+def existing_file(text: str) -> Path:
+    try:
+        return regular_file(text)
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def existing_folder(text: str) -> Path:
+    try:
+        return folder_path(text)
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Paths
+# ----------------------------------------------------------------------------------------------
+
+
+def _stat(path: Path, name: str) -> os.stat_result:
+    """The stat of what `path` leads to, or one line: missing, a broken link, a loop, unreadable."""
+    try:
+        return path.stat()
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise InputError(f"{name} is a symlink loop (a link that leads back to itself): point it at a real "
+                             f"file or folder") from None
+        if e.errno == errno.ENOENT:
+            what = "a broken link (its target is gone)" if path.is_symlink() else "no such file or directory"
+            raise InputError(f"{name}: {what}") from None
+        raise InputError(f"{name}: cannot read it ({e.strerror})") from None
+
+
+def regular_file(path: str | Path, name: str | None = None) -> Path:
+    """`path` (~ expanded) if it is a regular file, or a link to one; a FIFO, a device or a socket
+    would block or never end, a folder is not a file. `name` says it in the message (a flag and path)."""
+    p, name = Path(path).expanduser(), name or str(path)
+    mode = _stat(p, name).st_mode
+    if stat.S_ISDIR(mode):
+        raise InputError(f"{name} is a folder: give a file")
+    if not stat.S_ISREG(mode):
+        raise InputError(f"{name} is not a regular file (a FIFO, socket or device, which would block or never "
+                         f"end): give a file")
+    return p
+
+
+def regular_if_present(path: str | Path, name: str | None = None) -> Path:
+    """regular_file, but a path with nothing there passes: its reader says so in its own words."""
+    p = Path(path).expanduser()
+    return regular_file(p, name or str(path)) if os.path.lexists(p) else p
+
+
+def folder_path(path: str | Path, name: str | None = None) -> Path:
+    """`path` (~ expanded) if it is a folder, or a link to one."""
+    p, name = Path(path).expanduser(), name or str(path)
+    if not stat.S_ISDIR(_stat(p, name).st_mode):
+        raise InputError(f"{name} is not a folder: give a folder")
+    return p
+
+
+def inside(base: str | Path, relative: str | Path, name: str) -> Path:
+    """base / relative, if it stays inside `base` as written: no `..` that climbs out, no absolute
+    path elsewhere. (Links inside `base` are followed as usual: a Hugging Face cache's snapshot
+    folder links each file to its blob.) `name` says where the path came from."""
+    base = Path(os.path.normpath(Path(base).expanduser()))
+    joined = Path(os.path.normpath(base / relative))
+    if base not in joined.parents:
+        raise InputError(f"{name}: {str(relative)!r} leads outside {base}; the paths a file names must stay in "
+                         f"its folder")
+    return joined
+
