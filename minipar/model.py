@@ -100,10 +100,16 @@ class ModelConfig:
         return (1 if self.tie_embeddings else 2) * self.vocab_size * d + layers + d
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 per weight (forward 2, backward 4) plus the attention
-        scores and their weighted sum, 6 * 2 * n_layers * seq_len * dim (the PaLM appendix formula,
-        without halving for the causal mask, as is customary for MFU)."""
-        return 6 * self.num_params(active=True) + 12 * self.n_layers * seq_len * self.dim
+        """Training FLOPs per token: 6 x (N - input embedding) + 12 x L x d x s (PaLM appendix B, torchtitan).
+
+        6 per parameter (2 forward, 4 backward), N the parameters one token uses (k routed experts of E;
+        the norms' weights counted too, as the convention does). The input embedding is a lookup, not a
+        product: its [V, d] table is left out, unless tied, where the one shared matrix counts once, as the
+        output projection (always counted). Attention adds q k^T and its weighted sum of v, 2 x 2·s·d per
+        layer forward, x3 with backward: 12·L·d·s (L layers, width d, s tokens a sequence), not halved for
+        the causal mask. The one figure for MFU (run_log, bench_gpu) and the planner's clock."""
+        input_embedding = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return 6 * (self.num_params(active=True) - input_embedding) + 12 * self.n_layers * self.dim * seq_len
 
 
 # Named sizes. Toy shapes, no real model's: "tiny" for tests, "small" the CPU default, "125m" a GPT-2-small-sized

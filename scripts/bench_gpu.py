@@ -39,12 +39,13 @@ model and its optimizer, twice, do not fit one GPU together, and nothing one sid
 (compiled code, allocator caches) may weigh on the next. Each gets `--warmup` unmeasured steps
 (compilation happens there), then `--steps` timed ones from a barrier to torch.cuda.synchronize.
 Reported per side: median step time, tokens/s, MFU = training FLOPs per token x tokens/s / (GPUs x
-the GPU's dense bf16 peak), and the peak of torch.cuda.max_memory_allocated above what was
-allocated before the side was built; then the ratio of throughputs minipar / PyTorch (the goal is
->= 1.0x) and the difference of the two sides' losses (each step's loss averaged over the ranks,
-summed over the stages under pp) at the first step (same weights, same tokens: it must be at bf16
-rounding, or the timings compare different work) and at worst over all steps (bf16 rounding,
-summed differently by each side, compounds step by step).
+the GPU's dense bf16 peak; FLOPs by ModelConfig.flops_per_token, 6 x (N - input embedding) +
+12 x L x d x s, a convention the run prints first and the table repeats), and the peak of
+torch.cuda.max_memory_allocated above what was allocated before the side was built; then the ratio
+of throughputs minipar / PyTorch (the goal is >= 1.0x) and the difference of the two sides' losses
+(each step's loss averaged over the ranks, summed over the stages under pp) at the first step (same
+weights, same tokens: it must be at bf16 rounding, or the timings compare different work) and at
+worst over all steps (bf16 rounding, summed differently by each side, compounds step by step).
 
 `--compile` (torch.compile of each transformer layer's forward) and `--fused-adamw` apply to both
 sides; attention is F.scaled_dot_product_attention (flash or memory-efficient kernels on CUDA) on
@@ -382,6 +383,17 @@ def peak_flops(device) -> float | None:
     return known(device)
 
 
+def mfu_convention(device) -> str:
+    """What the MFU figures mean: the convention of the one FLOPs function (its docstring's first
+    line, so the two cannot part) and the peak they are divided by."""
+    from minipar.model import ModelConfig
+
+    formula = ModelConfig.flops_per_token.__doc__.splitlines()[0]
+    peak = peak_flops(device)
+    over = f"dense bf16 peak {peak / 1e12:,.0f} TFLOP/s per GPU" if peak else "no known peak for this device: no MFU"
+    return f"MFU = FLOPs per token x tokens/s / (GPUs x peak). {formula} {over}."
+
+
 # ----------------------------------------------------------------------------------------------
 # The run
 # ----------------------------------------------------------------------------------------------
@@ -489,6 +501,7 @@ def table(rows: list[dict], args, device_name: str) -> str:
            f"{args.seq_len}, {args.accum} micro-batches per step (pp: at least one per stage, schedule "
            f"{args.pp_schedule}), compile {'on' if args.compile else 'off'}, fused AdamW "
            f"{'on' if args.fused_adamw else 'off'}\n",
+           f"{mfu_convention(torch.device(args.device))}\n",
            "| model | strategy | peer | minipar tok/s | minipar MFU | minipar peak GiB | peer tok/s | peer MFU "
            "| peer peak GiB | ratio | loss diff: step 1 / max |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -518,6 +531,7 @@ def main(argv=None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             Path(args.json).write_text(json.dumps(result))
         return 0
+    print(mfu_convention(torch.device(args.device)), flush=True)  # before the run: a run cut short still says it
     rows = run(args, [a for a in argv if a not in ("--append", args.append, "--rows", args.rows)])
     if args.rows:
         Path(args.rows).write_text(json.dumps(rows))

@@ -10,8 +10,9 @@ Chapter 8 of the course. The method is the one practitioners follow by hand:
 
 The clock (`step_time`) is arithmetic, stated here so that its answer can be argued with:
 
-    compute   FLOPs of the step (6 per parameter and token, plus attention; recompute adds a
-              forward: 8 instead of 6) over the GPUs at `mfu` of their peak
+    compute   FLOPs of the step (ModelConfig.flops_per_token: 6 per parameter but the input
+              embedding, plus attention; recompute adds a forward: 8 instead of 6) over the GPUs
+              at `mfu` of their peak
     traffic   the bytes each group sends in a step, from estimate.bytes_sent (equal to the
               ledger's on CPU), over the intra-node bandwidth when the group's ranks lie in one
               node, else the inter-node one:
