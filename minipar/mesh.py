@@ -179,7 +179,7 @@ class Mesh:
         for name, dims in GROUP_DIMS.items():
             for ranks in layout.groups(*dims):  # every rank creates every group, in one order
                 # The pipeline's gradient channel is always a communicator of its own, even when
-                # its ranks are the whole world (pipeline.py says why).
+                # its ranks are the whole world (pipeline/executor.py says why).
                 own = len(ranks) < layout.world_size or name == "pp_grad"
                 pg = dist.new_group(ranks, timeout=limit) if own else dist.group.WORLD
                 if mesh.rank in ranks:

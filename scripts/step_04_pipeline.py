@@ -31,7 +31,8 @@ from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.parallelize import parallel_llama
 from minipar.pipeline.executor import Pipeline, stage_layers
-from minipar.pipeline.schedules import Timeline, bubble_formula, build, peak_activations, simulate
+from minipar.pipeline.schedules import bubble_formula, build, peak_activations
+from minipar.pipeline.timeline import Timeline, simulate
 
 CFG = get_config("tiny", n_layers=8)
 SEED, ROWS, SEQ = 0, 16, 32
@@ -53,7 +54,7 @@ def predicted(name: str, p: int, m: int, v: int, sim: Timeline) -> tuple[float, 
     """The idle fraction theory gives, and where the number comes from."""
     if name == "interleaved":
         return (p - 1) / (v * m + p - 1), "(p-1)/(v*m+p-1)"
-    if name == "zb1":  # F = B = W = 1: the W's fill 1F1B's idle slots (pipeline_schedules.zero_bubble_h1)
+    if name == "zb1":  # F = B = W = 1: the W's fill 1F1B's idle slots (schedules.zero_bubble_h1)
         return (p - 1) / (3 * m + p - 1), "(p-1)/(3m+p-1), the paper's"
     return bubble_formula(p, m), "(p-1)/(m+p-1)"
 
@@ -62,7 +63,7 @@ def on_paper(name: str, p: int, m: int, v: int, out: Path) -> tuple[Timeline, fl
     sched = build(name, p, m, v)
     sim = simulate(sched)
     theory, source = predicted(name, p, m, v, sim)
-    peaks = [peak_activations(acts) for acts in sched]
+    peaks = [peak_activations(acts) for acts in sched.actions]
     say(f"\n(a) on paper: unit-time simulation ({'F = B = W = 1' if name == 'zb1' else 'F = 1, B = 2'})")
     say(indent(sim.ascii(), "  "))
     say(f"  idle fraction: theory {theory:.1%} {source}, simulated {sim.idle_fraction():.1%}")

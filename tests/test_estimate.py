@@ -7,7 +7,7 @@ import torch
 from harness import run_ranks
 
 from minipar.model import get_config
-from minipar.planning.estimate import held_bytes, peak_held_bytes
+from minipar.planning.estimate import held_bytes
 from minipar.run.config import TrainConfig
 from minipar.zero import model_state_bytes
 
@@ -54,7 +54,8 @@ def test_an_estimate_is_arithmetic_even_on_thousands_of_ranks():
     start = time.perf_counter()
     cfg = TrainConfig(model="8b", dp=512, tp=8, pp=4, zero=1, dtype="bfloat16")  # 16,384 ranks
     psi = get_config("8b").num_params()
-    assert 4 * psi / 32 < peak_held_bytes(get_config("8b"), cfg) < 16 * psi / 32  # weights cut 32 ways by tp x pp
+    fullest = max(sum(held_bytes(get_config("8b"), cfg, r).values()) for r in range(cfg.pp))  # the busiest stage
+    assert 4 * psi / 32 < fullest < 16 * psi / 32  # weights cut 32 ways by tp x pp
     assert time.perf_counter() - start < 10
 
 

@@ -5,14 +5,14 @@ import pytest
 from minipar.pipeline.order_check import order_problems
 from minipar.pipeline.schedules import (
     Action,
+    Schedule,
     ScheduleError,
     bubble_formula,
     build,
-    make,
-    messages,
+    messages_of,
     peak_activations,
-    simulate,
 )
+from minipar.pipeline.timeline import simulate
 
 SIZES = [(p, m) for p in range(1, 9) for m in (1, 2, 3, 4, 5, 8, 12, 16) ]
 
@@ -36,14 +36,14 @@ CASES = list(cases())
 
 @pytest.mark.parametrize("name,p,m,v", CASES, ids=[f"{n}-p{p}-m{m}-v{v}" for n, p, m, v in CASES])
 def test_every_action_once_forward_before_backward_and_no_deadlock(name, p, m, v):
-    schedule = make(name, p, m, v)
+    schedule = build(name, p, m, v)
     sched = schedule.actions
     assert len(sched) == p
     split = name in ("zb1", "zbv")
     chunks = 2 if name == "zbv" else v
     for rank, acts in enumerate(sched):
         stages = {a.stage for a in acts}
-        assert stages == set(schedule.stages_of(rank))  # the placement says where each stage lives
+        assert stages == {k for k, r in enumerate(schedule.placement) if r == rank}  # where each stage lives
         expected = {rank + k * p for k in range(v)} if name != "zbv" else {rank, 2 * p - 1 - rank}  # looped, or a V
         assert stages == expected
         kinds = "FBW" if split else "FB"
@@ -55,7 +55,7 @@ def test_every_action_once_forward_before_backward_and_no_deadlock(name, p, m, v
                 assert position[Action("F", a.microbatch, a.stage)] < position[a]
             if a.kind == "W":
                 assert position[Action("B", a.microbatch, a.stage)] < position[a]
-    simulate(sched)  # raises ScheduleError on deadlock
+    simulate(schedule)  # raises ScheduleError on deadlock
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (4, 16), (8, 8), (8, 32), (3, 7)])
@@ -79,9 +79,9 @@ def test_interleaved_bubble_is_about_one_vth_and_zb1_smaller_than_1f1b(p, m):
 
 @pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (4, 16), (8, 32)])
 def test_1f1b_holds_at_most_p_micro_batches_while_gpipe_holds_m(p, m):
-    assert [peak_activations(acts) for acts in build("gpipe", p, m)] == [m] * p
-    assert [peak_activations(acts) for acts in build("1f1b", p, m)] == [p - s for s in range(p)]
-    assert [peak_activations(acts) for acts in build("zb1", p, m)] == [p] * p  # 1F1B's peak, every stage
+    assert [peak_activations(acts) for acts in build("gpipe", p, m).actions] == [m] * p
+    assert [peak_activations(acts) for acts in build("1f1b", p, m).actions] == [p - s for s in range(p)]
+    assert [peak_activations(acts) for acts in build("zb1", p, m).actions] == [p] * p  # 1F1B's peak, every stage
 
 
 def test_a_wrong_order_is_caught_as_deadlock():
@@ -89,11 +89,11 @@ def test_a_wrong_order_is_caught_as_deadlock():
     # whose input (B0 of stage 1) comes only after B1: each waits for the other.
     bad = [[Action("F", 0, 0), Action("F", 1, 0), Action("B", 0, 0), Action("B", 1, 0)],
            [Action("F", 0, 1), Action("F", 1, 1), Action("B", 1, 1), Action("B", 0, 1)]]
-    simulate(bad)  # fine: stage 1's B1 does not need stage 0
+    simulate(Schedule(bad, (0, 1)))  # fine: stage 1's B1 does not need stage 0
     worse = [[Action("F", 0, 0), Action("B", 0, 0), Action("F", 1, 0), Action("B", 1, 0)],
              [Action("F", 1, 1), Action("B", 1, 1), Action("F", 0, 1), Action("B", 0, 1)]]
     with pytest.raises(ScheduleError, match="deadlock"):
-        simulate(worse)
+        simulate(Schedule(worse, (0, 1)))
 
 
 def test_ascii_timeline_shows_the_bubble():
@@ -128,26 +128,50 @@ ORDER_CASES = [(name, p, m, v) for p in range(2, 9) for m in (p, 2 * p, 2 * p + 
                if not (name == "interleaved" and m % p)] + [("naive", p, 1, 1) for p in range(2, 9)]
 
 
+def traces_of(schedule: Schedule) -> list[list[tuple]]:
+    """What each rank posts when it runs its actions, in order, as order_check reads a ledger's
+    trace: (channel, "send" or "recv", peer rank, micro-batch). The micro-batch stands in for the
+    message's size, so that a receive matched with the wrong message is caught even when the sizes
+    agree. Two stages on one rank pass their tensors by hand: no message."""
+    ranks = tuple(range(len(schedule.actions)))
+    traces = []
+    for acts in schedule.actions:
+        trace = []
+        for a in acts:
+            incoming, outgoing = messages_of(a, schedule.placement)
+            if incoming is not None and not incoming.local:
+                trace.append(((incoming.channel, ranks), "recv", incoming.src_rank, incoming.microbatch))
+            if outgoing is not None and not outgoing.local:
+                trace.append(((outgoing.channel, ranks), "send", outgoing.dst_rank, outgoing.microbatch))
+        traces.append(trace)
+    return traces
+
+
 @pytest.mark.parametrize("name,p,m,v", ORDER_CASES, ids=[f"{n}-p{p}-m{m}-v{v}" for n, p, m, v in ORDER_CASES])
 def test_every_schedule_receives_in_the_order_its_neighbour_sends(name, p, m, v):
-    schedule = make(name, p, m, v)
-    traces = messages(schedule)
+    schedule = build(name, p, m, v)
+    traces = traces_of(schedule)
     assert order_problems(traces) == []
     # Every stage boundary between two ranks carries m activations and m gradients (zbv's turn
     # of the V, two stages on one rank, carries none).
     crossings = sum(schedule.placement[k] != schedule.placement[k + 1] for k in range(schedule.n_stages - 1))
     assert sum(op == "send" for trace in traces for _, op, _, _ in trace) == 2 * m * crossings
+    # Each message is received once, as the same Message its sender names (the executor keys the
+    # hand-overs of zbv's turn by it).
+    both_ends = [messages_of(a, schedule.placement) for acts in schedule.actions for a in acts]
+    assert sorted(map(repr, filter(None, (out for _, out in both_ends)))) == \
+        sorted(map(repr, filter(None, (inc for inc, _ in both_ends))))
 
 
 def test_a_receive_out_of_order_is_caught():
-    traces = messages(make("1f1b", 2, 2))
+    traces = traces_of(build("1f1b", 2, 2))
     traces[1][0], traces[1][2] = traces[1][2], traces[1][0]  # rank 1 asks for micro-batch 1 first
     assert order_problems(traces)
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 16)])
 def test_zbv_places_stages_in_a_v_and_its_peak_is_bounded(p, m):
-    schedule = make("zbv", p, m)
+    schedule = build("zbv", p, m)
     assert schedule.placement == tuple(range(p)) + tuple(reversed(range(p)))  # rank 0: first and last stage
     peaks = [peak_activations(acts) for acts in schedule.actions]  # in chunks, half a rank's layers each
     assert max(peaks) <= 3 * p  # 1.5x 1F1B's 2p chunks at most (see zero_bubble_v)

@@ -1,6 +1,6 @@
 """Pipeline parallelism: stages of layers, and the one executor that runs any schedule.
 
-Chapter 4 of the course, second half (the schedules themselves are in pipeline_schedules.py).
+Chapter 4 of the course, second half (the schedules themselves are in schedules.py).
 
     pp = 2, 4 layers:      rank 0 (stage 0)                 rank 1 (stage 1)
                            tok_emb, layers 0-1   -- x -->   layers 2-3, norm, lm_head, loss
@@ -10,9 +10,12 @@ Stages. `stage_layers` cuts n_layers into n_stages contiguous blocks (n_stages =
 stages): each gets n_layers // n_stages layers, and the first n_layers % n_stages stages one more.
 The extra layers go to the front because the last stage also carries the LM head and the loss,
 the costliest part of a small model, while the first stage's embedding is only a lookup. Each rank
-builds only the parameters of its own stages (model.Llama with `layer_ids`, `embed`, `head`).
+keeps only the parameters of its own stages: parallelize.py deletes the other layers, and the
+embedding or the head where another stage holds them (`my_layers`, `holds_first`, `holds_last`);
+`Llama.forward_stage` runs any contiguous part of the model.
 
-The executor walks this rank's action list in order:
+The executor walks this rank's action list in order, receiving and sending what
+`schedules.messages_of` names for each action:
 
     F(i, k)  receive x from stage k-1 (or take the tokens), run stage k, send the output to k+1
              (or, on the last stage, compute the loss of micro-batch i divided by m)
@@ -49,7 +52,8 @@ from functools import cached_property
 import torch
 
 from minipar.collectives import Group, irecv, isend
-from minipar.pipeline.schedules import Action, Timeline, make, placement
+from minipar.pipeline.schedules import Action, Message, build, messages_of, placement
+from minipar.pipeline.timeline import Timeline
 
 
 def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
@@ -109,7 +113,7 @@ class Pipeline:
         return self.n_stages - 1 in self.my_stages
 
     def actions(self, n_micro: int) -> list[Action]:
-        return make(self.schedule, self.group.size, n_micro, self.virtual).actions[self.group.rank]
+        return build(self.schedule, self.group.size, n_micro, self.virtual).actions[self.group.rank]
 
     def forward_actions(self, n_micro: int) -> list[Action]:
         """Forward only (validation, no gradient): each micro-batch through this rank's stages in
@@ -117,19 +121,22 @@ class Pipeline:
         send its neighbour posted for it, in order, and no rank waits on one that waits on it."""
         return [Action("F", i, k) for i in range(n_micro) for k in self.my_stages]
 
-    # Messages between stages. Two stages on one rank (zbv's turn of the V) hand tensors over
-    # directly; every other message goes to or comes from the rank the placement names.
-    def _receive(self, like: torch.Tensor, channel: Group, stage: int, key, local: dict) -> torch.Tensor:
-        if self.placement[stage] == self.group.rank:
-            return local.pop(key)
-        irecv(like, channel, self.placement[stage]).wait()
+    # Messages between stages (schedules.messages_of). Two stages on one rank (zbv's turn of the V)
+    # hand tensors over in memory; every other message goes on its channel to the placement's rank.
+    def _channel(self, msg: Message) -> Group:
+        return self.group if msg.channel == "pp" else self.back
+
+    def _receive(self, msg: Message, like: torch.Tensor, local: dict) -> torch.Tensor:
+        if msg.local:
+            return local.pop(msg)
+        irecv(like, self._channel(msg), msg.src_rank).wait()
         return like
 
-    def _send(self, t: torch.Tensor, channel: Group, stage: int, key, local: dict, pending: list) -> None:
-        if self.placement[stage] == self.group.rank:
-            local[key] = t.clone()
+    def _send(self, msg: Message, t: torch.Tensor, local: dict, pending: list) -> None:
+        if msg.local:
+            local[msg] = t.clone()
         else:
-            pending.append((isend(t, channel, self.placement[stage]), t))
+            pending.append((isend(t, self._channel(msg), msg.dst_rank), t))
 
     def run(self, model, micro_batches, divisor: float | None = None, forward_only: bool = False):
         """Run this rank's actions (forward_only: its forward_actions) on its stages of `model`.
@@ -138,53 +145,44 @@ class Pipeline:
         m, last = len(micro_batches), self.n_stages - 1
         tokens = micro_batches[0][0]
         act_shape = (tokens.shape[0], tokens.shape[1] // self.seq_shards, model.config.dim)  # what stages pass on
-        act_dtype, device = next(model.parameters()).dtype, tokens.device
+        act_dtype = next(model.parameters()).dtype
         actions = self.forward_actions(m) if forward_only else self.actions(m)
         split = any(a.kind == "W" for a in actions)
         stage_params = {k: model.stage_parameters(self.layers_of(k), first=k == 0, last=k == last)
                         for k in self.my_stages}
-        inputs, outputs, out_grads, pending_sends, local = {}, {}, {}, [], {}
-        total = 0.0
-        rows = []
-        began = time.perf_counter()
+        inputs, outputs, out_grads, local, pending_sends = {}, {}, {}, {}, []
+        total, rows, began = 0.0, [], time.perf_counter()
         for a in actions:
             i, k = a.microbatch, a.stage
-            # Time spent waiting for a neighbour is the bubble: an action's clock starts once its
-            # input has arrived.
-            start = time.perf_counter()
+            incoming, outgoing = messages_of(a, self.placement)
+            received = None  # F: the previous stage's output [b, s(/tp), d]; B: the gradient of this one's
+            if incoming is not None:
+                like = torch.empty(act_shape, dtype=act_dtype, device=tokens.device) if a.kind == "F" else \
+                    torch.empty_like(outputs[i, k])
+                received = self._receive(incoming, like, local)
+            start = time.perf_counter()  # the wait for a neighbour is the bubble, not the action's time
             if a.kind == "F":
-                if k == 0:
-                    x = micro_batches[i][0]
-                else:
-                    buffer = torch.empty(act_shape, dtype=act_dtype, device=device)  # [b, s(/tp), d]
-                    x = self._receive(buffer, self.group, k - 1, ("F", i, k), local).requires_grad_()
-                    start = time.perf_counter()
+                x = micro_batches[i][0] if k == 0 else received.requires_grad_()
                 out = model.forward_stage(x, self.layers_of(k), first=k == 0, last=k == last,
                                           targets=micro_batches[i][1] if k == last else None, divisor=divisor)
                 if k == last:
                     out = out / m if divisor is None else out  # the step's loss: the mean over micro-batches
                     total = total + out.detach()
-                else:
-                    self._send(out.detach(), self.group, k + 1, ("F", i, k + 1), local, pending_sends)
-                inputs[i, k], outputs[i, k] = x, out
+                inputs[i, k], outputs[i, k], result = x, out, out.detach()
             elif a.kind == "B":
                 out, x = outputs[i, k], inputs[i, k]
-                grad = None
-                if k < last:
-                    grad = self._receive(torch.empty_like(out), self.back, k + 1, ("B", i, k), local)
-                    start = time.perf_counter()
                 if split:  # input gradient only; the weight gradient waits for W
-                    dx = torch.autograd.grad(out, x, grad, retain_graph=True)[0] if k > 0 else None
-                    out_grads[i, k] = grad
+                    result = torch.autograd.grad(out, x, received, retain_graph=True)[0] if k > 0 else None
+                    out_grads[i, k] = received
                 else:
-                    torch.autograd.backward(out, grad)
-                    dx = x.grad if k > 0 else None
+                    torch.autograd.backward(out, received)  # the last stage's received is None: the loss
+                    result = x.grad if k > 0 else None
                     del inputs[i, k], outputs[i, k]  # activations freed
-                if dx is not None:
-                    self._send(dx, self.back, k - 1, ("B", i, k - 1), local, pending_sends)
             else:  # W
                 torch.autograd.backward(outputs[i, k], out_grads.pop((i, k)), inputs=stage_params[k])
                 del inputs[i, k], outputs[i, k]
+            if outgoing is not None:  # F: the output on to the next stage; B: the input's gradient back
+                self._send(outgoing, result, local, pending_sends)
             rows.append((start, time.perf_counter(), a))
         for work, _tensor in pending_sends:
             work.wait()

@@ -9,8 +9,8 @@ actions:
     W(i)  weight gradient of i                  with no W in the schedule, B does both)
 
 Nothing here runs a model. A schedule is a list of actions per rank, so it can be printed, drawn,
-simulated with unit-time actions and tested without starting any process; `pipeline.py` has the
-one executor that runs any of them. The schedules, p = 4 ranks, m = 8 micro-batches:
+simulated with unit-time actions (timeline.py) and tested without starting any process;
+executor.py has the one executor that runs any of them. The schedules, p = 4 ranks, m = 8 micro-batches:
 
     naive        one micro-batch at a time: F0 on stage 0, then stage 1, ... the others wait
     gpipe        all forwards, then all backwards (bubble (p-1)/(m+p-1), m activations held)
@@ -29,13 +29,15 @@ A `Schedule` is the actions of every rank *and* the placement of the stages on t
 action carries its (virtual) stage; `placement[k]` is the rank that runs stage k: k % p for the
 looped schedules (with v chunks per rank, rank r holds stages r, r+p, r+2p, ...), a V for zbv.
 The executor and the message check read the placement; nothing assumes "stage k on rank k".
+
+`build(name, p, m, v)` makes a Schedule. `messages_of(action, placement)` says what an action
+receives and sends: the executor posts exactly those, the estimator counts their bytes, and the
+order check traces them, so the pattern is written once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from minipar.pipeline.timeline import Timeline
 
 
 @dataclass(frozen=True)
@@ -60,9 +62,6 @@ class Schedule:
     @property
     def n_stages(self) -> int:
         return len(self.placement)
-
-    def stages_of(self, rank: int) -> list[int]:
-        return [k for k, r in enumerate(self.placement) if r == rank]
 
 
 def inputs_of(a: Action, n_stages: int) -> list[Action]:
@@ -238,7 +237,7 @@ def placement(name: str, p: int, v: int = 1) -> tuple[int, ...]:
     return SCHEDULES[name][0](p, v)
 
 
-def make(name: str, p: int, m: int, v: int = 1) -> Schedule:
+def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """Schedule `name` on p ranks and m micro-batches: every rank's actions and the placement."""
     stages = placement(name, p, v)
     if m < 1 or p < 1:
@@ -246,79 +245,53 @@ def make(name: str, p: int, m: int, v: int = 1) -> Schedule:
     return Schedule(SCHEDULES[name][1](p, m, v), stages)
 
 
-def build(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
-    """Each rank's action list for schedule `name` on p ranks and m micro-batches."""
-    return make(name, p, m, v).actions
-
-
-def messages(schedule: Schedule) -> list[list[tuple]]:
-    """The point-to-point operations each rank posts when it runs its actions, in order, as
-    order_check traces: (channel, "send" or "recv", peer rank, micro-batch). The channel is the
-    activations' or the gradients' (pipeline.py sends them on two process groups), and the
-    micro-batch stands in for the message size, so that a receive matched with the wrong message
-    is caught even when the sizes agree. Two stages on one rank pass their tensors by hand."""
-    where, last = schedule.placement, schedule.n_stages - 1
-    ranks = tuple(range(len(schedule.actions)))
-    act, grad = ("pp", ranks), ("pp_grad", ranks)
-    traces = []
-    for rank, acts in enumerate(schedule.actions):
-        trace = []
-        for a in acts:
-            i, k = a.microbatch, a.stage
-            if a.kind == "F":
-                trace += [(act, "recv", where[k - 1], i)] if k > 0 and where[k - 1] != rank else []
-                trace += [(act, "send", where[k + 1], i)] if k < last and where[k + 1] != rank else []
-            elif a.kind == "B":
-                trace += [(grad, "recv", where[k + 1], i)] if k < last and where[k + 1] != rank else []
-                trace += [(grad, "send", where[k - 1], i)] if k > 0 and where[k - 1] != rank else []
-        traces.append(trace)
-    return traces
-
-
 # ----------------------------------------------------------------------------------------------
-# Simulation: unit-time actions, to find deadlocks, bubbles and memory without any process
+# What travels: the one statement of an action's messages, for the executor and the estimator
 # ----------------------------------------------------------------------------------------------
 
 
-def simulate(schedule: list[list[Action]], durations: dict[str, float] | None = None) -> Timeline:
-    """Run the schedule with fixed action times (default F=1, B=2, or B=1 and W=1 when split).
+@dataclass(frozen=True)
+class Message:
+    """One tensor from stage `src` to its neighbour `dst`, for micro-batch `microbatch`: activations
+    go forward on channel "pp", their gradients back on "pp_grad" (the executor's two process
+    groups). Ranks are the placement's; when both are one rank (zbv's turn of the V) the tensor is
+    handed over in memory, not sent. The sender's and the receiver's Message are equal."""
 
-    Raises ScheduleError if the ranks deadlock (some rank waits for an action that never comes).
-    """
-    split = any(a.kind == "W" for acts in schedule for a in acts)
-    durations = durations or ({"F": 1.0, "B": 1.0, "W": 1.0} if split else {"F": 1.0, "B": 2.0})
-    n_stages = 1 + max(a.stage for acts in schedule for a in acts)
-    queue = [list(acts) for acts in schedule]
-    free_at = [0.0] * len(schedule)
-    done: dict[Action, float] = {}
-    rows: list[list] = [[] for _ in schedule]
-    while any(queue):
-        progressed = False
-        for r, acts in enumerate(queue):
-            while acts:
-                a = acts[0]
-                deps = _input_times(a, n_stages, done)
-                if deps is None:
-                    break
-                start = max([free_at[r], *deps])
-                end = start + durations[a.kind]
-                done[a] = end
-                free_at[r] = end
-                rows[r].append((start, end, a))
-                acts.pop(0)
-                progressed = True
-        if not progressed:
-            stuck = {r: str(acts[0]) for r, acts in enumerate(queue) if acts}
-            raise ScheduleError(f"deadlock: ranks wait forever at {stuck}")
-    return Timeline(rows)
+    channel: str  # "pp" or "pp_grad"
+    microbatch: int
+    src: int
+    dst: int
+    src_rank: int
+    dst_rank: int
+
+    @property
+    def local(self) -> bool:
+        return self.src_rank == self.dst_rank
 
 
-def _input_times(a: Action, n_stages: int, done: dict) -> list[float] | None:
-    """Finish times of the actions `a` waits for, or None if one of them has not been placed yet."""
-    needs = inputs_of(a, n_stages)
-    if any(n not in done for n in needs):
-        return None
-    return [done[n] for n in needs]
+def messages_of(a: Action, placement: tuple[int, ...]) -> tuple[Message | None, Message | None]:
+    """(what `a` receives before it runs, what it sends once done); None where it has nothing:
+
+        F(i, k)  receives stage k-1's output (stage 0 reads the tokens), sends its own to k+1
+                 (the last stage computes the loss instead)
+        B(i, k)  receives the gradient of its output from k+1 (the last stage starts from the
+                 loss), sends the gradient of its input to k-1 (stage 0's input is the tokens)
+        W(i, k)  neither: the weight gradients stay on the rank"""
+    i, k, n = a.microbatch, a.stage, len(placement)
+
+    def message(channel: str, src: int, dst: int) -> Message | None:  # None past an end of the pipeline
+        return Message(channel, i, src, dst, placement[src], placement[dst]) if 0 <= src < n and 0 <= dst < n else None
+
+    if a.kind == "F":
+        return message("pp", k - 1, k), message("pp", k, k + 1)
+    if a.kind == "B":
+        return message("pp_grad", k + 1, k), message("pp_grad", k, k - 1)
+    return None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory and bubble, read off the actions (the clock itself is timeline.simulate)
+# ----------------------------------------------------------------------------------------------
 
 
 def peak_activations(actions: list[Action]) -> int:

@@ -1,17 +1,18 @@
-"""A pipeline's timeline: when each action ran on each rank, as text and as a picture.
+"""A pipeline's timeline: when each action ran on each rank, simulated on a clock or measured.
 
-Chapter 4. One object holds a simulated run (pipeline_schedules.simulate) and a measured one
-(Pipeline.run stamps each action), so the two print and draw side by side. F forward, B backward
-(input gradient when split), W weight gradient; "F3a" is F3 on a rank's first chunk.
+Chapter 4. `simulate(schedule)` runs a schedule's actions with fixed durations and no processes:
+each rank takes its next action once the actions it needs (schedules.inputs_of) are done, so a
+deadlock shows as a rank waiting forever, and the idle fraction is the schedule's bubble. A
+`Timeline` holds such a simulated run or a measured one (Pipeline.run stamps each action), so the
+two print and draw side by side. F forward, B backward (input gradient when split), W weight
+gradient; "F3a" is F3 on a rank's first chunk.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # actions are defined with the schedules, which use this file
-    from minipar.pipeline.schedules import Action
+from minipar.pipeline.schedules import Action, Schedule, ScheduleError, inputs_of
 
 
 @dataclass
@@ -55,7 +56,6 @@ class Timeline:
             lines.append(f"rank {r}: " + "".join(cells))
         return "\n".join(lines)
 
-
     def draw(self, path: str, title: str = "") -> None:
         """Save the timeline as a PNG: one row per rank, F blue, B orange, W green, gaps = bubble."""
         import matplotlib
@@ -81,3 +81,37 @@ class Timeline:
 
     def _unit(self) -> float:
         return min(end - start for row in self.rows for start, end, _ in row) or 1.0
+
+
+def simulate(schedule: Schedule, durations: dict[str, float] | None = None) -> Timeline:
+    """Run the schedule with fixed action times (default F=1, B=2, or B=1 and W=1 when split).
+
+    An action starts when its rank is free and the actions it needs are done. A rank whose next
+    action needs one not done yet waits for it, and resumes once it finishes; if some ranks are
+    still waiting when no rank can go on, they deadlock: ScheduleError names where.
+    """
+    split = any(a.kind == "W" for acts in schedule.actions for a in acts)
+    durations = durations or ({"F": 1.0, "B": 1.0, "W": 1.0} if split else {"F": 1.0, "B": 2.0})
+    actions, n = schedule.actions, schedule.n_stages
+    done: dict[Action, float] = {}  # action -> when it finished
+    waiting: dict[Action, list[int]] = {}  # action not done yet -> the ranks whose next action needs it
+    rows: list[list] = [[] for _ in actions]
+    next_of, free_at, runnable = [0] * len(actions), [0.0] * len(actions), list(range(len(actions)))
+    while runnable:
+        r = runnable.pop()
+        while next_of[r] < len(actions[r]):
+            a = actions[r][next_of[r]]
+            needs = inputs_of(a, n)
+            finished = [done.get(x) for x in needs]
+            if None in finished:
+                waiting.setdefault(needs[finished.index(None)], []).append(r)
+                break
+            start = max([free_at[r], *finished])
+            done[a] = free_at[r] = start + durations[a.kind]
+            rows[r].append((start, done[a], a))
+            next_of[r] += 1
+            runnable += waiting.pop(a, [])
+    stuck = {r: str(acts[next_of[r]]) for r, acts in enumerate(actions) if next_of[r] < len(acts)}
+    if stuck:
+        raise ScheduleError(f"deadlock: ranks wait forever at {stuck}")
+    return Timeline(rows)

@@ -50,7 +50,8 @@ from minipar.model import Llama, ModelConfig
 from minipar.moe import MoE
 from minipar.parallelize import parallelize_groups
 from minipar.pipeline.executor import Pipeline, stage_layers
-from minipar.pipeline.schedules import make as make_schedule
+from minipar.pipeline.schedules import build as build_schedule
+from minipar.pipeline.schedules import messages_of
 from minipar.placement import DENSE, placement_of
 from minipar.planning.estimate_moe import moe_block_bytes, moe_bytes_sent
 from minipar.run.config import TrainConfig
@@ -110,11 +111,6 @@ def held_bytes(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
     master = torch.promote_types(PARAM_DTYPES[cfg.dtype], torch.float32).itemsize
     slices = sum(-(-sum(p.numel() for p in chunk) // _replicas(dims, cfg)) for _, dims, chunk in plan) * master
     return {"params": (0 if cfg.zero == 3 else whole) + slices, "grads": slices, "optimizer": 2 * slices}
-
-
-def peak_held_bytes(model_cfg: ModelConfig, cfg: TrainConfig) -> int:
-    """The most any rank holds in model states (the pipeline stage with the most parameters)."""
-    return max(sum(held_bytes(model_cfg, cfg, r).values()) for r in range(cfg.pp))
 
 
 def _replicas(grad_mean: tuple[str, ...], cfg: TrainConfig) -> int:
@@ -236,15 +232,14 @@ def _grad_width(cfg: TrainConfig) -> int:
 
 
 def _pipeline_bytes(sent: Counter, model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int, act: int) -> None:
-    """Each of this rank's stages sends its output on (pp) and its input's gradient back (pp_grad),
-    once per micro-batch, unless the neighbouring stage is on this rank too (zbv's turn)."""
-    pipeline = Pipeline(paper_group("pp", cfg.pp, pp_rank), cfg.schedule, model_cfg.n_layers, cfg.virtual_stages)
-    place = pipeline.placement
-    for k in pipeline.my_stages:
-        if k + 1 < len(place) and place[k + 1] != pp_rank:
-            sent["pp/send"] += cfg.accum_steps * act
-        if k > 0 and place[k - 1] != pp_rank:
-            sent["pp_grad/send"] += cfg.accum_steps * act
+    """What this rank's actions send (schedules.messages_of, as the executor posts them): each
+    stage's output on (pp) and its input's gradient back (pp_grad), once per micro-batch, unless
+    the neighbouring stage is on this rank too (zbv's turn)."""
+    schedule = _schedule(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages)
+    for a in schedule.actions[pp_rank]:
+        _, outgoing = messages_of(a, schedule.placement)
+        if outgoing is not None and not outgoing.local:
+            sent[f"{outgoing.channel}/send"] += act
 
 
 def temporary_bytes(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> dict[str, int]:
@@ -373,11 +368,11 @@ def _alive(schedule: str, pp: int, m: int, virtual: int, n_layers: int, first_mo
     Without a pipeline: one micro-batch's, the whole model."""
     if pp == 1:
         return frozenset({(min(first_moe, n_layers), n_layers - min(first_moe, n_layers), 1)})
-    pipeline = Pipeline(paper_group("pp", pp, pp_rank), schedule, n_layers, virtual)
-    actions = _schedule(schedule, pp, m, virtual)[pp_rank]
-    split, last = any(a.kind == "W" for a in actions), pipeline.n_stages - 1
+    plan = _schedule(schedule, pp, m, virtual)
+    actions = plan.actions[pp_rank]
+    split, last = any(a.kind == "W" for a in actions), plan.n_stages - 1
     sizes = [(sum(i < first_moe for i in ls), sum(i >= first_moe for i in ls))
-             for ls in stage_layers(n_layers, pipeline.n_stages)]
+             for ls in stage_layers(n_layers, plan.n_stages)]
     dense, moe, heads, states = 0, 0, 0, {(0, 0, 0)}
     for a in actions:
         sign = 1 if a.kind == "F" else -1 if a.kind == ("W" if split else "B") else 0
@@ -387,9 +382,7 @@ def _alive(schedule: str, pp: int, m: int, virtual: int, n_layers: int, first_mo
     return frozenset(states)
 
 
-@lru_cache(maxsize=64)
-def _schedule(schedule: str, pp: int, m: int, virtual: int):
-    return make_schedule(schedule, pp, m, virtual).actions
+_schedule = lru_cache(maxsize=64)(build_schedule)  # the planner asks for one schedule under many layouts
 
 
 def peak_bytes(model_cfg: ModelConfig, cfg: TrainConfig) -> int:

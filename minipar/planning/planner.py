@@ -20,8 +20,11 @@ The clock (`step_time`) is arithmetic, stated here so that its answer can be arg
     cp        ring attention's K/V blocks, forward and backward; counted as not overlapped
     dp        the gradients' all-reduce (ZeRO: reduce-scatter + all-gather, ZeRO-3 per micro-batch);
               overlapped with backward (2/3 of compute), only what is left over counts
-    bubble    1F1B's idle fraction (pp-1)/(m+pp-1) of the compute; the activations sent between
-              stages are small beside the above and not counted
+    bubble    the pipeline schedule's idle fraction of the compute, from its own simulation
+              (pipeline.timeline.simulate: F = 1, B = 2, or F = B = W = 1 when B is split), so
+              1F1B's and GPipe's (pp-1)/(m+pp-1), interleaved's (pp-1)/(v·m+pp-1), ZB-H1's
+              (pp-1)/(3m+pp-1); the activations sent between stages are small beside the above
+              and not counted
 
 It scales to any number of GPUs instantly: nothing is built but one meta-device model per layout.
 The same figures answer a single run's question first: `check_memory` refuses, before anything is
@@ -32,13 +35,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from itertools import islice
 
 import torch
 
 from minipar.model import ModelConfig, get_config
 from minipar.pipeline.schedules import build as build_schedule
-from minipar.pipeline.schedules import simulate
+from minipar.pipeline.timeline import simulate
 from minipar.planning.estimate import (
     PARAM_DTYPES,
     activation_bytes,
@@ -93,8 +97,14 @@ def step_time(c: ModelConfig, cfg: TrainConfig, cluster: Cluster) -> dict[str, f
         return sum(v for k, v in sent.items() if k.split("/")[0] == prefix) / _bandwidth(cluster, span)
     parts = {"compute": compute, "tp": over("tp", cfg.tp), "cp": over("cp", cfg.tp * cfg.cp),
              "dp": max(0.0, over("dp_cp" if cfg.cp > 1 else "dp", cfg.tp * cfg.cp * cfg.dp) - 2 / 3 * compute),
-             "bubble": (cfg.pp - 1) / (cfg.accum_steps + cfg.pp - 1) * compute}
+             "bubble": pipeline_idle(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages) * compute}
     return {**parts, "total": sum(parts.values())}
+
+
+@lru_cache(maxsize=256)  # many layouts share a schedule
+def pipeline_idle(schedule: str, pp: int, m: int, virtual: int = 1) -> float:
+    """The share of a step the pipeline's ranks wait: the schedule simulated with unit costs."""
+    return simulate(build_schedule(schedule, pp, m, virtual)).idle_fraction() if pp > 1 else 0.0
 
 
 def _bandwidth(cluster: Cluster, span: int) -> float:
@@ -209,8 +219,9 @@ def report(cfg: TrainConfig) -> str:
     flops = cfg.global_batch * cfg.seq_len * c.flops_per_token(cfg.seq_len) * (8 / 6 if cfg.recompute else 1)
     step = f"a step: {flops / 1e12:,.1f} TFLOP in all"
     if cfg.pp > 1:
-        idle = simulate(build_schedule(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages)).idle_fraction()
-        step += f"; the pipeline idles {idle:.1%} of the step (its schedule simulated with F = 1, B = 2)"
+        idle = pipeline_idle(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages)
+        step += f"; the pipeline idles {idle:.1%} of the step (its schedule simulated: F = 1, B = 2, or 1 each " \
+                "for F, B and W when B is split)"
     lines.append(step)
     lines.append("bytes pp rank 0 sends per step: " + ", ".join(f"{k} {v / 2**20:,.1f} MiB"
                                                                 for k, v in bytes_sent(c, cfg).items()))
