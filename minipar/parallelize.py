@@ -22,9 +22,9 @@ the part of a parallel model that one rank holds, in five steps, always in this 
 
 Where the messages are sent, read in the forwards: ParallelAttention and ParallelMLP enter the
 parallel region once (f) for the layers that read their input (q, k and v; gate and up), so one
-all-reduce of that input's gradient in backward, not one per projection; row-parallel wo and w_down leave
-it (g), and so does the embedding; the LM head enters it itself. ParallelAttention with a cp group
-runs ring attention on this rank's zigzag positions.
+all-reduce of that input's gradient in backward, not one per projection; the row-parallel wo and
+w_down leave it (g), and so does the embedding; the LM head enters it itself. ParallelAttention
+with a cp group runs ring attention on this rank's zigzag positions.
 
 The gradient-sync wrapper (data_parallel.py, zero.py, zero3.py) comes after, around the result.
 Initialisation stays exact: the plain model draws every weight at its full shape from (seed,
