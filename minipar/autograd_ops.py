@@ -5,7 +5,6 @@ forward and its conjugate in backward, so that autograd carries gradients across
 
     copy_to_parallel (f)        identity forward, all-reduce backward
     reduce_from_parallel (g)    all-reduce forward, identity backward
-    split / gather along a dim  each other's backward
     sequence-parallel f and g   all-gather forward / reduce-scatter backward, and the reverse
     all_to_all_with_grad        an all-to-all forward, the reverse all-to-all backward
 
@@ -19,14 +18,13 @@ import torch
 from minipar.collectives import Group, all_gather, all_reduce, all_to_all, reduce_scatter
 
 # ----------------------------------------------------------------------------------------------
-# Autograd-aware operators (Megatron-LM's f and g, and the split/gather pair).
+# Autograd-aware operators (Megatron-LM's f and g, and their sequence-parallel versions).
 #
 # A column-parallel linear needs its input on every tp rank (forward: nothing to do) but each
 # rank's backward only produces the input-gradient of its own output columns, so the gradients
 # must be summed: identity forward, all-reduce backward ("f", copy_to_parallel). A row-parallel
 # linear produces partial sums that must be added (forward all-reduce), while the gradient of a
-# sum reaches every addend unchanged (identity backward): "g", reduce_from_parallel. Split and
-# gather along a dimension are each other's backward.
+# sum reaches every addend unchanged (identity backward): "g", reduce_from_parallel.
 # ----------------------------------------------------------------------------------------------
 
 
@@ -53,30 +51,6 @@ class _ReduceFromParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
-
-
-class _SplitAlongDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        if x.shape[dim] % group.size:
-            raise ValueError(f"split: dim {dim} of size {x.shape[dim]} is not divisible by {group.size}")
-        return x.chunk(group.size, dim=dim)[group.rank].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad.contiguous(), ctx.group, dim=ctx.dim), None, None
-
-
-class _GatherAlongDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x.contiguous(), group, dim=dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.chunk(ctx.group.size, dim=ctx.dim)[ctx.group.rank].contiguous(), None, None
 
 
 class _GatherFromSequenceParallel(torch.autograd.Function):
@@ -111,16 +85,6 @@ def copy_to_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:
 def reduce_from_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:
     """g: all-reduce forward, identity backward."""
     return x if group.size == 1 else _ReduceFromParallel.apply(x, group)
-
-
-def split_along_dim(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    """Keep this rank's 1/N slice forward; all-gather the gradient backward."""
-    return x if group.size == 1 else _SplitAlongDim.apply(x, group, dim)
-
-
-def gather_along_dim(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    """All-gather forward; keep this rank's slice of the gradient backward."""
-    return x if group.size == 1 else _GatherAlongDim.apply(x, group, dim)
 
 
 def gather_from_sequence_parallel(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:

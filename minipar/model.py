@@ -17,11 +17,12 @@ parallel shard is then *the slice* of that full tensor, whatever tp is: a sharde
 exactly the weights of the single-device run, which is what lets tests compare them.
 
 This file knows nothing of parallelism: nn.Linear, nn.Embedding, SDPA. `parallelize.py` turns
-it into this rank's part of a parallel model by swapping modules and functions, and the tests
-prove every such model equal to this one. The seams it leaves for that are plain attributes:
-`Attention.attend` (the attention function: ring attention under context parallelism),
-`Attention.positions` (the global positions of the tokens this rank holds) and `Llama.loss_fn`
-(the loss from the logits: vocabulary-parallel under tensor parallelism).
+it into this rank's part of a parallel model by swapping modules (each attention and MLP for its
+parallel version, the embedding, the head) and the loss function, and the tests prove every such
+model equal to this one. The seams it leaves are plain attributes: `Llama.loss_fn` (the loss from
+the logits: vocabulary-parallel under tensor parallelism), and `Attention.attend` and
+`Attention.positions` (the attention function and the tokens' positions: generation's KV cache
+swaps them, run/generate.py).
 """
 
 from __future__ import annotations
@@ -259,8 +260,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.n_kv_heads * hd, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * hd, bias=False)
         self.wo = nn.Linear(config.n_heads * hd, config.dim, bias=False)
-        self.attend = causal_attention  # context parallelism swaps in ring attention
-        self.positions = sequence_positions  # ... and the global positions of its share of tokens
+        self.attend = causal_attention  # a KV cache swaps in attention to the cached tokens too
+        self.positions = sequence_positions  # ... and the positions after them
 
     def forward(self, x):
         q = rearrange(self.wq(x), "b s (h d) -> b h s d", d=self.head_dim)

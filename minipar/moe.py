@@ -34,6 +34,7 @@ drop different tokens, so parity with one device holds only for dropless runs.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -79,8 +80,6 @@ class _AttachAuxLoss(torch.autograd.Function):
 class MoE(nn.Module):
     """Router, experts, optional shared expert. x [b, s, d] -> [b, s, d]."""
 
-    counting = True  # False while activation checkpointing replays a forward: its tokens were counted
-
     def __init__(self, config):
         super().__init__()
         self.n_experts, self.top_k, self.router_kind = config.n_experts, config.top_k, config.router
@@ -95,6 +94,7 @@ class MoE(nn.Module):
         self.aux_scale = 1.0  # this micro-batch's weight in the step: set by the training step
         self.aux_replicas = 1  # ranks whose gradients are averaged though they saw one sequence (cp)
         self.load = torch.zeros(config.n_experts, dtype=torch.long)  # assignments per expert, for the log
+        self.counting = True  # False while a forward is replayed (see `replaying`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, k = x.shape, self.top_k
@@ -104,7 +104,7 @@ class MoE(nn.Module):
         weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
         flat = chosen.flatten()  # assignment a: token a // k, its (a % k)-th choice
         counts = torch.bincount(flat, minlength=self.n_experts)
-        if MoE.counting:
+        if self.counting:
             self.load += counts.detach().cpu()
         if self.capacity_factor > 0:  # dropped assignments become expert E: sorted last, never run
             flat = torch.where(self.within_capacity(flat), flat, self.n_experts)
@@ -120,6 +120,16 @@ class MoE(nn.Module):
             aux = self.load_balance_loss(probs, counts)
             y = _AttachAuxLoss.apply(y, aux, self.aux_loss_coef * self.aux_scale * self.aux_replicas)
         return y.view(shape)
+
+    @contextmanager
+    def replaying(self):
+        """Within it, forwards are replays of one already run (activation checkpointing rebuilds a
+        layer's forward in backward): the same tokens, so they are not counted in `load` again."""
+        self.counting = False
+        try:
+            yield
+        finally:
+            self.counting = True
 
     def probabilities(self, x: torch.Tensor) -> torch.Tensor:
         """Router probabilities [T, E] in at least float32 (a low-precision router flips choices)."""

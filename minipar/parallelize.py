@@ -1,23 +1,30 @@
 """parallelize: the one place where parallelism is applied to the plain model.
 
-model.py is a single-device Llama that knows nothing of other ranks. This file turns it into the
-part of a parallel model that one rank holds, in five steps, always in this order:
+model.py is a single-device Llama that knows nothing of other ranks. `parallelize` turns it into
+the part of a parallel model that one rank holds, in five steps, always in this order:
 
     1. pipeline   keep only this rank's stages: the other layers (and the embedding or the
                   head, if another stage has them) are deleted before anything else is done
                   to them
-    2. tensor     swap modules from a plan, name pattern -> Column/Row/VocabParallel layer, each
+    2. tensor     the embedding becomes a VocabParallelEmbedding, the LM head a
+                  ColumnParallelLinear over the vocabulary and each MLP a ParallelMLP, each
                   shard cut from the plain layer's own weight (tied embeddings: the head's shard
-                  is the embedding's, as both cut the vocabulary into the same blocks); the
-                  input of every attention, MLP and LM head enters the parallel region (f)
-                  through a forward pre-hook; the loss becomes the vocabulary-parallel one;
-                  with sequence parallelism the norms' gradients become partial sums over tp
-    3. context    swap each attention's function for ring attention and its positions for this
-                  rank's zigzag share; weigh the loss by this rank's share of the tokens
+                  is the embedding's, as both cut the vocabulary into the same blocks); the loss
+                  becomes the vocabulary-parallel one; with sequence parallelism the norms'
+                  gradients become partial sums over tp
+    3. context    the loss is weighed by this rank's share of the tokens
+                  (with 2 or 3, each attention becomes a ParallelAttention: this rank's heads
+                  over its share of the sequence)
     4. experts    mixture-of-experts blocks: each rank keeps its E/ep experts and tokens reach
                   them by all-to-all (expert_parallel.py); the load-balancing loss pools its
                   sums over the ranks that hold other tokens of the same sequences (cp, sp)
     5. recompute  each transformer layer keeps only its input and redoes its forward in backward
+
+Where the messages are sent, read in the forwards: ParallelAttention and ParallelMLP enter the
+parallel region once (f) for the layers that read their input (q, k and v; gate and up), so one
+all-reduce of that input's gradient in backward, not one per projection; the row-parallel wo and
+w_down leave it (g), and so does the embedding; the LM head enters it itself. ParallelAttention
+with a cp group runs ring attention on this rank's zigzag positions.
 
 The gradient-sync wrapper (data_parallel.py, zero.py, zero3.py) comes after, around the result.
 Initialisation stays exact: the plain model draws every weight at its full shape from (seed,
@@ -27,17 +34,28 @@ With every degree 1 the model is returned as it came.
 
 from __future__ import annotations
 
-import fnmatch
+from contextlib import nullcontext
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
+from einops import rearrange
 from torch import nn
 
 from minipar.collectives import Group
 from minipar.context_parallel import global_token_count, ring_attention, zigzag_positions
 from minipar.expert_parallel import parallelize_experts
-from minipar.model import Llama
+from minipar.model import (
+    MLP,
+    Attention,
+    Llama,
+    ModelConfig,
+    apply_rope,
+    causal_attention,
+    rope_cos_sin,
+    sequence_positions,
+)
 from minipar.moe import MoE
 from minipar.tensor_parallel import (
     ColumnParallelLinear,
@@ -50,56 +68,28 @@ from minipar.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 
-# How tensor parallelism cuts each module of the plain Llama (fnmatch patterns on module names).
-# "kv": column-parallel when tp divides the kv heads, else each rank keeps the one head it needs.
-TP_PLAN = {
-    "tok_emb": "vocab",
-    "layers.*.attn.wq": "column",
-    "layers.*.attn.wk": "kv",
-    "layers.*.attn.wv": "kv",
-    "layers.*.attn.wo": "row",
-    "layers.*.mlp.w_gate": "column",
-    "layers.*.mlp.w_up": "column",
-    "layers.*.mlp.w_down": "row",
-    "lm_head": "column",
-}
-# Modules whose input must be whole on every tp rank: f (copy, or all-gather of the sequence) on entry.
-TP_REGIONS = ("layers.*.attn", "layers.*.mlp", "lm_head")
-# Norms: replicated; with sequence parallelism each rank normalises different tokens.
-NORMS = ("layers.*.attn_norm", "layers.*.mlp_norm", "norm")
 
-
-def parallelize(model: Llama, mesh, *, sp: bool = False, recompute: bool = False, pipeline=None) -> Llama:
-    """This rank's part of `model` under `mesh` (see the module docstring for the order)."""
-    stage = (pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last()) if pipeline else None
-    return parallelize_groups(model, tp=mesh.tp_group, cp=mesh.cp_group, sp=sp, stage=stage, recompute=recompute,
-                              ep=mesh.shard_groups().get("ep"))
-
-
-def parallelize_groups(model: Llama, tp: Group | None = None, cp: Group | None = None, sp: bool = False,
-                       stage: tuple | None = None, recompute: bool = False, ep: Group | None = None) -> Llama:
-    """The same, from the groups themselves (tests build groups by hand). `stage`: (layer ids,
-    holds the embedding, holds the head), or None for the whole model."""
+def parallelize(model: Llama, *, tp: Group | None = None, cp: Group | None = None, ep: Group | None = None,
+                sp: bool = False, stage: tuple | None = None, recompute: bool = False) -> Llama:
+    """This rank's part of `model` (see the module docstring for the steps and their order).
+    tp, cp, ep: this rank's groups (None, or a group of one: not split that way). sp: sequence
+    parallelism over tp. stage: (layer ids, holds the embedding, holds the head) of this rank's
+    pipeline stages, or None for the whole model."""
+    tp, cp = (g if g is not None and g.size > 1 else None for g in (tp, cp))
     if stage is not None:
         keep_stage(model, *stage)
-    if tp is not None and tp.size > 1:
+    if tp is not None:
         tensor_parallel(model, tp, sp)
-    if cp is not None and cp.size > 1:
+    if tp is not None or cp is not None:
+        for layer in model.layers.values():
+            layer.attn = ParallelAttention(layer.attn, model.config, tp, sp, cp)
+    if cp is not None:
         context_parallel(model, cp)
     if model.config.n_experts:
         parallelize_experts(model, ep, tp, cp, sp)
     if recompute:
         recompute_layers(model)
     return model
-
-
-def parallel_llama(config, seed: int = 0, tp_group: Group | None = None, sequence_parallel: bool = False,
-                   layer_ids=None, embed: bool = True, head: bool = True, recompute: bool = False,
-                   cp_group: Group | None = None) -> Llama:
-    """The plain Llama(config, seed), parallelized: a shorthand for tests and course scripts."""
-    stage = None if layer_ids is None and embed and head else (
-        list(range(config.n_layers)) if layer_ids is None else list(layer_ids), embed, head)
-    return parallelize_groups(Llama(config, seed), tp_group, cp_group, sequence_parallel, stage, recompute)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,49 +110,101 @@ def keep_stage(model: Llama, layer_ids, embed: bool, head: bool) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# 2. Tensor (and sequence) parallelism
+# 2. Tensor (and sequence) parallelism; the attention of this rank (tensor and context)
 # ----------------------------------------------------------------------------------------------
 
 
 def tensor_parallel(model: Llama, tp: Group, sp: bool) -> None:
     config = model.config
-    for name, module in list(model.named_modules()):
-        style = next((s for pattern, s in TP_PLAN.items() if fnmatch.fnmatchcase(name, pattern)), None)
-        if style is not None and module is not None:  # swap it in where the plain layer was
-            parent, _, child = name.rpartition(".")
-            new = _sharded_layer(module, style, tp, sp, config)
-            setattr(model.get_submodule(parent) if parent else model, child, new)
-    for name, module in model.named_modules():
-        if any(fnmatch.fnmatchcase(name, pattern) for pattern in TP_REGIONS):
-            module.register_forward_pre_hook(partial(_enter_region, group=tp, sp=sp))
-        if sp and any(fnmatch.fnmatchcase(name, pattern) for pattern in NORMS):
-            mark(module.weight, tuple(module.weight.shape), partial_grad=True)
+    if model.tok_emb is not None:
+        model.tok_emb = cut(model.tok_emb, VocabParallelEmbedding(config.vocab_size, config.dim, tp, sp), tp)
+    if model.lm_head is not None:  # over the vocabulary; it enters the parallel region itself (f)
+        head = ColumnParallelLinear(config.dim, config.vocab_size, tp, sequence_parallel=sp)
+        model.lm_head = cut(model.lm_head, head, tp)
+        if config.tie_embeddings:  # both cut the vocabulary alike: one shard serves both
+            model.lm_head.weight = model.tok_emb.weight
+    for layer in model.layers.values():
+        if hasattr(layer, "mlp"):  # a mixture of experts is replicated over tp (expert_parallel.py)
+            layer.mlp = ParallelMLP(layer.mlp, tp, sp)
+    if sp:  # the norms are replicated, but each rank normalises different tokens
+        norms = [n for layer in model.layers.values() for n in (layer.attn_norm, layer.mlp_norm)]
+        for norm in norms + ([model.norm] if model.norm is not None else []):
+            mark(norm.weight, tuple(norm.weight.shape), partial_grad=True)
     model.loss_fn = partial(_vocab_parallel_loss, group=tp, vocab_size=config.vocab_size)
-    if config.tie_embeddings and model.lm_head is not None:  # both cut the vocabulary alike: one shard serves both
-        model.lm_head.weight = model.tok_emb.weight
 
 
-def _sharded_layer(plain: nn.Module, style: str, tp: Group, sp: bool, config) -> nn.Module:
-    """The tensor-parallel layer for a plain one, holding this rank's shard of its weight."""
-    out_features, in_features = plain.weight.shape if style != "vocab" else (None, None)
-    if style == "vocab":
-        layer = VocabParallelEmbedding(config.vocab_size, config.dim, tp, sp)
-    elif style == "column" or (style == "kv" and config.n_kv_heads % tp.size == 0):
-        layer = ColumnParallelLinear(in_features, out_features, tp)
-    elif style == "kv":  # fewer kv heads than ranks: the whole weight, this rank's head used
-        head = tp.rank * config.n_kv_heads // tp.size
-        layer = ReplicatedRowsLinear(in_features, out_features, tp, slice(head * config.head_dim,
-                                                                          (head + 1) * config.head_dim))
-    else:
-        layer = RowParallelLinear(in_features, out_features, tp, sequence_parallel=sp)
+def cut(plain: nn.Module, layer: nn.Module, tp: Group) -> nn.Module:
+    """`layer`, a parallel layer, on plain's device and dtype, holding this rank's shard of plain's weight."""
     layer = layer.to(device=plain.weight.device, dtype=plain.weight.dtype)
     with torch.no_grad():
         layer.weight.copy_(shard(plain.weight.detach(), layer.weight, tp))
     return layer
 
 
-def _enter_region(module, args, group: Group, sp: bool):
-    return (enter_parallel_region(args[0], group, sp), *args[1:])
+class ParallelMLP(nn.Module):
+    """model.MLP on one tp rank: w_gate and w_up column-parallel (ffn/tp features each), w_down
+    row-parallel. One f for the two layers that read x; g in w_down."""
+
+    def __init__(self, plain: MLP, tp: Group, sp: bool):
+        super().__init__()
+        ffn, dim = plain.w_gate.weight.shape
+        self.w_gate = cut(plain.w_gate, ColumnParallelLinear(dim, ffn, tp, enter_region=False), tp)
+        self.w_up = cut(plain.w_up, ColumnParallelLinear(dim, ffn, tp, enter_region=False), tp)
+        self.w_down = cut(plain.w_down, RowParallelLinear(ffn, dim, tp, sequence_parallel=sp), tp)
+        self.tp, self.sp = tp, sp
+
+    def forward(self, x):  # [b, s, d], with sp [b, s/tp, d]
+        x = enter_parallel_region(x, self.tp, self.sp)  # f: [b, s, d] on every tp rank
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))  # [b, s, ffn/tp] -> w_down sums (g) -> [b, s, d]
+
+
+class ParallelAttention(nn.Module):
+    """model.Attention on one rank: its heads (tp) over its share of the sequence (cp).
+
+    tp: wq, wk, wv column-parallel by whole heads (with fewer kv heads than tp ranks, each rank
+    keeps the whole wk and wv and uses the kv head its query heads read), wo row-parallel.
+    cp: this rank's tokens are two zigzag chunks of the sequence; the K/V go around the ring.
+    tp or cp None: not split that way (the plain layers; causal attention on the whole sequence).
+    """
+
+    def __init__(self, plain: Attention, config: ModelConfig, tp: Group | None, sp: bool, cp: Group | None):
+        super().__init__()
+        self.head_dim, self.rope_freqs, self.tp, self.sp, self.cp = plain.head_dim, plain.rope_freqs, tp, sp, cp
+        if tp is None:
+            self.wq, self.wk, self.wv, self.wo = plain.wq, plain.wk, plain.wv, plain.wo
+            return
+        dim, q_features = config.dim, config.n_heads * config.head_dim
+        self.wq = cut(plain.wq, ColumnParallelLinear(dim, q_features, tp, enter_region=False), tp)
+        self.wk = cut(plain.wk, _kv_projection(config, tp), tp)
+        self.wv = cut(plain.wv, _kv_projection(config, tp), tp)
+        self.wo = cut(plain.wo, RowParallelLinear(q_features, dim, tp, sequence_parallel=sp), tp)
+
+    def forward(self, x):  # [b, s/cp, d], with sp [b, s/(cp tp), d]
+        if self.tp is not None:
+            x = enter_parallel_region(x, self.tp, self.sp)  # f, once for q, k and v: [b, s/cp, d]
+        q = rearrange(self.wq(x), "b s (h d) -> b h s d", d=self.head_dim)  # [b, h/tp, s/cp, hd]
+        k = rearrange(self.wk(x), "b s (h d) -> b h s d", d=self.head_dim)  # [b, h_kv/tp (or 1), s/cp, hd]
+        v = rearrange(self.wv(x), "b s (h d) -> b h s d", d=self.head_dim)
+        local_len = x.shape[1]
+        if self.cp is None:
+            positions, attend = sequence_positions(local_len, x.device), causal_attention
+        else:  # two zigzag chunks of the sequence; every rank's K/V pass by on the cp ring
+            seq_len = local_len * self.cp.size
+            positions = zigzag_positions(self.cp.rank, self.cp.size, seq_len, x.device)
+            attend = partial(ring_attention, group=self.cp, seq_len=seq_len)
+        cos, sin = rope_cos_sin(positions, self.rope_freqs, x.dtype)
+        out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)  # [b, h/tp, s/cp, hd]
+        return self.wo(rearrange(out, "b h s d -> b s (h d)"))  # tp: wo sums the heads' parts (g)
+
+
+def _kv_projection(config: ModelConfig, tp: Group) -> nn.Module:
+    """wk or wv for one tp rank: column-parallel when tp divides the kv heads, else the whole
+    weight, of which this rank uses the one head its query heads read."""
+    features = config.n_kv_heads * config.head_dim
+    if config.n_kv_heads % tp.size == 0:
+        return ColumnParallelLinear(config.dim, features, tp, enter_region=False)
+    head = tp.rank * config.n_kv_heads // tp.size
+    return ReplicatedRowsLinear(config.dim, features, tp, slice(head * config.head_dim, (head + 1) * config.head_dim))
 
 
 def _vocab_parallel_loss(logits, targets, divisor=None, *, group: Group, vocab_size: int):
@@ -171,23 +213,12 @@ def _vocab_parallel_loss(logits, targets, divisor=None, *, group: Group, vocab_s
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. Context parallelism
+# 3. Context parallelism (the attention: ParallelAttention above)
 # ----------------------------------------------------------------------------------------------
 
 
 def context_parallel(model: Llama, cp: Group) -> None:
-    for layer in model.layers.values():
-        layer.attn.attend = partial(_ring, group=cp)
-        layer.attn.positions = partial(_zigzag, group=cp)
     model.loss_fn = partial(_token_weighted_loss, loss_fn=model.loss_fn, group=cp)
-
-
-def _ring(q, k, v, group: Group):
-    return ring_attention(q, k, v, group, seq_len=q.shape[2] * group.size)
-
-
-def _zigzag(local_len: int, device, group: Group):
-    return zigzag_positions(group.rank, group.size, local_len * group.size, device)
 
 
 def _token_weighted_loss(logits, targets, divisor=None, *, loss_fn, group: Group):
@@ -203,25 +234,22 @@ def _token_weighted_loss(logits, targets, divisor=None, *, loss_fn, group: Group
 
 
 # ----------------------------------------------------------------------------------------------
-# 4. Recompute
+# 5. Recompute (4, experts: expert_parallel.parallelize_experts)
 # ----------------------------------------------------------------------------------------------
 
 
 def recompute_layers(model: Llama) -> None:
     for layer in model.layers.values():
-        layer.forward = partial(_recomputed, layer.forward)
+        layer.forward = partial(_recomputed, layer.forward, getattr(layer, "moe", None))
 
 
-def _recomputed(forward, x):
+def _recomputed(forward, moe: MoE | None, x):
     if not torch.is_grad_enabled():
         return forward(x)
-    calls = [0]
+    return torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False, context_fn=partial(_run_contexts, moe))
 
-    def run(x):  # called again in backward, to rebuild what was not kept: MoE blocks count tokens once
-        calls[0] += 1
-        MoE.counting = calls[0] == 1
-        try:
-            return forward(x)
-        finally:
-            MoE.counting = True
-    return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)
+
+def _run_contexts(moe: MoE | None):
+    """Around the layer's forward, and around its replay in backward that rebuilds what was not
+    kept: an MoE block has counted its tokens in the forward, and the replay counts none."""
+    return nullcontext(), moe.replaying() if moe is not None else nullcontext()

@@ -37,9 +37,6 @@ class Placement:
         """The tensor dimension that `mesh_dim` cuts, or None if its ranks hold the whole of it."""
         return next((t for m, t in self.shards if m == mesh_dim), None)
 
-    def is_sharded(self, mesh_dim: str = "tp") -> bool:
-        return self.dim_of(mesh_dim) is not None
-
 
 def placement_of(p: torch.Tensor) -> Placement:
     """p's placement; a parameter never placed is whole (its own shape, no shards, no partial sums)."""

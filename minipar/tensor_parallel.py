@@ -11,12 +11,16 @@ Chapter 3 of the course. A linear layer Y = X A can be cut two ways.
 Chain them, column then row, and the slice that one produces is exactly the slice the other
 needs: the MLP costs one all-reduce forward (after w_down) and its mirror, one all-reduce of the
 input gradient, backward. Attention is the same with whole heads per rank (q, k, v column,
-wo row). These are Megatron's conjugate operators from collectives.py:
+wo row). These are Megatron's conjugate operators, from autograd_ops.py:
 
     f = copy_to_parallel      identity forward, all-reduce backward   (entering a parallel region)
     g = reduce_from_parallel  all-reduce forward, identity backward   (leaving it: RowParallelLinear)
 
-so per transformer layer: 2 all-reduces of [b, s, h] forward and 2 backward.
+so per transformer layer: 2 all-reduces of [b, s, h] forward and 2 backward. f is one per region,
+not one per column layer: attention's q, k and v read one input, and so do the MLP's gate and up
+(Megatron fuses each group into one column-parallel layer). ColumnParallelLinear calls f itself
+(the LM head); with `enter_region=False` its caller has called f once for the layers that share
+the input (parallelize.py's ParallelAttention and ParallelMLP).
 
 Sequence parallelism (`sequence_parallel=True`) notices that between the regions (norms,
 residual adds) every tp rank does the same work on the same [b, s, h]. Shard those along the
@@ -129,7 +133,7 @@ def sync_partial_grads(params, group: Group) -> None:
 
 
 def enter_parallel_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
-    """f: make the full input available to every tp rank (once per attention or MLP block)."""
+    """f: make the full input available to every tp rank (once per attention, MLP or LM head)."""
     if sequence_parallel:
         return gather_from_sequence_parallel(x, group, SEQ_DIM)
     return copy_to_parallel(x, group)
@@ -148,17 +152,21 @@ def leave_parallel_region(x: torch.Tensor, group: Group, sequence_parallel: bool
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y_r = X A_r: this rank's block of output features. The input must already be in the parallel
-    region (call `enter_parallel_region` once for all the column layers that share an input)."""
+    """Y_r = X A_r: this rank's block of output features. Every rank needs all of X: f on entry,
+    unless `enter_region` is False because the caller entered the region once for all the column
+    layers that share this input (one f: one all-reduce of the input gradient, not one per layer)."""
 
-    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False,
+                 sequence_parallel: bool = False, enter_region: bool = True):
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel, self.enter_region = group, sequence_parallel, enter_region
         local = math.ceil(out_features / group.size)  # padded when tp does not divide (vocabulary)
         self.weight = mark(nn.Parameter(torch.empty(local, in_features)), (out_features, in_features), dim=0)
         self.bias = mark(nn.Parameter(torch.zeros(local)), (out_features,), dim=0) if bias else None
 
     def forward(self, x):
+        if self.enter_region:
+            x = enter_parallel_region(x, self.group, self.sequence_parallel)  # f: [b, s, in] on every rank
         return F.linear(x, self.weight, self.bias)  # [b, s, out/tp]
 
 

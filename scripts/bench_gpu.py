@@ -14,11 +14,11 @@ one rank of the strategy's dimension (dp = world, or tp = world, ...):
     zero1     ZeroDataParallel(stage 1)               DDP + ZeroRedundancyOptimizer
     zero2     ZeroDataParallel(stage 2)               FSDP2 fully_shard(reshard_after_forward=False)
     zero3     Zero3DataParallel                       FSDP2 fully_shard (per layer, then the root)
-    tp        parallel_llama(tp_group=...)            DTensor: parallelize_module with torchtitan's
+    tp        parallelize(tp=...)                     DTensor: parallelize_module with torchtitan's
                                                       plan, loss_parallel (bench_common, as bench_tp.py)
     pp        Pipeline(--pp-schedule)                 torch.distributed.pipelining: PipelineStage and
                                                       Schedule1F1B / ScheduleGPipe (as bench_pp.py)
-    cp        ring attention (parallel_llama(cp_group)) torch.distributed.tensor.experimental.
+    cp        ring attention (parallelize(cp=...))    torch.distributed.tensor.experimental.
                                                       context_parallel: SDPA patched to its ring, DDP
                                                       over the cp ranks, head-tail (zigzag) sharding
 
@@ -240,11 +240,12 @@ def build_tensor_parallel(side: str, s: Setup):
     from torch.distributed.device_mesh import init_device_mesh
 
     from minipar.data_parallel import DataParallel
-    from minipar.parallelize import parallel_llama
+    from minipar.model import Llama
+    from minipar.parallelize import parallelize
     from minipar.run.train import train_step
 
     if side == "minipar":
-        model = s.compiled(parallel_llama(s.model_cfg, seed=0, tp_group=s.mesh.tp_group).to(s.device))
+        model = s.compiled(parallelize(Llama(s.model_cfg, seed=0), tp=s.mesh.tp_group).to(s.device))
         wrapped = DataParallel(model, s.mesh.reduction_group, tp_group=s.mesh.tp_group,
                                optimizer=s.adamw(s.groups_of(model)))
         return lambda micro: train_step(wrapped, micro, 1.0, s.autocast)[0]
@@ -259,14 +260,15 @@ def build_pipeline(side: str, s: Setup):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from minipar.data_parallel import DataParallel
-    from minipar.parallelize import parallel_llama
+    from minipar.model import Llama
+    from minipar.parallelize import parallelize
     from minipar.pipeline.executor import Pipeline
     from minipar.run.train import train_step
 
     mesh, name = s.mesh, s.args.pp_schedule
     pipeline = Pipeline(mesh.pp_group, name, s.model_cfg.n_layers, grad_group=mesh.pp_grad_group)
-    llama = s.compiled(parallel_llama(s.model_cfg, seed=0, layer_ids=pipeline.my_layers(),
-                                      embed=pipeline.holds_first(), head=pipeline.holds_last()).to(s.device))
+    stage = (pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last())
+    llama = s.compiled(parallelize(Llama(s.model_cfg, seed=0), stage=stage).to(s.device))
     if side == "minipar":
         wrapped = DataParallel(llama, mesh.reduction_group, optimizer=s.adamw(s.groups_of(llama)))
         return lambda micro: train_step(wrapped, micro, 1.0, s.autocast, pipeline=pipeline)[0]
@@ -289,12 +291,12 @@ def build_context_parallel(side: str, s: Setup):
     from minipar.context_parallel import split_sequence
     from minipar.data_parallel import DataParallel
     from minipar.model import Llama
-    from minipar.parallelize import parallel_llama
+    from minipar.parallelize import parallelize
     from minipar.run.train import train_step
 
     cp = s.mesh.cp_group
     if side == "minipar":
-        model = s.compiled(parallel_llama(s.model_cfg, seed=0, cp_group=cp).to(s.device))
+        model = s.compiled(parallelize(Llama(s.model_cfg, seed=0), cp=cp).to(s.device))
         wrapped = DataParallel(model, s.mesh.reduction_group, optimizer=s.adamw(s.groups_of(model)))
         return lambda micro: train_step(wrapped, [(split_sequence(x, cp), split_sequence(y, cp)) for x, y in micro],
                                         1.0, s.autocast)[0]

@@ -5,8 +5,8 @@
     torchrun --standalone --nproc-per-node 4 scripts/bench_pp.py --model 125m --json pp.json   # a GPU node
 
 One launch, every rank one pipeline stage (pp = world, dp = tp = 1). For each schedule, GPipe and
-1F1B, every rank builds its stage twice, from the same weights (parallel_llama(config, seed,
-layer_ids=..., embed=..., head=...): the plain Llama(config, seed) keeping only this stage's parts):
+1F1B, every rank builds its stage twice, from the same weights (parallelize(Llama(config, seed),
+stage=...): the plain Llama(config, seed) keeping only this stage's parts):
 
     (a) minipar  Pipeline(mesh.pp_group, schedule, n_layers, grad_group=...) runs the stage Llama, wrapped in
                  DataParallel holding its AdamW (no traffic at dp = 1);
@@ -63,7 +63,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import CONFIGS, Llama, get_config
-from minipar.parallelize import parallel_llama
+from minipar.parallelize import parallelize
 from minipar.pipeline.executor import Pipeline, stage_layers
 from minipar.pipeline.schedules import bubble_formula
 from minipar.run.config import ConfigError, TrainConfig
@@ -111,8 +111,8 @@ def build_pair(name: str, mesh: Mesh, torch_pg, model_cfg, cfg: TrainConfig, m: 
     pipeline = Pipeline(mesh.pp_group, name, model_cfg.n_layers, grad_group=mesh.pp_grad_group)  # as train.py
 
     def stage_llama() -> Llama:
-        return parallel_llama(model_cfg, seed=cfg.seed, layer_ids=pipeline.my_layers(),
-                              embed=pipeline.holds_first(), head=pipeline.holds_last()).to(device)
+        stage = (pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last())
+        return parallelize(Llama(model_cfg, seed=cfg.seed), stage=stage).to(device)
 
     mine = stage_llama()
     ours = DataParallel(mine, mesh.dp_group, optimizer=build_optimizer(mine, cfg))

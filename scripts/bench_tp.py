@@ -5,7 +5,7 @@
 
 One launch trains two copies of the same model side by side, every rank a tp rank (tp = world, dp = 1):
 
-    (a) minipar   parallel_llama(config, seed, tp_group=mesh.tp_group): the plain Llama(config, seed)
+    (a) minipar   parallelize(Llama(config, seed), tp=mesh.tp_group): the plain Llama(config, seed)
                   with its layers swapped for minipar's tensor-parallel ones, each holding its shard;
                   DataParallel(model, mesh.dp_group, tp_group=..., optimizer=...) (no traffic at dp = 1);
                   step: minipar.run.train.train_step
@@ -81,8 +81,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from minipar.collectives import ring_bytes_sent
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
-from minipar.model import CONFIGS, get_config
-from minipar.parallelize import parallel_llama
+from minipar.model import CONFIGS, Llama, get_config
+from minipar.parallelize import parallelize
 from minipar.run.config import ConfigError, TrainConfig
 from minipar.run.train import build_optimizer, train_step
 from minipar.tensor_parallel import unshard
@@ -175,7 +175,7 @@ def build_sides(cfg: TrainConfig, model_cfg, mesh: Mesh, device) -> tuple:
     """Both models from the same weights, each with an AdamW of its own from the same TrainConfig.
     Returns (minipar's model, the DTensor model, {side: step function})."""
     device_mesh = init_device_mesh(device.type, (mesh.tp_group.size,), mesh_dim_names=("tp",))
-    model = parallel_llama(model_cfg, seed=cfg.seed, tp_group=mesh.tp_group).to(device)
+    model = parallelize(Llama(model_cfg, seed=cfg.seed), tp=mesh.tp_group).to(device)
     ours = DataParallel(model, mesh.dp_group, tp_group=mesh.tp_group, optimizer=build_optimizer(model, cfg))
     theirs = bench.build_dtensor_model(model_cfg, cfg.seed, device, device_mesh)
     opt_theirs = build_optimizer(theirs, cfg)

@@ -25,7 +25,7 @@ from course_common import each_rank, finish, say, start_gloo
 from minipar import tensor_parallel as T
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
-from minipar.parallelize import parallel_llama
+from minipar.parallelize import parallelize
 from minipar.placement import placement_of
 
 B, S = 2, 8  # the token batch of (c) and (d)
@@ -61,7 +61,7 @@ def part_a(mesh: Mesh) -> None:
     with torch.no_grad():
         col.weight.copy_(T.shard(W, col.weight, g))  # rows of W = columns of A
     x = X.clone().requires_grad_()
-    y, fwd = counted(mesh, lambda: col(T.enter_parallel_region(x, g, sequence_parallel=False)))  # [2, 8/tp]
+    y, fwd = counted(mesh, lambda: col(x))  # [2, 8/tp]; the layer enters the parallel region itself (f)
     _, bwd = counted(mesh, lambda: y.sum().backward())  # f: the input gradient is all-reduced
     each_rank("\n  column-parallel: weight [out/tp, in], output = this rank's columns of Y",
               f"weight {list(col.weight.shape)}  Y[:, {r * 8 // tp}:{(r + 1) * 8 // tp}] = {ints(y.detach())}")
@@ -86,7 +86,7 @@ def part_a(mesh: Mesh) -> None:
 
 def part_b(mesh: Mesh) -> None:
     g = mesh.tp_group
-    mlp = parallel_llama(get_config("tiny"), seed=0, tp_group=g).double().get_submodule("layers.0.mlp")
+    mlp = parallelize(Llama(get_config("tiny"), seed=0), tp=g).double().get_submodule("layers.0.mlp")
     ref = Llama(get_config("tiny"), seed=0).double().get_submodule("layers.0.mlp")  # the plain model: one device
     x0, dy = torch.randn(2, 2, 4, 32, generator=torch.Generator().manual_seed(3), dtype=torch.float64)  # [b, s, h]
     x, x_ref = x0.clone().requires_grad_(), x0.clone().requires_grad_()
@@ -110,7 +110,7 @@ def part_c(mesh: Mesh, vocab: int) -> None:
     g, tp = mesh.tp_group, mesh.tp_group.size
     gen = torch.Generator().manual_seed(4)
     x, y = torch.randint(0, vocab, (2, B, S), generator=gen)  # tokens and (random) targets
-    logits = parallel_llama(get_config("tiny", vocab_size=vocab), seed=0, tp_group=g).double()(x)  # [b, s, V/tp]
+    logits = parallelize(Llama(get_config("tiny", vocab_size=vocab), seed=0), tp=g).double()(x)  # [b, s, V/tp]
     logits = logits.detach().requires_grad_()
     loss, fwd = counted(mesh, lambda: T.vocab_parallel_cross_entropy(logits, y, g, vocab))
     _, bwd = counted(mesh, lambda: loss.backward())
@@ -146,7 +146,7 @@ def part_d(mesh: Mesh) -> None:
     say(f"\n(d) the whole tiny Llama ({cfg.n_layers} layers, {cfg.n_heads} heads, {cfg.n_kv_heads} kv heads), "
         f"b={B} s={S} h={cfg.dim}: one [b, s, h] = {B * S * cfg.dim * 8:,} B")
     for sp in (False, True):
-        model = parallel_llama(cfg, seed=0, tp_group=g, sequence_parallel=sp).double()
+        model = parallelize(Llama(cfg, seed=0), tp=g, sp=sp).double()
         loss, snap = counted(mesh, forward_backward, model, x, y)
         _, partial = counted(mesh, T.sync_partial_grads, model, g)  # replicated weights, partial gradients
         grads = {n: T.unshard(p.grad, p, g) for n, p in model.named_parameters()}

@@ -29,7 +29,7 @@ from course_common import finish, say, start_gloo, to_rank0
 
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
-from minipar.parallelize import parallel_llama
+from minipar.parallelize import parallelize
 from minipar.pipeline.executor import Pipeline, stage_layers
 from minipar.pipeline.schedules import bubble_formula, build, peak_activations
 from minipar.pipeline.timeline import Timeline, simulate
@@ -80,8 +80,8 @@ def on_ranks(name: str, m: int, v: int, mesh: Mesh, ref, sim: Timeline, theory: 
              repeats: int) -> None:
     # Activations on the pp group, gradients on a second group over the same ranks, as train.py does.
     pipeline = Pipeline(mesh.pp_group, name, CFG.n_layers, v, grad_group=mesh.pp_grad_group)
-    model = parallel_llama(CFG, seed=SEED, layer_ids=pipeline.my_layers(), embed=pipeline.holds_first(),
-                           head=pipeline.holds_last()).double()  # only this rank's stages
+    stage = (pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last())  # layers, embedding?, head?
+    model = parallelize(Llama(CFG, seed=SEED), stage=stage).double()  # only this rank's stages
     x, y = the_batch()
     micro = list(zip(x.chunk(m), y.chunk(m)))  # m x ([B/m, s], [B/m, s])
     best = None

@@ -28,7 +28,7 @@ from course_common import each_rank, finish, say, start_gloo
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
-from minipar.parallelize import parallel_llama
+from minipar.parallelize import parallelize
 from minipar.run.config import TrainConfig
 from minipar.run.train import make_adamw, param_groups, train_step
 from minipar.zero import ZeroDataParallel
@@ -245,7 +245,7 @@ def part_c(mesh: Mesh) -> None:
         f"float32; ZeRO stage 2")
     runs, grads, places, params = {}, {}, {}, {}
     for recompute, offload in ((False, False), (True, False), (False, True), (True, True)):
-        model = parallel_llama(CFG, seed=0, recompute=recompute)
+        model = parallelize(Llama(CFG, seed=0), recompute=recompute)
         wrapper = wrap(model, mesh, 2, offload=offload)
         loss, by_unit = saved_for_backward(model, wrapper, x, y)
         loss.backward()  # with recompute, each layer runs its forward again here

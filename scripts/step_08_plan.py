@@ -71,13 +71,14 @@ def kept_for_backward(model, x) -> int:
 
 
 def part_b() -> None:
-    from minipar.parallelize import parallel_llama
+    from minipar.model import Llama
+    from minipar.parallelize import parallelize
 
     c = get_config("small", vocab_size=256)
     say(f"\n(b) activations kept for backward, one micro-batch of 2 x {SEQ} tokens, float64, one rank:")
     for recompute in (False, True):
         cfg = TrainConfig(model="small", seq_len=SEQ, micro_batch=2, dtype="float64", recompute=recompute)
-        model = parallel_llama(c, recompute=recompute).double()
+        model = parallelize(Llama(c), recompute=recompute).double()
         x = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(0))
         measured = kept_for_backward(model, x)
         layer, head = layer_activation_bytes(c, cfg), head_activation_bytes(c, cfg)

@@ -78,7 +78,7 @@ def test_ring_all_reduce_sends_two_n_minus_one_over_n_of_the_tensor():
 
 
 def _autograd_ops(rank, world):
-    """f/g and split/gather: forward and backward are the conjugate collectives."""
+    """f/g and their sequence-parallel versions: forward and backward are the conjugate collectives."""
     with Mesh.build(tp=world) as mesh:
         g = mesh.tp_group
         inputs = [_rank_tensor(r) for r in range(world)]
@@ -96,18 +96,20 @@ def _autograd_ops(rank, world):
         torch.testing.assert_close(y, sum(inputs), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(x.grad, grads[rank], rtol=0, atol=0)
 
-        full = torch.cat(inputs, dim=1)
-        x = full.clone().requires_grad_()
-        y = A.split_along_dim(x, g, dim=1)
-        torch.testing.assert_close(y, inputs[rank], rtol=0, atol=0)
+        # Sequence parallelism's f: all-gather forward; backward, the sum of every rank's gradient
+        # of the whole sequence, of which each keeps its slice (a reduce-scatter).
+        x = inputs[rank].clone().requires_grad_()
+        y = A.gather_from_sequence_parallel(x, g, dim=1)
+        torch.testing.assert_close(y, torch.cat(inputs, dim=1), rtol=0, atol=0)
+        y.backward(torch.cat([grads[rank]] * world, dim=1))
+        torch.testing.assert_close(x.grad, sum(grads), rtol=1e-12, atol=1e-12)
+
+        # Its g: reduce-scatter forward (the sum, this rank's slice), all-gather backward.
+        x = torch.cat(inputs, dim=1).clone().requires_grad_()
+        y = A.reduce_scatter_to_sequence_parallel(x, g, dim=1)
+        torch.testing.assert_close(y, world * inputs[rank], rtol=1e-12, atol=1e-12)
         y.backward(grads[rank])
         torch.testing.assert_close(x.grad, torch.cat(grads, dim=1), rtol=0, atol=0)
-
-        x = inputs[rank].clone().requires_grad_()
-        y = A.gather_along_dim(x, g, dim=1)
-        torch.testing.assert_close(y, full, rtol=0, atol=0)
-        y.backward(torch.cat(grads, dim=1))
-        torch.testing.assert_close(x.grad, grads[rank], rtol=0, atol=0)
     return dist.get_rank()
 
 

@@ -4,13 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from einops import repeat
-from harness import run_ranks
+from harness import parallel_llama, run_ranks
 
 from minipar import context_parallel as C
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
-from minipar.parallelize import parallel_llama
 from minipar.run.config import TrainConfig
 from minipar.run.train import build_optimizer, train_step
 from minipar.tensor_parallel import unshard

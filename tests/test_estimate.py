@@ -251,7 +251,7 @@ def _activations(rank, world, layout, whole_model):
     from minipar.context_parallel import split_sequence
     from minipar.mesh import Mesh
     from minipar.model import Llama
-    from minipar.parallelize import parallelize_groups
+    from minipar.parallelize import parallelize
     from minipar.planning.estimate import head_activation_bytes, layer_activation_bytes, weight_casts
 
     cfg = TrainConfig(**{"model": "small", "seq_len": 32, "micro_batch": 2, "dtype": "float64", **layout})
@@ -260,8 +260,8 @@ def _activations(rank, world, layout, whole_model):
     dtype, autocast = (torch.float32, torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else (torch.float64,
                                                                                                  nullcontext())
     with Mesh.build(tp=cfg.tp, cp=cfg.cp) as mesh, autocast:
-        model = parallelize_groups(Llama(c, 0), tp=mesh.tp_group, cp=mesh.cp_group, sp=cfg.sp,
-                                   recompute=cfg.recompute).to(dtype)
+        model = parallelize(Llama(c, 0), tp=mesh.tp_group, cp=mesh.cp_group, sp=cfg.sp,
+                            recompute=cfg.recompute).to(dtype)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         tokens = torch.randint(0, 250, (2, 33), generator=torch.Generator().manual_seed(0))
         x, y = (split_sequence(t, mesh.cp_group) for t in (tokens[:, :-1], tokens[:, 1:]))
@@ -316,7 +316,7 @@ def _gpt_layer_saves(rank, world, tp, sp, recompute):
     from torch.utils.checkpoint import checkpoint
 
     from minipar.mesh import Mesh
-    from minipar.tensor_parallel import ColumnParallelLinear, RowParallelLinear, enter_parallel_region
+    from minipar.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     s, b, h, a = GPT_SHAPE
     d, p = h // a, 0.1
@@ -332,7 +332,8 @@ def _gpt_layer_saves(rank, world, tp, sp, recompute):
         group = mesh.tp_group
         torch.manual_seed(rank)
         norm1, norm2 = torch.nn.LayerNorm(h, dtype=torch.bfloat16), torch.nn.LayerNorm(h, dtype=torch.bfloat16)
-        qkv_proj, fc1 = (ColumnParallelLinear(h, n * h, group, bias=True) for n in (3, 4))  # fused QKV, MLP 4h
+        qkv_proj, fc1 = (ColumnParallelLinear(h, n * h, group, bias=True, sequence_parallel=sp)  # each calls f
+                         for n in (3, 4))  # fused QKV, MLP 4h
         out_proj, fc2 = (RowParallelLinear(n * h, h, group, bias=True, sequence_parallel=sp) for n in (1, 4))
         for linear in (qkv_proj, fc1, out_proj, fc2):
             torch.nn.init.normal_(linear.weight, std=0.02)
@@ -341,12 +342,12 @@ def _gpt_layer_saves(rank, world, tp, sp, recompute):
         params = {q.untyped_storage().data_ptr() for m in modules for q in m.parameters()}
 
         def layer(x):  # [b, s (/t under sp), h]
-            qkv = qkv_proj(enter_parallel_region(norm1(x), group, sp))  # [b, s, 3h/t]
+            qkv = qkv_proj(norm1(x))  # [b, s, 3h/t]
             q, k, v = (t.transpose(1, 2).reshape(-1, s, d) for t in qkv.view(b, s, -1, 3 * d).split(d, dim=-1))
             core = checkpoint(attention_core, q, k, v, use_reentrant=True) if recompute == "selective" \
                 else attention_core(q, k, v)  # [b a/t, s, d]
             x = x + dropout(out_proj(core.view(b, -1, s, d).transpose(1, 2).reshape(b, s, -1)))
-            return x + dropout(fc2(F.gelu(fc1(enter_parallel_region(norm2(x), group, sp)))))
+            return x + dropout(fc2(F.gelu(fc1(norm2(x)))))
 
         x = torch.randn(b, s // tp if sp else s, h, dtype=torch.bfloat16, requires_grad=True)
         if recompute == "full":
@@ -511,7 +512,7 @@ CAPACITY = dict(capacity_factor=0.25)
 def _moe_layer(rank, world, layout, capacity):
     from minipar.mesh import Mesh
     from minipar.model import Llama
-    from minipar.parallelize import parallelize_groups
+    from minipar.parallelize import parallelize
     from minipar.planning.estimate import moe_layer_activation_bytes
 
     cfg = TrainConfig(**{"model": "tiny-moe", "seq_len": 16, "micro_batch": 2, "dtype": "float64", **layout})
@@ -520,7 +521,7 @@ def _moe_layer(rank, world, layout, capacity):
         if cfg.ep > 1:
             mesh.unflatten(("dp", "cp"), edp=cfg.dp // cfg.ep, ep=cfg.ep)
         ep = mesh.group("ep") if cfg.ep > 1 else None
-        model = parallelize_groups(Llama(c, 0), tp=mesh.tp_group, cp=mesh.cp_group, sp=cfg.sp, ep=ep).to(torch.float64)
+        model = parallelize(Llama(c, 0), tp=mesh.tp_group, cp=mesh.cp_group, sp=cfg.sp, ep=ep).to(torch.float64)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         share = cfg.seq_len // cfg.cp // (cfg.tp if cfg.sp else 1)  # what a layer receives
         h = torch.randn(2, share, c.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)) * 1.0

@@ -150,12 +150,12 @@ def test_bad_expert_layouts_on_the_command_line_are_refused_before_any_process_g
 
 def test_the_logged_expert_load_counts_each_token_once_under_recompute():
     from minipar.model import Llama
-    from minipar.parallelize import parallelize_groups
+    from minipar.parallelize import parallelize
 
     config = get_config("tiny-moe")
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     for recompute in (False, True):  # recompute replays each layer's forward in backward
-        model = parallelize_groups(Llama(config, 0), recompute=recompute)
+        model = parallelize(Llama(config, 0), recompute=recompute)
         model(x, x).backward()
         assert [sum(layer) for layer in take_load(model)] == [2 * 16 * config.top_k] * config.n_layers
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import parallel_llama, run_ranks
 from safetensors.torch import load_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local: never reach for the Hub
@@ -29,7 +29,6 @@ transformers = pytest.importorskip("transformers")
 from minipar.context_parallel import split_sequence, zigzag_positions  # noqa: E402
 from minipar.mesh import Mesh  # noqa: E402
 from minipar.model import rope_frequencies  # noqa: E402
-from minipar.parallelize import parallel_llama  # noqa: E402
 from minipar.run import checkpoint  # noqa: E402
 from minipar.run.hf import HFError, import_hf  # noqa: E402
 from minipar.tensor_parallel import gather_logits  # noqa: E402

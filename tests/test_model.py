@@ -104,10 +104,10 @@ def test_the_plain_model_imports_nothing_parallel():
 
 def test_parallelize_with_every_degree_one_returns_the_plain_model():
     from minipar.collectives import Group
-    from minipar.parallelize import parallelize_groups
+    from minipar.parallelize import parallelize
 
     plain = Llama(tiny(), seed=2).double()
-    same = parallelize_groups(Llama(tiny(), seed=2).double(), tp=Group.solo("tp"), cp=Group.solo("cp"))
+    same = parallelize(Llama(tiny(), seed=2).double(), tp=Group.solo("tp"), cp=Group.solo("cp"))
     assert [type(m) for m in same.modules()] == [type(m) for m in plain.modules()]
     assert same.state_dict().keys() == plain.state_dict().keys()
     for name, t in plain.state_dict().items():

@@ -6,12 +6,11 @@ no send without its receive in the same order and size, and no rank out of step 
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import parallel_llama, run_ranks
 
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import get_config
-from minipar.parallelize import parallel_llama
 from minipar.pipeline.executor import Pipeline
 from minipar.pipeline.order_check import order_problems
 from minipar.run.config import TrainConfig

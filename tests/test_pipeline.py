@@ -2,12 +2,11 @@
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import parallel_llama, run_ranks
 
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
-from minipar.parallelize import parallel_llama
 from minipar.pipeline.executor import Pipeline, stage_layers
 from minipar.run.config import TrainConfig
 from minipar.run.train import build_optimizer, train_step

@@ -3,14 +3,13 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import run_ranks
+from harness import parallel_llama, run_ranks
 
 from minipar import tensor_parallel as T
 from minipar.collectives import Group
 from minipar.data_parallel import DataParallel, clip_grads
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
-from minipar.parallelize import parallel_llama
 from minipar.placement import placement_of
 from minipar.run.config import TrainConfig
 from minipar.run.train import build_optimizer, train_step
@@ -36,14 +35,14 @@ def _layers(rank, world):
         g = mesh.tp_group
         x, dy = randn(2, 5, 8, seed=1), randn(2, 5, 12, seed=2)
 
-        # Column-parallel: weight split by output features; input replicated (f).
+        # Column-parallel: weight split by output features; input replicated (f, inside the layer).
         w, b = randn(12, 8, seed=3), randn(12, seed=4)
         col = T.ColumnParallelLinear(8, 12, g, bias=True).double()
         with torch.no_grad():
             col.weight.copy_(T.shard(w, col.weight, g))
             col.bias.copy_(T.shard(b, col.bias, g))
         xs = x.clone().requires_grad_()
-        y = col(T.enter_parallel_region(xs, g, False))
+        y = col(xs)
         y.backward(T.shard(dy.transpose(0, -1), col.bias, g).transpose(0, -1))  # this rank's columns of dY
         ref_x = x.clone().requires_grad_()
         ref_w, ref_b = w.clone().requires_grad_(), b.clone().requires_grad_()
@@ -212,6 +211,33 @@ def test_ledger_two_collectives_per_layer_each_way_and_no_full_logits(tp, sp):
         assert r["largest_saved"] == B * S * local_v  # the logits shard is the largest activation
 
 
+def _tp_messages(rank, world, sp, n_layers):
+    """The tp ledger's calls by op for one forward and backward, then the partial-gradient sync."""
+    with Mesh.build(tp=world) as mesh:
+        cfg = get_config("tiny", vocab_size=250, n_layers=n_layers)
+        model = parallel_llama(cfg, seed=5, tp_group=mesh.tp_group, sequence_parallel=sp).double()
+        mesh.ledger.reset()
+        model(*batch(vocab=250)).backward()
+        T.sync_partial_grads(model, mesh.tp_group)
+        return {op: e.calls for (group, op), e in mesh.ledger.entries.items() if group == "tp"}
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("n_layers", [1, 3])
+def test_a_step_at_tp2_enters_and_leaves_each_region_once_each_way(sp, n_layers):
+    # A layer has two regions, attention and MLP, each entered once (f: one message for q, k, v
+    # and one for gate and up, not one per projection) and left once (g, in wo and w_down).
+    # Without sp, g all-reduces forward and f backward: 4 all-reduces per layer. Outside the
+    # layers: the embedding's g, the LM head's f, the loss's max, sum of exponentials and target
+    # logit: 5. With sp, f is an all-gather forward and a reduce-scatter backward, g the reverse:
+    # per layer 4 of each; outside, the embedding's g and the head's f give 2 of each, and the
+    # all-reduces are the loss's 3 and the sync of the norms' partial gradients.
+    expected = ({"all_gather": 4 * n_layers + 2, "reduce_scatter": 4 * n_layers + 2, "all_reduce": 3 + 1} if sp
+                else {"all_reduce": 4 * n_layers + 5})
+    for calls in run_ranks(2, _tp_messages, sp, n_layers):
+        assert calls == expected
+
+
 # ----------------------------------------------------------------------------------------------
 # Training: dp2 x tp2 equals one device
 # ----------------------------------------------------------------------------------------------
@@ -262,7 +288,7 @@ def _clip(rank, world):
         model(*batch(vocab=250)).backward()
         T.sync_partial_grads(model, mesh.tp_group)
         params = list(model.parameters())
-        return clip_grads([p.grad for p in params], [(mesh.tp_group,) * placement_of(p).is_sharded("tp")
+        return clip_grads([p.grad for p in params], [(mesh.tp_group,) * (placement_of(p).dim_of("tp") is not None)
                                                      for p in params], 0.0)
 
 

@@ -3,13 +3,12 @@
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import parallel_llama, run_ranks
 from test_data_parallel import GLOBAL_BATCH, OPT, STEPS, global_batch, new_model, single_device_params
 
 from minipar.collectives import ring_bytes_sent
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
-from minipar.parallelize import parallel_llama
 from minipar.run.train import make_adamw, param_groups, train_step
 from minipar.tensor_parallel import unshard
 from minipar.zero3 import Zero3DataParallel, units_of

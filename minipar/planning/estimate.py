@@ -48,7 +48,7 @@ from minipar.collectives import Group, Ledger, ring_bytes_sent
 from minipar.data_parallel import bucket_params, by_grad_mean, param_groups
 from minipar.model import Llama, ModelConfig
 from minipar.moe import MoE
-from minipar.parallelize import parallelize_groups
+from minipar.parallelize import parallelize
 from minipar.pipeline.executor import Pipeline, stage_layers
 from minipar.pipeline.schedules import build as build_schedule
 from minipar.pipeline.schedules import messages_of
@@ -93,8 +93,8 @@ def rank_model(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> Ll
 def _model_on_paper(model_cfg: ModelConfig, layers: tuple, first: bool, last: bool, tp: int, sp: bool, ep: int,
                     dtype: str | None) -> Llama:
     with torch.device("meta"):  # the layers parallelize swaps in are made on paper too
-        model = parallelize_groups(Llama(model_cfg, seed=0), tp=paper_group("tp", tp), sp=sp,
-                                   stage=(list(layers), first, last), ep=paper_group("ep", ep))
+        model = parallelize(Llama(model_cfg, seed=0), tp=paper_group("tp", tp), sp=sp,
+                            stage=(list(layers), first, last), ep=paper_group("ep", ep))
     return model.to(PARAM_DTYPES[dtype])  # as train.build_model: buckets are cut by bytes
 
 

@@ -8,9 +8,9 @@ the new token through the model:
     prefill   the prompt, all at once: causal attention as in training; keys/values kept
     decode    one token: its query attends to every cached key (no mask needed: all are earlier)
 
-Like parallelism, the cache goes in through the seams the plain model leaves open (`attend` and
-`positions` of each attention, model.py), so model.py knows nothing of it. `kv_cache(model)`
-installs it for the length of a `with` block.
+The cache goes in through the seams the plain model leaves open (`attend` and `positions` of
+each attention, model.py), so model.py knows nothing of it. `kv_cache(model)` installs it for the
+length of a `with` block.
 """
 
 from __future__ import annotations

@@ -113,7 +113,9 @@ def build_model(cfg: TrainConfig, mesh: Mesh, model_cfg, device, param_dtype):
     """The plain model, parallelized for this rank: (model, pipeline or None)."""
     pipeline = Pipeline(mesh.pp_group, cfg.schedule, model_cfg.n_layers, cfg.virtual_stages,
                         grad_group=mesh.pp_grad_group, seq_shards=cfg.tp if cfg.sp else 1) if cfg.pp > 1 else None
-    model = parallelize(Llama(model_cfg, seed=cfg.seed), mesh, sp=cfg.sp, recompute=cfg.recompute, pipeline=pipeline)
+    stage = (pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last()) if pipeline else None
+    model = parallelize(Llama(model_cfg, seed=cfg.seed), tp=mesh.tp_group, cp=mesh.cp_group,
+                        ep=mesh.shard_groups().get("ep"), sp=cfg.sp, stage=stage, recompute=cfg.recompute)
     return model.to(device=device, dtype=param_dtype), pipeline
 
 

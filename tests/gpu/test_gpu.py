@@ -20,13 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import parallel_llama, run_ranks
 from test_gpu_layouts import rank_device
 
 from minipar import collectives as C
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
-from minipar.parallelize import parallel_llama
 from minipar.run.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
