@@ -16,7 +16,9 @@ LIBRARY = sorted((ROOT / "minipar").rglob("*.py"))
 # then issue 13's data (tokenizer files, token files, streaming tokenisation, held-out validation:
 # batches.py, validation.py) and run configuration (shape flags, --config files, the effective
 # config, every figure to wandb: config_file.py, preflight.py).
-LINE_BUDGET = 4000 + 400 + 500 + 500 + 400 + 500 + 300
+# Issue 22's layout adds folders' docstrings and the run's plumbing split out of the loop (launch.py,
+# saving.py, step.py: +150); issue 23's one argument checker shared by every script (args.py, +300).
+LINE_BUDGET = 4000 + 400 + 500 + 500 + 400 + 500 + 300 + 150 + 300
 
 
 def test_the_library_stays_within_its_line_budget_and_400_lines_per_file():
