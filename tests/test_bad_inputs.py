@@ -464,3 +464,47 @@ def test_train_state_is_covered_by_the_checkpoints_checksum(t):
     state = json.loads((t / "run" / STEP / "train_state.json").read_text())
     assert state["sha256"]["train_state"] == checkpoint.state_digest({k: v for k, v in state.items() if k != "sha256"})
     assert checkpoint.verify(t / "run" / STEP)["step"] == 4
+
+
+@pytest.mark.parametrize("shared", ["static", "c10d"])
+def test_restarts_with_a_rendezvous_store_kept_across_attempts_are_refused(t, shared, monkeypatch, capsys):
+    # What torchrun tells its workers: static (--master-port) keeps its store even when told not
+    # to share it; c10d keeps it unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    if shared == "static":
+        monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    else:
+        monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    assert main(t, [], 1, monkeypatch) == 2
+    line = capsys.readouterr().err.splitlines()
+    assert len(line) == 1 and "minipar: error: torchrun --max-restarts 3 with " in line[0], line
+    assert ("static rendezvous (--master-port)" if shared == "static" else
+            "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1") in line[0]
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # c10d, opted out: what restarts need
+    with pytest.raises(Started):
+        main(t, [], 1, monkeypatch)
+
+
+def test_a_rank_that_never_starts_is_named_within_the_timeout(t):
+    # A world of 2 whose rank 1 never comes: rank 0 gives up at the rendezvous after --timeout,
+    # in one line that names it, and exits 4 (the process-group start obeys --timeout).
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    argv = [a for a in base(t) if not a.startswith("--out")] + [f"--out={t}/lonely", "--dp=2", "--timeout=2"]
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(Path(launch.__file__).parents[2] / "scripts" / "train.py"), *argv],
+                          env=env, capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 4 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"minipar: error: rank 0: the process group did not start within --timeout 2 s: the 2 "
+                               f"ranks did not all reach the rendezvous at 127.0.0.1:{port}"), lines[0]
+    assert time.monotonic() - t0 < 200  # bounded: without the timeout it would wait forever

@@ -15,8 +15,10 @@ first, padding dropped), a checkpoint written at one layout can be loaded at ano
 A checkpoint is written to a hidden temporary folder, flushed to disk (fsync) and renamed into
 place only when complete, so a crash while saving never damages an earlier checkpoint, and a
 `step_*` folder is always whole; an existing one is never replaced. train_state.json, written
-last, holds the sha256 of both tensor files (and of the tokenizer): loading checks them and fails
-with one line naming the bad file. Folders and files take the user's umask, like any file the user
+last, holds the sha256 of both tensor files (and of the tokenizer) and of its own contents:
+loading checks them and fails with one line naming the bad file; checkpoint_checks.py checks what
+a checksum cannot (ranges, names, shapes, finite values). A corrupt checkpoint is never deleted:
+`set_aside` moves it out of the way by name. Folders and files take the user's umask, like any file the user
 writes.
 
 One run at a time writes into an --out folder: rank 0 holds `out/.lock` (host and pid) for the run.
