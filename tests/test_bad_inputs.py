@@ -6,6 +6,7 @@ Everything runs in this process. `launch.launch`, which would start the process 
 by one that raises `Started`: a bad row that slipped through the checks fails its test instead."""
 
 import json
+import math
 import os
 import shutil
 import sysconfig
@@ -14,7 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from minipar.collectives import Group
 from minipar.model import Llama, get_config
@@ -33,13 +36,40 @@ def base(t: Path) -> list[str]:
             "--no-wandb"]
 
 
-def saved_copy(t: Path, name: str, state) -> str:
-    """The checkpoint at t/run, copied with another train_state.json (its checksums kept)."""
+def saved_copy(t: Path, name: str, state, digest: bool = True) -> str:
+    """The checkpoint at t/run, copied with another train_state.json (its files' checksums kept;
+    digest: the state's own checksum made anew, as a run that saved it would have, else kept)."""
     folder = t / name / STEP
     shutil.copytree(t / "run" / STEP, folder)
     sums = json.loads((folder / "train_state.json").read_text())["sha256"]
-    (folder / "train_state.json").write_text(json.dumps(state(sums)))
+    new = state(dict(sums))
+    if digest and "sha256" in new:
+        new["sha256"]["train_state"] = checkpoint.state_digest({k: v for k, v in new.items() if k != "sha256"})
+    (folder / "train_state.json").write_text(json.dumps(new))
     return str(folder)
+
+
+def saved_tensors(t: Path, name: str, weights: dict, optimizer: dict, state: dict) -> None:
+    """A checkpoint at t/name/step_000004 with these tensors and valid checksums."""
+    checkpoint.save(t / name, 4, weights, optimizer, [], state)
+
+
+def damaged_checkpoints(t: Path, cfg, weights: dict) -> None:
+    """Checkpoints that verify (their checksums match) but hold what no run of this model saved."""
+    model_config = asdict(get_config("tiny", vocab_size=512))
+    state = {"step": 4, "consumed": 32, "config": asdict(cfg), "data_key": data_key(cfg.data, cfg.vocab_size),
+             "model_config": model_config}
+    saved_tensors(t, "nan_weight", {**weights, "norm.weight": torch.full_like(weights["norm.weight"], math.nan)},
+                  {}, state)
+    saved_tensors(t, "wrong_shape", {**weights, "norm.weight": weights["norm.weight"][:-1]}, {}, state)
+    saved_tensors(t, "extra_tensor", {**weights, "stray.weight": torch.zeros(2)}, {}, state)
+    adamw = {f"{n}/{slot}": torch.zeros_like(w) for n, w in weights.items() for slot in ("exp_avg", "exp_avg_sq")}
+    adamw |= {f"{n}/step": torch.tensor(4.0) for n in weights}
+    del adamw["layers.0.attn.wq.weight/exp_avg_sq"]
+    saved_tensors(t, "no_adam_key", weights, adamw, state)
+    saved_tensors(t, "new_knob", weights, {}, {**state, "model_config": {**model_config, "new_knob": 1}})
+    saved_tensors(t, "no_model", weights, {}, {**state, "model_config": {**model_config, "dim": 0}})
+    saved_tensors(t, "imported", weights, {}, {**state, "config": {**asdict(cfg), "model": "imported"}})
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +126,24 @@ def t(tmp_path_factory):
     checkpoint.save(t / "tok_run", 4, weights, optimizer, hyper, {"step": 4, "consumed": 32, "config": asdict(cfg),
                                                                   "data_key": key}, tokenizer=t / "tok.json")
     saved_copy(t, "no_step", lambda sums: {"sha256": sums})
+    good = dict(step=4, consumed=32, config=asdict(cfg), data_key=key)
+    saved_copy(t, "hand_edited", lambda sums: {**good, "step": -5, "sha256": sums}, digest=False)
+    saved_copy(t, "step_minus_5", lambda sums: {**good, "step": -5, "sha256": sums})
+    saved_copy(t, "step_6", lambda sums: {**good, "step": 6, "sha256": sums})
+    saved_copy(t, "consumed_float", lambda sums: {**good, "consumed": 1e12, "sha256": sums})
+    damaged_checkpoints(t, cfg, weights)
+    os.mkfifo(t / "fifo")  # reading it would block until someone writes
+    word_level_tokenizer(t / "no_unk.json")
     return t
+
+
+def word_level_tokenizer(path: Path) -> None:
+    """A tokenizer.json whose model has no unknown token: it fails on the first word it lacks."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["def", "class", "return", "<|endoftext|>"])}))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
 
 
 def tokenizer_json(path: Path, vocab: int) -> None:
@@ -182,7 +229,7 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     (["--bpe-vocab=256"], 1, "--bpe-vocab 256: give 257"),
     (["--bpe-vocab=1024"], 1, "--bpe-vocab 1024 does not fit in the model's vocabulary of 512: pass a smaller"),
     # model shapes the preset cannot take
-    (["--n-layers=0"], 1, "--n-layers 0: give 1 or more"),
+    (["--n-layers=0"], 1, "--n-layers 0: give 1 to 1024"),
     (["--dim=30"], 1, "model dim 30 is not divisible by n_heads 4 (--model tiny)"),
     (["--n-kv-heads=3"], 1, "n_heads 4 is not divisible by n_kv_heads 3"),
     (["--dim=36", "--n-kv-heads=4"], 1, "head_dim 9 must be even"),
@@ -240,7 +287,7 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     ([RUN, "--dim=64", "--allow-config-change"], 1, "pass --dim 32 to continue it"),
     ([RUN, "--bpe-vocab=300"], 1, "--bpe-vocab 300 differs from the checkpoint's 512"),
     ([f"--resume={{t}}/empty_state/{STEP}"], 1, "is corrupt"),
-    ([f"--resume={{t}}/no_step/{STEP}"], 1, "is corrupt: its train_state.json lacks the step"),
+    ([f"--resume={{t}}/no_step/{STEP}"], 1, "is corrupt: its train_state.json has no step"),
     ([RUN, "--steps=4"], 1, "nothing to do: the checkpoint"),
     ([RUN, "--global-batch=16"], 1, "--global-batch 16 differs from the checkpoint's 8"),
     ([RUN, "--seed=1"], 1, "--seed 1 differs from the checkpoint's 0"),
@@ -253,6 +300,32 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     ([f"--resume={{t}}/tok_run/{STEP}", "--tokenizer={t}/tok2.json", "--allow-config-change"], 1,
      "(its 320 ids do not fit the weights' 300)"),
     ([RUN, "--val-fraction=0.2"], 1, "--val-fraction 0.2 differs from the checkpoint's 0.0"),
+    # checkpoints that verify but cannot be trusted: refused before any process group (issue 23)
+    ([f"--resume={{t}}/hand_edited/{STEP}"], 1, "train_state.json does not match its checksum (edited by hand?)"),
+    ([f"--resume={{t}}/step_minus_5/{STEP}"], 1, "has no step, or one that is not a whole number >= 0"),
+    ([f"--resume={{t}}/step_6/{STEP}"], 1, "has step 6 in the folder of step 4"),
+    ([f"--resume={{t}}/consumed_float/{STEP}"], 1, "a windows-consumed count that is not a whole number >= 4"),
+    ([f"--resume={{t}}/nan_weight/{STEP}"], 1, "norm.weight in model.safetensors is not finite"),
+    ([f"--resume={{t}}/wrong_shape/{STEP}"], 1, "norm.weight in model.safetensors has shape (31,), its model (32,)"),
+    ([f"--resume={{t}}/extra_tensor/{STEP}"], 1, "does not hold its model's parameters (has unknown ['stray.weight'])"),
+    ([f"--resume={{t}}/no_adam_key/{STEP}"], 1, "optimizer.safetensors lacks layers.0.attn.wq.weight/exp_avg_sq"),
+    ([f"--resume={{t}}/new_knob/{STEP}"], 1, "its model_config has settings this minipar does not know (['new_knob'])"),
+    ([f"--resume={{t}}/no_model/{STEP}"], 1, "its model_config is no model (dim 0 is not a size of 1 or more)"),
+    ([f"--init-from={{t}}/nan_weight/{STEP}"], 1, "norm.weight in model.safetensors is not finite"),
+    ([f"--resume={{t}}/imported/{STEP}"], 1, f"holds imported weights (--model imported), not a run to continue: "
+     f"start from them with --init-from {{t}}/imported/{STEP}"),
+    # numbers that used to end in a traceback or a hang
+    (["--ep=0"], 1, "--ep 0: give 1 or more"),
+    (["--model=tiny-moe", "--ep=0"], 1, "--ep 0: give 1 or more"),
+    (["--dp=0"], 1, "--dp 0: give 1 or more"),
+    (["--timeout=1e15"], 1, "--timeout 1000000000000000.0: give the seconds an operation may wait, 1 to 1e+07"),
+    (["--timeout=1e-6"], 1, "--timeout 1e-06: give the seconds"),
+    (["--global-batch=4611686018427387904"], 1, "--global-batch 4611686018427387904: give 1 to 16777216 sequences"),
+    (["--dim=1073741824"], 1, "--dim 1073741824: give 1 to 1048576"),
+    (["--n-layers=100000"], 1, "--n-layers 100000: give 1 to 1024"),
+    (["--config={t}/fifo"], 1, "--config {t}/fifo is not a regular file: give a TOML file"),
+    (["--tokenizer={t}/fifo"], 1, "--tokenizer {t}/fifo is not a regular file"),
+    (["--tokenizer={t}/no_unk.json"], 1, "no_unk.json cannot encode every text (WordLevel error: Missing [UNK] token"),
 ]
 
 
@@ -342,3 +415,96 @@ def test_a_file_that_cannot_be_read_is_named(t, name, tmp_path, monkeypatch, cap
     (tmp_path / name).chmod(0)
     assert main(t, [f"--data={tmp_path / name}"], 1, monkeypatch) == 2
     assert f"cannot read {tmp_path / name} (Permission denied)" in capsys.readouterr().err
+
+
+def two_checkpoints_newest_corrupt(t: Path, name: str) -> Path:
+    """--out with step_000004 (the fixture's) and a step_000008 with one byte of its weights flipped."""
+    out = t / name
+    shutil.copytree(t / "run" / STEP, out / STEP)
+    state = json.loads((out / STEP / "train_state.json").read_text())
+    weights = load_file(out / STEP / "model.safetensors")
+    checkpoint.save(out, 8, weights, {}, [], {k: v for k, v in state.items() if k != "sha256"} | {"step": 8,
+                                                                                                     "consumed": 64})
+    data = bytearray((out / "step_000008" / "model.safetensors").read_bytes())
+    data[-7] ^= 0x01  # inside the tensor data: only the checksum can tell
+    (out / "step_000008" / "model.safetensors").write_bytes(bytes(data))
+    return out
+
+
+@pytest.mark.parametrize("resume", ["auto", "the folder"])
+def test_a_corrupt_newest_checkpoint_is_set_aside_by_name_and_the_run_resumes_from_the_one_before(
+        t, resume, monkeypatch, capsys):
+    out = two_checkpoints_newest_corrupt(t, f"corrupt_newest_{resume.split()[-1]}")
+    started = []
+    monkeypatch.setattr(launch, "launch", lambda cfg, path: started.append(path))
+    monkeypatch.chdir(t)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = [a for a in base(t) if not a.startswith("--out")] + [f"--out={out}", "--resume=" + (
+        "auto" if resume == "auto" else str(out))]
+    assert launch.main(argv) == 0
+    assert started == [out / STEP]  # resumed from step_000004
+    said = capsys.readouterr().out.splitlines()
+    note = [line for line in said if "step_000008" in line]
+    assert note == [f"minipar: checkpoint {out / 'step_000008'} is corrupt: model.safetensors does not match its "
+                    f"checksum: moved it aside to step_000008.corrupt, resuming from an earlier one"], said
+    assert sorted(p.name for p in out.iterdir()) == [STEP, "step_000008.corrupt"]  # kept, out of the way
+    assert (out / "step_000008.corrupt" / "model.safetensors").exists()
+
+
+def test_a_run_that_saved_over_a_set_aside_step_sets_the_next_one_aside_by_another_name(t):
+    out = two_checkpoints_newest_corrupt(t, "set_aside_twice")
+    first = checkpoint.set_aside(out / "step_000008")
+    shutil.copytree(first, out / "step_000008")
+    assert checkpoint.set_aside(out / "step_000008").name == "step_000008.corrupt-2" and first.exists()
+    assert [p.name for p in checkpoint.checkpoints(out)] == [STEP]
+
+
+def test_train_state_is_covered_by_the_checkpoints_checksum(t):
+    state = json.loads((t / "run" / STEP / "train_state.json").read_text())
+    assert state["sha256"]["train_state"] == checkpoint.state_digest({k: v for k, v in state.items() if k != "sha256"})
+    assert checkpoint.verify(t / "run" / STEP)["step"] == 4
+
+
+@pytest.mark.parametrize("shared", ["static", "c10d"])
+def test_restarts_with_a_rendezvous_store_kept_across_attempts_are_refused(t, shared, monkeypatch, capsys):
+    # What torchrun tells its workers: static (--master-port) keeps its store even when told not
+    # to share it; c10d keeps it unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    if shared == "static":
+        monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    else:
+        monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    assert main(t, [], 1, monkeypatch) == 2
+    line = capsys.readouterr().err.splitlines()
+    assert len(line) == 1 and "minipar: error: torchrun --max-restarts 3 with " in line[0], line
+    assert ("static rendezvous (--master-port)" if shared == "static" else
+            "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1") in line[0]
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # c10d, opted out: what restarts need
+    with pytest.raises(Started):
+        main(t, [], 1, monkeypatch)
+
+
+def test_a_rank_that_never_starts_is_named_within_the_timeout(t):
+    # A world of 2 whose rank 1 never comes: rank 0 gives up at the rendezvous after --timeout,
+    # in one line that names it, and exits 4 (the process-group start obeys --timeout).
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    argv = [a for a in base(t) if not a.startswith("--out")] + [f"--out={t}/lonely", "--dp=2", "--timeout=2"]
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(Path(launch.__file__).parents[2] / "scripts" / "train.py"), *argv],
+                          env=env, capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 4 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"minipar: error: rank 0: the process group did not start within --timeout 2 s: the 2 "
+                               f"ranks did not all reach the rendezvous at 127.0.0.1:{port}"), lines[0]
+    assert time.monotonic() - t0 < 200  # bounded: without the timeout it would wait forever

@@ -161,3 +161,29 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
     other = Llama(get_config("tiny", dim=64, ffn_dim=128), seed=0).double()
     with pytest.raises(checkpoint.CheckpointError, match="has shape"):
         checkpoint.load(tmp_path / "step_000001", other)
+
+
+def test_an_empty_lock_left_by_a_run_that_died_claiming_out_is_taken_over_with_a_note(tmp_path):
+    (tmp_path / ".lock").write_text("")  # created, never written: a run died in between, or is starting now
+    with pytest.raises(checkpoint.CheckpointError, match="is being claimed by another run right now"):
+        checkpoint.lock(tmp_path)
+    os.utime(tmp_path / ".lock", (0, 0))  # long ago: that run is gone
+    notes = checkpoint.lock(tmp_path)
+    assert notes == [f"took over {tmp_path / '.lock'}, left empty by a run that died while claiming --out"]
+    assert (tmp_path / ".lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
+    checkpoint.unlock(tmp_path)
+
+
+def test_a_full_disk_while_saving_is_one_line_and_leaves_nothing_partial(tmp_path, monkeypatch):
+    model, opt = trained_model()
+    checkpoint.save(tmp_path, 1, *whole(model, opt), {"step": 1, "consumed": 8})
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(checkpoint, "save_file", full)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.save(tmp_path, 2, *whole(model, opt), {"step": 2, "consumed": 16})
+    assert str(e.value) == (f"cannot write the checkpoint {tmp_path / 'step_000002'} ([Errno 28] No space left on "
+                            f"device): the earlier checkpoints are whole; free space in {tmp_path} and resume")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001"]  # no temporary folder left
+    assert checkpoint.verify(tmp_path / "step_000001")["step"] == 1

@@ -1,6 +1,7 @@
 """Data: a real tokenizer, a token file made once, a seeded order, dp ranks read disjoint rows."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from minipar.run import data
 from minipar.run.batches import TokenData, documents, held_out
 from minipar.run.data import EOT, DataError, default_corpus, find_files, prepare, read_tokenizer, text_pieces
 
@@ -204,3 +206,38 @@ def test_a_cache_made_before_token_files_and_validation_is_read_alike(folder, tm
     then, now = TokenData(old, 16, 1, val_fraction=0.34), TokenData(folder, 16, 1, val_fraction=0.34)
     assert np.array_equal(then.windows, now.windows) and np.array_equal(then.val_windows, now.val_windows)
     assert then.fingerprint == old.name  # a trained BPE's cache is named by the data's fingerprint
+
+
+def test_a_token_file_rewritten_with_the_same_size_and_time_is_read_again(tmp_path):
+    ids = tmp_path / "ids.bin"
+    ids.write_bytes((np.arange(1000) % 100).astype("uint16").tobytes())
+    stamp = ids.stat().st_mtime_ns
+    first = json.loads((prepare(str(ids), 512, tmp_path / "cache") / "meta.json").read_text())
+    ids.write_bytes((np.arange(1000) % 300).astype("uint16").tobytes())  # same size: new ids
+    os.utime(ids, ns=(stamp, stamp))  # and the same time: only the contents tell
+    again = json.loads((prepare(str(ids), 512, tmp_path / "cache") / "meta.json").read_text())
+    assert (first["vocab_size"], again["vocab_size"]) == (100, 300)
+
+
+def test_a_full_cache_disk_is_one_line_and_leaves_no_temporary_folder(tmp_path, monkeypatch):
+    (tmp_path / "a.txt").write_text("some text to tokenise " * 200)
+
+    def full(*args):
+        yield np.arange(3)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(data, "encode_files", full)
+    with pytest.raises(DataError, match=r"--cache-dir .*: cannot write the tokenised data \(No space left on device\)"):
+        prepare(str(tmp_path / "a.txt"), 300, tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_a_tokenizer_without_an_unknown_token_is_refused_before_tokenising(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"some": 0, "text": 1, EOT: 2}))  # no unknown token
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tok.json"))
+    (tmp_path / "a.txt").write_text("some text some other text")
+    with pytest.raises(DataError, match="tok.json cannot encode every text .*: its model has no unknown token"):
+        prepare(str(tmp_path / "a.txt"), 300, tmp_path / "cache", tokenizer=str(tmp_path / "tok.json"))
+    assert list((tmp_path / "cache").glob("*")) == []  # no .tmp-* left (nor the folder made)

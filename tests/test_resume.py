@@ -6,6 +6,7 @@ and workers die with their launcher."""
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -95,6 +96,35 @@ def test_resuming_into_an_out_with_later_checkpoints_or_a_live_lock_is_refused(r
     finally:
         lock.unlink()
     assert f"is in use by another run (host {socket.gethostname()}, pid {os.getpid()})" in line
+
+
+def test_a_corrupt_newest_checkpoint_is_set_aside_and_restarts_resume_from_the_one_before(runs):
+    # --out holds the uninterrupted run's step 3 and step 6, one byte of step 6's weights flipped:
+    # --resume auto under torchrun --max-restarts moves step 6 aside by name, continues from step 3,
+    # and ends exactly as the uninterrupted run (which the killed-worker test proves equal to one
+    # resumed from any of its checkpoints).
+    tmp, _ = runs
+    out = tmp / "fallback"
+    for step in (3, 6):
+        shutil.copytree(tmp / "whole" / f"step_{step:06d}", out / f"step_{step:06d}")
+    weights = out / "step_000006" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x10
+    weights.write_bytes(bytes(data))
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    argv = common(tmp, **ARGS, out=out, log_json=tmp / "fallback.jsonl", resume="auto")
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", TRAIN, *argv], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"minipar: checkpoint {out / 'step_000006'} is corrupt: model.safetensors does not match its checksum: " \
+        f"moved it aside to step_000006.corrupt, resuming from an earlier one" in proc.stdout.splitlines()
+    assert f"resumed from {out / 'step_000003'} at step 3" in proc.stdout
+    whole = losses(tmp / "whole.jsonl")
+    assert losses(tmp / "fallback.jsonl") == {s: whole[s] for s in range(4, 13)}  # bitwise
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        assert (out / "step_000012" / name).read_bytes() == (tmp / "whole" / "step_000012" / name).read_bytes()
+    assert [p.name for p in checkpoint.checkpoints(out)] == [f"step_{s:06d}" for s in (3, 6, 9, 12)]
+    assert (out / "step_000006.corrupt" / "model.safetensors").read_bytes() == bytes(data)  # kept as it was
 
 
 def _alive(pid: int) -> bool:

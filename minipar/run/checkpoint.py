@@ -15,8 +15,10 @@ first, padding dropped), a checkpoint written at one layout can be loaded at ano
 A checkpoint is written to a hidden temporary folder, flushed to disk (fsync) and renamed into
 place only when complete, so a crash while saving never damages an earlier checkpoint, and a
 `step_*` folder is always whole; an existing one is never replaced. train_state.json, written
-last, holds the sha256 of both tensor files (and of the tokenizer): loading checks them and fails
-with one line naming the bad file. Folders and files take the user's umask, like any file the user
+last, holds the sha256 of both tensor files (and of the tokenizer) and of its own contents:
+loading checks them and fails with one line naming the bad file; checkpoint_checks.py checks what
+a checksum cannot (ranges, names, shapes, finite values). A corrupt checkpoint is never deleted:
+`set_aside` moves it out of the way by name. Folders and files take the user's umask, like any file the user
 writes.
 
 One run at a time writes into an --out folder: rank 0 holds `out/.lock` (host and pid) for the run.
@@ -29,10 +31,11 @@ import json
 import os
 import shutil
 import socket
+import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -40,13 +43,10 @@ from minipar.collectives import Group
 from minipar.model import ModelConfig, get_config
 from minipar.placement import placement_of
 from minipar.run.args import InputError, folder_path
+from minipar.run.checkpoint_checks import CheckpointError, check_state, checked_model_config, state_digest
 from minipar.tensor_parallel import shard, unshard
 
 FILES = ("model.safetensors", "optimizer.safetensors", "train_state.json")
-
-
-class CheckpointError(ValueError):
-    """A missing, incomplete or corrupt checkpoint; the message says which and what to do."""
 
 
 def step_dir(out: str | Path, step: int) -> Path:
@@ -59,9 +59,11 @@ def checkpoints(folder: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def resolve(path: str | Path, skipped: list[str] | None = None, flag: str = "--resume") -> Path:
+def resolve(path: str | Path, skipped: list[str] | None = None, flag: str = "--resume",
+            corrupt: list[Path] | None = None) -> Path:
     """A checkpoint folder, which must verify, or an --out folder whose newest step_* checkpoint
-    that verifies is taken; why each newer one was skipped is appended to `skipped`."""
+    that verifies is taken; why each newer one was skipped is appended to `skipped`, the folder
+    itself to `corrupt` (for `set_aside`)."""
     p = Path(path).expanduser()
     if not os.path.lexists(p):
         raise CheckpointError(f"{flag} {path}: no such folder")
@@ -81,6 +83,8 @@ def resolve(path: str | Path, skipped: list[str] | None = None, flag: str = "--r
             return step
         except CheckpointError as e:
             reasons.append(str(e))
+            if corrupt is not None:
+                corrupt.append(step)
     raise CheckpointError(f"{flag} {path}: no step_* checkpoint in it verifies" + (
         f" (newest: {reasons[0]})" if reasons else ": neither a checkpoint nor a folder of step_* checkpoints"))
 
@@ -102,6 +106,9 @@ def verify(path: Path) -> dict:
     try:
         state = json.loads((path / "train_state.json").read_text())
         sums = state.pop("sha256")
+        if "train_state" in sums and state_digest(state) != sums["train_state"]:  # absent: saved before it was kept
+            raise CheckpointError(f"checkpoint {path} is corrupt: train_state.json does not match its checksum "
+                                  f"(edited by hand?); resume from another one")
         for name in FILES[:2] + (("tokenizer.json",) if "tokenizer.json" in sums else ()):
             if sha256(path / name) != sums[name]:  # a flipped bit, a truncated or overwritten file
                 raise CheckpointError(f"checkpoint {path} is corrupt: {name} does not match its checksum; "
@@ -111,7 +118,20 @@ def verify(path: Path) -> dict:
             from None
     except OSError as e:  # names the file
         raise CheckpointError(f"checkpoint {path} cannot be read ({e}); resume from another one") from None
+    check_state(path, state)
     return state
+
+
+def set_aside(folder: Path) -> Path:
+    """Move a checkpoint that does not verify out of the way, by name (never deleted: it may be
+    worth a look): step_000008 -> step_000008.corrupt (.corrupt-2, ... if taken). `checkpoints`
+    no longer lists it, so a run can save that step again."""
+    target, n = folder.with_name(f"{folder.name}.corrupt"), 1
+    while target.exists():
+        n += 1
+        target = folder.with_name(f"{folder.name}.corrupt-{n}")
+    os.rename(folder, target)
+    return target
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -174,6 +194,7 @@ def save(out: str | Path, step: int, weights: dict, optimizer_tensors: dict, hyp
         if tokenizer:
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
         sums = {name: sha256(tmp / name) for name in names}
+        sums["train_state"] = state_digest(json.loads(json.dumps(train_state)))  # as it will read back
         (tmp / "train_state.json").write_text(json.dumps({**train_state, "sha256": sums}, indent=1))
         for name in FILES[:2]:  # safetensors writes 0600: give them the umask's mode, as Python gave the json
             os.chmod(tmp / name, (tmp / "train_state.json").stat().st_mode)
@@ -181,6 +202,9 @@ def save(out: str | Path, step: int, weights: dict, optimizer_tensors: dict, hyp
             fsync(path)
         os.rename(tmp, final)
         fsync(final.parent)  # the rename itself
+    except (OSError, SafetensorError) as e:  # a full disk: one line; the temporary folder goes, earlier ones stay
+        raise CheckpointError(f"cannot write the checkpoint {final} ({str(e).splitlines()[0][:160]}): the earlier "
+                              f"checkpoints are whole; free space in {final.parent} and resume") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
@@ -203,12 +227,8 @@ def lock(out: str | Path) -> list[str]:
     try:
         fd = os.open(out / ".lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
     except FileExistsError:
-        host, pid = ((out / ".lock").read_text().split() + ["?", "0"])[:2]
-        if host != socket.gethostname() or not pid.isdigit() or pid_alive(int(pid)):
-            raise CheckpointError(f"--out {out} is in use by another run (host {host}, pid {pid}); wait for it, "
-                                  f"or pass another --out (delete {out / '.lock'} if that run is gone)") from None
-        notes.append(f"took over the lock of a run that is gone (host {host}, pid {pid})")
-        (out / ".lock").unlink()
+        notes.append(stale_lock(out / ".lock"))  # raises if its run may be alive
+        (out / ".lock").unlink(missing_ok=True)
         fd = os.open(out / ".lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
     os.write(fd, me.encode())
     os.close(fd)
@@ -216,6 +236,28 @@ def lock(out: str | Path) -> list[str]:
         shutil.rmtree(tmp, ignore_errors=True)
         notes.append(f"removed {tmp.name}, left by an interrupted save")
     return notes
+
+
+def stale_lock(path: Path) -> str:
+    """Why the lock at `path` may be taken over (a note for the log), or CheckpointError if its run
+    may be alive. Gone: a pid that is not alive on this host; or a file that is empty or garbled
+    and older than 10 s (a run died between creating it and writing "host pid", which takes
+    microseconds: a younger one may be a run starting right now)."""
+    try:
+        text, age = path.read_text(errors="replace"), time.time() - path.stat().st_mtime
+    except FileNotFoundError:  # given back meanwhile
+        return "the lock of a run that just ended was gone when taken"
+    words = text.split()
+    if len(words) != 2 or not words[1].isdigit():
+        if age < 10:
+            raise CheckpointError(f"--out {path.parent} is being claimed by another run right now ({path} is not "
+                                  f"written yet); wait for it, or pass another --out")
+        return f"took over {path}, left {'empty' if not text else 'garbled'} by a run that died while claiming --out"
+    host, pid = words
+    if host != socket.gethostname() or pid_alive(int(pid)):
+        raise CheckpointError(f"--out {path.parent} is in use by another run (host {host}, pid {pid}); wait for it, "
+                              f"or pass another --out (delete {path} if that run is gone)")
+    return f"took over the lock of a run that is gone (host {host}, pid {pid})"
 
 
 def pid_alive(pid: int) -> bool:
@@ -276,14 +318,8 @@ def load(path: Path, model: nn.Module, tp_group: Group | None = None) -> tuple[d
 def model_config_of(path: Path, state: dict) -> ModelConfig:
     """The model a checkpoint's weights are for: stored beside them (train.py, convert.py import),
     or, in a checkpoint from before that, the run's --model with the tokenizer's vocabulary."""
-    if "model_config" in state:  # train_state.json may have been edited by hand: one line, naming it
-        try:
-            config = ModelConfig(**state["model_config"])
-            config.validate()
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"checkpoint {path}: train_state.json's model_config is not a model's ({e}); "
-                                  f"use another checkpoint") from None
-        return config
+    if "model_config" in state:
+        return checked_model_config(path, state["model_config"])
     run = state["config"]
     with safe_open(path / "model.safetensors", "pt") as f:
         vocab = f.get_slice("tok_emb.weight").get_shape()[0]

@@ -41,7 +41,13 @@ SHAPE_FLAGS = {"dim": "hidden size", "n_layers": "transformer blocks", "n_heads"
                "n_kv_heads": "key/value heads (grouped-query attention)", "ffn_dim": "MLP hidden size",
                "vocab_size": "the model's vocabulary: embedding rows, the tokenizer's must fit",
                "max_seq_len": "longest sequence the run may use"}
+# The largest value of each shape flag: 60x Llama 3 405B's widths, 8x its depth; beyond, even the
+# estimator's model on paper overflows or takes minutes to build.
+SHAPE_MAX = {"dim": 2**20, "n_layers": 1024, "n_heads": 2**14, "n_kv_heads": 2**14, "ffn_dim": 2**22,
+             "vocab_size": 2**32, "max_seq_len": 2**24}
 BPE_VOCAB = 4096  # the BPE's default size, when the model's vocabulary is larger
+MAX_BATCH = 2**24  # sequences in one step: far beyond any run, and its indices stay far inside int64
+MAX_TIMEOUT = 1e7  # seconds (115 days): a timedelta, and torch's milliseconds, hold it
 
 
 @dataclass
@@ -128,10 +134,12 @@ class TrainConfig:
         rules = (  # (setting, whether its value is fine, what to give instead)
             ("steps", self.steps >= 1, "1 or more"),
             ("seq_len", 1 <= self.seq_len <= max_seq_len, f"1 to --model {self.model}'s max_seq_len, {max_seq_len}"),
-            ("global_batch", self.global_batch >= 1, "1 or more"),
-            ("micro_batch", self.micro_batch >= 1, "1 or more"),
+            *((dim, getattr(self, dim) >= 1, "1 or more") for dim in ("dp", "tp", "pp", "cp", "ep")),
+            ("global_batch", 1 <= self.global_batch <= MAX_BATCH, f"1 to {MAX_BATCH} sequences"),
+            ("micro_batch", 1 <= self.micro_batch <= MAX_BATCH, f"1 to {MAX_BATCH} sequences"),
             ("max_bad_steps", self.max_bad_steps >= 1, "1 or more"),
-            *((name, getattr(self, name) is None or getattr(self, name) >= 1, "1 or more") for name in SHAPE_FLAGS),
+            *((name, getattr(self, name) is None or 1 <= getattr(self, name) <= SHAPE_MAX[name],
+               f"1 to {SHAPE_MAX[name]}") for name in SHAPE_FLAGS),
             ("bpe_vocab", self.bpe_vocab is None or 257 <= self.bpe_vocab < 2**32,
              "257 (the 256 bytes and <|endoftext|>) to 2**32 - 1"),
             ("lr", 0 < self.lr < math.inf, "a learning rate above 0"),
@@ -142,7 +150,8 @@ class TrainConfig:
             ("bucket_mb", 0 < self.bucket_mb < math.inf, "a size above 0"),
             ("aux_loss_coef", 0 <= self.aux_loss_coef < math.inf, "0 or more"),
             ("capacity_factor", 0 <= self.capacity_factor < math.inf, "0 (dropless) or more"),
-            ("timeout", 0 < self.timeout < math.inf, "the seconds an operation may wait, above 0"),
+            ("timeout", 1 <= self.timeout <= MAX_TIMEOUT, f"the seconds an operation may wait, 1 to {MAX_TIMEOUT:g} "
+             f"(below 1 s a healthy step's collectives time out)"),
             ("seed", 0 <= self.seed < 2**32, "0 to 2**32 - 1"),
             ("save_every", self.save_every >= 0, "0 (only at the end) or more steps"),
             ("log_every", self.log_every >= 1, "1 or more steps"),
@@ -325,6 +334,8 @@ def parse_args(argv=None) -> TrainConfig:
     p = parser()
     args = p.parse_args(argv)
     if args.config:  # the file's values become the defaults: a flag given on the command line still wins
+        if os.path.exists(args.config) and not os.path.isfile(args.config):  # a FIFO: reading it would block
+            raise ConfigError(f"--config {args.config} is not a regular file: give a TOML file")
         try:
             p.set_defaults(**read_config_file(args.config, p))
         except ValueError as e:

@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import sysconfig
 from itertools import islice
 from pathlib import Path
@@ -118,14 +119,17 @@ def check_data(path: str | None, seq_len: int, vocab_size: int, cache_dir: str |
     and a corpus tokenised before, are not read again. Returns the ids the data will use, where
     known before tokenising (a tokenizer's, token files'), for the caller to fit in the model."""
     files = find_files(path)
-    vocab = read_tokenizer(tokenizer, separator=True).get_vocab_size() if tokenizer is not None else None
+    tok = read_tokenizer(tokenizer, separator=True) if tokenizer is not None else None
+    vocab = tok.get_vocab_size() if tok is not None else None
     if are_token_files(path, files):
         count = json.loads((prepare(path, vocab_size, cache_dir, tokenizer, token_dtype) / "meta.json").read_text())
         if count["num_tokens"] <= seq_len:
             raise DataError(f"--data {path} holds {count['num_tokens']} token ids, fewer than one window of --seq-len "
                             f"{seq_len} + 1: give more or a shorter --seq-len")
         return count["vocab_size"]
-    if path is None or (Path(cache_dir).expanduser() / corpus_key(files, vocab_size) / "meta.json").exists():
+    if tok is not None:
+        check_encodes(tok, tokenizer)
+    if path is None or cached(Path(cache_dir).expanduser() / corpus_key(files, vocab_size), files):
         return vocab
     size = sum(check_text(f) for f in files)
     if size + len(files) <= seq_len:
@@ -150,6 +154,35 @@ def data_key(data: str | None, vocab_size: int, token_dtype: str = "uint16") -> 
     return corpus_key(files, f"{vocab_size} {token_dtype}" if are_token_files(data, files) else vocab_size)
 
 
+def content_hash(files: list[Path], whole: int = 1 << 24, blocks: int = 64, block: int = 1 << 16) -> str:
+    """What the files hold, for the cache (corpus_key sees only names, sizes and times: a file
+    rewritten with the same size and time would reuse stale ids). A file up to `whole` bytes is
+    hashed whole; a larger one by `blocks` blocks spread evenly over it, its first and last
+    among them (a change that touches none of them goes unseen)."""
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            if size <= whole:
+                h.update(fh.read())
+                continue
+            for i in range(blocks):
+                fh.seek((size - block) * i // (blocks - 1))
+                h.update(fh.read(block))
+    return h.hexdigest()[:16]
+
+
+def cached(out: Path, files: list[Path]) -> bool:
+    """Whether the cache folder `out` holds the tokens of these files as they are now. A stale one
+    (a file rewritten in place, or a cache from before contents were kept) is removed."""
+    if not (out / "meta.json").exists():
+        return False
+    if json.loads((out / "meta.json").read_text()).get("content") == content_hash(files):
+        return True
+    shutil.rmtree(out, ignore_errors=True)  # ours to rebuild: the same name, new contents
+    return False
+
+
 def file_hash(path: str | Path) -> str:
     return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()[:16]
 
@@ -159,6 +192,8 @@ def read_tokenizer(path: str | Path, separator: bool = False):
     since text documents are joined with it."""
     from tokenizers import Tokenizer
 
+    if Path(path).expanduser().exists() and not Path(path).expanduser().is_file():  # a FIFO would block forever
+        raise DataError(f"--tokenizer {path} is not a regular file: give a tokenizer.json")
     try:
         tok = Tokenizer.from_file(str(regular_if_present(path, f"--tokenizer {path}")))  # a FIFO would block
     except InputError:
@@ -169,6 +204,16 @@ def read_tokenizer(path: str | Path, separator: bool = False):
     if separator and tok.token_to_id(EOT) is None:
         tok.add_special_tokens([EOT])
     return tok
+
+
+def check_encodes(tok, path) -> None:
+    """Refuse a tokenizer that cannot encode any text (a word-level model with no unknown token
+    fails on the first word it lacks, halfway through tokenising): one probe with rare characters."""
+    try:
+        tok.encode("minipar-probe \u2603\u00e9\u4e2d\U0001f600 \x00q", add_special_tokens=False)
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise DataError(f"--tokenizer {path} cannot encode every text ({str(e).splitlines()[0][:120]}): its model "
+                        f"has no unknown token; give one that has, or a byte-level BPE") from None
 
 
 def train_tokenizer(texts, vocab_size: int):
@@ -240,26 +285,35 @@ def prepare(data: str | None, vocab_size: int, cache_dir: str | Path = DEFAULT_C
     fingerprint = data_key(data, vocab_size, token_dtype)
     if are_token_files(data, files):
         out = cache / corpus_key(files, f"bin {token_dtype} {file_hash(tokenizer) if tokenizer else '-'}")
-        if (out / "meta.json").exists():
+        if cached(out, files):
             return out
         tok = read_tokenizer(tokenizer) if tokenizer else None
         meta = scan_token_files(files, token_dtype, tok, tokenizer)
-        return publish(out, meta | {"fingerprint": fingerprint, "source": data}, tok)
+        return publish(out, meta | {"fingerprint": fingerprint, "source": data, "content": content_hash(files)}, tok)
     out = cache / corpus_key(files, vocab_size)  # the BPE trained on this corpus
     if tokenizer is not None and not same_bytes(out / "tokenizer.json", tokenizer):  # else: that very tokenizer
         out = cache / corpus_key(files, f"tokenizer {file_hash(tokenizer)}")
-    if (out / "meta.json").exists():
+    if cached(out, files):
         return out
     tok = read_tokenizer(tokenizer, separator=True) if tokenizer else train_tokenizer(corpus_pieces(files), vocab_size)
     dtype, eot = np.uint16 if tok.get_vocab_size() <= 2**16 else np.uint32, tok.token_to_id(EOT)
+    check_encodes(tok, tokenizer)
     tmp, count = building(out), 0
-    with open(tmp / "tokens.bin", "wb") as sink:  # appended to: the ids are never all in memory
-        for ids in encode_files(tok, files, eot):
-            sink.write(ids.astype(dtype).tobytes())
-            count += len(ids)
+    try:
+        with open(tmp / "tokens.bin", "wb") as sink:  # appended to: the ids are never all in memory
+            for ids in encode_files(tok, files, eot):
+                sink.write(ids.astype(dtype).tobytes())
+                count += len(ids)
+    except OSError as e:  # a full disk: nothing half-written stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DataError(f"--cache-dir {cache}: cannot write the tokenised data ({e.strerror or e}); free space or "
+                        f"choose another --cache-dir") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     meta = {"num_tokens": count, "vocab_size": tok.get_vocab_size(), "dtype": np.dtype(dtype).name,
             "parts": ["tokens.bin"], "eot": eot, "files": len(files), "source": data or "python-stdlib",
-            "fingerprint": fingerprint}
+            "fingerprint": fingerprint, "content": content_hash(files)}
     return publish(out, meta, tok)
 
 
@@ -301,15 +355,18 @@ def building(out: Path) -> Path:
 
 
 def publish(out: Path, meta: dict, tok=None) -> Path:
-    """Write meta.json (and the tokenizer) into the temporary folder, then rename it into place."""
+    """Write meta.json (and the tokenizer) into the temporary folder, then rename it into place.
+    A full disk is one line naming --cache-dir, and leaves nothing half-written."""
     tmp = building(out)
-    if tok is not None:
-        tok.save(str(tmp / "tokenizer.json"))
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     try:
+        if tok is not None:
+            tok.save(str(tmp / "tokenizer.json"))
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         os.rename(tmp, out)
-    except OSError:  # another process finished first: keep theirs
-        for f in tmp.iterdir():
-            f.unlink()
-        tmp.rmdir()
+    except OSError as e:
+        if not (out / "meta.json").exists():  # else another process finished first: keep theirs
+            raise DataError(f"--cache-dir {out.parent}: cannot write the tokenised data ({e.strerror or e}); free "
+                            f"space or choose another --cache-dir") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed
     return out

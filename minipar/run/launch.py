@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +48,7 @@ def main(argv=None) -> int:
     local = False  # the command line reads alike on every rank; memory and files are each node's own
     try:
         cfg = parse_args(argv)
+        check_rendezvous()
         if cfg.plan:
             print(report(cfg))
             return 0
@@ -89,8 +91,8 @@ def check_paths(cfg: TrainConfig) -> Path | None:
         if cfg.out is None:
             raise ConfigError("--resume auto needs --out: the folder the run saves to and continues from")
         source = cfg.out if checkpoint.checkpoints(cfg.out) else None
-    skipped: list[str] = []
-    resume = checkpoint.resolve(source, skipped) if source else None
+    skipped, corrupt = [], []
+    resume = checkpoint.resolve(source, skipped, corrupt=corrupt) if source else None
     if cfg.out is None:  # continue where we resume, else a fresh numbered folder
         cfg.out = str(resume.parent) if resume else next(
             f"runs/run_{i:03d}" for i in range(1, 10**4) if not Path(f"runs/run_{i:03d}").exists()
@@ -98,8 +100,11 @@ def check_paths(cfg: TrainConfig) -> Path | None:
     if cfg.init_from:  # weights to start from: a checkpoint folder, or the newest in an --out folder
         cfg.init_from = str(checkpoint.resolve(cfg.init_from, flag="--init-from"))
     check_files(cfg, resume)  # the data is text, --out and the logs writable, the checkpoint of this run
+    # Newer checkpoints of --out that do not verify are set aside (below), not in the way of this run's saves.
+    ours = [p for p in corrupt if p.parent.resolve() == Path(cfg.out).expanduser().resolve()]
     start = json.loads((resume / "train_state.json").read_text())["step"] if resume else 0
-    later = [p.name for p in checkpoint.checkpoints(cfg.out) if int(p.name[5:]) > start]
+    later = [p.name for p in checkpoint.checkpoints(cfg.out)
+             if int(p.name[5:]) > start and p.name not in {q.name for q in ours}]
     if later:  # this run would save over them: refuse, whether they are another run's or this one's future
         raise ConfigError(
             f"--out {cfg.out} already holds checkpoints {f'after {resume}' if resume else 'of an earlier run'} "
@@ -107,9 +112,19 @@ def check_paths(cfg: TrainConfig) -> Path | None:
             f"{cfg.out}, or choose another --out (nothing is overwritten)"
         )
     if os.environ.get("RANK", "0") == "0":
-        for note in [f"skipped {s}" for s in skipped] + checkpoint.lock(cfg.out):
+        notes = checkpoint.lock(cfg.out)  # first: only the holder of --out moves anything in it
+        notes += [set_aside_note(p, why) for p, why in zip(corrupt, skipped) if p in ours]
+        notes += [f"skipped {why}" for p, why in zip(corrupt, skipped) if p not in ours]
+        for note in notes:
             print(f"minipar: {note}", flush=True)
     return resume
+
+
+def set_aside_note(folder: Path, why: str) -> str:
+    """Move a corrupt checkpoint of --out aside by name (never deleted), and say so in one line."""
+    if not folder.exists():  # set aside already, by the rank 0 of an earlier attempt
+        return f"skipped {why}"
+    return f"{why.split(';')[0]}: moved it aside to {checkpoint.set_aside(folder).name}, resuming from an earlier one"
 
 
 def launch(cfg: TrainConfig, resume: Path | None) -> None:
@@ -145,20 +160,62 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_rendezvous() -> None:
+    """Restarts (torchrun --max-restarts) need a rendezvous whose store is made anew for each
+    attempt. torchrun's static rendezvous (--master-port without --rdzv-backend) keeps one store
+    for every attempt, as c10d does unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted rank
+    may then read the dead attempt's keys and wait on them (seen: a gloo connect refused, and a
+    hang of 15 minutes in init_process_group). torchrun tells its workers which kind they have:
+    TORCHELASTIC_USE_AGENT_STORE is True for those two, and only for them."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and \
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        static = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"  # c10d honours it; static does not
+        raise ConfigError(f"torchrun --max-restarts {os.environ['TORCHELASTIC_MAX_RESTARTS']} with "
+                          + ("its static rendezvous (--master-port): drop --master-port and use --standalone, or "
+                             "--rdzv-backend c10d --rdzv-endpoint HOST:PORT" if static else
+                             "a rendezvous store shared across restarts: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+                          + " (a restart could wait on the dead attempt's addresses; see the README)")
+
+
 def start_distributed(timeout: float | None = None) -> torch.device:
-    """NCCL on GPUs, gloo on CPU. Without torchrun, a world of one. timeout: seconds (None: torch's)."""
+    """NCCL on GPUs, gloo on CPU. Without torchrun, a world of one. timeout: seconds (None: torch's).
+    Under torchrun, a rank that does not come is named within the timeout (`join`)."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     limit = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
     if "RANK" in os.environ:
         if backend == "nccl":  # one GPU per local rank (ranks beyond the GPU count share them)
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-        dist.init_process_group(backend, **limit)
+        join(lambda: dist.init_process_group(backend, **limit), timeout)
     else:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
                                 **limit)
         if backend == "nccl":
             torch.cuda.set_device(0)
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def join(start, timeout: float | None) -> None:
+    """Run `start` (init_process_group), which waits at the rendezvous for every rank. Past
+    --timeout it is a RankTimeout naming the rendezvous; should it wait on regardless (a store
+    connection retried, gloo's mesh), a watchdog says the same line and ends the process."""
+    rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "?")
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    line = (f"rank {rank}: the process group did not start within --timeout {timeout:g} s: the {world} ranks did "
+            f"not all reach the rendezvous at {where} (a rank did not start, died, or has another --master-port)")
+    done = threading.Event()
+
+    def watchdog():
+        if not done.wait(timeout + 15):
+            print(f"minipar: error: {line}", file=sys.stderr, flush=True)
+            os._exit(4)
+    if timeout is not None:
+        threading.Thread(target=watchdog, daemon=True).start()
+    try:
+        start()
+    except (RuntimeError, ValueError) as e:  # DistStoreError, DistNetworkError: timed out or refused
+        raise RankTimeout(f"{line} ({str(e).splitlines()[0][:160]})") from None
+    finally:
+        done.set()
 
 
 def exit_with_parent() -> None:
@@ -174,9 +231,16 @@ def load_data(cfg: TrainConfig, resume: Path | None = None) -> TokenData:
     else a BPE trained on the data."""
     saved = resume / "tokenizer.json" if resume is not None and (resume / "tokenizer.json").exists() else None
     args = (cfg.data, cfg.bpe_vocab, cfg.cache_dir, cfg.tokenizer or saved, cfg.token_dtype)
+    failure = None
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        prepare(*args)
-    dist.barrier()
+        try:
+            prepare(*args)
+        except DataError as e:  # a full cache disk, a tokenizer that fails: nothing half-written is left
+            failure = e
+    failed = torch.tensor([float(failure is not None)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # the barrier: the others wait, and learn whether it worked
+    if failure is not None or failed.item():
+        raise failure or DataError("the data could not be prepared on another node (its rank 0 says why)")
     data = TokenData(prepare(*args), cfg.seq_len, cfg.seed, cfg.val_fraction)
     validation_batches(cfg, data)  # raises DataError when too little is held out
     return data

@@ -13,8 +13,9 @@ import tempfile
 from dataclasses import fields, replace
 from pathlib import Path
 
-from minipar.model import ModelConfig
+from minipar.model import CONFIGS, ModelConfig
 from minipar.run.checkpoint import model_config_of
+from minipar.run.checkpoint_checks import check_tensors
 from minipar.run.config import SHAPE_FLAGS, ConfigError, TrainConfig
 from minipar.run.data import check_data, data_key, read_tokenizer
 
@@ -41,7 +42,9 @@ def check_files(cfg: TrainConfig, resume: Path | None) -> None:
         if cfg.log_json:
             check_writable("--log-json", cfg.log_json, file=True)
     if resume is not None:
-        check_resume(cfg, json.loads((resume / "train_state.json").read_text()), resume)
+        state = json.loads((resume / "train_state.json").read_text())
+        check_resume(cfg, state, resume)
+        check_tensors(resume, model_config_of(resume, state))  # names, shapes, finite: before any process group
     if cfg.init_from:
         check_init_from(cfg, Path(cfg.init_from))
 
@@ -72,6 +75,9 @@ def check_resume(cfg: TrainConfig, state: dict, path: Path) -> None:
             and {"model", "data", "seq_len", "global_batch", "seed"} <= saved.keys()):
         raise ConfigError(f"checkpoint {path} is corrupt: its train_state.json lacks the step, the data consumed or "
                           f"the run's settings; resume from another one")
+    if saved["model"] not in CONFIGS:  # convert.py's import ("imported"): weights to start a run from
+        raise ConfigError(f"{path} holds imported weights (--model {saved['model']}), not a run to continue: start "
+                          f"from them with --init-from {path} and the shape flags of their model")
     if state["step"] >= cfg.steps and cfg.resume != "auto":
         raise ConfigError(f"nothing to do: the checkpoint {path} is at step {state['step']}; pass --steps above "
                           f"{state['step']} to train further")
@@ -127,6 +133,7 @@ def check_init_from(cfg: TrainConfig, path: Path) -> None:
     """The weights are of the model this run builds: every setting alike but FROM_WEIGHTS and the
     MoE loss's. (`path` was verified when launch.check_paths resolved it.)"""
     saved = model_config_of(path, json.loads((path / "train_state.json").read_text()))
+    check_tensors(path, saved, optimizer=False)  # names, shapes, finite: before any process group
     run = cfg.model_config()
     for name in (f.name for f in fields(ModelConfig)):
         old, new = getattr(saved, name), getattr(run, name)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import asdict
 
 import torch
-import torch.distributed as dist
 
 from minipar.collectives import all_reduce
 from minipar.data_parallel import GradSync
@@ -47,9 +46,15 @@ def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Me
     with wrapper.gathered():  # ZeRO-3: the weights are sharded
         full = checkpoint.gather_full(wrapper.module, states, checkpoint.hyper_params(wrapper.optimizer),
                                       mesh.shard_groups(), mesh.pp_group)
+    failure = ""
     if log.is_main:
         state = {"step": step, "consumed": consumed, "config": asdict(cfg), "data_key": data.fingerprint,
                  "model_config": asdict(wrapper.module.config)}  # what the weights are of (sample.py, convert.py)
-        path = checkpoint.save(cfg.out, step, *full, state, data.tokenizer_file)
-        log.say(f"saved {path}")
-    dist.barrier()
+        try:
+            log.say(f"saved {checkpoint.save(cfg.out, step, *full, state, data.tokenizer_file)}")
+        except checkpoint.CheckpointError as e:  # a full disk: nothing partial is left
+            failure = str(e)
+    failed = torch.tensor([float(bool(failure))], device=finite.device)
+    all_reduce(failed, log.group, op="max")  # the others wait for rank 0 here, and learn whether it saved
+    if failed.item():
+        raise TrainingStopped(failure or "rank 0 could not write the checkpoint (its line says why)")
