@@ -73,7 +73,7 @@ def parallelize(model: Llama, mesh, *, sp: bool = False, recompute: bool = False
     """This rank's part of `model` under `mesh` (see the module docstring for the order)."""
     stage = (pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last()) if pipeline else None
     return parallelize_groups(model, tp=mesh.tp_group, cp=mesh.cp_group, sp=sp, stage=stage, recompute=recompute,
-                              ep=mesh.shard_groups().get("ep"))
+                              ep=mesh.groups().ep)
 
 
 def parallelize_groups(model: Llama, tp: Group | None = None, cp: Group | None = None, sp: bool = False,

@@ -2,7 +2,12 @@
 that read in one sitting, no function too long to hold in one's head."""
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Every file of the package, in its subfolders too (pipeline/, planning/, run/).
@@ -42,3 +47,33 @@ def test_no_script_imports_another_script_but_the_shared_helpers():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
             assert not [n for n in names if n in scripts - helpers], (path.name, names)
+
+
+# Calls the type checker must refuse: each passes a function or a dict where a signature asks for a
+# Group or the mesh's Groups (the mistakes `mesh.reduction_group` and `mesh.shard_groups()` once were).
+WRONG_CALLS = '''
+import torch
+from minipar.collectives import all_reduce
+from minipar.data_parallel import DataParallel
+from minipar.mesh import Mesh
+from minipar.run import checkpoint
+
+mesh = Mesh.build()
+all_reduce(torch.zeros(1), mesh.groups().reduction)
+DataParallel(torch.nn.Linear(2, 2), mesh.group)
+checkpoint.load(None, torch.nn.Linear(2, 2), {"tp": mesh.tp_group})
+'''
+
+
+def test_the_type_checker_passes_the_library_and_refuses_a_method_or_dict_where_a_group_is_expected(tmp_path):
+    pytest.importorskip("mypy", reason="the type checker is in the dev extra: make setup installs it")
+    wrong = tmp_path / "wrong_calls.py"
+    wrong.write_text(WRONG_CALLS)
+    proc = subprocess.run([sys.executable, "-m", "mypy", "minipar", str(wrong)], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "MYPYPATH": str(ROOT)}, timeout=600)
+    errors = [line for line in proc.stdout.splitlines() if ": error:" in line]
+    assert [e for e in errors if not e.startswith(str(wrong))] == []  # the library itself passes
+    lines = WRONG_CALLS.splitlines()
+    refused = {int(e.split(":")[1]) for e in errors}
+    assert refused == {i + 1 for i, line in enumerate(lines) if line.startswith(("all_reduce", "DataParallel",
+                                                                                 "checkpoint.load"))}, proc.stdout

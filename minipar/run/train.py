@@ -29,14 +29,16 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from minipar.collectives import all_reduce
+from minipar.collectives import Group, all_reduce, barrier
 from minipar.context_parallel import split_sequence
-from minipar.data_parallel import DataParallel, GradSync, loss_divisor, param_groups
+from minipar.data_parallel import GradSync, loss_divisor, param_groups
+from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import Llama
 from minipar.moe import set_aux_scale
@@ -50,8 +52,6 @@ from minipar.run.data import DataError, find_files, prepare
 from minipar.run.preflight import check_files, init_model_config
 from minipar.run.run_log import RunLog
 from minipar.run.validation import is_due, validate, validation_batches
-from minipar.zero import ZeroDataParallel
-from minipar.zero3 import Zero3DataParallel
 
 # ----------------------------------------------------------------------------------------------
 # Pieces of a step, small enough to test on their own
@@ -65,14 +65,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def make_adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    return make_adamw(param_groups(model, cfg), cfg)
 
 
 def train_step(model: GradSync, micro_batches, grad_clip: float = 0.0, autocast=nullcontext,
@@ -171,15 +163,15 @@ def check_paths(cfg: TrainConfig) -> Path | None:
     return resume
 
 
-def load_data(cfg: TrainConfig, resume: Path | None = None) -> TokenData:
-    """Tokenised once per machine (local rank 0); the other ranks wait and read the cache. The
+def load_data(cfg: TrainConfig, resume: Path | None, group: Group) -> TokenData:
+    """Tokenised once per machine (local rank 0); the other ranks (`group`: all) wait and read the cache. The
     tokenizer: --tokenizer, else a resumed checkpoint's (the same ids, even if the cache is gone),
     else a BPE trained on the data."""
     saved = resume / "tokenizer.json" if resume is not None and (resume / "tokenizer.json").exists() else None
-    args = (cfg.data, cfg.bpe_vocab, cfg.cache_dir, cfg.tokenizer or saved, cfg.token_dtype)
+    args: tuple = (cfg.data, cfg.bpe_vocab, cfg.cache_dir, cfg.tokenizer or saved, cfg.token_dtype)
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         prepare(*args)
-    dist.barrier()
+    barrier(group)
     data = TokenData(prepare(*args), cfg.seq_len, cfg.seed, cfg.val_fraction)
     validation_batches(cfg, data)  # raises DataError when too little is held out
     return data
@@ -202,21 +194,6 @@ def build_model(cfg: TrainConfig, mesh: Mesh, model_cfg, device, param_dtype):
     return model.to(device=device, dtype=param_dtype), pipeline
 
 
-def wrap(model, mesh: Mesh, cfg: TrainConfig) -> GradSync:
-    """The gradient-sync wrapper for --zero. Each parameter's gradient is averaged over the group
-    its Placement names: dense ones over data *and* context replicas, since each cp rank saw only
-    its share of the tokens (context_parallel.py)."""
-    group, groups, tp, cut = mesh.reduction_group, param_groups(model, cfg), mesh.tp_group, mesh.shard_groups()
-
-    def adamw(g):
-        return make_adamw(g, cfg)
-    if cfg.zero == 3:
-        return Zero3DataParallel(model, group, adamw, groups, tp_group=tp, shard_groups=cut)
-    if cfg.zero:
-        return ZeroDataParallel(model, group, cfg.zero, adamw, groups, cfg.bucket_mb, tp, cfg.offload, cut)
-    return DataParallel(model, group, cfg.bucket_mb, tp, optimizer=adamw(groups), shard_groups=cut)
-
-
 # ----------------------------------------------------------------------------------------------
 # The run
 # ----------------------------------------------------------------------------------------------
@@ -234,21 +211,23 @@ def run(cfg: TrainConfig, resume: Path | None) -> list[float]:
     if cfg.ep > 1:
         log.say(f"experts: the dp x cp ranks as edp {cfg.dp * cfg.cp // cfg.ep} x ep {cfg.ep}; this rank's ep group "
                 f"{mesh.group('ep').ranks}, edp group {mesh.group('edp').ranks}")
-    data = load_data(cfg, resume)
+    data = load_data(cfg, resume, log.group)
     log.measure_memory_from_here()  # the run's own memory: not the tokenizer's peak
     dtype, param_dtype, autocast = precision(cfg, device)
     # The preset with the shape flags (the tokenizer fits its vocabulary); weights to start from bring their RoPE.
     model_cfg = init_model_config(cfg) if cfg.init_from else cfg.model_config()
     model, pipeline = build_model(cfg, mesh, model_cfg, device, param_dtype)
     if cfg.init_from:  # each rank reads only its shards of the weights
-        checkpoint.load_weights(Path(cfg.init_from), model, mesh.shard_groups())
+        checkpoint.load_weights(Path(cfg.init_from), model, mesh.groups())
         log.say(f"started from the weights of {cfg.init_from}")
     start, consumed, saved_states = 0, 0, None
     if resume is not None:  # weights first: ZeRO builds its master slices from them
-        state, saved_states = checkpoint.load(resume, model, mesh.shard_groups())  # each rank takes its shards
+        state, saved_states = checkpoint.load(resume, model, mesh.groups())  # each rank takes its shards
         start, consumed = state["step"], state["consumed"]
         log.say(f"resumed from {resume} at step {start}")
-    wrapper = wrap(model, mesh, cfg)
+    # Each gradient is averaged over the group its Placement names (dense: dp x cp), by --zero's wrapper.
+    wrapper = build_grad_sync(model, mesh.groups(), param_groups(model, cfg), partial(adamw, lr=cfg.lr),
+                              zero=cfg.zero, bucket_mb=cfg.bucket_mb, offload=cfg.offload)
     if saved_states is not None:
         wrapper.load_state_by_name(saved_states)
     log.start(model_cfg, data, dtype, start)
@@ -328,13 +307,13 @@ def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Me
     states = wrapper.state_by_name()
     with wrapper.gathered():  # ZeRO-3: the weights are sharded
         full = checkpoint.gather_full(wrapper.module, states, checkpoint.hyper_params(wrapper.optimizer),
-                                      mesh.shard_groups(), mesh.pp_group)
+                                      mesh.groups())
     if log.is_main:
         state = {"step": step, "consumed": consumed, "config": asdict(cfg), "data_key": data.fingerprint,
                  "model_config": asdict(wrapper.module.config)}  # what the weights are of (sample.py, convert.py)
         path = checkpoint.save(cfg.out, step, *full, state, data.tokenizer_file)
         log.say(f"saved {path}")
-    dist.barrier()
+    barrier(log.group)
 
 
 def main(argv=None) -> int:
