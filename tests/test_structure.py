@@ -72,7 +72,8 @@ def test_the_type_checker_passes_the_library_and_refuses_a_method_or_dict_where_
     proc = subprocess.run([sys.executable, "-m", "mypy", "minipar", str(wrong)], cwd=ROOT, capture_output=True,
                           text=True, env={**os.environ, "MYPYPATH": str(ROOT)}, timeout=600)
     errors = [line for line in proc.stdout.splitlines() if ": error:" in line]
-    assert [e for e in errors if not e.startswith(str(wrong))] == []  # the library itself passes
+    # (by name: from its cache, mypy may report an unchanged file under the path it first saw)
+    assert [e for e in errors if Path(e.split(":")[0]).name != wrong.name] == []  # the library itself passes
     lines = WRONG_CALLS.splitlines()
     refused = {int(e.split(":")[1]) for e in errors}
     assert refused == {i + 1 for i, line in enumerate(lines) if line.startswith(("all_reduce", "DataParallel",
