@@ -54,8 +54,10 @@ test-gpu:
 bench-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) scripts/bench_gpu.py --compile --fused-adamw --append docs/benchmarks.md $(ARGS)
 
+# ruff for style, mypy for types (configured in pyproject.toml): arguments are what signatures say.
 lint: $(STAMP)
 	$(BIN)/ruff check minipar scripts tests
+	$(BIN)/mypy minipar
 
 bench: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc-per-node 2 scripts/bench_dp.py

@@ -10,6 +10,9 @@ four ranks, each holding one tensor (a, b, c, d are whole tensors, a0 is a quart
     all-to-all       rank i sends its j-th chunk to rank j
     send / recv      one rank to one other (pipeline stages, the context-parallel ring)
 
+and two that carry no tensor of the model: `barrier` (every rank waits for all) and
+`gather_object` (any picklable object, as bytes, onto one rank: a checkpoint's pipeline stages).
+
 Bytes on the wire. With the ring algorithm (what NCCL and gloo use for large tensors), a tensor of
 S bytes costs each rank:
 
@@ -36,6 +39,7 @@ backward: Megatron-LM's f and g, and the all-to-all of expert parallelism) are i
 
 from __future__ import annotations
 
+import pickle
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -134,10 +138,12 @@ class Group:
         """Names the process group itself (groups of other names may share WORLD's), and its ranks."""
         return ("world" if self.pg is dist.group.WORLD else self.name), tuple(self.ranks)
 
-    def _note(self, op: str, t: torch.Tensor, peer: int | None = None, nbytes: int | None = None) -> None:
+    def _note(self, op: str, t: torch.Tensor | None, peer: int | None = None, nbytes: int | None = None,
+              sent: int | None = None) -> None:
         """Write the ledger line of one operation (peer: a group rank, for send and recv)."""
         nbytes = t.numel() * t.element_size() if nbytes is None else nbytes
-        self.ledger.record(self.name, op, nbytes, ring_bytes_sent(op, nbytes, self.size))
+        sent = ring_bytes_sent(op, nbytes, self.size) if sent is None else sent
+        self.ledger.record(self.name, op, nbytes, sent)
         if self.size > 1:  # what a rank last asked of others: named if the job hangs (train.py)
             self.ledger.last = (self.name, op, tuple(self.ranks), None if peer is None else self.ranks[peer])
         if self.ledger.trace is not None and self.size > 1:
@@ -259,6 +265,35 @@ def send_recv(send_t: torch.Tensor, dst: int, recv_t: torch.Tensor, src: int, gr
     ops = [dist.P2POp(dist.isend, send_t.contiguous(), group.ranks[dst], group.pg),
            dist.P2POp(dist.irecv, recv_t, group.ranks[src], group.pg)]
     return dist.batch_isend_irecv(ops)
+
+
+def barrier(group: Group) -> None:
+    """Every rank of the group waits here until all have arrived. No payload, but a message all
+    the same: the ledger counts the call."""
+    group._note("barrier", None, nbytes=0)
+    if group.size > 1:
+        dist.barrier(group=group.pg)
+
+
+def gather_object(obj, group: Group, dst: int = 0) -> list | None:
+    """Every rank's picklable `obj`, in group order, on group rank `dst` (None on the others).
+
+    Objects travel as bytes: each rank pickles its own, the ranks agree on the longest (an 8-byte
+    all-reduce), and the byte tensors, padded to it, are gathered on `dst` (each other rank sends
+    its own; the ledger counts it under "gather"). Checkpoints collect the pipeline stages this way.
+    """
+    if group.size == 1:
+        return [obj]
+    raw = bytearray(pickle.dumps(obj))
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group.pg) == "nccl" else "cpu"
+    longest = torch.tensor([len(raw)], dtype=torch.int64, device=device)
+    all_reduce(longest, group, op="max")
+    raw.extend(bytes(int(longest.item()) - len(raw)))  # pickle.loads ignores what follows the object
+    mine = torch.frombuffer(raw, dtype=torch.uint8).to(device)  # [longest]
+    group._note("gather", mine, sent=0 if group.rank == dst else len(raw))  # dst keeps its own
+    parts = [torch.empty_like(mine) for _ in range(group.size)] if group.rank == dst else None
+    dist.gather(mine, parts, dst=group.ranks[dst], group=group.pg)
+    return None if parts is None else [pickle.loads(p.cpu().numpy().tobytes()) for p in parts]
 
 
 def ring_all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:

@@ -27,7 +27,8 @@ rank in float32 for Psi parameters (the ledger shows it under "dp/all_reduce").
 
 One interface for every way of syncing gradients. DataParallel here and ZeRO 1/2/3 (zero.py,
 zero3.py) are wrappers with the same small protocol, so the training loop never asks which one
-it holds:
+it holds (grad_sync.py's `build_grad_sync` picks it). Each takes the mesh's `Groups`, and
+averages every gradient over the group its Placement names (`groups.reduction`):
 
     no_sync()              backward inside it only accumulates (ZeRO-2/3: still reduce-scatters)
     finish_grad_sync()     after the step's last backward: every gradient averaged (or its slice)
@@ -51,15 +52,14 @@ norm of gradients some of which are tp shards, clipped).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from minipar.collectives import Group, all_reduce, broadcast
+from minipar.mesh import Groups
 from minipar.placement import DENSE, placement_of
-from minipar.run import checkpoint
 from minipar.tensor_parallel import sync_partial_grads
 
 
@@ -83,13 +83,6 @@ def bucket_params(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.
     return chunks + [current] if current else chunks
 
 
-def group_chooser(group) -> Callable[[tuple[str, ...]], Group]:
-    """A wrapper's `group` argument as a function of a parameter's `Placement.grad_mean`: one
-    Group averages every parameter over itself; a function (train.py passes the mesh's) lets
-    parameters with other grad_mean dimensions (experts) be averaged over other groups."""
-    return group if callable(group) else (lambda dims: group)
-
-
 def by_grad_mean(params: list[nn.Parameter]) -> dict[tuple[str, ...], list[nn.Parameter]]:
     """Parameters split by the dimensions their gradient is averaged over, order kept."""
     out: dict[tuple[str, ...], list[nn.Parameter]] = {}
@@ -111,14 +104,16 @@ def loss_divisor(micro_batches, group) -> float:
     return max(float(count.item()), 1.0) / group.size
 
 
-def clip_grads(grads: list[torch.Tensor], spread: list[tuple[Group, ...]], max_norm: float, groups=()) -> float:
+def clip_grads(grads: list[torch.Tensor], spread: list[tuple[Group, ...]], max_norm: float,
+               stages: list[Group | None] | tuple = ()) -> float:
     """The global norm of `grads`, scaled in place to at most max_norm (0: no clipping); returns it.
 
     `spread[i]`: the groups whose ranks hold the other pieces of gradient i (tp for a tensor-
     parallel shard, ep for experts, ZeRO's group for a flat slice): its squares are summed over
     them. A replicated gradient (no such group) is counted once. The total is then added over
-    `groups` whose ranks hold different parameters (pp stages). The same formula as
-    torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
+    `stages`, groups whose ranks hold different parameters (pp stages; None: one stage). The
+    same formula as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that
+    is below 1.
     """
     sq = grads[0].new_zeros(()) if grads else torch.zeros((), dtype=torch.float64)
     parts: dict[tuple[str, ...], tuple] = {}  # squares by the groups they are summed over
@@ -131,7 +126,7 @@ def clip_grads(grads: list[torch.Tensor], spread: list[tuple[Group, ...]], max_n
         for group in gs:
             all_reduce(part, group)
         sq = sq + part
-    for group in groups:
+    for group in stages:
         all_reduce(sq, group or Group.solo("pp"))
     norm = sq.sqrt()
     if max_norm > 0:
@@ -178,9 +173,28 @@ class GradBucket:
         self.ready.clear()
 
 
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """A torch optimizer's state by parameter name: {name: {slot: tensor}}."""
+    return {n: dict(optimizer.state[p]) for n, p in model.named_parameters() if p in optimizer.state}
+
+
+def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, states: dict) -> None:
+    """The inverse of optimizer_state."""
+    params = dict(model.named_parameters())
+    for name, slots in states.items():
+        for slot, value in slots.items():
+            optimizer.state[params[name]][slot] = value
+
+
 class GradSync(nn.Module):
     """What every gradient-sync wrapper shares (the protocol is in the module docstring): it holds
-    `module` and `optimizer`."""
+    `module`, `optimizer` and the mesh's `groups`; `group` is the dense parameters' reduction group
+    (dp, or dp x cp), over which each rank's share of the batch is counted (loss_divisor)."""
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    groups: Groups
+    group: Group
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -196,7 +210,7 @@ class GradSync(nn.Module):
 
     def spread_of(self, p: nn.Parameter) -> tuple[Group, ...]:
         """The groups whose ranks hold p's other pieces (its Placement.shards: tp, ep)."""
-        return tuple(self.shard_groups[d] for d, _ in placement_of(p).shards)
+        return self.groups.shards(placement_of(p))
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in weights, gradients and optimizer state, measured on its tensors."""
@@ -204,23 +218,22 @@ class GradSync(nn.Module):
 
 
 class DataParallel(GradSync):
-    """Wraps a model; averages its gradients over `group` during backward.
+    """Wraps a model; averages each gradient during backward over the group its Placement names
+    (`groups.reduction`: dp, dp x cp, or edp for experts).
 
     Usage per optimizer step:
         for i, micro_batch in enumerate(micro_batches):
             with model.no_sync() if i < len(micro_batches) - 1 else nullcontext():
                 model(micro_batch).backward()
         model.finish_grad_sync()
-        optimizer.step()
+        model.clip_and_step(max_norm, pp_group)
     """
 
-    def __init__(self, module: nn.Module, group: Group, bucket_mb: float = 25.0, tp_group: Group | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, shard_groups: dict[str, Group] | None = None):
+    def __init__(self, module: nn.Module, groups: Groups, bucket_mb: float = 25.0,
+                 optimizer: torch.optim.Optimizer | None = None):
         super().__init__()
-        self.group_for = group_chooser(group)  # a parameter's group, from its Placement.grad_mean
-        self.module, self.group, self.optimizer = module, self.group_for(DENSE), optimizer
-        self.tp_group = tp_group or Group.solo("tp")
-        self.shard_groups = {"tp": self.tp_group, **(shard_groups or {})}  # mesh dims that cut parameters
+        self.module, self.groups, self.optimizer = module, groups, optimizer
+        self.group = groups.reduction(DENSE)
         self.sync = True
         self.buckets = self._make_buckets([p for p in module.parameters() if p.requires_grad], bucket_mb)
         # Start identical: every replica takes rank 0's weights (and buffers).
@@ -239,7 +252,7 @@ class DataParallel(GradSync):
 
     def _make_buckets(self, params: list[nn.Parameter], bucket_mb: float) -> list[GradBucket]:
         # Backward meets the last layers first; a bucket never mixes reduction groups.
-        chunks = [(chunk, self.group_for(dims)) for dims, ps in by_grad_mean(list(reversed(params))).items()
+        chunks = [(chunk, self.groups.reduction(dims)) for dims, ps in by_grad_mean(list(reversed(params))).items()
                   for chunk in bucket_params(ps, bucket_mb)]
         return [GradBucket(i, chunk, group) for i, (chunk, group) in enumerate(chunks)]
 
@@ -292,7 +305,7 @@ class DataParallel(GradSync):
 
     def clip_and_step(self, max_norm: float, pp_group: Group | None = None) -> float:
         """Sum the tp partial gradients, clip by the global norm (over tp and pp), step."""
-        sync_partial_grads(self.module, self.tp_group)
+        sync_partial_grads(self.module, self.groups.tp)
         params = [p for p in self.module.parameters() if p.grad is not None]
         norm = clip_grads([p.grad for p in params], [self.spread_of(p) for p in params], max_norm, [pp_group])
         if math.isfinite(norm):  # every rank has the same norm, so every rank skips a bad step alike
@@ -302,10 +315,10 @@ class DataParallel(GradSync):
 
     # -- the optimizer state by parameter name, and the weights (always whole here) --------------
     def state_by_name(self) -> dict:
-        return checkpoint.optimizer_state(self.module, self.optimizer)
+        return optimizer_state(self.module, self.optimizer)
 
     def load_state_by_name(self, states: dict) -> None:
-        checkpoint.set_optimizer_state(self.module, self.optimizer, states)
+        set_optimizer_state(self.module, self.optimizer, states)
 
     def param_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.module.parameters())

@@ -30,7 +30,9 @@ Expert parallelism carves its dimensions out of dp x cp: `Mesh.unflatten(("dp", 
 ep=..)` reshapes each dp x cp group and builds a group per new dimension.
 
 `MeshLayout` is the pure arithmetic (no processes: testable for every layout); `Mesh` adds this
-rank's process groups. There is no global mesh: the object is passed to whoever needs it.
+rank's process groups, and hands them out by name in one typed object, `Groups` (dp, tp, pp, cp,
+dp_cp, ep, edp), which also says over which group a parameter's gradient is averaged. There is no
+global mesh: the object is passed to whoever needs it.
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ from __future__ import annotations
 import datetime
 import itertools
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch.distributed as dist
 
 from minipar.collectives import Group, Ledger
+from minipar.placement import Placement
 
 # Outermost first. The last dimension varies fastest in rank numbering.
 DIMS = ("pp", "dp", "cp", "tp")
@@ -129,15 +133,6 @@ class MeshLayout:
                         out[name].append([members[start + j * stride] for j in range(sizes[name])])
         return out
 
-    def group_of(self, rank: int, *dims: str) -> list[int]:
-        return next(g for g in self.groups(*dims) if rank in g)
-
-    def neighbour(self, rank: int, dim: str, step: int) -> int:
-        """The rank `step` places along `dim` (wrapping around, as in a ring)."""
-        c = self.coords(rank)
-        c[dim] = (c[dim] + step) % getattr(self, dim)
-        return self.rank(**c)
-
     def table(self) -> str:
         """The grid as text: one line per (pp, dp), the tp ranks of each cp slot side by side."""
         lines = [f"mesh pp{self.pp} x dp{self.dp} x cp{self.cp} x tp{self.tp} = {self.world_size} ranks"]
@@ -149,6 +144,44 @@ class MeshLayout:
                     cells.append(f"cp{c}:[" + " ".join(f"{r:>2}" for r in tp_ranks) + "]")
                 lines.append(f"  pp{p} dp{d}  " + "  ".join(cells))
         return "\n".join(lines)
+
+
+def _solo(name: str):
+    return field(default_factory=lambda: Group.solo(name))
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The groups a module needs, by name: what the mesh hands out (`mesh.groups()`) and what the
+    gradient-sync wrappers, checkpoints and tensor-parallel helpers take. A dimension the layout
+    lacks is a group of one, whose collectives cost nothing. Tests make one from the groups they
+    have: `Groups(dp=group)` averages every gradient over that one group."""
+
+    dp: Group = _solo("dp")
+    tp: Group = _solo("tp")
+    pp: Group = _solo("pp")
+    cp: Group = _solo("cp")
+    dp_cp: Group = _solo("dp_cp")  # dense gradients are averaged over data *and* context replicas
+    ep: Group = _solo("ep")  # experts: carved out of dp x cp by Mesh.unflatten
+    edp: Group = _solo("edp")
+
+    NAMES: ClassVar = ("dp", "tp", "pp", "cp", "dp_cp", "ep", "edp")
+
+    def __getitem__(self, name: str) -> Group:
+        if name not in self.NAMES:
+            raise KeyError(f"no {name} group: the groups are {', '.join(self.NAMES)}")
+        return getattr(self, name)
+
+    def reduction(self, dims: tuple[str, ...]) -> Group:
+        """Where a gradient averaged over `dims` (its Placement.grad_mean) is reduced: ("dp", "cp")
+        is the dp x cp group, or the dp group alone when cp is 1; ("edp",) the expert replicas."""
+        if all(self[d].size == 1 for d in dims[1:]):
+            return self[dims[0]]
+        return self["_".join(dims)]
+
+    def shards(self, placement: Placement) -> tuple[Group, ...]:
+        """The groups whose ranks hold the other pieces of a parameter (its Placement.shards: tp, ep)."""
+        return tuple(self[d] for d, _ in placement.shards)
 
 
 # The groups every rank builds, by name -> the dimensions they vary along.
@@ -195,13 +228,6 @@ class Mesh:
             raise KeyError(f"no {name} group in this mesh: it has {', '.join(self._groups)}")
         return self._groups[name]
 
-    def reduction_group(self, dims: tuple[str, ...]) -> Group:
-        """Where a gradient averaged over `dims` (its Placement.grad_mean) is reduced: ("dp", "cp")
-        is the dp x cp group, or the dp group alone when cp is 1."""
-        if all(self.group(d).size == 1 for d in dims[1:]):
-            return self.group(dims[0])
-        return self.group(*dims)
-
     def coord(self, dim: str) -> int:
         """This rank's coordinate along `dim` (its rank inside the group of that dimension)."""
         return self.coords[dim] if dim in DIMS else self.group(dim).rank
@@ -210,10 +236,10 @@ class Mesh:
     def coords(self) -> dict[str, int]:
         return self.layout.coords(self.rank)
 
-    def shard_groups(self) -> dict[str, Group]:
-        """The groups whose ranks hold different pieces of a parameter (Placement.shards): tp, and
-        ep once expert parallelism has carved it out (unflatten)."""
-        return {d: self._groups[d] for d in ("tp", "ep") if d in self._groups}
+    def groups(self) -> Groups:
+        """The groups a module needs, by name, in one typed object (ep and edp once `unflatten`
+        has carved them out, else groups of one)."""
+        return Groups(**{name: self._groups[name] for name in Groups.NAMES if name in self._groups})
 
     # The usual ones, by name.
     tp_group = property(lambda self: self.group("tp"))
@@ -237,21 +263,6 @@ class Mesh:
                 pg = dist.new_group(ranks) if len(ranks) < self.layout.world_size else dist.group.WORLD
                 if self.rank in ranks:
                     self._groups[name] = Group(name, pg, ranks, self.ledger)
-
-    # -- neighbours ----------------------------------------------------------------------------
-    @property
-    def pp_prev(self) -> int | None:
-        """The rank of the previous pipeline stage, or None on the first stage."""
-        return None if self.pp_rank == 0 else self.layout.neighbour(self.rank, "pp", -1)
-
-    @property
-    def pp_next(self) -> int | None:
-        return None if self.pp_rank == self.layout.pp - 1 else self.layout.neighbour(self.rank, "pp", 1)
-
-    @property
-    def cp_ring(self) -> tuple[int, int]:
-        """(receive from, send to) in the context-parallel ring."""
-        return self.layout.neighbour(self.rank, "cp", -1), self.layout.neighbour(self.rank, "cp", 1)
 
     def destroy(self) -> None:
         """Free this mesh's process groups (tests build many meshes in one world)."""

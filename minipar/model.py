@@ -116,7 +116,7 @@ class ModelConfig:
 # Named sizes. Toy shapes, no real model's: "tiny" for tests, "small" the CPU default, "125m" a GPT-2-small-sized
 # Llama for GPU benchmarks. Real models' shapes (their config.json): "1b" Llama-3.2-1B, "8b" Llama-3.1-8B, "70b"
 # Llama-3.1-70B, all with Llama-3 RoPE scaling.
-LLAMA3 = dict(vocab_size=128256, max_seq_len=131072, rope_theta=500000.0, rope_factor=8.0)
+LLAMA3: dict = dict(vocab_size=128256, max_seq_len=131072, rope_theta=500000.0, rope_factor=8.0)
 CONFIGS = {
     "tiny": ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=256, max_seq_len=128),
     "small": ModelConfig(),

@@ -59,6 +59,7 @@ from minipar.autograd_ops import (
     reduce_scatter_to_sequence_parallel,
 )
 from minipar.collectives import Group, all_gather, all_reduce
+from minipar.mesh import Groups
 from minipar.placement import Placement, place, placement_of
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
@@ -92,11 +93,11 @@ def mark(p: nn.Parameter, full_shape, dim: int | None = None, partial_grad: bool
                               partial=("tp",) if partial_grad else ()))
 
 
-def shard(full: torch.Tensor, p: nn.Parameter, groups: Group | dict[str, Group]) -> torch.Tensor:
+def shard(full: torch.Tensor, p: nn.Parameter, groups: Groups | Group) -> torch.Tensor:
     """This rank's piece of a single-device tensor, cut along each mesh dimension that shards p.
-    groups: the tp group, or {mesh dimension: group} (experts: "ep"). A tp piece is padded with
-    zeros to a multiple of tp."""
-    groups = groups if isinstance(groups, dict) else {"tp": groups}
+    groups: the mesh's Groups (experts are cut over ep too), or the tp group alone. A tp piece is
+    padded with zeros to a multiple of tp."""
+    groups = groups if isinstance(groups, Groups) else Groups(tp=groups)
     for mesh_dim, dim in placement_of(p).shards:
         local, group = p.shape[dim], groups[mesh_dim]
         pad = local * group.size - full.shape[dim]
@@ -108,9 +109,10 @@ def shard(full: torch.Tensor, p: nn.Parameter, groups: Group | dict[str, Group])
     return full
 
 
-def unshard(local: torch.Tensor, p: nn.Parameter, groups: Group | dict[str, Group]) -> torch.Tensor:
-    """The single-device tensor, gathered from every rank's piece (a collective over each group)."""
-    groups = groups if isinstance(groups, dict) else {"tp": groups}
+def unshard(local: torch.Tensor, p: nn.Parameter, groups: Groups | Group) -> torch.Tensor:
+    """The single-device tensor, gathered from every rank's piece (a collective over each group).
+    groups: as for `shard`."""
+    groups = groups if isinstance(groups, Groups) else Groups(tp=groups)
     placement = placement_of(p)
     for mesh_dim, dim in reversed(placement.shards):
         local = all_gather(local.contiguous(), groups[mesh_dim], dim=dim).narrow(dim, 0, placement.full_shape[dim])

@@ -42,7 +42,8 @@ import torch
 from torch import nn
 
 from minipar.collectives import Group, all_gather, all_gather_into, broadcast, reduce_scatter
-from minipar.data_parallel import GradSync, bucket_params, by_grad_mean, clip_grads, group_chooser
+from minipar.data_parallel import GradSync, bucket_params, by_grad_mean, clip_grads
+from minipar.mesh import Groups
 from minipar.placement import DENSE, placement_of
 from minipar.tensor_parallel import sync_partial_grads
 
@@ -78,8 +79,10 @@ class ZeroBucket:
     writes the new weights straight into them, with no copy.
     """
 
-    def __init__(self, params: list[nn.Parameter], group: Group, offload: bool = False):
+    def __init__(self, params: list[nn.Parameter], group: Group, spread: tuple[Group, ...] = (),
+                 offload: bool = False):
         self.params, self.group = params, group
+        self.spread = spread + (group,)  # the groups holding the other pieces (tp, ep), and the other slices
         numel = sum(p.numel() for p in params)
         self.padded = -(-numel // group.size) * group.size
         self.slice = slice(group.rank * self.padded // group.size, (group.rank + 1) * self.padded // group.size)
@@ -127,27 +130,22 @@ class ZeroDataParallel(GradSync):
     the wrapper calls it on its master slices, one group per weight-decay setting.
     """
 
-    STAGES = (1, 2)  # stage 3 is zero3.Zero3DataParallel, a subclass
+    STAGES: tuple[int, ...] = (1, 2)  # stage 3 is zero3.Zero3DataParallel, a subclass
 
-    def __init__(self, module: nn.Module, group: Group, stage: int, make_optimizer, param_groups,
-                 bucket_mb: float = 25.0, tp_group: Group | None = None, offload: bool = False,
-                 shard_groups: dict[str, Group] | None = None):
+    def __init__(self, module: nn.Module, groups: Groups, stage: int, make_optimizer, param_groups,
+                 bucket_mb: float = 25.0, offload: bool = False):
         super().__init__()
         if stage not in self.STAGES:
             raise ValueError(f"ZeRO stage {stage} is not built by {type(self).__name__}: choose from {self.STAGES}")
-        self.group_for = group_chooser(group)  # a parameter's group, from its Placement.grad_mean
-        self.module, self.stage, self.offload = module, stage, offload
-        self.group = self.group_for(DENSE)  # the dense parameters' group
-        self.tp_group = tp_group or Group.solo("tp")
-        self.shard_groups = {"tp": self.tp_group, **(shard_groups or {})}
+        self.module, self.groups, self.stage, self.offload = module, groups, stage, offload
+        self.group = groups.reduction(DENSE)  # the dense parameters' group
         with torch.no_grad():  # start identical, as in DataParallel
             for p in module.parameters():
-                broadcast(p.data, self.group_for(placement_of(p).grad_mean), src=0)
-        self.buckets: list[ZeroBucket] = []
+                broadcast(p.data, groups.reduction(placement_of(p).grad_mean), src=0)
+        self.buckets: list = []  # ZeroBucket, or ZeRO-3's ShardedBucket
         masters: list[list[nn.Parameter]] = [[] for _ in param_groups]
         for i, dims, chunk in bucket_plan(param_groups, lambda params: self._chunks(params, bucket_mb)):
-            bucket = self._new_bucket(chunk, self.group_for(dims))
-            bucket.spread = self.spread_of(chunk[0]) + (bucket.group,)  # + the other slices
+            bucket = self._new_bucket(chunk, groups.reduction(dims), self.spread_of(chunk[0]))
             self.buckets.append(bucket)
             masters[i].append(bucket.master)
         self.optimizer = make_optimizer([{**{k: v for k, v in pg.items() if k != "params"}, "params": ms}
@@ -158,8 +156,8 @@ class ZeroDataParallel(GradSync):
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._grad_ready)
 
-    def _new_bucket(self, params, group: Group) -> ZeroBucket:
-        return ZeroBucket(params, group, self.offload)
+    def _new_bucket(self, params, group: Group, spread: tuple[Group, ...]) -> ZeroBucket:
+        return ZeroBucket(params, group, spread, self.offload)
 
     def _chunks(self, params, bucket_mb):
         return bucket_params(params, bucket_mb)
@@ -174,18 +172,18 @@ class ZeroDataParallel(GradSync):
         bucket = self._bucket_of[id(p)]
         bucket.ready.add(id(p))
         if len(bucket.ready) == len(bucket.params):  # stage 2: reduce-scatter now, free the full grads
-            sync_partial_grads(bucket.params, self.tp_group)  # tp partial sums first
+            sync_partial_grads(bucket.params, self.groups.tp)  # tp partial sums first
             bucket.reduce_scatter_grads()
             self._bucket_done(bucket)
 
-    def _bucket_done(self, bucket: ZeroBucket) -> None:
+    def _bucket_done(self, bucket) -> None:
         """Called once a bucket's gradients are reduce-scattered during backward (stage 3 frees it)."""
 
     def finish_grad_sync(self) -> None:
         """Reduce-scatter whatever backward has not (all of it in stage 1)."""
         for bucket in self.buckets:
             if any(p.grad is not None for p in bucket.params):
-                sync_partial_grads(bucket.params, self.tp_group)  # tp partial sums first
+                sync_partial_grads(bucket.params, self.groups.tp)  # tp partial sums first
                 bucket.reduce_scatter_grads()
 
     def clip_and_step(self, max_norm: float, pp_group: Group | None = None) -> float:

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from minipar.collectives import Group, all_gather_into
+from minipar.mesh import Groups
 from minipar.zero import ZeroBucket, ZeroDataParallel
 
 
@@ -65,14 +66,10 @@ def unit_chunks(units: list[nn.Module], params: list[nn.Parameter]) -> list[list
 class ShardedBucket(ZeroBucket):
     """A ZeRO bucket whose parameters are views into a flat buffer that exists only when gathered."""
 
-    def __init__(self, params: list[nn.Parameter], group: Group):
-        super().__init__(params, group)  # the parameters are views into self.full
+    def __init__(self, params: list[nn.Parameter], group: Group, spread: tuple[Group, ...]):
+        super().__init__(params, group, spread)  # the parameters are views into self.full
         self.work = None
         self.free()
-
-    @property
-    def is_gathered(self) -> bool:
-        return self.full.untyped_storage().nbytes() > 0 and self.work is None
 
     def free(self) -> None:
         self.full.untyped_storage().resize_(0)
@@ -96,10 +93,9 @@ class Zero3DataParallel(ZeroDataParallel):
 
     STAGES = (3,)
 
-    def __init__(self, module: nn.Module, group: Group, make_optimizer, param_groups, units=None,
-                 tp_group: Group | None = None, shard_groups: dict[str, Group] | None = None):
+    def __init__(self, module: nn.Module, groups: Groups, make_optimizer, param_groups, units=None):
         self._units = units if units is not None else units_of(module)  # plain list: set before Module init
-        super().__init__(module, group, 3, make_optimizer, param_groups, 0.0, tp_group, shard_groups=shard_groups)
+        super().__init__(module, groups, 3, make_optimizer, param_groups, 0.0)
         self._unit_buckets = [[b for b in self.buckets if id(b.params[0]) in {id(p) for p in u.parameters()}]
                               for u in self._units]
         for i, unit in enumerate(self._units):
@@ -107,8 +103,8 @@ class Zero3DataParallel(ZeroDataParallel):
             unit.register_forward_hook(lambda mod, args, out, i=i: self._after_forward(i, out))
 
     # Buckets: one per unit and kind of parameter, never spanning two units.
-    def _new_bucket(self, params, group: Group) -> ShardedBucket:
-        return ShardedBucket(params, group)
+    def _new_bucket(self, params, group: Group, spread: tuple[Group, ...]) -> ShardedBucket:
+        return ShardedBucket(params, group, spread)
 
     def _chunks(self, params, bucket_mb):
         return unit_chunks(self._units, params)
@@ -127,7 +123,7 @@ class Zero3DataParallel(ZeroDataParallel):
         if torch.is_tensor(out) and out.requires_grad:
             out.register_hook(lambda grad, i=i: self._before(i, step=-1))
 
-    def _bucket_done(self, bucket: ShardedBucket) -> None:
+    def _bucket_done(self, bucket) -> None:
         bucket.free()  # its gradients are reduce-scattered, so its backward is over: the weights go too
 
     def clip_and_step(self, max_norm: float, pp_group: Group | None = None) -> float:

@@ -6,12 +6,12 @@
 
 One launch trains two copies of the same model side by side, on every rank:
 
-    (a) minipar   DataParallel(model, mesh.dp_group, optimizer=...)   step: minipar.run.train.train_step
+    (a) minipar   DataParallel(model, mesh.groups(), optimizer=...)   step: minipar.run.train.train_step
     (b) PyTorch   DistributedDataParallel(copy of model)              step: the same train_step
 
 Both start from the same weights (Llama(config, seed)), see the same random token batches in the
-same order, and step with the same AdamW (build_optimizer on one TrainConfig, held by each side's
-wrapper), the same gradient clipping (minipar.data_parallel.clip_grads) and the same
+same order, and step with the same AdamW (grad_sync.adamw on param_groups of one TrainConfig,
+held by each side's wrapper), the same gradient clipping (minipar.data_parallel.clip_grads) and the same
 accumulation: all micro-batches but the last inside `no_sync()`. They run
 in turn, step by step (a b, b a, a b, ...: machine noise and any penalty for going first or second
 hit both alike), after `--warmup` unmeasured steps each. Each optimizer step is timed with
@@ -39,11 +39,12 @@ import bench_common as bench
 import torch
 import torch.distributed as dist
 
-from minipar.data_parallel import DataParallel
+from minipar.data_parallel import DataParallel, param_groups
+from minipar.grad_sync import adamw
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.run.config import ConfigError, TrainConfig
-from minipar.run.train import build_optimizer, train_step
+from minipar.run.train import train_step
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,8 +64,8 @@ def build_sides(cfg: TrainConfig, model_cfg, mesh: Mesh, device) -> dict:
     """Both models from the same weights, each wrapper holding an AdamW of its own from the same
     TrainConfig; {side: wrapper}."""
     mine, copy = (Llama(model_cfg, seed=cfg.seed).to(device) for _ in range(2))
-    ours = DataParallel(mine, mesh.dp_group, bucket_mb=cfg.bucket_mb, optimizer=build_optimizer(mine, cfg))
-    theirs = bench.TorchDDP(copy, build_optimizer(copy, cfg), mesh.dp_group, bucket_cap_mb=cfg.bucket_mb,
+    ours = DataParallel(mine, mesh.groups(), bucket_mb=cfg.bucket_mb, optimizer=adamw(param_groups(mine, cfg), cfg.lr))
+    theirs = bench.TorchDDP(copy, adamw(param_groups(copy, cfg), cfg.lr), mesh.dp_group, bucket_cap_mb=cfg.bucket_mb,
                             device_ids=[device.index] if device.type == "cuda" else None)
     return {"minipar": ours, "ddp": theirs}
 

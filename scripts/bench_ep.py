@@ -16,8 +16,8 @@ model that costs the same per token. One launch trains four models side by side,
     torch DDP dense   a dense Llama of the same shape whose MLP is (top_k + shared) x expert_ffn_dim
                       wide: the same active parameters, so about the same FLOPs per token
 
-All start from Llama(config, seed) and step with the same AdamW (build_optimizer on one
-TrainConfig) and gradient clipping, on bench_common's random batches, through minipar's
+All start from Llama(config, seed) and step with the same AdamW (grad_sync.adamw on the
+param_groups of one TrainConfig) and gradient clipping, on bench_common's random batches, through minipar's
 train_step (DDP behind a small adapter, as in bench_dp.py). The three MoE sides train one model
 (dropless), so their losses must agree: to float32 rounding, amplified where rounding flips a
 token's top-k choice (run with --float64 to see them agree to 1e-10 or so). They
@@ -42,12 +42,14 @@ import torch
 import torch.distributed as dist
 
 from minipar.collectives import Ledger
+from minipar.data_parallel import param_groups
+from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.moe import take_load
 from minipar.run.config import ConfigError, TrainConfig
 from minipar.run.launch import start_distributed
-from minipar.run.train import build_model, build_optimizer, train_step, wrap
+from minipar.run.train import build_model, train_step
 
 SIDES = ("minipar ep", "minipar ep=1", "torch DDP ep=1", "torch DDP dense")
 
@@ -87,11 +89,12 @@ def build_sides(cfg: TrainConfig, world: int, device, dtype) -> tuple[dict, dict
     for name, mesh, ep in (("minipar ep", ep_mesh, world), ("minipar ep=1", plain_mesh, 1)):
         c = replace(cfg, ep=ep)
         model, _ = build_model(c, mesh, moe_cfg, device, dtype)
-        sides[name] = wrap(model, mesh, c)
+        sides[name] = build_grad_sync(model, mesh.groups(), param_groups(model, c), partial(adamw, lr=c.lr),
+                                      zero=c.zero, bucket_mb=c.bucket_mb, offload=c.offload)
     for name in ("torch DDP ep=1", "torch DDP dense"):
         model = Llama(configs[name], seed=cfg.seed).to(device, dtype)
         ids = [device.index] if device.type == "cuda" else None
-        sides[name] = bench.TorchDDP(model, build_optimizer(model, cfg), plain_mesh.dp_group,
+        sides[name] = bench.TorchDDP(model, adamw(param_groups(model, cfg), cfg.lr), plain_mesh.dp_group,
                                      bucket_cap_mb=cfg.bucket_mb, device_ids=ids)
     return sides, configs, (ep_mesh, plain_mesh)
 

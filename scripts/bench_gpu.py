@@ -125,14 +125,15 @@ class Setup:
     train_cfg: object  # minipar.run.config.TrainConfig: lr, weight decay for param_groups
 
     def adamw(self, groups):
-        return torch.optim.AdamW(groups, lr=self.train_cfg.lr, betas=(0.9, 0.95), eps=1e-8,
-                                 fused=self.args.fused_adamw or None)
+        from minipar.grad_sync import adamw
+        return adamw(groups, self.train_cfg.lr, fused=self.args.fused_adamw or None)
 
     def adamw_defaults(self) -> dict:
-        return {"lr": self.train_cfg.lr, "betas": (0.9, 0.95), "eps": 1e-8, "fused": self.args.fused_adamw or None}
+        from minipar.grad_sync import BETAS, EPS
+        return {"lr": self.train_cfg.lr, "betas": BETAS, "eps": EPS, "fused": self.args.fused_adamw or None}
 
     def groups_of(self, model):
-        from minipar.run.train import param_groups
+        from minipar.data_parallel import param_groups
         return param_groups(model, self.train_cfg)
 
     def autocast(self):  # bf16 over fp32 weights on CUDA, as train.py; float32 in the CPU test mode
@@ -181,20 +182,14 @@ def build_data_parallel(strategy: str, side: str, s: Setup):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from minipar.data_parallel import DataParallel
+    from minipar.grad_sync import build_grad_sync
     from minipar.model import Llama
     from minipar.run.train import train_step
-    from minipar.zero import ZeroDataParallel
-    from minipar.zero3 import Zero3DataParallel
 
     model, group = s.compiled(Llama(s.model_cfg, seed=0).to(s.device)), s.mesh.dp_group
     if side == "minipar":  # every wrapper holds its optimizer (minipar/data_parallel.py's protocol)
-        if strategy == "dp":
-            wrapped = DataParallel(model, group, optimizer=s.adamw(s.groups_of(model)))
-        elif strategy in ("zero1", "zero2"):
-            wrapped = ZeroDataParallel(model, group, int(strategy[-1]), s.adamw, s.groups_of(model))
-        else:
-            wrapped = Zero3DataParallel(model, group, s.adamw, s.groups_of(model))
+        stage = 0 if strategy == "dp" else int(strategy[-1])
+        wrapped = build_grad_sync(model, s.mesh.groups(), s.groups_of(model), s.adamw, zero=stage)
         return lambda micro: train_step(wrapped, micro, 1.0, s.autocast)[0]
     if strategy in ("dp", "zero1"):
         wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=group.pg, **s.ddp_args())
@@ -246,8 +241,7 @@ def build_tensor_parallel(side: str, s: Setup):
 
     if side == "minipar":
         model = s.compiled(parallelize(Llama(s.model_cfg, seed=0), tp=s.mesh.tp_group).to(s.device))
-        wrapped = DataParallel(model, s.mesh.reduction_group, tp_group=s.mesh.tp_group,
-                               optimizer=s.adamw(s.groups_of(model)))
+        wrapped = DataParallel(model, s.mesh.groups(), optimizer=s.adamw(s.groups_of(model)))
         return lambda micro: train_step(wrapped, micro, 1.0, s.autocast)[0]
     device_mesh = init_device_mesh(s.device.type, (s.mesh.tp_group.size,), mesh_dim_names=("tp",))
     model = s.compiled(bench.build_dtensor_model(s.model_cfg, 0, s.device, device_mesh))
@@ -270,7 +264,7 @@ def build_pipeline(side: str, s: Setup):
     stage = (pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last())
     llama = s.compiled(parallelize(Llama(s.model_cfg, seed=0), stage=stage).to(s.device))
     if side == "minipar":
-        wrapped = DataParallel(llama, mesh.reduction_group, optimizer=s.adamw(s.groups_of(llama)))
+        wrapped = DataParallel(llama, mesh.groups(), optimizer=s.adamw(s.groups_of(llama)))
         return lambda micro: train_step(wrapped, micro, 1.0, s.autocast, pipeline=pipeline)[0]
     m = micro_batches_per_step("pp", s.args, mesh.pp_group.size)
     stage = PipelineStage(bench.StageModule(llama, pipeline), pipeline.group.rank, pipeline.n_stages, s.device,
@@ -297,7 +291,7 @@ def build_context_parallel(side: str, s: Setup):
     cp = s.mesh.cp_group
     if side == "minipar":
         model = s.compiled(parallelize(Llama(s.model_cfg, seed=0), cp=cp).to(s.device))
-        wrapped = DataParallel(model, s.mesh.reduction_group, optimizer=s.adamw(s.groups_of(model)))
+        wrapped = DataParallel(model, s.mesh.groups(), optimizer=s.adamw(s.groups_of(model)))
         return lambda micro: train_step(wrapped, [(split_sequence(x, cp), split_sequence(y, cp)) for x, y in micro],
                                         1.0, s.autocast)[0]
     if s.device.type != "cuda":

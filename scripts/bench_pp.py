@@ -18,7 +18,7 @@ stage=...): the plain Llama(config, seed) keeping only this stage's parts):
 We time whole optimizer steps, not only the forward and backward: that is what a user waits for,
 and train_step is the code minipar trains with. The tail after the pipeline is the same code on
 both sides (minipar.data_parallel.clip_grads, whose one all-reduce over pp sums the stages'
-squared norms, then AdamW from build_optimizer and zero_grad), so the two steps differ only in
+squared norms, then AdamW from grad_sync.adamw and zero_grad), so the two steps differ only in
 the pipeline that runs the micro-batches.
 
 The two sides compute the same loss. minipar's last stage computes it inside forward_stage
@@ -60,14 +60,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from minipar.data_parallel import DataParallel
+from minipar.data_parallel import DataParallel, param_groups
+from minipar.grad_sync import adamw
 from minipar.mesh import Mesh
 from minipar.model import CONFIGS, Llama, get_config
 from minipar.parallelize import parallelize
 from minipar.pipeline.executor import Pipeline, stage_layers
 from minipar.pipeline.schedules import bubble_formula
 from minipar.run.config import ConfigError, TrainConfig
-from minipar.run.train import build_optimizer, train_step
+from minipar.run.train import train_step
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -115,12 +116,12 @@ def build_pair(name: str, mesh: Mesh, torch_pg, model_cfg, cfg: TrainConfig, m: 
         return parallelize(Llama(model_cfg, seed=cfg.seed), stage=stage).to(device)
 
     mine = stage_llama()
-    ours = DataParallel(mine, mesh.dp_group, optimizer=build_optimizer(mine, cfg))
+    ours = DataParallel(mine, mesh.groups(), optimizer=adamw(param_groups(mine, cfg), cfg.lr))
     stage = PipelineStage(bench.StageModule(stage_llama(), pipeline), pipeline.group.rank, pipeline.n_stages, device,
                           group=torch_pg)
     schedule = SCHEDULES[name](stage, m, loss_fn=bench.mean_over_micro_batches(m, cross_entropy, stage.submod.llama),
                                  scale_grads=False)
-    opt_theirs = build_optimizer(stage.submod, cfg)
+    opt_theirs = adamw(param_groups(stage.submod, cfg), cfg.lr)
     return {
         "pipeline": pipeline, "ours": ours, "stage": stage, "schedule": schedule,
         "minipar": lambda x, y: train_step(ours, list(zip(x.chunk(m), y.chunk(m))), cfg.grad_clip,

@@ -7,7 +7,7 @@ One launch trains two copies of the same model side by side, every rank a tp ran
 
     (a) minipar   parallelize(Llama(config, seed), tp=mesh.tp_group): the plain Llama(config, seed)
                   with its layers swapped for minipar's tensor-parallel ones, each holding its shard;
-                  DataParallel(model, mesh.dp_group, tp_group=..., optimizer=...) (no traffic at dp = 1);
+                  DataParallel(model, mesh.groups(), optimizer=...) (no traffic at dp = 1);
                   step: minipar.run.train.train_step
     (b) PyTorch   the same plain Llama(config, seed), then parallelize_module(model, device_mesh, plan)
                   (bench_common.dtensor_tp_plan); step: `bench_common.dtensor_train_step`,
@@ -38,8 +38,8 @@ The plain model is made of nn.Linear and nn.Embedding, the only classes parallel
 accept, so it is parallelised as it is.
 
 Both sides start from the same weights (a shard of minipar's is the slice of the single-device
-tensor), see the same random batches, and step with the same AdamW (build_optimizer on one
-TrainConfig: lr 3e-3, weight decay 0.1 on matrices) and gradient clipping at 1.0. PyTorch's
+tensor), see the same random batches, and step with the same AdamW (grad_sync.adamw on the
+param_groups of one TrainConfig: lr 3e-3, weight decay 0.1 on matrices) and gradient clipping at 1.0. PyTorch's
 clip_grad_norm_ refuses a list that mixes DTensors with plain tensors (the replicated norm gains
 stay plain here), so the DTensor side takes the total norm of each kind with
 torch.nn.utils.get_total_norm and clips both with clip_grads_with_norm_. Steps alternate (a b, b a,
@@ -79,12 +79,13 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minipar.collectives import ring_bytes_sent
-from minipar.data_parallel import DataParallel
+from minipar.data_parallel import DataParallel, param_groups
+from minipar.grad_sync import adamw
 from minipar.mesh import Mesh
 from minipar.model import CONFIGS, Llama, get_config
 from minipar.parallelize import parallelize
 from minipar.run.config import ConfigError, TrainConfig
-from minipar.run.train import build_optimizer, train_step
+from minipar.run.train import train_step
 from minipar.tensor_parallel import unshard
 
 
@@ -176,9 +177,9 @@ def build_sides(cfg: TrainConfig, model_cfg, mesh: Mesh, device) -> tuple:
     Returns (minipar's model, the DTensor model, {side: step function})."""
     device_mesh = init_device_mesh(device.type, (mesh.tp_group.size,), mesh_dim_names=("tp",))
     model = parallelize(Llama(model_cfg, seed=cfg.seed), tp=mesh.tp_group).to(device)
-    ours = DataParallel(model, mesh.dp_group, tp_group=mesh.tp_group, optimizer=build_optimizer(model, cfg))
+    ours = DataParallel(model, mesh.groups(), optimizer=adamw(param_groups(model, cfg), cfg.lr))
     theirs = bench.build_dtensor_model(model_cfg, cfg.seed, device, device_mesh)
-    opt_theirs = build_optimizer(theirs, cfg)
+    opt_theirs = adamw(param_groups(theirs, cfg), cfg.lr)
     steps = {
         "minipar": lambda x, y: train_step(ours, [(x, y)], cfg.grad_clip),
         "dtensor": lambda x, y: bench.dtensor_train_step(theirs, opt_theirs, [(x, y)], cfg.grad_clip),

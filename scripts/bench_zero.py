@@ -6,9 +6,9 @@
 
 One launch trains four copies of the same model side by side, on every rank:
 
-    (1) minipar  ZeroDataParallel(model, dp, stage=1)              step: minipar.run.train.train_step
+    (1) minipar  build_grad_sync(model, groups, zero=1)            step: minipar.run.train.train_step
         PyTorch  DistributedDataParallel + ZeroRedundancyOptimizer  step: torch_step (below)
-    (2) minipar  Zero3DataParallel(model, dp)                      step: minipar.run.train.train_step
+    (2) minipar  build_grad_sync(model, groups, zero=3)            step: minipar.run.train.train_step
         PyTorch  fully_shard on each transformer layer, then root  step: torch_step
 
 DDP + ZeroRedundancyOptimizer is the combination PyTorch documents for ZeRO-1: DDP all-reduces
@@ -17,7 +17,7 @@ fully_shard per layer and then on the root is FSDP2's documented use, and the sa
 minipar's ZeRO-3 (units_of: the embedding, each layer, the final norm, the LM head).
 
 All four start from Llama(config, seed), see the same random token batches (bench_dp's), and step
-with the same AdamW (make_adamw on param_groups of one TrainConfig: lr 3e-3, betas (0.9, 0.95),
+with the same AdamW (grad_sync.adamw on param_groups of one TrainConfig: lr 3e-3, betas (0.9, 0.95),
 weight decay 0.1 on matrices) and the same gradient clipping (1.0). Each pair runs in turn, step
 by step (a b, b a, ...), after `--warmup` unmeasured steps; each step starts from a barrier and
 takes as long as its slowest rank. Rank 0 prints the median step times, their ratio (goal: <= 1.0x),
@@ -61,6 +61,7 @@ import ctypes
 import statistics
 import sys
 from contextlib import nullcontext
+from functools import partial
 
 import bench_common as bench
 import torch
@@ -71,10 +72,12 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from minipar.data_parallel import param_groups
+from minipar.grad_sync import BETAS, EPS, adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.run.config import ConfigError, TrainConfig
-from minipar.run.train import make_adamw, param_groups, train_step
+from minipar.run.train import train_step
 from minipar.zero import ZeroDataParallel
 from minipar.zero3 import Zero3DataParallel
 
@@ -181,12 +184,12 @@ class StepMemory:
 
 
 def torch_zero1(model, cfg: TrainConfig, mesh: Mesh, device):
-    """DDP + ZeroRedundancyOptimizer holding AdamW with make_adamw's settings."""
+    """DDP + ZeroRedundancyOptimizer holding AdamW with minipar's settings (grad_sync.adamw)."""
     ddp = DistributedDataParallel(model, process_group=mesh.dp_group.pg, bucket_cap_mb=cfg.bucket_mb,
                                   device_ids=[device.index] if device.type == "cuda" else None)
     opt = ZeroRedundancyOptimizer(param_groups(model, cfg), optimizer_class=torch.optim.AdamW,
-                                  process_group=mesh.dp_group.pg, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-    reference = make_adamw(param_groups(model, cfg), cfg)  # the settings must be make_adamw's
+                                  process_group=mesh.dp_group.pg, lr=cfg.lr, betas=BETAS, eps=EPS)
+    reference = adamw(param_groups(model, cfg), cfg.lr)  # the settings must be grad_sync.adamw's
     for mine, ref in zip(opt.optim.param_groups, reference.param_groups, strict=True):
         assert {k: v for k, v in mine.items() if k != "params"} == {k: v for k, v in ref.items() if k != "params"}
     return ddp, opt
@@ -198,7 +201,7 @@ def torch_fsdp2(model, cfg: TrainConfig, mesh: Mesh, device):
     for layer in model.layers.values():
         fully_shard(layer, mesh=device_mesh)
     fully_shard(model, mesh=device_mesh)
-    return model, make_adamw(param_groups(model, cfg), cfg)
+    return model, adamw(param_groups(model, cfg), cfg.lr)
 
 
 def torch_step(model, optimizer, micro_batches, grad_clip: float):
@@ -253,14 +256,14 @@ def step_function(model, optimizer, cfg: TrainConfig):
 def build_sides(pairs: dict, cfg: TrainConfig, new_model, mesh: Mesh, device) -> dict:
     """Every side of the pairs asked for, each on a fresh Llama(config, seed): {name: its model, its
     optimizer (None: minipar's wrappers own theirs), its step function and its figures so far}."""
-    def adamw(groups):
-        return make_adamw(groups, cfg)
+    def minipar(model, stage):
+        return build_grad_sync(model, mesh.groups(), param_groups(model, cfg), partial(adamw, lr=cfg.lr), zero=stage,
+                               bucket_mb=cfg.bucket_mb), None
 
     builders = {
-        "minipar ZeRO-1": lambda m: (ZeroDataParallel(m, mesh.dp_group, 1, adamw, param_groups(m, cfg),
-                                                      bucket_mb=cfg.bucket_mb), None),
+        "minipar ZeRO-1": lambda m: minipar(m, 1),
         "torch DDP+ZeRO-1": lambda m: torch_zero1(m, cfg, mesh, device),
-        "minipar ZeRO-3": lambda m: (Zero3DataParallel(m, mesh.dp_group, adamw, param_groups(m, cfg)), None),
+        "minipar ZeRO-3": lambda m: minipar(m, 3),
         "torch FSDP2": lambda m: torch_fsdp2(m, cfg, mesh, device),
     }
     sides = {}

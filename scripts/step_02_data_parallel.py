@@ -155,7 +155,7 @@ def main() -> None:
     if GLOBAL_BATCH % (world * ACCUM):
         raise SystemExit(f"{GLOBAL_BATCH} rows do not split into {world} ranks x {ACCUM} micro-batches")
     model = new_model()
-    dp_model = DataParallel(model, mesh.dp_group, bucket_mb=0.05)  # small buckets: several of them
+    dp_model = DataParallel(model, mesh.groups(), bucket_mb=0.05)  # small buckets: several of them
     psi = sum(p.numel() for p in model.parameters())
     say(
         f"tiny Llama, float64: Psi = {psi:,} parameters = {psi * 8:,} bytes of gradient; dp = {world}; "

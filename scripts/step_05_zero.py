@@ -21,18 +21,21 @@ All ranks form one dp group. The small Llama (seed 0) trains on a fixed global b
 Chapter: docs/05_zero.md.
 """
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from course_common import each_rank, finish, say, start_gloo
 
-from minipar.data_parallel import DataParallel
+from minipar.data_parallel import param_groups
+from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.parallelize import parallelize
 from minipar.run.config import TrainConfig
-from minipar.run.train import make_adamw, param_groups, train_step
+from minipar.run.train import train_step
 from minipar.zero import ZeroDataParallel
-from minipar.zero3 import Zero3DataParallel, units_of
+from minipar.zero3 import units_of
 
 CFG = get_config("small")
 OPT = TrainConfig()  # lr 3e-3, weight decay 0.1 on matrices, as scripts/train.py
@@ -59,15 +62,10 @@ def my_rows(mesh: Mesh, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def wrap(model: Llama, mesh: Mesh, stage: int, offload: bool = False):
-    """The model behind stage `stage`'s wrapper; each wrapper owns its AdamW (`wrapper.optimizer`)."""
-    def make_optimizer(groups):
-        return make_adamw(groups, OPT)
-    if stage == 0:
-        return DataParallel(model, mesh.dp_group, BUCKET_MB, optimizer=make_optimizer(param_groups(model, OPT)))
-    if stage == 3:  # buckets: one per unit (embedding, each layer, norm, head) and kind of parameter
-        return Zero3DataParallel(model, mesh.dp_group, make_optimizer, param_groups(model, OPT))
-    return ZeroDataParallel(model, mesh.dp_group, stage, make_optimizer, param_groups(model, OPT), BUCKET_MB,
-                            offload=offload)
+    """The model behind stage `stage`'s wrapper; each wrapper owns its AdamW (`wrapper.optimizer`).
+    ZeRO-3's buckets: one per unit (embedding, each layer, norm, head) and kind of parameter."""
+    return build_grad_sync(model, mesh.groups(), param_groups(model, OPT), partial(adamw, lr=OPT.lr), zero=stage,
+                           bucket_mb=BUCKET_MB, offload=offload)
 
 
 def grad_bytes(wrapper) -> int:
@@ -290,7 +288,7 @@ def part_c(mesh: Mesh) -> None:
 def one_device() -> dict[str, torch.Tensor]:
     """The plain computation: the same 3 steps on one device, the whole batch at once."""
     model = Llama(CFG, seed=0).double()
-    optimizer = make_adamw(param_groups(model, OPT), OPT)
+    optimizer = adamw(param_groups(model, OPT), OPT.lr)
     for step in range(3):
         model(*global_batch(step)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)

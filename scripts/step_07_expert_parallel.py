@@ -22,6 +22,7 @@ Chapter: docs/07_expert_parallel.md.
 """
 
 import copy
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -29,13 +30,15 @@ import torch.nn.functional as F
 from course_common import each_rank, finish, say, start_gloo, to_rank0
 
 from minipar.collectives import all_reduce
+from minipar.data_parallel import param_groups
 from minipar.expert_parallel import parallelize_experts
+from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import get_config, init_weights
 from minipar.moe import MoE, take_load
 from minipar.pipeline.order_check import order_problems
 from minipar.run.config import TrainConfig
-from minipar.run.train import build_model, train_step, wrap
+from minipar.run.train import build_model, train_step
 
 E, K, DIM, FFN = 8, 2, 8, 8  # the layer of (a)-(c): 8 experts, top-2, d = 8
 TOKENS = 4  # per rank, in (a) and (b)
@@ -156,7 +159,8 @@ def tiny_moe(mesh: Mesh, ep: int):
     model, _ = build_model(cfg, mesh, get_config("tiny-moe"), torch.device("cpu"), torch.float64)
     x = torch.randint(0, 256, (2 * world, SEQ + 1), generator=torch.Generator().manual_seed(5))
     x = x[2 * mesh.dp_group.rank:2 * mesh.dp_group.rank + 2]
-    return model, wrap(model, mesh, cfg), list(zip(x[:, :-1].split(1), x[:, 1:].split(1)))
+    wrapper = build_grad_sync(model, mesh.groups(), param_groups(model, cfg), partial(adamw, lr=cfg.lr))
+    return model, wrapper, list(zip(x[:, :-1].split(1), x[:, 1:].split(1)))
 
 
 def one_step(mesh: Mesh, ep: int) -> dict:

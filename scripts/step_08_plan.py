@@ -15,16 +15,20 @@
 Chapter: docs/08_memory_and_planning.md.
 """
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from course_common import each_rank, say, start_gloo
 
+from minipar.data_parallel import param_groups
+from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import get_config
 from minipar.planning.estimate import activation_bytes, head_activation_bytes, held_bytes, layer_activation_bytes
 from minipar.planning.planner import Cluster, plan
 from minipar.run.config import TrainConfig
-from minipar.run.train import build_model, train_step, wrap
+from minipar.run.train import build_model, train_step
 
 SEQ, ROWS = 32, 4  # per step: 4 rows of 32 tokens over the dp ranks, one row per micro-batch
 
@@ -34,7 +38,8 @@ def held_after_sync(cfg: TrainConfig) -> tuple[dict, dict]:
     c = get_config(cfg.model, vocab_size=256)
     with Mesh.build(dp=cfg.dp, tp=cfg.tp) as mesh:
         model, _ = build_model(cfg, mesh, c, torch.device("cpu"), torch.float64)
-        wrapper = wrap(model, mesh, cfg)
+        wrapper = build_grad_sync(model, mesh.groups(), param_groups(model, cfg), partial(adamw, lr=cfg.lr),
+                                  zero=cfg.zero, bucket_mb=cfg.bucket_mb, offload=cfg.offload)
         x = torch.randint(0, 256, (ROWS // cfg.dp, SEQ), generator=torch.Generator().manual_seed(mesh.dp_rank))
         micro = list(zip(x.split(1), x.split(1)))
         train_step(wrapper, micro, 1.0)  # the optimizer state exists from here on

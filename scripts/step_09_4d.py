@@ -14,16 +14,20 @@
 Chapter: docs/09_4d.md.
 """
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from course_common import each_rank, say, start_gloo, to_rank0
 
 from minipar.context_parallel import split_sequence
+from minipar.data_parallel import param_groups
+from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.planning.estimate import bytes_sent, held_bytes, peak_bytes
 from minipar.run.config import TrainConfig
-from minipar.run.train import build_model, train_step, wrap
+from minipar.run.train import build_model, train_step
 
 LAYOUT = dict(dp=2, tp=2, pp=2, cp=2, sp=True, zero=1)
 CFG = TrainConfig(model="small", seq_len=32, global_batch=8, micro_batch=2, dtype="float64", **LAYOUT)
@@ -44,7 +48,8 @@ def part_a(mesh: Mesh) -> None:
 
 def part_b(mesh: Mesh):
     model, pipeline = build_model(CFG, mesh, MODEL, torch.device("cpu"), torch.float64)
-    wrapper = wrap(model, mesh, CFG)
+    wrapper = build_grad_sync(model, mesh.groups(), param_groups(model, CFG), partial(adamw, lr=CFG.lr),
+                              zero=CFG.zero, bucket_mb=CFG.bucket_mb, offload=CFG.offload)
     x, y = batch()
     per = CFG.global_batch // CFG.dp
     x, y = (split_sequence(t[mesh.dp_rank * per:(mesh.dp_rank + 1) * per], mesh.cp_group) for t in (x, y))

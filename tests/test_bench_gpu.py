@@ -56,6 +56,7 @@ def one_device_losses(strategy: str) -> list[float]:
     """The plain model on one device, trained as bench_gpu's sides train (the same AdamW, clipping
     at 1.0): its loss on the whole global batch of step 0, one step, then its loss on step 1's."""
     from minipar.data_parallel import param_groups
+    from minipar.grad_sync import adamw
     from minipar.model import Llama, get_config
     from minipar.run.config import TrainConfig
 
@@ -63,8 +64,7 @@ def one_device_losses(strategy: str) -> list[float]:
     args = b.parse_args(FLAGS)
     rows = b.rows_per_step(strategy, args, 2, 2)
     model = Llama(get_config("tiny"), seed=0)
-    opt = torch.optim.AdamW(param_groups(model, TrainConfig(model="tiny", lr=args.lr)), lr=args.lr,
-                            betas=(0.9, 0.95), eps=1e-8)
+    opt = adamw(param_groups(model, TrainConfig(model="tiny", lr=args.lr)), args.lr)
     losses = []
     for step in range(2):
         tokens = torch.randint(0, 256, (rows, 17), generator=torch.Generator().manual_seed(1_000_003 + step))

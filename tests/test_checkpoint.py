@@ -9,22 +9,21 @@ import subprocess
 import pytest
 import torch
 
-from minipar.collectives import Group
+from minipar.data_parallel import optimizer_state, param_groups, set_optimizer_state
+from minipar.grad_sync import adamw
+from minipar.mesh import Groups
 from minipar.model import Llama, get_config
 from minipar.run import checkpoint
 from minipar.run.config import TrainConfig
-from minipar.run.train import build_optimizer
-
-SOLO = Group.solo("tp")
 
 
 def whole(model, opt):
-    return checkpoint.gather_full(model, checkpoint.optimizer_state(model, opt), checkpoint.hyper_params(opt), SOLO)
+    return checkpoint.gather_full(model, optimizer_state(model, opt), checkpoint.hyper_params(opt), Groups())
 
 
 def trained_model():
     model = Llama(get_config("tiny"), seed=0).double()
-    opt = build_optimizer(model, TrainConfig(lr=1e-2))
+    opt = adamw(param_groups(model, TrainConfig()), 1e-2)
     x = torch.randint(0, 256, (2, 8))
     for _ in range(2):
         model(x, x).backward()
@@ -37,9 +36,9 @@ def test_round_trip_restores_weights_and_adamw_state_exactly(tmp_path):
     model, opt = trained_model()
     path = checkpoint.save(tmp_path, 2, *whole(model, opt), {"step": 2, "consumed": 16})
     fresh = Llama(get_config("tiny"), seed=99).double()
-    fresh_opt = build_optimizer(fresh, TrainConfig(lr=1e-2))
+    fresh_opt = adamw(param_groups(fresh, TrainConfig()), 1e-2)
     state, states = checkpoint.load(checkpoint.resolve(tmp_path), fresh)
-    checkpoint.set_optimizer_state(fresh, fresh_opt, states)
+    set_optimizer_state(fresh, fresh_opt, states)
     assert state == {"step": 2, "consumed": 16} and path.name == "step_000002"
     for (n, p), q in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(p, q), n

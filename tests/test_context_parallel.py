@@ -7,11 +7,12 @@ from einops import repeat
 from harness import parallel_llama, run_ranks
 
 from minipar import context_parallel as C
-from minipar.data_parallel import DataParallel
+from minipar.data_parallel import param_groups
+from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.run.config import TrainConfig
-from minipar.run.train import build_optimizer, train_step
+from minipar.run.train import train_step
 from minipar.tensor_parallel import unshard
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
@@ -130,7 +131,7 @@ STEPS, ROWS = 2, 4
 
 def single_device_training(n_layers):
     model = Llama(get_config("tiny", n_layers=n_layers, vocab_size=250), seed=2).double()
-    opt = build_optimizer(model, OPT)
+    opt = adamw(param_groups(model, OPT), OPT.lr)
     for step in range(STEPS):
         model(*batch(step, ROWS, ignore=False)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
@@ -141,8 +142,6 @@ def single_device_training(n_layers):
 
 def _train(rank, world, degrees, zero, sp):
     from minipar.pipeline.executor import Pipeline
-    from minipar.run.train import make_adamw, param_groups
-    from minipar.zero import ZeroDataParallel
 
     with Mesh.build(**degrees) as mesh:
         cfg = get_config("tiny", n_layers=4, vocab_size=250)
@@ -152,12 +151,9 @@ def _train(rank, world, degrees, zero, sp):
                       layer_ids=pipeline.my_layers() if pipeline else None,
                       embed=pipeline.holds_first() if pipeline else True,
                       head=pipeline.holds_last() if pipeline else True).double()
-        if zero:
-            wrapped = ZeroDataParallel(model, mesh.dp_cp_group, zero, lambda gr: make_adamw(gr, OPT),
-                                       param_groups(model, OPT), tp_group=mesh.tp_group)
-        else:
-            wrapped = DataParallel(model, mesh.dp_cp_group, tp_group=mesh.tp_group,
-                                   optimizer=build_optimizer(model, OPT))
+        # Dense gradients averaged over dp x cp: each cp rank saw only its share of the tokens.
+        wrapped = build_grad_sync(model, mesh.groups(), param_groups(model, OPT), lambda pgs: adamw(pgs, OPT.lr),
+                                  zero=zero)
         dp = mesh.layout.dp
         per = ROWS // dp
         for step in range(STEPS):

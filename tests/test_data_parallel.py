@@ -8,11 +8,12 @@ import torch
 from harness import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from minipar.data_parallel import DataParallel
+from minipar.data_parallel import DataParallel, param_groups
+from minipar.grad_sync import adamw
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.run.config import TrainConfig
-from minipar.run.train import build_optimizer, train_step
+from minipar.run.train import train_step
 
 STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
 OPT = TrainConfig(lr=1e-2, weight_decay=0.1)
@@ -31,7 +32,7 @@ def new_model():
 def single_device_params():
     """The plain computation: the whole global batch on one model, no accumulation."""
     model = new_model()
-    opt = build_optimizer(model, OPT)
+    opt = adamw(param_groups(model, OPT), OPT.lr)
     for step in range(STEPS):
         x, y = global_batch(step)
         model(x, y).backward()
@@ -45,8 +46,8 @@ def _dp_run(rank, world, accum):
     with Mesh.build(dp=world) as mesh:
         model = new_model()
         ddp_model = DDP(copy.deepcopy(model), process_group=mesh.dp_group.pg)
-        dp_model = DataParallel(model, mesh.dp_group, bucket_mb=0.02, optimizer=build_optimizer(model, OPT))
-        ddp_opt = build_optimizer(ddp_model.module, OPT)  # several buckets, above
+        dp_model = DataParallel(model, mesh.groups(), bucket_mb=0.02, optimizer=adamw(param_groups(model, OPT), OPT.lr))
+        ddp_opt = adamw(param_groups(ddp_model.module, OPT), OPT.lr)  # several buckets, above
         per_rank = GLOBAL_BATCH // world
         psi_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         ledgers, launched_in_backward = [], []
@@ -106,14 +107,14 @@ def test_dp_replicas_start_identical_from_rank0_weights():
 def _broadcast_check(rank, world):
     with Mesh.build(dp=world) as mesh:
         model = Llama(get_config("tiny"), seed=rank).double()  # different weights on purpose
-        DataParallel(model, mesh.dp_group)
+        DataParallel(model, mesh.groups())
         ref = Llama(get_config("tiny"), seed=0).double()
         return max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
 
 
 def _synced_backward_twice(rank, world):
     with Mesh.build(dp=world) as mesh:
-        model = DataParallel(new_model(), mesh.dp_group)
+        model = DataParallel(new_model(), mesh.groups())
         x, y = global_batch(0)
         model(x, y).backward()
         try:

@@ -11,6 +11,18 @@ from minipar.planning.estimate import held_bytes
 from minipar.run.config import TrainConfig
 from minipar.zero import model_state_bytes
 
+
+def grad_sync(model, mesh, cfg: TrainConfig):
+    """The gradient-sync wrapper a run of `cfg` builds (train.py)."""
+    from functools import partial
+
+    from minipar.data_parallel import param_groups
+    from minipar.grad_sync import adamw, build_grad_sync
+
+    return build_grad_sync(model, mesh.groups(), param_groups(model, cfg), partial(adamw, lr=cfg.lr), zero=cfg.zero,
+                           bucket_mb=cfg.bucket_mb, offload=cfg.offload)
+
+
 # ----------------------------------------------------------------------------------------------
 # Published figures
 # ----------------------------------------------------------------------------------------------
@@ -81,7 +93,7 @@ LAYOUTS = [
 
 def _measure(rank, world, layout):
     from minipar.mesh import Mesh
-    from minipar.run.train import build_model, train_step, wrap
+    from minipar.run.train import build_model, train_step
 
     cfg = TrainConfig(**{"model": "tiny", "seq_len": 16, "global_batch": 4, "micro_batch": 2, "dtype": "float64",
                          "bucket_mb": 0.01, **layout})
@@ -90,7 +102,7 @@ def _measure(rank, world, layout):
         if cfg.ep > 1:
             mesh.unflatten(("dp", "cp"), edp=cfg.dp * cfg.cp // cfg.ep, ep=cfg.ep)
         model, pipeline = build_model(cfg, mesh, model_cfg, torch.device("cpu"), torch.float64)
-        wrapper = wrap(model, mesh, cfg)
+        wrapper = grad_sync(model, mesh, cfg)
         g = torch.Generator().manual_seed(0)
         x = torch.randint(0, 250, (cfg.global_batch // cfg.dp, cfg.seq_len // cfg.cp), generator=g)
         micro = list(zip(x.split(cfg.micro_batch), x.split(cfg.micro_batch)))
@@ -116,7 +128,7 @@ def test_the_estimate_equals_what_every_rank_holds(world, layout):
 def _temporaries(rank, world, layout):
     from minipar.mesh import Mesh
     from minipar.planning.estimate import temporary_bytes
-    from minipar.run.train import build_model, train_step, wrap
+    from minipar.run.train import build_model, train_step
     from minipar.zero import ZeroBucket
     from minipar.zero3 import ShardedBucket
 
@@ -125,7 +137,7 @@ def _temporaries(rank, world, layout):
     c = get_config("small", vocab_size=250)
     with Mesh.build(dp=cfg.dp, tp=cfg.tp) as mesh:
         model, _ = build_model(cfg, mesh, c, torch.device("cpu"), torch.float64)
-        wrapper = wrap(model, mesh, cfg)
+        wrapper = grad_sync(model, mesh, cfg)
         measured = Counter()
         flatten, start_gather = ZeroBucket._flatten, ShardedBucket.start_gather
 
@@ -411,14 +423,14 @@ def peak_kept_for_backward(fn, *args, skip=()) -> int:
 def _pipeline_peak(rank, world, schedule):
     from minipar.mesh import Mesh
     from minipar.planning.estimate import activation_bytes
-    from minipar.run.train import build_model, train_step, wrap
+    from minipar.run.train import build_model, train_step
 
     cfg = TrainConfig(model="small", pp=world, seq_len=16, global_batch=8, micro_batch=2, dtype="float64",
                       schedule=schedule)  # 4 micro-batches
     c = get_config("small", vocab_size=250)
     with Mesh.build(pp=cfg.pp) as mesh:
         model, pipeline = build_model(cfg, mesh, c, torch.device("cpu"), torch.float64)
-        wrapper = wrap(model, mesh, cfg)
+        wrapper = grad_sync(model, mesh, cfg)
         x = torch.randint(0, 250, (cfg.global_batch, cfg.seq_len), generator=torch.Generator().manual_seed(0))
         micro = list(zip(x.split(cfg.micro_batch), x.roll(-1, 1).split(cfg.micro_batch)))
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -449,7 +461,7 @@ def _dp_traffic(rank, world, layout, model_settings=None, device: str = "cpu"):
     from minipar.context_parallel import split_sequence
     from minipar.mesh import Mesh
     from minipar.planning.estimate import bytes_sent
-    from minipar.run.train import build_model, precision, train_step, wrap
+    from minipar.run.train import build_model, precision, train_step
 
     cfg = TrainConfig(**{"model": "small", "seq_len": 16, "global_batch": 8, "micro_batch": 2, "dtype": "float64",
                          "bucket_mb": 0.5, **layout})
@@ -460,7 +472,7 @@ def _dp_traffic(rank, world, layout, model_settings=None, device: str = "cpu"):
         if cfg.ep > 1:
             mesh.unflatten(("dp", "cp"), edp=cfg.dp * cfg.cp // cfg.ep, ep=cfg.ep)
         model, pipeline = build_model(cfg, mesh, c, device, param_dtype)
-        wrapper = wrap(model, mesh, cfg)
+        wrapper = grad_sync(model, mesh, cfg)
         seed = mesh.group("ep").rank if cfg.ep > 1 else 0  # experts: ep ranks route different tokens
         x = torch.randint(0, 250, (cfg.global_batch // cfg.dp, cfg.seq_len),
                           generator=torch.Generator().manual_seed(seed))
@@ -548,7 +560,7 @@ def test_an_moe_layers_activation_estimate_is_what_autograd_keeps(world, layout,
 def _moe_step_peak(rank, world, layout, capacity):
     from minipar.mesh import Mesh
     from minipar.planning.estimate import activation_bytes
-    from minipar.run.train import build_model, train_step, wrap
+    from minipar.run.train import build_model, train_step
 
     cfg = TrainConfig(**{"model": "tiny-moe", "seq_len": 16, "global_batch": 8, "micro_batch": 2,
                          "dtype": "float64", **layout})
@@ -557,7 +569,7 @@ def _moe_step_peak(rank, world, layout, capacity):
         if cfg.ep > 1:
             mesh.unflatten(("dp", "cp"), edp=cfg.dp // cfg.ep, ep=cfg.ep)
         model, pipeline = build_model(cfg, mesh, c, torch.device("cpu"), torch.float64)
-        wrapper = wrap(model, mesh, cfg)
+        wrapper = grad_sync(model, mesh, cfg)
         x = torch.randint(0, 250, (cfg.global_batch // cfg.dp, cfg.seq_len),
                           generator=torch.Generator().manual_seed(rank))
         micro = list(zip(x.split(cfg.micro_batch), x.roll(-1, 1).split(cfg.micro_batch)))

@@ -189,13 +189,14 @@ def train_config(**layout):
 
 
 def single_device():
+    from minipar.data_parallel import param_groups
+    from minipar.grad_sync import adamw
     from minipar.model import Llama
     from minipar.moe import set_aux_scale
-    from minipar.run.train import build_optimizer
 
     cfg = train_config()
     model = Llama(get_config("tiny-moe", **MODEL), seed=cfg.seed).double()
-    opt = build_optimizer(model, cfg)
+    opt = adamw(param_groups(model, cfg), cfg.lr)
     for step in range(STEPS):
         x, y = batch(step)
         n = ROWS // MICRO  # the micro-batches of the whole global batch, as the ranks run them
@@ -209,8 +210,12 @@ def single_device():
 
 
 def _train(rank, world, layout):
+    from functools import partial
+
     from minipar.context_parallel import split_sequence
-    from minipar.run.train import build_model, train_step, wrap
+    from minipar.data_parallel import param_groups
+    from minipar.grad_sync import adamw, build_grad_sync
+    from minipar.run.train import build_model, train_step
     from minipar.tensor_parallel import unshard
 
     cfg = train_config(**layout)
@@ -218,14 +223,15 @@ def _train(rank, world, layout):
         if cfg.ep > 1:
             mesh.unflatten(("dp", "cp"), edp=cfg.dp * cfg.cp // cfg.ep, ep=cfg.ep)
         model, pipeline = build_model(cfg, mesh, get_config("tiny-moe", **MODEL), torch.device("cpu"), torch.float64)
-        wrapper = wrap(model, mesh, cfg)
+        wrapper = build_grad_sync(model, mesh.groups(), param_groups(model, cfg), partial(adamw, lr=cfg.lr),
+                                  zero=cfg.zero, bucket_mb=cfg.bucket_mb, offload=cfg.offload)
         per = ROWS // cfg.dp
         for step in range(STEPS):
             x, y = (t[mesh.dp_rank * per:(mesh.dp_rank + 1) * per] for t in batch(step))
             x, y = split_sequence(x, mesh.cp_group), split_sequence(y, mesh.cp_group)
             train_step(wrapper, list(zip(x.split(MICRO), y.split(MICRO))), cfg.grad_clip, pipeline=pipeline)
         with wrapper.gathered():
-            return {n: unshard(p.detach(), p, mesh.shard_groups()).clone() for n, p in model.named_parameters()}
+            return {n: unshard(p.detach(), p, mesh.groups()).clone() for n, p in model.named_parameters()}
 
 
 LAYOUTS = [

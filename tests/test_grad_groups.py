@@ -12,15 +12,15 @@ import torch
 from harness import run_ranks
 from test_data_parallel import OPT, global_batch
 
-from minipar.data_parallel import DataParallel
-from minipar.mesh import Mesh
+from minipar.data_parallel import param_groups
+from minipar.grad_sync import build_grad_sync
+from minipar.mesh import Groups, Mesh
 from minipar.model import Llama, get_config
 from minipar.placement import Placement, place
-from minipar.run.train import param_groups, train_step
-from minipar.zero import ZeroDataParallel
-from minipar.zero3 import Zero3DataParallel
+from minipar.run.train import train_step
 
 LOCAL = "lm_head.weight"
+ZERO = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 
 
 def sgd(groups):  # the update is -lr * gradient: which gradient it was shows plainly
@@ -37,13 +37,7 @@ def _model():
 def _step(rank, world, kind):
     with Mesh.build(dp=world) as mesh:
         model = _model()
-        groups, chooser = param_groups(model, OPT), mesh.reduction_group
-        wrapper = {
-            "dp": lambda: DataParallel(model, chooser, bucket_mb=0.01, optimizer=sgd(groups)),
-            "zero1": lambda: ZeroDataParallel(model, chooser, 1, sgd, groups, 0.01),
-            "zero2": lambda: ZeroDataParallel(model, chooser, 2, sgd, groups, 0.01),
-            "zero3": lambda: Zero3DataParallel(model, chooser, sgd, groups),
-        }[kind]()
+        wrapper = build_grad_sync(model, mesh.groups(), param_groups(model, OPT), sgd, zero=ZERO[kind], bucket_mb=0.01)
         x, y = global_batch(0)
         rows = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
         train_step(wrapper, [(x[rows], y[rows])], grad_clip=0.0)
@@ -78,13 +72,8 @@ def _nan_step(rank, world, kind):
     """A backward that makes every gradient NaN: clip_and_step reports it and changes nothing."""
     with Mesh.build(dp=world) as mesh:
         model = Llama(get_config("tiny"), seed=1).double()
-        groups, group = param_groups(model, OPT), mesh.dp_group
-        wrapper = {
-            "dp": lambda: DataParallel(model, group, optimizer=sgd(groups)),
-            "zero1": lambda: ZeroDataParallel(model, group, 1, sgd, groups),
-            "zero2": lambda: ZeroDataParallel(model, group, 2, sgd, groups),
-            "zero3": lambda: Zero3DataParallel(model, group, sgd, groups),
-        }[kind]()
+        # One plain group for every parameter: Groups made of the dp group alone.
+        wrapper = build_grad_sync(model, Groups(dp=mesh.dp_group), param_groups(model, OPT), sgd, zero=ZERO[kind])
         with wrapper.gathered():
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
         x, y = global_batch(0)

@@ -133,7 +133,7 @@ def _logits(rank, world, ckpt, degrees, dtype):
         model = parallel_llama(config, tp_group=mesh.tp_group, cp_group=mesh.cp_group,
                                layer_ids=pipe.my_layers() if pipe else None, embed=not pipe or pipe.holds_first(),
                                head=not pipe or pipe.holds_last()).to(dtype)
-        checkpoint.load_weights(path, model, mesh.shard_groups())  # each rank reads its shards only
+        checkpoint.load_weights(path, model, mesh.groups())  # each rank reads its shards only
         x = split_sequence(tokens(config.vocab_size), mesh.cp_group)
         with torch.no_grad():
             if pipe is None:

@@ -9,12 +9,12 @@ is plain SGD at lr 1 without clipping, so each weight moves by exactly its gradi
 first step would hide a wrong scale).
 """
 
-from unittest import mock
-
 import pytest
 import torch
 from harness import run_ranks
 
+from minipar.data_parallel import param_groups
+from minipar.grad_sync import build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.run.config import TrainConfig
@@ -40,16 +40,16 @@ def one_device(tie_embeddings=False):
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def sgd(groups, cfg):  # in place of train.make_adamw, for one test: weights move by their gradient
+def sgd(groups):  # in place of AdamW, for one test: weights move by their gradient
     return torch.optim.SGD(groups, lr=1.0)
 
 
+def grad_sync(model, mesh, cfg):
+    """The run's gradient-sync wrapper for `cfg` (train.py's), holding SGD."""
+    return build_grad_sync(model, mesh.groups(), param_groups(model, cfg), sgd, zero=cfg.zero, bucket_mb=cfg.bucket_mb)
+
+
 def _one_step(rank, world, layout, micro):
-    with mock.patch("minipar.run.train.make_adamw", sgd):  # the worker processes run other tests afterwards
-        return _one_sgd_step(layout, micro)
-
-
-def _one_sgd_step(layout, micro):
     import minipar.run.train as train
     from minipar.context_parallel import split_sequence
     from minipar.tensor_parallel import unshard
@@ -59,15 +59,15 @@ def _one_sgd_step(layout, micro):
     with Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp) as mesh:
         model, pipeline = train.build_model(cfg, mesh, get_config("tiny", **MODEL, tie_embeddings=cfg.tie_embeddings),
                                             torch.device("cpu"), torch.float64)
-        wrapper = train.wrap(model, mesh, cfg)
+        wrapper = grad_sync(model, mesh, cfg)
         with wrapper.gathered():
-            before = {n: unshard(p.detach(), p, mesh.shard_groups()).clone() for n, p in model.named_parameters()}
+            before = {n: unshard(p.detach(), p, mesh.groups()).clone() for n, p in model.named_parameters()}
         per = ROWS // cfg.dp
         x, y = (t[mesh.dp_rank * per:(mesh.dp_rank + 1) * per] for t in batch())
         x, y = split_sequence(x, mesh.cp_group), split_sequence(y, mesh.cp_group)
         loss, norm = train.train_step(wrapper, list(zip(x.split(micro), y.split(micro))), 0.0, pipeline=pipeline)
         with wrapper.gathered():
-            moved = {n: before[n] - unshard(p.detach(), p, mesh.shard_groups()) for n, p in model.named_parameters()}
+            moved = {n: before[n] - unshard(p.detach(), p, mesh.groups()) for n, p in model.named_parameters()}
         holds_loss = pipeline is None or pipeline.holds_last()
         return moved, (loss if holds_loss else None), norm
 
@@ -111,18 +111,13 @@ def test_a_batch_with_no_real_target_gives_zero_loss_and_zero_gradients_not_nan(
 
 
 def _all_ignored(rank, world):
-    with mock.patch("minipar.run.train.make_adamw", sgd):
-        return _all_ignored_step()
-
-
-def _all_ignored_step():
     import minipar.run.train as train
 
     cfg = TrainConfig(model="tiny", seq_len=SEQ, global_batch=ROWS, micro_batch=4, grad_clip=1.0, dtype="float64",
                       weight_decay=0.0)
     with Mesh.build() as mesh:
         model, _ = train.build_model(cfg, mesh, get_config("tiny", **MODEL), torch.device("cpu"), torch.float64)
-        wrapper = train.wrap(model, mesh, cfg)
+        wrapper = grad_sync(model, mesh, cfg)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         x, y = batch()
         y[:] = -100

@@ -1,4 +1,4 @@
-"""The mesh: groups partition the world, coordinates round-trip, neighbours are right."""
+"""The mesh: groups partition the world, coordinates round-trip, the groups a module needs come by name."""
 
 import itertools
 
@@ -7,8 +7,9 @@ import torch
 import torch.distributed as dist
 from harness import run_ranks
 
-from minipar.collectives import all_reduce
-from minipar.mesh import DIMS, GROUP_DIMS, LayoutError, Mesh, MeshLayout
+from minipar.collectives import Group, Ledger, all_reduce
+from minipar.mesh import DIMS, GROUP_DIMS, Groups, LayoutError, Mesh, MeshLayout
+from minipar.placement import Placement
 
 
 def all_layouts(max_world=8):
@@ -55,17 +56,6 @@ def test_groups_partition_world_and_coords_round_trip(layout):
                     assert len({layout.coords(r)[d] for r in g}) == 1
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"w{l.world_size}-pp{l.pp}dp{l.dp}cp{l.cp}tp{l.tp}")
-def test_neighbours_step_along_one_dimension(layout):
-    for rank in range(layout.world_size):
-        c = layout.coords(rank)
-        nxt = layout.coords(layout.neighbour(rank, "pp", 1))
-        assert nxt["pp"] == (c["pp"] + 1) % layout.pp
-        assert {k: v for k, v in nxt.items() if k != "pp"} == {k: v for k, v in c.items() if k != "pp"}
-        prev = layout.neighbour(rank, "cp", -1)
-        assert layout.neighbour(prev, "cp", 1) == rank
-
-
 def test_bad_layouts_are_rejected_with_a_fix():
     with pytest.raises(LayoutError, match=r"= 8 ranks, but the world has 4: launch with torchrun --nproc-per-node 8"):
         MeshLayout(4, dp=2, tp=2, pp=2)
@@ -88,17 +78,18 @@ def _check_real_groups(rank, world, degrees):
         for name, dims in GROUP_DIMS.items():
             group = mesh.group(*name.split("_")[:len(dims)], channel="grad" if name == "pp_grad" else "")
             assert group is getattr(mesh, f"{name}_group")  # the named shorthand is the same group
-            assert group.ranks == mesh.layout.group_of(rank, *dims)
+            assert group.ranks == next(g for g in mesh.layout.groups(*dims) if rank in g)
             t = torch.tensor([float(rank)])
             all_reduce(t, group)
             assert t.item() == sum(group.ranks), (name, group.ranks, t)
-        pp_prev, pp_next = mesh.pp_prev, mesh.pp_next
-        assert (pp_prev is None) == (mesh.pp_rank == 0)
-        assert (pp_next is None) == (mesh.pp_rank == mesh.layout.pp - 1)
-        left, right = mesh.cp_ring
         # Activations and gradients of the pipeline never share a communicator.
         assert mesh.pp_grad_group.pg is not mesh.pp_group.pg
-        return dict(coords=mesh.coords, prev=pp_prev, next=pp_next, ring=(left, right))
+        groups = mesh.groups()  # the same groups, by name, in one typed object
+        assert all(groups[name] is mesh.group(*name.split("_")) for name in ("dp", "tp", "pp", "cp", "dp_cp"))
+        dense = groups.reduction(("dp", "cp"))  # dp x cp, or dp alone when cp is 1
+        assert dense is (mesh.dp_cp_group if mesh.layout.cp > 1 else mesh.dp_group)
+        assert groups.ep.size == groups.edp.size == 1  # no experts carved out: groups of one
+        return dict(coords=mesh.coords)
 
 
 @pytest.mark.parametrize(
@@ -109,8 +100,6 @@ def test_real_process_groups_on_8_ranks(degrees):
     layout = MeshLayout(8, **degrees)
     for rank, r in enumerate(out):
         assert r["coords"] == layout.coords(rank)
-        if r["next"] is not None:
-            assert out[r["next"]]["prev"] == rank
 
 
 def _mesh_with_wrong_world(rank, world):
@@ -146,6 +135,10 @@ def _unflattened(rank, world):
         mesh.unflatten(("dp", "cp"), edp=2, ep=2)
         t = torch.tensor([float(rank)])
         all_reduce(t, mesh.group("ep"))
+        groups = mesh.groups()
+        assert groups.ep is mesh.group("ep") and groups.reduction(("edp",)) is mesh.group("edp")
+        expert = Placement((8, 4), shards=(("ep", 0), ("tp", 1)))
+        assert groups.shards(expert) == (groups.ep, groups.tp)
         return mesh.group("ep").ranks, mesh.group("edp").ranks, mesh.coord("ep"), t.item()
 
 
@@ -154,3 +147,12 @@ def test_unflatten_builds_real_groups():
     assert [o[0] for o in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [o[1] for o in out] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert [o[2] for o in out] == [0, 1, 0, 1] and [o[3] for o in out] == [1, 1, 5, 5]
+
+
+def test_groups_made_of_one_group_average_every_gradient_over_it():
+    dp = Group("dp", None, [0, 1], Ledger())
+    groups = Groups(dp=dp)  # what a test with one plain group builds
+    assert groups.reduction(("dp", "cp")) is dp  # cp is a group of one here
+    assert groups.tp.size == groups.cp.size == groups.pp.size == 1
+    with pytest.raises(KeyError, match="no sp group"):
+        groups["sp"]

@@ -8,14 +8,14 @@ import pytest
 import torch
 from harness import parallel_llama, run_ranks
 
-from minipar.data_parallel import DataParallel
+from minipar.data_parallel import param_groups
+from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import get_config
 from minipar.pipeline.executor import Pipeline
 from minipar.pipeline.order_check import order_problems
 from minipar.run.config import TrainConfig
-from minipar.run.train import build_optimizer, make_adamw, param_groups, train_step
-from minipar.zero3 import Zero3DataParallel
+from minipar.run.train import train_step
 
 CFG = get_config("tiny", n_layers=8, vocab_size=250)
 OPT = TrainConfig(lr=1e-2)
@@ -82,11 +82,8 @@ def _traced_step(rank, world, degrees, schedule=None, m=4, v=1, sp=False, zero3=
                       layer_ids=pipeline.my_layers() if pipeline else None,
                       embed=pipeline.holds_first() if pipeline else True,
                       head=pipeline.holds_last() if pipeline else True).double()
-        group = mesh.dp_cp_group if mesh.layout.cp > 1 else mesh.dp_group
-        if zero3:
-            wrapped = Zero3DataParallel(model, group, lambda g: make_adamw(g, OPT), param_groups(model, OPT))
-        else:
-            wrapped = DataParallel(model, group, 0.01, mesh.tp_group, optimizer=build_optimizer(model, OPT))
+        wrapped = build_grad_sync(model, mesh.groups(), param_groups(model, OPT), lambda pgs: adamw(pgs, OPT.lr),
+                                  zero=3 if zero3 else 0, bucket_mb=0.01)
         per = B // mesh.layout.dp
         x, y = _batch(slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per))
         x, y = split_sequence(x, mesh.cp_group), split_sequence(y, mesh.cp_group)

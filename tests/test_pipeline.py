@@ -4,12 +4,13 @@ import pytest
 import torch
 from harness import parallel_llama, run_ranks
 
-from minipar.data_parallel import DataParallel
+from minipar.data_parallel import DataParallel, param_groups
+from minipar.grad_sync import adamw
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.pipeline.executor import Pipeline, stage_layers
 from minipar.run.config import TrainConfig
-from minipar.run.train import build_optimizer, train_step
+from minipar.run.train import train_step
 from minipar.tensor_parallel import unshard
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
@@ -83,7 +84,7 @@ STEPS = 2
 
 def single_device_training():
     model = Llama(CFG, seed=3).double()
-    opt = build_optimizer(model, OPT)
+    opt = adamw(param_groups(model, OPT), OPT.lr)
     for step in range(STEPS):
         model(*batch(step)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
@@ -97,7 +98,7 @@ def _three_d(rank, world, schedule, sp):
         pipeline = Pipeline(mesh.pp_group, schedule, CFG.n_layers, 2 if schedule == "interleaved" else 1,
                             grad_group=mesh.pp_grad_group, seq_shards=2 if sp else 1)
         model = stage_model(pipeline, mesh.tp_group, sp)
-        dp_model = DataParallel(model, mesh.dp_group, tp_group=mesh.tp_group, optimizer=build_optimizer(model, OPT))
+        dp_model = DataParallel(model, mesh.groups(), optimizer=adamw(param_groups(model, OPT), OPT.lr))
         per = B // 2
         for step in range(STEPS):
             x, y = batch(step)

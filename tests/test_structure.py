@@ -2,7 +2,12 @@
 that read in one sitting, no function too long to hold in one's head."""
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Every file of the package, in its subfolders too (pipeline/, planning/, run/).
@@ -113,11 +118,8 @@ def test_no_module_of_the_package_imports_itself_through_others():
 
 # Imports from the run's plumbing (minipar.run) that the layering still allows, each with why.
 # The course (minipar's top level) and the machinery (pipeline/, planning/) import nothing else
-# from it. The lead empties LAYERING_EXCEPTIONS of what other branches remove, at merge.
+# from it.
 LAYERING_EXCEPTIONS = {
-    # Being removed on branch h-groups: data parallelism will stop saving checkpoints itself.
-    ("minipar.data_parallel", "minipar.run"),
-    ("minipar.data_parallel", "minipar.run.checkpoint"),
     # The planner searches layouts as TrainConfigs, so that each is checked by the run's own
     # TrainConfig.validate, and the estimator reads a layout from the object a run is given (every
     # field of it: the degrees, ZeRO, recompute, dtype, batch and schedule); a planning copy of
@@ -134,3 +136,34 @@ def test_the_course_and_its_machinery_never_import_the_runs_plumbing():
               if dep.split(".")[:2] == ["minipar", "run"] and m.split(".")[:2] != ["minipar", "run"]}
     assert upward - LAYERING_EXCEPTIONS == set()
     assert LAYERING_EXCEPTIONS - upward == set()  # an exception nobody needs any more is removed
+
+
+# Calls the type checker must refuse: each passes a function or a dict where a signature asks for a
+# Group or the mesh's Groups (the mistakes `mesh.reduction_group` and `mesh.shard_groups()` once were).
+WRONG_CALLS = '''
+import torch
+from minipar.collectives import all_reduce
+from minipar.data_parallel import DataParallel
+from minipar.mesh import Mesh
+from minipar.run import checkpoint
+
+mesh = Mesh.build()
+all_reduce(torch.zeros(1), mesh.groups().reduction)
+DataParallel(torch.nn.Linear(2, 2), mesh.group)
+checkpoint.load(None, torch.nn.Linear(2, 2), {"tp": mesh.tp_group})
+'''
+
+
+def test_the_type_checker_passes_the_library_and_refuses_a_method_or_dict_where_a_group_is_expected(tmp_path):
+    pytest.importorskip("mypy", reason="the type checker is in the dev extra: make setup installs it")
+    wrong = tmp_path / "wrong_calls.py"
+    wrong.write_text(WRONG_CALLS)
+    proc = subprocess.run([sys.executable, "-m", "mypy", "minipar", str(wrong)], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "MYPYPATH": str(ROOT)}, timeout=600)
+    errors = [line for line in proc.stdout.splitlines() if ": error:" in line]
+    # (by name: from its cache, mypy may report an unchanged file under the path it first saw)
+    assert [e for e in errors if Path(e.split(":")[0]).name != wrong.name] == []  # the library itself passes
+    lines = WRONG_CALLS.splitlines()
+    refused = {int(e.split(":")[1]) for e in errors}
+    assert refused == {i + 1 for i, line in enumerate(lines) if line.startswith(("all_reduce", "DataParallel",
+                                                                                 "checkpoint.load"))}, proc.stdout

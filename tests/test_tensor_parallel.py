@@ -7,12 +7,13 @@ from harness import parallel_llama, run_ranks
 
 from minipar import tensor_parallel as T
 from minipar.collectives import Group
-from minipar.data_parallel import DataParallel, clip_grads
+from minipar.data_parallel import DataParallel, clip_grads, optimizer_state, param_groups, set_optimizer_state
+from minipar.grad_sync import adamw
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.placement import placement_of
 from minipar.run.config import TrainConfig
-from minipar.run.train import build_optimizer, train_step
+from minipar.run.train import train_step
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 
@@ -253,7 +254,7 @@ def global_batch(step):
 
 def single_device_training():
     model = Llama(gqa_config(), seed=5).double()
-    opt = build_optimizer(model, OPT)
+    opt = adamw(param_groups(model, OPT), OPT.lr)
     for step in range(STEPS):
         model(*global_batch(step)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
@@ -265,7 +266,7 @@ def single_device_training():
 def _dp_tp_training(rank, world, sp):
     with Mesh.build(dp=2, tp=world // 2) as mesh:
         model = parallel_llama(gqa_config(), seed=5, tp_group=mesh.tp_group, sequence_parallel=sp).double()
-        dp_model = DataParallel(model, mesh.dp_group, tp_group=mesh.tp_group, optimizer=build_optimizer(model, OPT))
+        dp_model = DataParallel(model, mesh.groups(), optimizer=adamw(param_groups(model, OPT), OPT.lr))
         per = GLOBAL_BATCH // 2
         for step in range(STEPS):
             x, y = global_batch(step)
@@ -329,19 +330,18 @@ def _save_at_tp(rank, world, out):
 
     with Mesh.build(tp=world) as mesh:
         model = parallel_llama(gqa_config(), seed=5, tp_group=mesh.tp_group).double()
-        opt = build_optimizer(model, OPT)
-        dp_model = DataParallel(model, mesh.dp_group, tp_group=mesh.tp_group, optimizer=opt)
+        opt = adamw(param_groups(model, OPT), OPT.lr)
+        dp_model = DataParallel(model, mesh.groups(), optimizer=opt)
         train_step(dp_model, [batch(vocab=250)], 1.0)
-        full = checkpoint.gather_full(model, checkpoint.optimizer_state(model, opt), checkpoint.hyper_params(opt),
-                                      mesh.tp_group)
+        full = checkpoint.gather_full(model, optimizer_state(model, opt), checkpoint.hyper_params(opt), mesh.groups())
         if rank == 0:
             checkpoint.save(out, 1, *full, {"step": 1, "consumed": 0})
         # and load it back at this layout: every shard returns exactly
         fresh = parallel_llama(gqa_config(), seed=9, tp_group=mesh.tp_group).double()
-        fresh_opt = build_optimizer(fresh, OPT)
+        fresh_opt = adamw(param_groups(fresh, OPT), OPT.lr)
         torch.distributed.barrier()
-        _, states = checkpoint.load(checkpoint.resolve(out), fresh, mesh.tp_group)
-        checkpoint.set_optimizer_state(fresh, fresh_opt, states)
+        _, states = checkpoint.load(checkpoint.resolve(out), fresh, mesh.groups())
+        set_optimizer_state(fresh, fresh_opt, states)
         for p, q in zip(model.parameters(), fresh.parameters()):
             assert torch.equal(p, q)
             assert torch.equal(opt.state[p]["exp_avg"], fresh_opt.state[q]["exp_avg"])

@@ -48,7 +48,11 @@ def one_device(folder, model: str, batches: int) -> float:
 
 
 def _validate(rank, world, folder, model, layout, micro):
+    from functools import partial
+
     import minipar.run.train as train
+    from minipar.data_parallel import param_groups
+    from minipar.grad_sync import adamw, build_grad_sync
     from minipar.run.run_log import RunLog
     from minipar.run.validation import validate
     from minipar.tensor_parallel import unshard
@@ -62,11 +66,12 @@ def _validate(rank, world, folder, model, layout, micro):
         torch.manual_seed(cfg.seed)
         model, pipeline = train.build_model(cfg, mesh, model_config(model, data.vocab_size), torch.device("cpu"),
                                             torch.float64)
-        wrapper = train.wrap(model, mesh, cfg)
+        wrapper = build_grad_sync(model, mesh.groups(), param_groups(model, cfg), partial(adamw, lr=cfg.lr),
+                                  zero=cfg.zero, bucket_mb=cfg.bucket_mb, offload=cfg.offload)
 
         def weights():
             with wrapper.gathered():
-                return {n: unshard(p.detach(), p, mesh.shard_groups()).clone() for n, p in model.named_parameters()}
+                return {n: unshard(p.detach(), p, mesh.groups()).clone() for n, p in model.named_parameters()}
         before = weights()
         share = validate(cfg, data, mesh, wrapper, pipeline, nullcontext, torch.device("cpu"))
         val = RunLog(cfg, mesh, torch.device("cpu")).validation(0, share, pipeline, 2 * ROWS)

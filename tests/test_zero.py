@@ -8,29 +8,29 @@ from test_data_parallel import GLOBAL_BATCH, OPT, STEPS, global_batch, new_model
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from minipar.collectives import ring_bytes_sent
-from minipar.mesh import Mesh
+from minipar.data_parallel import param_groups
+from minipar.grad_sync import BETAS, EPS, adamw
+from minipar.mesh import Groups, Mesh
 from minipar.model import Llama, get_config
-from minipar.run.train import make_adamw, param_groups, train_step
+from minipar.run.train import train_step
 from minipar.tensor_parallel import unshard
 from minipar.zero import ZeroDataParallel
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 
 
-def zero_model(model, group, stage, tp_group=None, bucket_mb=0.02):
-    return ZeroDataParallel(model, group, stage, lambda groups: make_adamw(groups, OPT), param_groups(model, OPT),
-                            bucket_mb=bucket_mb, tp_group=tp_group)
+def zero_model(model, groups, stage, bucket_mb=0.02):
+    return ZeroDataParallel(model, groups, stage, lambda pgs: adamw(pgs, OPT.lr), param_groups(model, OPT), bucket_mb)
 
 
 def _zero_run(rank, world, stage, accum):
     with Mesh.build(dp=world) as mesh:
         model = new_model()
-        zero = zero_model(model, mesh.dp_group, stage)
+        zero = zero_model(model, mesh.groups(), stage)
         # PyTorch's ZeRO-1 on a second copy, same data (stage 1 only).
         ref_model = new_model()
         ref_opt = ZeroRedundancyOptimizer(param_groups(ref_model, OPT), optimizer_class=torch.optim.AdamW,
-                                          process_group=mesh.dp_group.pg, lr=OPT.lr, betas=(0.9, 0.95),
-                                          eps=1e-8)
+                                          process_group=mesh.dp_group.pg, lr=OPT.lr, betas=BETAS, eps=EPS)
         per = GLOBAL_BATCH // world
         psi = sum(p.numel() for p in model.parameters())
         ledgers = []
@@ -107,7 +107,7 @@ def _zero_tp(rank, world, stage):
     with Mesh.build(dp=2, tp=2) as mesh:
         cfg = get_config("tiny", vocab_size=250)
         model = parallel_llama(cfg, seed=5, tp_group=mesh.tp_group, sequence_parallel=True).double()
-        zero = zero_model(model, mesh.dp_group, stage, mesh.tp_group)
+        zero = zero_model(model, mesh.groups(), stage)
         for step in range(2):
             x = torch.randint(0, 250, (4, 8), generator=torch.Generator().manual_seed(step))
             y = torch.roll(x, -1, dims=1)
@@ -120,7 +120,7 @@ def _zero_tp(rank, world, stage):
 def test_zero_with_tp2_and_sequence_parallel_equals_single_device(stage):
     cfg = get_config("tiny", vocab_size=250)
     model = Llama(cfg, seed=5).double()
-    opt = make_adamw(param_groups(model, OPT), OPT)
+    opt = adamw(param_groups(model, OPT), OPT.lr)
     for step in range(2):
         x = torch.randint(0, 250, (4, 8), generator=torch.Generator().manual_seed(step))
         model(x, torch.roll(x, -1, dims=1)).backward()
@@ -134,7 +134,7 @@ def test_zero_with_tp2_and_sequence_parallel_equals_single_device(stage):
 
 def test_stage_3_is_refused_not_faked():
     with pytest.raises(ValueError, match="stage 3 is not built"):
-        ZeroDataParallel(new_model(), None, 3, None, [])
+        ZeroDataParallel(new_model(), Groups(), 3, None, [])
 
 
 def test_recompute_gives_identical_gradients():
@@ -152,8 +152,8 @@ def test_recompute_gives_identical_gradients():
 def _offload(rank, world, offload):
     with Mesh.build(dp=world) as mesh:
         model = new_model()
-        zero = ZeroDataParallel(model, mesh.dp_group, 2, lambda groups: make_adamw(groups, OPT),
-                                param_groups(model, OPT), bucket_mb=0.02, offload=offload)
+        zero = ZeroDataParallel(model, mesh.groups(), 2, lambda pgs: adamw(pgs, OPT.lr), param_groups(model, OPT),
+                                bucket_mb=0.02, offload=offload)
         for step in range(STEPS):
             x, y = global_batch(step)
             train_step(zero, [(x[rank::world], y[rank::world])], grad_clip=1.0)
@@ -171,11 +171,11 @@ def test_offload_on_and_off_give_identical_parameters():
 def _zero_state_round_trip(rank, world):
     with Mesh.build(dp=world) as mesh:
         model = new_model()
-        zero = zero_model(model, mesh.dp_group, 2)
+        zero = zero_model(model, mesh.groups(), 2)
         x, y = global_batch(0)
         train_step(zero, [(x[rank::world], y[rank::world])], grad_clip=1.0)
         states = zero.state_by_name()  # every slice joined: the unsharded optimizer's state
-        fresh = zero_model(new_model(), mesh.dp_group, 2)
+        fresh = zero_model(new_model(), mesh.groups(), 2)
         fresh.load_state_by_name(states)
         for b, fb in zip(zero.buckets, fresh.buckets):
             for slot in ("exp_avg", "exp_avg_sq", "step"):
@@ -197,7 +197,7 @@ def _zero_pp(rank, world, stage):
         pipeline = Pipeline(mesh.pp_group, "1f1b", cfg.n_layers)
         model = parallel_llama(cfg, seed=5, layer_ids=pipeline.my_layers(), embed=pipeline.holds_first(),
                       head=pipeline.holds_last()).double()
-        zero = zero_model(model, mesh.dp_group, stage)
+        zero = zero_model(model, mesh.groups(), stage)
         for step in range(2):
             x = torch.randint(0, 250, (8, 8), generator=torch.Generator().manual_seed(step))
             y = torch.roll(x, -1, dims=1)
@@ -210,7 +210,7 @@ def _zero_pp(rank, world, stage):
 def test_zero_with_pipeline_pp2_equals_single_device(stage):
     cfg = get_config("tiny", n_layers=4, vocab_size=250)
     model = Llama(cfg, seed=5).double()
-    opt = make_adamw(param_groups(model, OPT), OPT)
+    opt = adamw(param_groups(model, OPT), OPT.lr)
     for step in range(2):
         x = torch.randint(0, 250, (8, 8), generator=torch.Generator().manual_seed(step))
         model(x, torch.roll(x, -1, dims=1)).backward()

@@ -7,24 +7,25 @@ from harness import parallel_llama, run_ranks
 from test_data_parallel import GLOBAL_BATCH, OPT, STEPS, global_batch, new_model, single_device_params
 
 from minipar.collectives import ring_bytes_sent
+from minipar.data_parallel import param_groups
+from minipar.grad_sync import adamw
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
-from minipar.run.train import make_adamw, param_groups, train_step
+from minipar.run.train import train_step
 from minipar.tensor_parallel import unshard
 from minipar.zero3 import Zero3DataParallel, units_of
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 
 
-def zero3(model, group, tp_group=None):
-    return Zero3DataParallel(model, group, lambda groups: make_adamw(groups, OPT), param_groups(model, OPT),
-                             tp_group=tp_group)
+def zero3(model, groups):
+    return Zero3DataParallel(model, groups, lambda pgs: adamw(pgs, OPT.lr), param_groups(model, OPT))
 
 
 def _run(rank, world, accum, with_fsdp):
     with Mesh.build(dp=world) as mesh:
         model = new_model()
-        z = zero3(model, mesh.dp_group)
+        z = zero3(model, mesh.groups())
         full_bytes = sum(b.padded for b in z.buckets) * 8
         per = GLOBAL_BATCH // world
         ledgers, between = [], []
@@ -60,7 +61,7 @@ def fsdp_params(mesh, accum, world, rank):
     for layer in model.layers.values():
         fully_shard(layer, mesh=device_mesh)
     fully_shard(model, mesh=device_mesh)
-    opt = make_adamw(param_groups(model, OPT), OPT)
+    opt = adamw(param_groups(model, OPT), OPT.lr)
     per = GLOBAL_BATCH // world
     for step in range(STEPS):
         x, y = global_batch(step)
@@ -101,7 +102,7 @@ def _zero3_tp(rank, world):
     with Mesh.build(dp=2, tp=2) as mesh:
         cfg = get_config("tiny", vocab_size=250)
         model = parallel_llama(cfg, seed=5, tp_group=mesh.tp_group, sequence_parallel=True).double()
-        z = zero3(model, mesh.dp_group, mesh.tp_group)
+        z = zero3(model, mesh.groups())
         for step in range(2):
             x = torch.randint(0, 250, (4, 8), generator=torch.Generator().manual_seed(step))
             y = torch.roll(x, -1, dims=1)
@@ -114,7 +115,7 @@ def _zero3_tp(rank, world):
 def test_zero3_with_tp2_and_sequence_parallel_equals_single_device():
     cfg = get_config("tiny", vocab_size=250)
     model = Llama(cfg, seed=5).double()
-    opt = make_adamw(param_groups(model, OPT), OPT)
+    opt = adamw(param_groups(model, OPT), OPT.lr)
     for step in range(2):
         x = torch.randint(0, 250, (4, 8), generator=torch.Generator().manual_seed(step))
         model(x, torch.roll(x, -1, dims=1)).backward()

@@ -85,7 +85,7 @@ def rank_model(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> Ll
         pipeline = Pipeline(paper_group("pp", cfg.pp, pp_rank), cfg.schedule, model_cfg.n_layers, cfg.virtual_stages)
         layers, first, last = pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last()
     if not model_cfg.n_experts:  # dense layers are all alike: build only as many as the rank holds
-        model_cfg, layers = replace(model_cfg, n_layers=len(layers)), range(len(layers))
+        model_cfg, layers = replace(model_cfg, n_layers=len(layers)), list(range(len(layers)))
     return _model_on_paper(model_cfg, tuple(layers), first, last, cfg.tp, cfg.sp, cfg.ep, cfg.dtype)
 
 

@@ -35,9 +35,9 @@ def documents(parts: list[np.ndarray], eot: int | None) -> np.ndarray:
     part's tail without one. Token files are scanned a block at a time."""
     rows = []
     for p, tokens in enumerate(parts):
-        ends = [np.flatnonzero(tokens[a:a + BLOCK] == eot) + a + 1 for a in range(0, len(tokens), BLOCK)
-                if eot is not None]
-        ends = np.unique(np.concatenate(ends + [np.array([len(tokens)])]))
+        found = [np.flatnonzero(tokens[a:a + BLOCK] == eot) + a + 1 for a in range(0, len(tokens), BLOCK)
+                 if eot is not None]
+        ends = np.unique(np.concatenate(found + [np.array([len(tokens)])]))
         rows.append(np.stack([np.full(len(ends), p), np.concatenate([[0], ends[:-1]]), ends], axis=1))
     return np.concatenate(rows).astype(np.int64)
 

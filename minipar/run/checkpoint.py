@@ -39,7 +39,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from minipar.collectives import Group
+from minipar.collectives import gather_object
+from minipar.mesh import Groups
 from minipar.model import ModelConfig, get_config
 from minipar.placement import placement_of
 from minipar.run.args import InputError, folder_path
@@ -134,44 +135,32 @@ def set_aside(folder: Path) -> Path:
     return target
 
 
-def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """A torch optimizer's state by parameter name: {name: {slot: tensor}}."""
-    return {n: dict(optimizer.state[p]) for n, p in model.named_parameters() if p in optimizer.state}
-
-
 def hyper_params(optimizer: torch.optim.Optimizer) -> list[dict]:
     """Learning rate, betas, weight decay... of each parameter group (stored as metadata)."""
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
-def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, states: dict) -> None:
-    params = dict(model.named_parameters())
-    for name, slots in states.items():
-        for slot, value in slots.items():
-            optimizer.state[params[name]][slot] = value
-
-
-def gather_full(model: nn.Module, states: dict, hyper: list, tp_group: Group, pp_group: Group | None = None):
+def gather_full(model: nn.Module, states: dict, hyper: list, groups: Groups) -> tuple[dict, dict, list]:
     """Every parameter and optimizer state (`states`: {name: {slot: tensor}}, this rank's shards) at
     its single-device shape, by name.
 
-    A collective over the tp group (shards joined) and the pp group (stages collected on pp rank
-    0): call it on every rank; the result on global rank 0 is the whole model.
+    A collective over the groups that cut parameters (tp, ep: shards joined) and the pp group
+    (stages collected on pp rank 0): call it on every rank; the result on global rank 0 is the
+    whole model.
     Returns (weights, optimizer tensors, optimizer hyper-parameters), the arguments of `save`.
     """
     weights, tensors = {}, {}
     for name, p in model.named_parameters():
         # A copy, not a view: under ZeRO-3 the weights vanish again once gathered() ends.
-        weights[name] = unshard(p.detach(), p, tp_group).to("cpu", copy=True).contiguous()
+        weights[name] = unshard(p.detach(), p, groups).to("cpu", copy=True).contiguous()
         for slot, value in states.get(name, {}).items():
             t = value if torch.is_tensor(value) else torch.tensor(value)
             if t.shape == p.shape:  # exp_avg, exp_avg_sq: sharded like the parameter
-                t = unshard(t.detach().to(p.device), p, tp_group)
+                t = unshard(t.detach().to(p.device), p, groups)
             tensors[f"{name}/{slot}"] = t.detach().cpu().contiguous()
-    if pp_group is not None and pp_group.size > 1:  # each stage holds different layers: collect them
-        parts = [None] * pp_group.size if pp_group.rank == 0 else None
-        torch.distributed.gather_object((weights, tensors), parts, dst=pp_group.ranks[0], group=pp_group.pg)
-        if pp_group.rank == 0:
+    if groups.pp.size > 1:  # each stage holds different layers: collect them
+        parts = gather_object((weights, tensors), groups.pp)
+        if parts is not None:  # pp rank 0
             weights = {k: v for part_weights, _ in parts for k, v in part_weights.items()}
             tensors = {k: v for _, part_tensors in parts for k, v in part_tensors.items()}
     return weights, tensors, hyper
@@ -277,14 +266,14 @@ def unlock(out: str | Path) -> None:
         path.unlink()
 
 
-def load(path: Path, model: nn.Module, tp_group: Group | None = None) -> tuple[dict, dict]:
-    """Load weights into an already built model, each rank taking its tp shard of the
-    single-device tensors (and only its pipeline stage's parameters).
+def load(path: Path, model: nn.Module, groups: Groups | None = None) -> tuple[dict, dict]:
+    """Load weights into an already built model, each rank taking its shard (tp, ep: `groups`;
+    None: one device) of the single-device tensors (and only its pipeline stage's parameters).
 
     Returns (the train state, this rank's optimizer state {name: {slot: tensor}}, sharded like the
     parameters) for the gradient-sync wrapper's `load_state_by_name`.
     """
-    tp_group = tp_group or Group.solo("tp")
+    groups = groups or Groups()
     state = verify(path)
     weights = load_file(path / "model.safetensors")
     params = dict(model.named_parameters())  # a pipeline stage has only some of them
@@ -302,7 +291,7 @@ def load(path: Path, model: nn.Module, tp_group: Group | None = None) -> tuple[d
             if not torch.isfinite(weights[name]).all():  # saved so by another tool: refuse rather than train on
                 raise CheckpointError(f"checkpoint {path}: {name} in model.safetensors is not finite; "
                                       f"resume from an earlier one")
-            p.copy_(shard(weights[name], p, tp_group))
+            p.copy_(shard(weights[name], p, groups))
     states: dict[str, dict] = {}
     for key, value in load_file(path / "optimizer.safetensors").items():
         name, slot = key.rsplit("/", 1)
@@ -310,7 +299,7 @@ def load(path: Path, model: nn.Module, tp_group: Group | None = None) -> tuple[d
             continue  # another pipeline stage's
         p = params[name]
         if slot != "step":
-            value = shard(value, p, tp_group).to(device=p.device, dtype=p.dtype).clone()
+            value = shard(value, p, groups).to(device=p.device, dtype=p.dtype).clone()
         states.setdefault(name, {})[slot] = value
     return state, states
 
@@ -327,7 +316,7 @@ def model_config_of(path: Path, state: dict) -> ModelConfig:
                       capacity_factor=run["capacity_factor"])
 
 
-def read_shard(f, name: str, p: nn.Parameter, groups: dict[str, Group]) -> torch.Tensor:
+def read_shard(f, name: str, p: nn.Parameter, groups: Groups) -> torch.Tensor:
     """This rank's piece of tensor `name` of an open safetensors file, reading only that piece
     (`shard` of the whole tensor, without the whole tensor: padding rows are zeros)."""
     full, index = placement_of(p).full_shape, [slice(None)] * p.dim()
@@ -344,7 +333,7 @@ def read_shard(f, name: str, p: nn.Parameter, groups: dict[str, Group]) -> torch
     return torch.nn.functional.pad(piece, pad)
 
 
-def load_weights(path: Path, model: nn.Module, groups: dict[str, Group]) -> None:
+def load_weights(path: Path, model: nn.Module, groups: Groups) -> None:
     """Start from a checkpoint's weights (train.py --init-from): each rank reads only the shards it
     holds of the parameters of its stages, no optimizer state."""
     with safe_open(path / "model.safetensors", "pt") as f, torch.no_grad():

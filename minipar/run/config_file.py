@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import tomllib
+from typing import Any
 
 from minipar.run.args import regular_if_present
 
@@ -52,7 +53,7 @@ def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
 
 def flag_value(flag: argparse.Action, value, where: str):
     """`value` as the flag would have parsed it, or ValueError naming `where`."""
-    kind = bool if flag.nargs == 0 else flag.type or str  # nargs 0: a switch (--sp / --no-sp)
+    kind: Any = bool if flag.nargs == 0 else flag.type or str  # nargs 0: a switch (--sp / --no-sp)
     fits = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value, fits = float(value), True  # TOML's 1 is the command line's 1.0

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from minipar.collectives import Group, all_reduce
 from minipar.mesh import Mesh
 from minipar.planning.planner import check_memory, report
 from minipar.run import checkpoint, train
@@ -141,7 +142,7 @@ def launch(cfg: TrainConfig, resume: Path | None) -> None:
     if cfg.ep > 1:
         log.say(f"experts: the dp x cp ranks as edp {cfg.dp * cfg.cp // cfg.ep} x ep {cfg.ep}; this rank's ep group "
                 f"{mesh.group('ep').ranks}, edp group {mesh.group('edp').ranks}")
-    data = load_data(cfg, resume)
+    data = load_data(cfg, resume, log.group)
     log.measure_memory_from_here()  # the run's own memory: not the tokenizer's peak
     try:
         train.run(cfg, resume, mesh, data, log, device)
@@ -225,12 +226,12 @@ def exit_with_parent() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
-def load_data(cfg: TrainConfig, resume: Path | None = None) -> TokenData:
-    """Tokenised once per machine (local rank 0); the other ranks wait and read the cache. The
+def load_data(cfg: TrainConfig, resume: Path | None, group: Group) -> TokenData:
+    """Tokenised once per machine (local rank 0); the other ranks (`group`: all) wait and read the cache. The
     tokenizer: --tokenizer, else a resumed checkpoint's (the same ids, even if the cache is gone),
     else a BPE trained on the data."""
     saved = resume / "tokenizer.json" if resume is not None and (resume / "tokenizer.json").exists() else None
-    args = (cfg.data, cfg.bpe_vocab, cfg.cache_dir, cfg.tokenizer or saved, cfg.token_dtype)
+    args: tuple = (cfg.data, cfg.bpe_vocab, cfg.cache_dir, cfg.tokenizer or saved, cfg.token_dtype)
     failure = None
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         try:
@@ -238,7 +239,7 @@ def load_data(cfg: TrainConfig, resume: Path | None = None) -> TokenData:
         except DataError as e:  # a full cache disk, a tokenizer that fails: nothing half-written is left
             failure = e
     failed = torch.tensor([float(failure is not None)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # the barrier: the others wait, and learn whether it worked
+    all_reduce(failed, group, op="max")  # the barrier: the others wait, and learn whether it worked
     if failure is not None or failed.item():
         raise failure or DataError("the data could not be prepared on another node (its rank 0 says why)")
     data = TokenData(prepare(*args), cfg.seq_len, cfg.seed, cfg.val_fraction)

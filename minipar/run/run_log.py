@@ -22,6 +22,7 @@ import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,9 @@ class RunLog:
         # shows only the traffic of training itself.
         self.group = Group("log", dist.group.WORLD, list(range(self.world)), Ledger())
         self.losses: list[float] = []
-        self.wandb = self.file = self.bar = None
+        self.wandb: Any = None  # rank 0's wandb run, JSON log file and progress bar, from start()
+        self.file: Any = None
+        self.bar: Any = None
         self.memory_base = 0  # CPU: resident bytes when measuring began
 
     def measure_memory_from_here(self) -> None:
@@ -218,7 +221,7 @@ def start_wandb(cfg: TrainConfig):
     run's id is kept in --out/wandb_run_id: a run that resumes there continues the same wandb run."""
     import wandb
 
-    mode = os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False) else "offline")
+    mode: Any = os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False) else "offline")
     id_file = Path(cfg.out) / "wandb_run_id"
     id_file.parent.mkdir(parents=True, exist_ok=True)
     if not id_file.exists():

@@ -45,7 +45,7 @@ def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Me
     states = wrapper.state_by_name()
     with wrapper.gathered():  # ZeRO-3: the weights are sharded
         full = checkpoint.gather_full(wrapper.module, states, checkpoint.hyper_params(wrapper.optimizer),
-                                      mesh.shard_groups(), mesh.pp_group)
+                                      mesh.groups())
     failure = ""
     if log.is_main:
         state = {"step": step, "consumed": consumed, "config": asdict(cfg), "data_key": data.fingerprint,

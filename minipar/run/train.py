@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from minipar.data_parallel import DataParallel, GradSync, param_groups
+from minipar.data_parallel import GradSync, param_groups
+from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import Llama
 from minipar.parallelize import parallelize
@@ -41,8 +43,6 @@ from minipar.run.preflight import init_model_config
 from minipar.run.run_log import RunLog
 from minipar.run.saving import TrainingStopped
 from minipar.run.step import begin_step, micro_batches_of
-from minipar.zero import ZeroDataParallel
-from minipar.zero3 import Zero3DataParallel
 
 # ----------------------------------------------------------------------------------------------
 # Pieces of a step, small enough to test on their own
@@ -56,14 +56,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def make_adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    return make_adamw(param_groups(model, cfg), cfg)
 
 
 def train_step(model: GradSync, micro_batches, grad_clip: float = 0.0, autocast=nullcontext,
@@ -115,23 +107,8 @@ def build_model(cfg: TrainConfig, mesh: Mesh, model_cfg, device, param_dtype):
                         grad_group=mesh.pp_grad_group, seq_shards=cfg.tp if cfg.sp else 1) if cfg.pp > 1 else None
     stage = (pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last()) if pipeline else None
     model = parallelize(Llama(model_cfg, seed=cfg.seed), tp=mesh.tp_group, cp=mesh.cp_group,
-                        ep=mesh.shard_groups().get("ep"), sp=cfg.sp, stage=stage, recompute=cfg.recompute)
+                        ep=mesh.groups().ep, sp=cfg.sp, stage=stage, recompute=cfg.recompute)
     return model.to(device=device, dtype=param_dtype), pipeline
-
-
-def wrap(model, mesh: Mesh, cfg: TrainConfig) -> GradSync:
-    """The gradient-sync wrapper for --zero. Each parameter's gradient is averaged over the group
-    its Placement names: dense ones over data *and* context replicas, since each cp rank saw only
-    its share of the tokens (context_parallel.py)."""
-    group, groups, tp, cut = mesh.reduction_group, param_groups(model, cfg), mesh.tp_group, mesh.shard_groups()
-
-    def adamw(g):
-        return make_adamw(g, cfg)
-    if cfg.zero == 3:
-        return Zero3DataParallel(model, group, adamw, groups, tp_group=tp, shard_groups=cut)
-    if cfg.zero:
-        return ZeroDataParallel(model, group, cfg.zero, adamw, groups, cfg.bucket_mb, tp, cfg.offload, cut)
-    return DataParallel(model, group, cfg.bucket_mb, tp, optimizer=adamw(groups), shard_groups=cut)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,14 +123,16 @@ def run(cfg: TrainConfig, resume: Path | None, mesh: Mesh, data: TokenData, log:
     model_cfg = init_model_config(cfg) if cfg.init_from else cfg.model_config()
     model, pipeline = build_model(cfg, mesh, model_cfg, device, param_dtype)
     if cfg.init_from:  # each rank reads only its shards of the weights
-        checkpoint.load_weights(Path(cfg.init_from), model, mesh.shard_groups())
+        checkpoint.load_weights(Path(cfg.init_from), model, mesh.groups())
         log.say(f"started from the weights of {cfg.init_from}")
     start, consumed, saved_states = 0, 0, None
     if resume is not None:  # weights first: ZeRO builds its master slices from them
-        state, saved_states = checkpoint.load(resume, model, mesh.shard_groups())  # each rank takes its shards
+        state, saved_states = checkpoint.load(resume, model, mesh.groups())  # each rank takes its shards
         start, consumed = state["step"], state["consumed"]
         log.say(f"resumed from {resume} at step {start}")
-    wrapper = wrap(model, mesh, cfg)
+    # Each gradient is averaged over the group its Placement names (dense: dp x cp), by --zero's wrapper.
+    wrapper = build_grad_sync(model, mesh.groups(), param_groups(model, cfg), partial(adamw, lr=cfg.lr),
+                              zero=cfg.zero, bucket_mb=cfg.bucket_mb, offload=cfg.offload)
     if saved_states is not None:
         wrapper.load_state_by_name(saved_states)
     log.start(model_cfg, data, dtype, start)

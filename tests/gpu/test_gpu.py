@@ -114,28 +114,20 @@ def test_several_processes_on_one_gpu(report):
 
 
 def _wrapper_equals_one_device(rank, world, kind):
-    from minipar.data_parallel import DataParallel
-    from minipar.run.train import build_optimizer, make_adamw, param_groups, train_step
-    from minipar.zero import ZeroDataParallel
-    from minipar.zero3 import Zero3DataParallel
+    from minipar.data_parallel import param_groups
+    from minipar.grad_sync import adamw, build_grad_sync
+    from minipar.run.train import train_step
 
     device = rank_device()  # cuda under NCCL; the CPU under gloo (tests/test_gpu_bodies_on_gloo.py)
     cfg = get_config("tiny")
     reference = Llama(cfg, seed=1).to(device=device, dtype=torch.float64)
-    ref_opt = build_optimizer(reference, OPT)
+    ref_opt = adamw(param_groups(reference, OPT), OPT.lr)
     tp = world if kind == "tp" else 1
     with Mesh.build(dp=world // tp, tp=tp) as mesh:
         model = parallel_llama(cfg, seed=1, tp_group=mesh.tp_group).to(device=device, dtype=torch.float64)
-
-        def adamw(groups):
-            return make_adamw(groups, OPT)
-        wrapped = {
-            "dp": lambda: DataParallel(model, mesh.dp_group, 0.02, optimizer=build_optimizer(model, OPT)),
-            "tp": lambda: DataParallel(model, mesh.dp_group, 0.02, mesh.tp_group, build_optimizer(model, OPT)),
-            "zero1": lambda: ZeroDataParallel(model, mesh.dp_group, 1, adamw, param_groups(model, OPT), 0.02),
-            "zero2": lambda: ZeroDataParallel(model, mesh.dp_group, 2, adamw, param_groups(model, OPT), 0.02),
-            "zero3": lambda: Zero3DataParallel(model, mesh.dp_group, adamw, param_groups(model, OPT)),
-        }[kind]()
+        stage = {"dp": 0, "tp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[kind]
+        wrapped = build_grad_sync(model, mesh.groups(), param_groups(model, OPT), lambda pgs: adamw(pgs, OPT.lr),
+                                  zero=stage, bucket_mb=0.02)
         per = GLOBAL_BATCH // mesh.layout.dp
         for step in range(STEPS):
             x, y = batch(step, device)

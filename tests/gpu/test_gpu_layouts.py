@@ -55,12 +55,13 @@ def model_config(model: str):
 def one_device(model: str, device) -> dict[str, torch.Tensor]:
     """The plain model trained on the whole global batch, micro-batch by micro-batch as the ranks
     cut it (a mixture of experts' load-balancing loss is per micro-batch: moe.set_aux_scale)."""
+    from minipar.data_parallel import param_groups
+    from minipar.grad_sync import adamw
     from minipar.moe import set_aux_scale
-    from minipar.run.train import build_optimizer
 
     cfg = train_config(model)
     reference = Llama(model_config(model), seed=cfg.seed).to(device=device, dtype=torch.float64)
-    opt = build_optimizer(reference, cfg)
+    opt = adamw(param_groups(reference, cfg), cfg.lr)
     n = ROWS // MICRO
     for step in range(STEPS):
         set_aux_scale(reference, 1 / n)
@@ -73,8 +74,12 @@ def one_device(model: str, device) -> dict[str, torch.Tensor]:
 
 
 def _layout_equals_one_device(rank, world, model, layout):
+    from functools import partial
+
     from minipar.context_parallel import split_sequence
-    from minipar.run.train import build_model, train_step, wrap
+    from minipar.data_parallel import param_groups
+    from minipar.grad_sync import adamw, build_grad_sync
+    from minipar.run.train import build_model, train_step
     from minipar.tensor_parallel import unshard
 
     device = rank_device()
@@ -84,14 +89,15 @@ def _layout_equals_one_device(rank, world, model, layout):
         if cfg.ep > 1:  # as launch.launch: experts carved out of dp x cp
             mesh.unflatten(("dp", "cp"), edp=cfg.dp * cfg.cp // cfg.ep, ep=cfg.ep)
         net, pipeline = build_model(cfg, mesh, model_config(model), device, torch.float64)
-        wrapper = wrap(net, mesh, cfg)
+        wrapper = build_grad_sync(net, mesh.groups(), param_groups(net, cfg), partial(adamw, lr=cfg.lr),
+                                  zero=cfg.zero, bucket_mb=cfg.bucket_mb, offload=cfg.offload)
         per = ROWS // cfg.dp
         for step in range(STEPS):
             x, y = (t[mesh.dp_rank * per:(mesh.dp_rank + 1) * per] for t in batch(step))
             x, y = (split_sequence(t, mesh.cp_group).to(device) for t in (x, y))
             train_step(wrapper, list(zip(x.split(MICRO), y.split(MICRO))), cfg.grad_clip, pipeline=pipeline)
         with wrapper.gathered():
-            got = {n: unshard(p.detach(), p, mesh.shard_groups()).cpu() for n, p in net.named_parameters()}
+            got = {n: unshard(p.detach(), p, mesh.groups()).cpu() for n, p in net.named_parameters()}
     for name, p in got.items():
         torch.testing.assert_close(p, want[name], rtol=1e-9, atol=1e-11, msg=name)
     return max((p - want[n]).abs().max().item() for n, p in got.items()), sorted(got)
