@@ -10,7 +10,7 @@ four ranks, each holding one tensor (a, b, c, d are whole tensors, a0 is a quart
     all-to-all       rank i sends its j-th chunk to rank j
     send / recv      one rank to one other (pipeline stages, the context-parallel ring)
 
-and two that carry no tensor of the model: `barrier` (every rank waits for all) and
+and one that carries no tensor of the model:
 `gather_object` (any picklable object, as bytes, onto one rank: a checkpoint's pipeline stages).
 
 Bytes on the wire. With the ring algorithm (what NCCL and gloo use for large tensors), a tensor of
@@ -265,14 +265,6 @@ def send_recv(send_t: torch.Tensor, dst: int, recv_t: torch.Tensor, src: int, gr
     ops = [dist.P2POp(dist.isend, send_t.contiguous(), group.ranks[dst], group.pg),
            dist.P2POp(dist.irecv, recv_t, group.ranks[src], group.pg)]
     return dist.batch_isend_irecv(ops)
-
-
-def barrier(group: Group) -> None:
-    """Every rank of the group waits here until all have arrived. No payload, but a message all
-    the same: the ledger counts the call."""
-    group._note("barrier", None, nbytes=0)
-    if group.size > 1:
-        dist.barrier(group=group.pg)
 
 
 def gather_object(obj, group: Group, dst: int = 0) -> list | None:
