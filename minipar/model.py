@@ -205,8 +205,9 @@ def rope_frequencies(config: ModelConfig) -> torch.Tensor:
     """The rotation speed of each pair of dimensions, [head_dim/2], float64: theta^(-2i/hd), with
     Llama-3's scaling when rope_factor > 1 (a wavelength is 2 pi / frequency, in tokens)."""
     hd = config.head_dim
-    device = "meta" if torch.empty(0).is_meta else "cpu"  # the estimator builds on paper: no table for a huge dim
-    freqs = 1.0 / config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd)
+    # On the CPU even inside a meta-device block: a model built on paper then given real storage
+    # (to_empty: sample.py, eval.py) keeps a real table. --dim's range keeps it small.
+    freqs = 1.0 / config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device="cpu") / hd)
     if config.rope_factor == 1:
         return freqs
     # How many wavelengths fit in the original context: many (>= high_freq_factor): keep; few (<= low_freq_factor):

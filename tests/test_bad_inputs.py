@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from minipar.collectives import Group
+from minipar.mesh import Groups
 from minipar.model import Llama, get_config
 from minipar.run import checkpoint, launch
 from minipar.run.config import parse_args
@@ -111,7 +111,7 @@ def t(tmp_path_factory):
         (t / f"{name}.toml").write_text(text + "\n")
     cfg = parse_args(base(t))
     weights, optimizer, hyper = checkpoint.gather_full(Llama(get_config("tiny", vocab_size=512)), {}, [],
-                                                       Group.solo("tp"))
+                                                       Groups())
     key = data_key(cfg.data, cfg.vocab_size)  # names the corpus's files, sizes and times
     checkpoint.save(t / "run", 4, weights, optimizer, hyper, {"step": 4, "consumed": 32, "config": asdict(cfg),
                                                               "data_key": key})

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from minipar.collectives import Group
+from minipar.mesh import Groups
 from minipar.model import Llama, get_config
 from minipar.run import args as checks
 from minipar.run import checkpoint
@@ -70,7 +70,7 @@ def t(tmp_path_factory):
     t = tmp_path_factory.mktemp("scripts")
     tokenizer_json(t / "tok.json")
     model = get_config("tiny", vocab_size=VOCAB)
-    weights, optimizer, hyper = checkpoint.gather_full(Llama(model), {}, [], Group.solo("tp"))
+    weights, optimizer, hyper = checkpoint.gather_full(Llama(model), {}, [], Groups())
     run = asdict(TrainConfig(model="tiny", vocab_size=VOCAB, seq_len=32, cache_dir=str(t / "cache")))
     state = {"step": 2, "consumed": 0, "config": run, "model_config": asdict(model)}
     checkpoint.save(t / "run", 2, weights, optimizer, hyper, state, tokenizer=t / "tok.json")
