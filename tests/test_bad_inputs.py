@@ -525,15 +525,15 @@ def launcher(t: Path, *args: str):
                           text=True, timeout=600)
 
 
-def test_train_py_with_nproc_per_node_refuses_a_bad_layout_in_one_line_and_starts_no_worker(t):
-    proc = launcher(t, "--tp=3", f"--out={t}/launched_bad")
+def test_train_py_with_nproc_per_node_refuses_a_bad_layout_in_one_line_and_starts_no_worker(tmp_path):
+    proc = launcher(tmp_path, "--tp=3")
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("minipar: error: "), proc.stderr
-    assert "but the world has 2" in lines[0] and proc.stdout == "", (lines[0], proc.stdout)  # no worker said a word
+    assert "--tp 3 does not divide" in lines[0] and proc.stdout == "", (lines[0], proc.stdout)  # no worker said a word
 
 
-def test_train_py_with_nproc_per_node_runs_the_workers_under_torchruns_agent(t):
-    proc = launcher(t, "--dp=2", "--steps=2", "--warmup=1", "--log-every=1", f"--out={t}/launched")
+def test_train_py_with_nproc_per_node_runs_the_workers_under_torchruns_agent(tmp_path):
+    proc = launcher(tmp_path, "--dp=2", "--steps=2", "--warmup=1", "--log-every=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert any(line.startswith("step 2") for line in proc.stdout.splitlines()), proc.stdout[-3000:]
-    assert not (t / "launched" / ".lock").exists()  # rank 0 of the workers took --out's lock, and gave it back
+    assert not (tmp_path / "out" / ".lock").exists()  # rank 0 of the workers took --out's lock, and gave it back
