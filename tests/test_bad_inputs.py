@@ -536,5 +536,5 @@ def test_train_py_with_nproc_per_node_runs_the_workers_under_torchruns_agent(tmp
     proc = launcher(tmp_path, "--dp=2", "--steps=2", "--warmup=1", "--log-every=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert any(line.split()[:2] == ["step", "2/2"] for line in proc.stdout.splitlines()), proc.stdout[-3000:]
-    assert (tmp_path / "out" / "step_000002").is_dir()  # the run chose --out here, and its workers saved there
+    assert (tmp_path / "out" / "step_000002").is_dir()  # the workers ran the whole run and saved it
     assert not (tmp_path / "out" / ".lock").exists()  # rank 0 of the workers took --out's lock, and gave it back
