@@ -83,6 +83,12 @@ class Ledger:
     entries: dict[tuple[str, str], Entry] = field(default_factory=lambda: defaultdict(Entry))
     trace: list[tuple] | None = None
     last: tuple | None = None  # (group, op, its ranks, peer or None): the last operation posted
+    posted: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # operations asked of each group
+
+    def post(self, group: str, op: str, ranks: tuple, peer: int | None) -> None:
+        """An operation asked of other ranks: named, with its number in `group`, if the job hangs (launch.py)."""
+        self.posted[group] += 1
+        self.last = (group, op, ranks, peer)
 
     def record(self, group: str, op: str, nbytes: int, sent: int) -> None:
         e = self.entries[(group, op)]
@@ -145,7 +151,7 @@ class Group:
         sent = ring_bytes_sent(op, nbytes, self.size) if sent is None else sent
         self.ledger.record(self.name, op, nbytes, sent)
         if self.size > 1:  # what a rank last asked of others: named if the job hangs (train.py)
-            self.ledger.last = (self.name, op, tuple(self.ranks), None if peer is None else self.ranks[peer])
+            self.ledger.post(self.name, op, tuple(self.ranks), None if peer is None else self.ranks[peer])
         if self.ledger.trace is not None and self.size > 1:
             self.ledger.trace.append((self.communicator, op, None if peer is None else self.ranks[peer], nbytes))
 
@@ -219,7 +225,7 @@ def all_to_all(t: torch.Tensor, group: Group, dim: int = 0, send_splits: list[in
     payload = t.shape[dim] * row_bytes
     group.ledger.record(group.name, "all_to_all", payload, (t.shape[dim] - send_splits[group.rank]) * row_bytes)
     if group.size > 1:
-        group.ledger.last = (group.name, "all_to_all", tuple(group.ranks), None)
+        group.ledger.post(group.name, "all_to_all", tuple(group.ranks), None)
     if group.ledger.trace is not None and group.size > 1:
         group.ledger.trace.append((group.communicator, "all_to_all", None, payload))
     if group.size == 1:

@@ -508,3 +508,33 @@ def test_a_rank_that_never_starts_is_named_within_the_timeout(t):
     assert lines[0].startswith(f"minipar: error: rank 0: the process group did not start within --timeout 2 s: the 2 "
                                f"ranks did not all reach the rendezvous at 127.0.0.1:{port}"), lines[0]
     assert time.monotonic() - t0 < 200  # bounded: without the timeout it would wait forever
+
+
+# `python scripts/train.py --nproc-per-node N ...`: the command line checked once, in this process, then torchrun's
+# agent started in it; a mistake is one line and exit 2 instead of torchrun's failure report.
+
+
+def launcher(t: Path, *args: str):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    script = Path(launch.__file__).parents[2] / "scripts" / "train.py"
+    return subprocess.run([sys.executable, str(script), "--nproc-per-node", "2", *base(t), *args], cwd=t,
+                          env={**env, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_train_py_with_nproc_per_node_refuses_a_bad_layout_in_one_line_and_starts_no_worker(tmp_path):
+    proc = launcher(tmp_path, "--tp=3")
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("minipar: error: "), proc.stderr
+    assert "--tp 3 does not divide" in lines[0] and proc.stdout == "", (lines[0], proc.stdout)  # no worker said a word
+
+
+def test_train_py_with_nproc_per_node_runs_the_workers_under_torchruns_agent(tmp_path):
+    proc = launcher(tmp_path, "--dp=2", "--steps=2", "--warmup=1", "--log-every=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert any(line.split()[:2] == ["step", "2/2"] for line in proc.stdout.splitlines()), proc.stdout[-3000:]
+    assert (tmp_path / "out" / "step_000002").is_dir()  # the workers ran the whole run and saved it
+    assert not (tmp_path / "out" / ".lock").exists()  # rank 0 of the workers took --out's lock, and gave it back

@@ -259,3 +259,45 @@ def test_a_stopped_rank_becomes_a_named_error_within_the_timeout(tmp_path):
     line = next(x for x in err.splitlines() if "minipar: error" in x)
     assert "rank 0: no answer within --timeout 10 s" in line and "dp/" in line, line
     assert elapsed < 10 + 10, elapsed
+
+
+def _one_rank_skips_an_all_reduce(rank, world, skip):
+    """Both ranks all-reduce once on dp; then rank 0 asks dp for a second one that rank 1 skips:
+    it waits on tp instead (skip="tp"), or does nothing (skip="stop"). Returns each rank's report."""
+    import datetime
+    import time
+    import types
+
+    import torch.distributed as dist
+
+    from minipar.collectives import Group, Ledger, all_reduce
+    from minipar.run.launch import hang_report
+
+    dist.barrier()  # both here (importing this file takes each rank its own time), then the 5 s limit
+    ledger, limit = Ledger(), datetime.timedelta(seconds=5)
+    dp = Group("dp", dist.new_group([0, 1], timeout=limit), [0, 1], ledger)
+    tp = Group("tp", dist.new_group([0, 1], timeout=limit), [0, 1], ledger)
+    all_reduce(torch.ones(1), dp)
+    if rank == 1 and skip == "stop":
+        time.sleep(10)  # silent past rank 0's timeout and its wait for the others' counts
+        return None
+    try:
+        all_reduce(torch.ones(1), dp if rank == 0 else tp)
+    except RuntimeError as e:
+        return hang_report(types.SimpleNamespace(timeout=5), ledger, e)
+    return "no timeout"
+
+
+@pytest.mark.parametrize("skip", ["tp", "stop"])
+def test_the_hang_report_names_the_rank_that_never_reached_the_collective(skip):
+    import harness
+
+    first, second = harness.run_ranks(2, _one_rank_skips_an_all_reduce, skip, timeout=240)
+    harness._pools.pop((2, "gloo")).close(kill=True)  # its groups timed out, its store holds the counts: not reused
+    assert first.startswith("rank 0: no answer within --timeout 5 s; the last operation it asked of others was "
+                            "dp/all_reduce #2 with ranks [0, 1]: "), first
+    if skip == "tp":  # each names the other: rank 1 is behind on dp, rank 0 never came to tp
+        assert "ranks [1] never reached it (at #1)" in first, first
+        assert "tp/all_reduce #1 with ranks [0, 1]: ranks [0] never reached it (at #0)" in second, second
+    else:
+        assert "ranks [1] did not say (stopped, died, or waiting on another group)" in first, first

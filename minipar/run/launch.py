@@ -1,11 +1,13 @@
 """The launch: everything a run does before and around its loop (scripts/train.py calls `main`).
 
     main                    parse the command line and check it (config.py)      --plan: print, exit
+      start_workers         given --nproc-per-node: the same checks once, then torchrun's agent, in-process
       check_memory          the estimator's peak per rank must fit (planning/)
       check_paths           data, the checkpoint to resume, --out (locked by rank 0)
       launch                the process group, the mesh, the run log, the data, then train.run
       exit code             0 done; 2 bad input (one line); 3 the run diverged; 4 a rank stopped
-                            answering within --timeout (hang_report names what it waited for)
+                            answering within --timeout (hang_report names what it waited for,
+                            and which ranks of the group never reached it)
 
 Everything checkable is checked before torch.distributed starts: a bad command line costs one
 line, not a hang. Under torchrun each worker asks Linux to end it when torchrun dies
@@ -43,7 +45,12 @@ from minipar.run.validation import validation_batches
 
 
 def main(argv=None) -> int:
-    """Parse, check, run. A bad command line or input prints one line and exits 2."""
+    """Parse, check, run. A bad command line or input prints one line and exits 2. Given torchrun's
+    --nproc-per-node, this process checks the command line, then becomes torchrun (`start_workers`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    agent, argv = torchrun_options(argv)
+    if agent:
+        return start_workers(agent, argv)
     is_main = int(os.environ.get("RANK", "0")) == 0
     exit_with_parent()
     local = False  # the command line reads alike on every rank; memory and files are each node's own
@@ -83,9 +90,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def check_paths(cfg: TrainConfig) -> Path | None:
+def check_paths(cfg: TrainConfig, lock: bool = True) -> Path | None:
     """File-system checks, before any process group: data, the checkpoint to resume, --out. Then
-    rank 0 locks --out for the run (and clears what an interrupted save left there)."""
+    rank 0 locks --out for the run (and clears what an interrupted save left there), if `lock`."""
     find_files(cfg.data)  # raises DataError when missing
     source = cfg.resume
     if cfg.resume == "auto":  # self-resume (torchrun --max-restarts): --out's newest checkpoint, if any yet
@@ -112,7 +119,7 @@ def check_paths(cfg: TrainConfig) -> Path | None:
             f"({later[0]}{f' ... {later[-1]}' if len(later) > 1 else ''}): continue the newest with --resume "
             f"{cfg.out}, or choose another --out (nothing is overwritten)"
         )
-    if os.environ.get("RANK", "0") == "0":
+    if lock and os.environ.get("RANK", "0") == "0":
         notes = checkpoint.lock(cfg.out)  # first: only the holder of --out moves anything in it
         notes += [set_aside_note(p, why) for p, why in zip(corrupt, skipped) if p in ours]
         notes += [f"skipped {why}" for p, why in zip(corrupt, skipped) if p not in ours]
@@ -126,6 +133,85 @@ def set_aside_note(folder: Path, why: str) -> str:
     if not folder.exists():  # set aside already, by the rank 0 of an earlier attempt
         return f"skipped {why}"
     return f"{why.split(';')[0]}: moved it aside to {checkpoint.set_aside(folder).name}, resuming from an earlier one"
+
+
+# torchrun's options that train.py takes itself: `python scripts/train.py --nproc-per-node 2 --dp 2`.
+TORCHRUN_OPTIONS = ("--nproc-per-node", "--nnodes", "--node-rank", "--max-restarts", "--master-addr",
+                    "--master-port", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--standalone")
+
+
+def torchrun_options(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split a command line into torchrun's options (TORCHRUN_OPTIONS, given as `--x y` or `--x=y`;
+    returned as `--x=y`) and the run's."""
+    agent, run = [], []
+    args = iter(argv)
+    for a in args:
+        name, eq, value = a.partition("=")
+        name = name.replace("_", "-")
+        if name in TORCHRUN_OPTIONS:
+            agent.append(name if name == "--standalone" else f"{name}={value if eq else next(args, '')}")
+        else:
+            run.append(a)
+    return agent, run
+
+
+def start_workers(agent: list[str], argv: list[str]) -> int:
+    """Check the run's command line once, here, as `main` does before any process group (memory,
+    files: not --out's lock, which rank 0 of the workers takes); a mistake is one line and exit 2,
+    and no worker starts. Then run torchrun's elastic agent in this process: it starts the workers
+    (this same script, with the run's flags) and restarts them (--max-restarts)."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    try:
+        opts = agent_options(agent)
+        nodes = torchrun.parse_min_max_nnodes(opts.nnodes)[1]  # "1:1" unless --nnodes N
+        os.environ["WORLD_SIZE"] = str(int(opts.nproc_per_node) * nodes)  # the world the layout must fill
+        cfg = parse_args(argv)
+        if cfg.plan:
+            print(report(cfg))
+            return 0
+        check_memory(cfg)
+        out = cfg.out
+        check_paths(cfg, lock=False)
+        if out is None:  # the workers save where this process chose: a fresh numbered folder, or the resumed one's
+            argv = [*argv, f"--out={cfg.out}"]
+    except ValueError as e:
+        print(f"minipar: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        os.environ.pop("WORLD_SIZE", None)
+    try:
+        torchrun.run(torchrun.parse_args([*agent, os.path.abspath(sys.argv[0]), *argv]))
+    except ChildFailedError as e:  # each worker has said why in its own line: exit as the first that failed
+        code = e.get_first_failure()[1].exitcode
+        return code if code > 0 else 1  # < 0: killed by a signal
+    return 0
+
+
+def agent_options(agent: list[str]):
+    """torchrun's parse of its options, each checked first in one line; restarts need a fresh
+    store per attempt (see check_rendezvous), which c10d gives when told, static never."""
+    from torch.distributed import run as torchrun
+    if "RANK" in os.environ:
+        raise ConfigError(f"{agent[0]} is torchrun's option: a worker of torchrun takes only the run's flags")
+    for name, _, value in (a.partition("=") for a in agent):
+        if name in ("--nproc-per-node", "--nnodes", "--node-rank", "--max-restarts", "--master-port") and \
+                not (value.isdigit() and (int(value) > 0 or name in ("--node-rank", "--max-restarts"))):
+            least = 0 if name in ("--node-rank", "--max-restarts") else 1
+            raise ConfigError(f"{name} {value!r}: give a whole number, at least {least} (this launcher takes no "
+                              "ranges or 'gpu'; torchrun itself does)")
+    if not any(a.startswith("--nproc-per-node=") for a in agent):
+        raise ConfigError(f"{agent[0].split('=')[0]} is torchrun's option: give --nproc-per-node N with it")
+    opts = torchrun.parse_args([*agent, "train.py"])
+    static = opts.rdzv_backend == "static" and not opts.standalone and (
+        opts.rdzv_endpoint or opts.master_port is not None or torchrun.parse_min_max_nnodes(opts.nnodes)[1] > 1)
+    if opts.max_restarts > 0 and static:
+        raise ConfigError(f"--max-restarts {opts.max_restarts} with torchrun's static rendezvous (--master-port): "
+                          "drop --master-port and use --standalone, or --rdzv-backend c10d --rdzv-endpoint HOST:PORT"
+                          " (a restart could wait on the dead attempt's addresses; see the README)")
+    if opts.max_restarts > 0:
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # c10d: a fresh store for each attempt
+    return opts
 
 
 def launch(cfg: TrainConfig, resume: Path | None) -> None:
@@ -251,12 +337,47 @@ class RankTimeout(RuntimeError):
     """Another rank did not answer within --timeout; the message names what this rank waited for."""
 
 
-def hang_report(cfg: TrainConfig, ledger, error: Exception) -> str:
-    """One line: which rank gave up, after how long, and the last operation it had asked of others."""
-    rank, last = os.environ.get("RANK", "0"), ledger.last
+def hang_report(cfg: TrainConfig, ledger, error: Exception, wait: float = 2.0) -> str:
+    """One line: which rank gave up, after how long, the last operation it had asked of others, and
+    (for a collective) which ranks of its group reached it: see `arrivals`."""
+    rank, last = dist.get_rank(), ledger.last
     if last is None:
         return f"rank {rank}: a collective failed ({str(error).splitlines()[0][:200]})"
     group, op, ranks, peer = last
-    waits = f", from rank {peer}" if peer is not None else f" with ranks {list(ranks)}"
+    waits = f", from rank {peer}" if peer is not None else \
+        f" #{ledger.posted[group]} with ranks {list(ranks)}{arrivals(group, ranks, dict(ledger.posted), wait)}"
     return (f"rank {rank}: no answer within --timeout {cfg.timeout:g} s; the last operation it asked of others "
             f"was {group}/{op}{waits} (a rank there stopped, died or runs a different step); the job stops")
+
+
+def arrivals(group: str, ranks: tuple, posted: dict[str, int], wait: float) -> str:
+    """Which ranks of `group` reached this rank's last operation on it. Each rank that gives up writes
+    how many operations it has asked of each of its groups to the store torch.distributed started
+    with, waits up to `wait` s for the others of `group`, and compares: a rank whose count is lower
+    never reached the operation; one that wrote nothing stopped, died, or waits on another group.
+    Bounded: the exchange runs in a thread given `wait` + 1 s (a stopped rank 0 holds the store)."""
+    found: dict[int, int] = {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted run's keys are its own
+
+    def exchange():
+        try:
+            store, me = dist.distributed_c10d._get_default_store(), dist.get_rank()
+            store.set(f"minipar/hang/{attempt}/{me}", json.dumps(posted))
+            keys = {r: f"minipar/hang/{attempt}/{r}" for r in ranks if r != me}
+            deadline = time.monotonic() + wait
+            while not store.check(list(keys.values())) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            for r, key in keys.items():
+                if store.check([key]):
+                    found[r] = json.loads(store.get(key)).get(group, 0)
+        except (RuntimeError, ValueError):  # the store went with its host: the ranks that did not say are named
+            pass
+    thread = threading.Thread(target=exchange, daemon=True)
+    thread.start()
+    thread.join(wait + 1)
+    mine, found = posted[group], dict(found)  # a copy: the thread may still be writing
+    behind = {r: n for r, n in sorted(found.items()) if n < mine}
+    silent = [r for r in ranks if r != dist.get_rank() and r not in found]
+    said = [f"ranks {list(behind)} never reached it (at #{', #'.join(map(str, behind.values()))})"] * bool(behind)
+    said += [f"ranks {silent} did not say (stopped, died, or waiting on another group)"] * bool(silent)
+    return f": {'; '.join(said)}" if said else ": every rank of the group reached it"
