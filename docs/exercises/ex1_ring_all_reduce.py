@@ -18,6 +18,8 @@ while the checker runs.
 Then predict, in `bytes_sent_per_rank`, how many bytes each rank sends for a tensor of S bytes on
 N ranks when N divides it; the checker compares your formula with what your ring sent.
 
+The library's own, after you tried: `ring_all_reduce` in minipar/collectives.py.
+
 Check: make exercise N=1 (2, 3 and 4 ranks, a few seconds)
 """
 

@@ -10,6 +10,8 @@ is what lets a real DDP overlap the communication with the rest of backward).
 Useful: `p.register_post_accumulate_grad_hook(fn)` (fn(p) is called once p.grad is complete),
 `minipar.collectives.all_reduce(tensor, group)` (in place, sum) and `group.size`.
 
+The library's own, after you tried: `DataParallel` in minipar/data_parallel.py (with buckets).
+
 Check: make exercise N=2 (2 and 4 ranks, a few seconds)
 """
 

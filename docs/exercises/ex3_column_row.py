@@ -13,6 +13,9 @@ backward) where the parallel region starts, g (all-reduce forward, identity back
 ends. `minipar.autograd_ops` has both (`copy_to_parallel`, `reduce_from_parallel`); writing them
 yourself as torch.autograd.Function with `minipar.collectives.all_reduce` is the longer exercise.
 
+The library's own, after you tried: `ColumnParallelLinear` and `RowParallelLinear` in
+minipar/tensor_parallel.py, put together in `ParallelMLP` (minipar/parallelize.py).
+
 Check: make exercise N=3 (tp 2 and 4, a few seconds)
 """
 

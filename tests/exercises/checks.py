@@ -179,8 +179,10 @@ def _dp_rank(rank, world, student):
         if p.grad is None:
             problems.append(f"rank {rank}: dp={world}: {name}.grad is None after backward")
         elif not torch.allclose(p.grad, ref.grad, rtol=1e-10, atol=1e-12):
+            summed = " (it is dp times the right one: summed, not averaged?)" if torch.allclose(
+                p.grad, world * ref.grad, rtol=1e-10, atol=1e-12) else ""
             problems.append(f"rank {rank}: dp={world}: {name}.grad differs from the whole batch's gradient "
-                            f"on one device: {max_diff(p.grad, ref.grad)}")
+                            f"on one device: {max_diff(p.grad, ref.grad)}{summed}")
     return {"problems": problems}
 
 
