@@ -23,6 +23,7 @@ WRONG_SAYS = {
     5: "do not hold every position exactly once",
     6: "is idle less than that",
     7: "under 1F1B, 1 is not it",
+    8: "after step 1 the parameters differ from Adam on one device",
 }
 
 
@@ -61,3 +62,18 @@ def test_make_exercise_lists_the_exercises_and_prints_pass_or_fail(capsys):
     assert run.main(["5", str(ANSWERS / "ex5_wrong.py")]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "cp=1, seq_len=6: the ranks do not hold every position exactly once" in out
+
+
+def test_the_zero1_checkers_adam_is_torchs_adam():
+    """Exercise 8's one-device reference is Adam written out; it must be torch.optim.Adam's update."""
+    import torch
+    torch.manual_seed(0)
+    start = torch.randn(10, dtype=torch.float64)
+    theirs, mine, state = torch.nn.Parameter(start.clone()), start.clone(), {}
+    adam = torch.optim.Adam([theirs], lr=0.1)
+    for step in range(1, 4):
+        grad = torch.randn(10, dtype=torch.float64)
+        theirs.grad = grad.clone()
+        adam.step()
+        checks.adam_by_hand(mine, grad, state, step, 0.1)
+        torch.testing.assert_close(mine, theirs.detach(), rtol=1e-12, atol=1e-14)

@@ -136,7 +136,7 @@ def _ring_bytes_problems(world: int, results: list[dict]) -> list[str]:
 def check_ring(path, run_ranks) -> list[str]:
     problems = []
     for world in (2, 3, 4):
-        results = run_ranks(world, _ring_rank_guarded, str(path), timeout=60)
+        results = run_ranks(world, _ring_rank_guarded, str(path))
         rank_problems = _collect(results)
         problems += rank_problems
         if rank_problems:
@@ -191,7 +191,7 @@ _dp_rank_guarded = _guarded(_dp_rank)
 
 def check_dp_hooks(path, run_ranks) -> list[str]:
     for world in (2, 4):
-        problems = _collect(run_ranks(world, _dp_rank_guarded, str(path), timeout=60))
+        problems = _collect(run_ranks(world, _dp_rank_guarded, str(path)))
         if problems:
             return problems
     return []
@@ -233,7 +233,7 @@ _tp_rank_guarded = _guarded(_tp_rank)
 
 def check_column_row(path, run_ranks) -> list[str]:
     for world in (2, 4):
-        problems = _collect(run_ranks(world, _tp_rank_guarded, str(path), timeout=60))
+        problems = _collect(run_ranks(world, _tp_rank_guarded, str(path)))
         if problems:
             return problems
     return []
@@ -351,6 +351,58 @@ def check_predict_activations(path, run_ranks=None) -> list[str]:
     return [f"ANSWER = {answer}: " + "; ".join(wrong)] if wrong else []
 
 
+# ----------------------------------------------------------------------------------------------
+# 8. A ZeRO-1 step
+# ----------------------------------------------------------------------------------------------
+
+ZERO_P, ZERO_STEPS = 24, 3
+
+
+def _zero1_grad(rank: int, step: int) -> torch.Tensor:
+    return torch.sin(torch.arange(ZERO_P, dtype=torch.float64) * (rank + 1) + step)  # [P]
+
+
+def adam_by_hand(param, grad, state, step: int, lr: float, betas=(0.9, 0.999), eps=1e-8) -> None:
+    """torch.optim.Adam's update (its defaults), in place, written out: the one-device reference
+    (and no torch.optim in the checker, whose first step imports a lot)."""
+    m, v = state.setdefault("m", torch.zeros_like(param)), state.setdefault("v", torch.zeros_like(param))
+    m.mul_(betas[0]).add_(grad, alpha=1 - betas[0])
+    v.mul_(betas[1]).addcmul_(grad, grad, value=1 - betas[1])
+    m_hat, v_hat = m / (1 - betas[0] ** step), v / (1 - betas[1] ** step)
+    param.sub_(lr * m_hat / (v_hat.sqrt() + eps))
+
+
+def _zero1_rank(rank, world, student):
+    torch.manual_seed(3)
+    reference = torch.randn(ZERO_P, dtype=torch.float64)
+    flat, state = reference.clone(), {}
+    optimizer = attempt(student.Zero1Adam, flat, _world_group("dp"), 0.1)
+    for step in range(ZERO_STEPS):
+        adam_by_hand(reference, sum(_zero1_grad(r, step) for r in range(world)) / world, state, step + 1, 0.1)
+        attempt(optimizer.step, _zero1_grad(rank, step))
+        if not torch.allclose(flat, reference, rtol=1e-10, atol=1e-12):
+            by_slice = (flat - reference).abs().reshape(world, -1).amax(1)
+            return {"problems": [f"rank {rank}: dp={world}: after step {step + 1} the parameters differ from Adam "
+                                 f"on one device: {max_diff(flat, reference)}; by rank slice: "
+                                 f"{[f'{d:.3g}' for d in by_slice.tolist()]}"]}
+    held = attempt(optimizer.state_numel)
+    if held != 2 * ZERO_P // world:
+        return {"problems": [f"rank {rank}: dp={world}: holds {held} numbers of Adam state, "
+                             f"expected 2 P / N = {2 * ZERO_P // world}"]}
+    return {"problems": []}
+
+
+_zero1_rank_guarded = _guarded(_zero1_rank)
+
+
+def check_zero1(path, run_ranks) -> list[str]:
+    for world in (2, 4):
+        problems = _collect(run_ranks(world, _zero1_rank_guarded, str(path)))
+        if problems:
+            return problems
+    return []
+
+
 # number: (the student's file, what it is, its checker, roughly how long a student takes)
 EXERCISES = {
     1: ("ex1_ring_all_reduce.py", "ring all-reduce from send/recv, and its bytes", check_ring, "45 min"),
@@ -361,6 +413,7 @@ EXERCISES = {
     6: ("ex6_predict_bubble.py", "predict: GPipe's bubble at p=4, m=8", check_predict_bubble, "10 min"),
     7: ("ex7_predict_activations.py", "predict: rank 0's activations, GPipe vs 1F1B", check_predict_activations,
         "10 min"),
+    8: ("ex8_zero1.py", "a ZeRO-1 step: Adam on this rank's slice", check_zero1, "30 min"),
 }
 
 
