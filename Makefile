@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: all setup train test test-kernels test-slow test-gpu bench-gpu lint bench clean docs-check
+.PHONY: all setup train test test-kernels test-slow test-gpu bench-gpu lint bench clean docs-check exercise
 
 all: test
 
@@ -53,6 +53,14 @@ test-gpu:
 # More flags for scripts/bench_gpu.py in ARGS, e.g. make bench-gpu ARGS="--models 1b --strategies dp".
 bench-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) scripts/bench_gpu.py --compile --fused-adamw --append docs/benchmarks.md $(ARGS)
+
+# The exercises of docs/exercises/: make exercise N=1 checks docs/exercises/ex1_*.py against one
+# device (seconds); make exercise lists them. make exercise-1 is the same as N=1.
+exercise: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(BIN)/python tests/exercises/run.py $(N)
+
+exercise-%: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(BIN)/python tests/exercises/run.py $*
 
 # ruff for style, mypy for types (configured in pyproject.toml): arguments are what signatures say.
 lint: $(STAMP)
