@@ -72,7 +72,7 @@ def t(tmp_path_factory):
     model = get_config("tiny", vocab_size=VOCAB)
     weights, optimizer, hyper = checkpoint.gather_full(Llama(model), {}, [], Groups())
     run = asdict(TrainConfig(model="tiny", vocab_size=VOCAB, seq_len=32, cache_dir=str(t / "cache")))
-    state = {"step": 2, "consumed": 0, "config": run, "model_config": asdict(model)}
+    state = {"step": 2, "consumed": 2 * run["global_batch"], "config": run, "model_config": asdict(model)}
     checkpoint.save(t / "run", 2, weights, optimizer, hyper, state, tokenizer=t / "tok.json")
     for name, key in (("climbs", "../../outside"), ("absolute", "/etc")):  # no tokenizer.json: the cache's is read
         checkpoint.save(t / name, 2, weights, optimizer, hyper, {**state, "data_key": key})
