@@ -14,6 +14,7 @@ whose test failed or hung is killed and rebuilt, so one broken test cannot poiso
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -22,6 +23,7 @@ import time
 import traceback
 
 TIMEOUT = 120.0
+MAX_THREADS = 64  # a rank holding more (groups some test still references) is replaced by a fresh one
 
 
 def _free_port() -> int:
@@ -47,10 +49,11 @@ def _worker(rank: int, world: int, port: int, tasks, results, backend: str = "gl
             break
         fn, args, kwargs = task
         try:
-            results.put((rank, True, fn(rank, world, *args, **kwargs)))
+            outcome = (True, fn(rank, world, *args, **kwargs))
         except BaseException:  # noqa: B036 - report everything, including assertion errors
-            results.put((rank, False, traceback.format_exc()))
+            outcome = (False, traceback.format_exc())
         _destroy_subgroups()
+        results.put((rank, *outcome, _thread_count()))
     dist.destroy_process_group()
 
 
@@ -61,12 +64,14 @@ def _destroy_subgroups() -> None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    import gc
-
     for group in list(distributed_c10d._world.pg_map):
         if group is not distributed_c10d.GroupMember.WORLD:
             dist.destroy_process_group(group)
     gc.collect()  # the threads go with the last reference to a group: models and meshes hold them
+
+
+def _thread_count() -> int:
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0  # Linux only
 
 
 class _Pool:
@@ -87,13 +92,15 @@ class _Pool:
         for q in self.tasks:
             q.put((fn, args, kwargs))
         out, failures = {}, {}
+        self.threads = 0
         deadline = time.monotonic() + timeout
         while len(out) + len(failures) < self.world:
             # Once one rank failed, the others may be stuck in a collective: wait only briefly.
             if failures:
                 deadline = min(deadline, time.monotonic() + 5.0)
             try:
-                rank, ok, value = self.results.get(timeout=1.0)
+                rank, ok, value, threads = self.results.get(timeout=1.0)
+                self.threads = max(self.threads, threads)
             except queue.Empty:
                 missing = sorted(set(range(self.world)) - set(out) - set(failures))
                 dead = [r for r in missing if not self.procs[r].is_alive()]
@@ -136,11 +143,15 @@ def run_ranks(world: int, fn, *args, timeout: float = TIMEOUT, backend: str = "g
             pool.close(kill=True)
         pool = _pools[key] = _Pool(world, backend)
     try:
-        return pool.run(fn, args, kwargs, timeout)
+        results = pool.run(fn, args, kwargs, timeout)
     except BaseException:
         pool.close(kill=True)  # ranks may be mid-collective: never reuse them
         del _pools[key]
         raise
+    if pool.threads > MAX_THREADS:  # some group outlived its test (held by an object we did not find)
+        pool.close()
+        del _pools[key]
+    return results
 
 
 def shutdown() -> None:
