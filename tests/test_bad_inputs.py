@@ -143,6 +143,10 @@ def t(tmp_path_factory):
     saved_copy(t, "consumed_float", lambda sums: {**good, "consumed": 1e12, "sha256": sums})
     damaged_checkpoints(t, cfg, weights)
     os.mkfifo(t / "fifo")  # reading it would block until someone writes
+    (t / "loop").symlink_to(t / "loop")  # resolves to itself
+    (t / "me").mkdir()
+    (t / "me" / "a.txt").write_bytes(CORPUS.read_bytes())
+    (t / "me" / "me").symlink_to(t / "me")  # a folder holding a link to itself: me/me/me/...
     word_level_tokenizer(t / "no_unk.json")
     return t
 
@@ -349,6 +353,9 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     (["--n-layers=100000"], 1, "--n-layers 100000: give 1 to 1024"),
     (["--config={t}/fifo"], 1, "--config {t}/fifo is not a regular file: give a TOML file"),
     (["--tokenizer={t}/fifo"], 1, "--tokenizer {t}/fifo is not a regular file"),
+    (["--data={t}/loop"], 1, "--data {t}/loop is a symlink loop"),  # not "no such file or directory"
+    (["--data={t}/me"], 1, "--data: {t}/me/me links back to {t}/me, a folder it is in"),  # not me/me/.../me
+    (["--config={t}/loop"], 1, "--config {t}/loop is a symlink loop"),
     (["--tokenizer={t}/no_unk.json"], 1, "no_unk.json cannot encode every text (WordLevel error: Missing [UNK] token"),
 ]
 
