@@ -65,8 +65,18 @@ def damaged_checkpoints(t: Path, cfg, weights: dict) -> None:
     saved_tensors(t, "extra_tensor", {**weights, "stray.weight": torch.zeros(2)}, {}, state)
     adamw = {f"{n}/{slot}": torch.zeros_like(w) for n, w in weights.items() for slot in ("exp_avg", "exp_avg_sq")}
     adamw |= {f"{n}/step": torch.tensor(4.0) for n in weights}
-    del adamw["layers.0.attn.wq.weight/exp_avg_sq"]
-    saved_tensors(t, "no_adam_key", weights, adamw, state)
+    saved_tensors(t, "adamw", weights, adamw, state)  # whole: the rows below each change one thing
+    for name, changed in (
+            ("no_adam_key", {"layers.0.attn.wq.weight/exp_avg_sq": None}),
+            ("no_exp_avg", {"layers.0.attn.wq.weight/exp_avg": None}),
+            ("adam_shape", {"norm.weight/exp_avg": torch.zeros(31, dtype=weights["norm.weight"].dtype)}),
+            ("adam_nan", {"norm.weight/exp_avg_sq": torch.full_like(weights["norm.weight"], math.nan)}),
+            ("adam_step_shape", {"norm.weight/step": torch.tensor([4.0, 4.0])}),
+            ("adam_unknown", {"norm.weight/momentum": torch.zeros_like(weights["norm.weight"])}),
+            ("adam_partial", {f"norm.weight/{slot}": None for slot in ("exp_avg", "exp_avg_sq", "step")}),
+            ("adam_steps_differ", {"norm.weight/step": torch.tensor(3.0)})):
+        edited = {k: v for k, v in (adamw | changed).items() if v is not None}
+        saved_tensors(t, name, weights, edited, state)
     saved_tensors(t, "new_knob", weights, {}, {**state, "model_config": {**model_config, "new_knob": 1}})
     saved_tensors(t, "no_model", weights, {}, {**state, "model_config": {**model_config, "dim": 0}})
     saved_tensors(t, "imported", weights, {}, {**state, "config": {**asdict(cfg), "model": "imported"}})
@@ -133,6 +143,10 @@ def t(tmp_path_factory):
     saved_copy(t, "consumed_float", lambda sums: {**good, "consumed": 1e12, "sha256": sums})
     damaged_checkpoints(t, cfg, weights)
     os.mkfifo(t / "fifo")  # reading it would block until someone writes
+    (t / "loop").symlink_to(t / "loop")  # resolves to itself
+    (t / "me").mkdir()
+    (t / "me" / "a.txt").write_bytes(CORPUS.read_bytes())
+    (t / "me" / "me").symlink_to(t / "me")  # a folder holding a link to itself: me/me/me/...
     word_level_tokenizer(t / "no_unk.json")
     return t
 
@@ -309,6 +323,20 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     ([f"--resume={{t}}/wrong_shape/{STEP}"], 1, "norm.weight in model.safetensors has shape (31,), its model (32,)"),
     ([f"--resume={{t}}/extra_tensor/{STEP}"], 1, "does not hold its model's parameters (has unknown ['stray.weight'])"),
     ([f"--resume={{t}}/no_adam_key/{STEP}"], 1, "optimizer.safetensors lacks layers.0.attn.wq.weight/exp_avg_sq"),
+    ([f"--resume={{t}}/no_exp_avg/{STEP}"], 1, "optimizer.safetensors lacks layers.0.attn.wq.weight/exp_avg (it "
+     "has ['exp_avg_sq', 'step'])"),
+    ([f"--resume={{t}}/adam_shape/{STEP}"], 1, "norm.weight/exp_avg in optimizer.safetensors has shape (31,), its "
+     "model (32,)"),
+    ([f"--resume={{t}}/adam_nan/{STEP}"], 1, "norm.weight/exp_avg_sq in optimizer.safetensors is not finite"),
+    ([f"--resume={{t}}/adam_step_shape/{STEP}"], 1, "norm.weight/step in optimizer.safetensors has shape (2,), its "
+     "model ()"),
+    ([f"--resume={{t}}/adam_unknown/{STEP}"], 1, "optimizer.safetensors holds 'norm.weight/momentum', no AdamW state"),
+    # a ZeRO bucket flattens several parameters' state: one without any was a KeyError mid-load
+    ([f"--resume={{t}}/adam_partial/{STEP}", "--dp=2", "--micro-batch=2", "--zero=1"], 2,
+     "optimizer.safetensors holds AdamW state for 20 of the 21 parameters, none for norm.weight (a run saves it"),
+    ([f"--resume={{t}}/adam_partial/{STEP}"], 1, "holds AdamW state for 20 of the 21 parameters"),
+    ([f"--resume={{t}}/adam_steps_differ/{STEP}", "--dp=2", "--micro-batch=2", "--zero=1"], 2,
+     "AdamW step counts differ (norm.weight at 3, layers.0.attn.wk.weight at 4), and a ZeRO bucket keeps one count"),
     ([f"--resume={{t}}/new_knob/{STEP}"], 1, "its model_config has settings this minipar does not know (['new_knob'])"),
     ([f"--resume={{t}}/no_model/{STEP}"], 1, "its model_config is no model (dim 0 is not a size of 1 or more)"),
     ([f"--init-from={{t}}/nan_weight/{STEP}"], 1, "norm.weight in model.safetensors is not finite"),
@@ -325,6 +353,9 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     (["--n-layers=100000"], 1, "--n-layers 100000: give 1 to 1024"),
     (["--config={t}/fifo"], 1, "--config {t}/fifo is not a regular file: give a TOML file"),
     (["--tokenizer={t}/fifo"], 1, "--tokenizer {t}/fifo is not a regular file"),
+    (["--data={t}/loop"], 1, "--data {t}/loop is a symlink loop"),  # not "no such file or directory"
+    (["--data={t}/me"], 1, "--data: {t}/me/me links back to {t}/me, a folder it is in"),  # not me/me/.../me
+    (["--config={t}/loop"], 1, "--config {t}/loop is a symlink loop"),
     (["--tokenizer={t}/no_unk.json"], 1, "no_unk.json cannot encode every text (WordLevel error: Missing [UNK] token"),
 ]
 
@@ -398,6 +429,9 @@ GOOD = [  # edge cases that are fine
     ([f"--resume={{t}}/tok_run/{STEP}", "--tokenizer={t}/tok.json", "--out={t}/resumed_h"], 1),  # the same one
     ([f"--resume={{t}}/tok_run/{STEP}", "--out={t}/resumed_i"], 1),  # the checkpoint's tokenizer
     ([f"--resume={{t}}/tok_run/{STEP}", "--tokenizer={t}/tok_indented.json", "--out={t}/resumed_j"], 1),
+    ([f"--resume={{t}}/adamw/{STEP}", "--out={t}/resumed_k", "--dp=2", "--micro-batch=2", "--zero=1"], 2),
+    ([f"--resume={{t}}/adamw/{STEP}", "--out={t}/resumed_l", "--dp=2", "--micro-batch=2", "--zero=3"], 2),
+    ([f"--resume={{t}}/adam_steps_differ/{STEP}", "--out={t}/resumed_m"], 1),  # no bucket: each keeps its own count
 ]
 
 

@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from minipar.data_parallel import optimizer_state, param_groups, set_optimizer_state
 from minipar.grad_sync import adamw
@@ -173,16 +174,26 @@ def test_an_empty_lock_left_by_a_run_that_died_claiming_out_is_taken_over_with_a
     checkpoint.unlock(tmp_path)
 
 
-def test_a_full_disk_while_saving_is_one_line_and_leaves_nothing_partial(tmp_path, monkeypatch):
+# How a full disk reaches save: Python's OSError, or safetensors' own error, many lines long.
+FULL_DISK = {"os": (OSError(28, "No space left on device"), "[Errno 28] No space left on device"),
+             "safetensors": (SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                                             'message: "No space left on device" })\n' + "  at ...\n" * 18),
+                             "Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space "
+                             "left on device\" })")}
+
+
+@pytest.mark.parametrize("raised", FULL_DISK)
+def test_a_full_disk_while_saving_is_one_line_and_leaves_nothing_partial(tmp_path, monkeypatch, raised):
     model, opt = trained_model()
     checkpoint.save(tmp_path, 1, *whole(model, opt), {"step": 1, "consumed": 8})
+    error, said = FULL_DISK[raised]
 
     def full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
+        raise error
     monkeypatch.setattr(checkpoint, "save_file", full)
     with pytest.raises(checkpoint.CheckpointError) as e:
         checkpoint.save(tmp_path, 2, *whole(model, opt), {"step": 2, "consumed": 16})
-    assert str(e.value) == (f"cannot write the checkpoint {tmp_path / 'step_000002'} ([Errno 28] No space left on "
-                            f"device): the earlier checkpoints are whole; free space in {tmp_path} and resume")
+    assert str(e.value) == (f"cannot write the checkpoint {tmp_path / 'step_000002'} ({said}): the earlier "
+                            f"checkpoints are whole; free space in {tmp_path} and resume")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001"]  # no temporary folder left
     assert checkpoint.verify(tmp_path / "step_000001")["step"] == 1

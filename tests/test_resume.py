@@ -99,10 +99,11 @@ def test_resuming_into_an_out_with_later_checkpoints_or_a_live_lock_is_refused(r
 
 
 def test_a_corrupt_newest_checkpoint_is_set_aside_and_restarts_resume_from_the_one_before(runs):
-    # --out holds the uninterrupted run's step 3 and step 6, one byte of step 6's weights flipped:
-    # --resume auto under torchrun --max-restarts moves step 6 aside by name, continues from step 3,
-    # and ends exactly as the uninterrupted run (which the killed-worker test proves equal to one
-    # resumed from any of its checkpoints).
+    # --out holds the uninterrupted run's step 3 and step 6, one byte of step 6's weights flipped.
+    # Under torchrun --max-restarts with --resume auto, the first attempt moves step 6 aside by name
+    # and continues from step 3; rank 1 is then killed (SIGKILL) the moment step 9 appears, in that
+    # save, and the restart continues from step 9. Every logged loss, and the last checkpoint, are
+    # bitwise the uninterrupted run's: the run from the checkpoint it fell back to.
     tmp, _ = runs
     out = tmp / "fallback"
     for step in (3, 6):
@@ -113,14 +114,31 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_and_restarts_resume_from_the_o
     weights.write_bytes(bytes(data))
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     argv = common(tmp, **ARGS, out=out, log_json=tmp / "fallback.jsonl", resume="auto")
-    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", TRAIN, *argv], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"minipar: checkpoint {out / 'step_000006'} is corrupt: model.safetensors does not match its checksum: " \
-        f"moved it aside to step_000006.corrupt, resuming from an earlier one" in proc.stdout.splitlines()
-    assert f"resumed from {out / 'step_000003'} at step 3" in proc.stdout
+    with open(tmp / "fallback.out", "w+") as said, open(tmp / "fallback.err", "w+") as err:
+        proc = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=2", TRAIN, *argv],
+                                cwd=ROOT, env=env, stdout=said, stderr=err, text=True)
+        try:
+            kill_rank_1_when_it_appears(proc, out / "step_000009")
+            proc.wait(timeout=300)
+        finally:
+            proc.kill()
+            proc.wait()
+        said.seek(0)
+        err.seek(0)
+        stdout, stderr = said.read(), err.read()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert stdout.splitlines().count(f"minipar: checkpoint {out / 'step_000006'} is corrupt: model.safetensors does "
+                                     f"not match its checksum: moved it aside to step_000006.corrupt, resuming "
+                                     f"from an earlier one") == 1, stdout[-3000:]
+    resumed = re.findall(r"resumed from (\S+) at step (\d+)", stdout)
+    assert resumed[0] == (str(out / "step_000003"), "3") and len(resumed) == 2, resumed  # one restart, after the kill
+    again = int(resumed[1][1])
+    assert resumed[1][0] == str(out / f"step_{again:06d}") and again >= 9 and again % ARGS["save_every"] == 0
     whole = losses(tmp / "whole.jsonl")
-    assert losses(tmp / "fallback.jsonl") == {s: whole[s] for s in range(4, 13)}  # bitwise
+    logged = [(r["step"], r["loss"]) for r in map(json.loads, (tmp / "fallback.jsonl").read_text().splitlines())]
+    assert all(loss == whole[step] for step, loss in logged), logged  # bitwise, both attempts' every step
+    steps = [s for s, _ in logged]  # appended to: the first attempt's from 4, then the restart's from again + 1
+    assert steps[0] == 4 and steps[len(steps) - (12 - again):] == list(range(again + 1, 13)), steps
     for name in ("model.safetensors", "optimizer.safetensors"):
         assert (out / "step_000012" / name).read_bytes() == (tmp / "whole" / "step_000012" / name).read_bytes()
     assert [p.name for p in checkpoint.checkpoints(out)] == [f"step_{s:06d}" for s in (3, 6, 9, 12)]

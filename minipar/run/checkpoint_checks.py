@@ -9,7 +9,8 @@ rank mid-step:
     train_state.json      step >= 0 and this folder's; windows consumed >= the step; the
                           settings and the model objects; its own checksum (`state_digest`)
     model.safetensors     exactly the model's parameters, single-device shapes, finite
-    optimizer.safetensors per parameter none or all of AdamW's state, shapes, finite
+    optimizer.safetensors every parameter all of AdamW's state, or none does; shapes, finite;
+                          under ZeRO one step count for all
 """
 
 from __future__ import annotations
@@ -80,11 +81,10 @@ def checked_model_config(path: Path, saved: dict) -> ModelConfig:
     return config
 
 
-def check_tensors(path: Path, config: ModelConfig, optimizer: bool = True) -> None:
+def check_tensors(path: Path, config: ModelConfig, optimizer: bool = True, one_step: bool = False) -> None:
     """Before any process group: model.safetensors holds exactly the parameters of `config`'s
     model, at their single-device shapes, every value finite; optimizer.safetensors (optimizer:
-    checked too) holds, for each parameter, no state (an import, an expert that has seen no
-    token) or all of AdamW's: exp_avg and exp_avg_sq at its shape and a finite step.
+    checked too, by `check_optimizer`) holds AdamW's state for every parameter or for none.
     Every tensor is read, one at a time (memory: the largest tensor), every rank: as long as
     verify's checksum, which reads the files once already."""
     with torch.device("meta"):  # names and shapes only: nothing is allocated
@@ -98,22 +98,44 @@ def check_tensors(path: Path, config: ModelConfig, optimizer: bool = True) -> No
                                   f"another one")
         for name in sorted(names):
             check_tensor(path, "model.safetensors", name, f.get_tensor(name), shapes[name])
-    if not optimizer:
-        return
+    if optimizer:
+        check_optimizer(path, shapes, one_step)
+
+
+def check_optimizer(path: Path, shapes: dict, one_step: bool) -> None:
+    """optimizer.safetensors holds, for every parameter of `shapes`, all of AdamW's state
+    (exp_avg and exp_avg_sq at its shape, a finite scalar step) or, for every one, none (an
+    import; a run saves it for all). one_step (--zero >= 1): every step count alike, since a ZeRO
+    bucket flattens the state of several parameters and keeps one count for them all; a partial
+    state would be a KeyError, or a count silently taken from another parameter, mid-load."""
+    slots: dict[str, set] = {}
+    steps: dict[str, float] = {}
     with safe_open(path / "optimizer.safetensors", "pt") as f:
-        slots: dict[str, set] = {}
         for key in sorted(f.keys()):
             name, _, slot = key.rpartition("/")
             if name not in shapes or slot not in ADAMW_SLOTS:
                 raise CheckpointError(f"checkpoint {path}: optimizer.safetensors holds {key!r}, no AdamW state of "
                                       f"the model; resume from another one")
-            check_tensor(path, "optimizer.safetensors", key, f.get_tensor(key), () if slot == "step" else shapes[name])
+            value = f.get_tensor(key)
+            check_tensor(path, "optimizer.safetensors", key, value, () if slot == "step" else shapes[name])
             slots.setdefault(name, set()).add(slot)
+            if slot == "step":
+                steps[name] = value.item()
     for name, held in slots.items():
         if held != set(ADAMW_SLOTS):
             raise CheckpointError(f"checkpoint {path}: optimizer.safetensors lacks {name}/"
                                   f"{sorted(set(ADAMW_SLOTS) - held)[0]} (it has {sorted(held)}); resume from another "
                                   f"one")
+    if slots and slots.keys() != shapes.keys():
+        none = sorted(shapes.keys() - slots.keys())
+        raise CheckpointError(f"checkpoint {path}: optimizer.safetensors holds AdamW state for {len(slots)} of the "
+                              f"{len(shapes)} parameters, none for {none[0]}{' ...' if len(none) > 1 else ''} (a run "
+                              f"saves it for all of them or none); resume from another one")
+    if one_step and len(set(steps.values())) > 1:
+        (low, n), (high, m) = min(steps.items(), key=lambda s: s[1]), max(steps.items(), key=lambda s: s[1])
+        raise CheckpointError(f"checkpoint {path}: optimizer.safetensors's AdamW step counts differ ({low} at {n:g}, "
+                              f"{high} at {m:g}), and a ZeRO bucket keeps one count for its parameters: resume with "
+                              f"--zero 0, or from another checkpoint")
 
 
 ADAMW_SLOTS = ("exp_avg", "exp_avg_sq", "step")

@@ -44,7 +44,8 @@ def check_files(cfg: TrainConfig, resume: Path | None) -> None:
     if resume is not None:
         state = json.loads((resume / "train_state.json").read_text())
         check_resume(cfg, state, resume)
-        check_tensors(resume, model_config_of(resume, state))  # names, shapes, finite: before any process group
+        # names, shapes, finite, AdamW's state whole: before any process group
+        check_tensors(resume, model_config_of(resume, state), one_step=cfg.zero >= 1)
     if cfg.init_from:
         check_init_from(cfg, Path(cfg.init_from))
 
