@@ -29,8 +29,8 @@ test: $(STAMP)
 test-kernels: $(STAMP)
 	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q -m 'float32 and not slow' tests --ignore=tests/gpu
 
-# The course checks itself: each chapter's captured output against a fresh run of its step script
-# (minutes: not in `make test`).
+# The course checks itself: each chapter's captured output (step scripts and train.py logs) against
+# a fresh run, and every line anchor against its definition (minutes: not in `make test`).
 docs-check: $(STAMP)
 	$(BIN)/python scripts/docs_check.py
 

@@ -10,6 +10,14 @@ four ranks, each holding one tensor (a, b, c, d are whole tensors, a0 is a quart
     all-to-all       rank i sends its j-th chunk to rank j
     send / recv      one rank to one other (pipeline stages, the context-parallel ring)
 
+Four more have a root, or carry nothing, and training rarely needs them (minipar's layers call
+none of them; chapter 1 shows them):
+
+    reduce           [a] [b] [c] [d]          -> [a+b+c+d] on the root only
+    gather           [a] [b] [c] [d]          -> [a b c d] on the root only
+    scatter          [a0 a1 a2 a3] on the root -> rank i holds a_i
+    barrier          no data: nobody leaves until everybody has arrived
+
 and one that carries no tensor of the model:
 `gather_object` (any picklable object, as bytes, onto one rank: a checkpoint's pipeline stages).
 
@@ -21,6 +29,8 @@ S bytes costs each rank:
     reduce-scatter   (N-1)/N * S       (S = the full input)
     all-to-all       (N-1)/N * S
     broadcast        S                 (pipelined ring: every rank but the last forwards it)
+    reduce           S                 (the broadcast run backwards, partial sums toward the root)
+    gather, scatter  S/N each non-root rank sends (gather); (N-1)/N * S the root sends (scatter)
 
 `ring_all_reduce` below writes the all-reduce out with send/recv, so the 2(N-1)/N can be counted
 rather than believed (scripts/step_01_collectives.py does that).
@@ -66,7 +76,7 @@ def ring_bytes_sent(op: str, nbytes: int, n: int) -> int:
         return 2 * (n - 1) * nbytes // n
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) * nbytes // n
-    if op in ("broadcast", "send"):
+    if op in ("broadcast", "reduce", "send"):
         return nbytes
     return 0  # recv
 
@@ -234,6 +244,50 @@ def all_to_all(t: torch.Tensor, group: Group, dim: int = 0, send_splits: list[in
     out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
     dist.all_to_all_single(out, rows, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group.pg)
     return out.movedim(0, dim)
+
+
+def reduce(t: torch.Tensor, group: Group, dst: int = 0, op: str = "sum") -> torch.Tensor | None:
+    """op over the group, onto group rank `dst` only: returns t (reduced in place) there, None elsewhere
+    (where t's contents are left undefined: a ring may use it for partial sums)."""
+    group._note("reduce", t)
+    if group.size > 1:
+        dist.reduce(t, dst=group.ranks[dst], op=_REDUCE[op], group=group.pg)
+    return t if group.rank == dst else None
+
+
+def gather(t: torch.Tensor, group: Group, dst: int = 0) -> torch.Tensor | None:
+    """Every rank's t concatenated along dim 0, in group order, on group rank `dst`; None elsewhere.
+    The ledger counts the output, S; each other rank sends its own S/N, the root nothing."""
+    nbytes = t.numel() * t.element_size()
+    group._note("gather", t, nbytes=nbytes * group.size, sent=0 if group.rank == dst else nbytes)
+    if group.size == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(group.size)] if group.rank == dst else None
+    dist.gather(t.contiguous(), parts, dst=group.ranks[dst], group=group.pg)
+    return None if parts is None else torch.cat(parts)
+
+
+def scatter(t: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
+    """Group rank `src` cuts its t along dim 0 into N chunks and rank i receives chunk i (every rank
+    passes a t of the same shape; only the root's is read). The root sends the other N-1 chunks."""
+    nbytes = t.numel() * t.element_size()
+    group._note("scatter", t, sent=(group.size - 1) * nbytes // group.size if group.rank == src else 0)
+    if group.size == 1:
+        return t
+    if t.shape[0] % group.size:
+        raise ValueError(f"scatter: dim 0 of size {t.shape[0]} is not divisible by {group.size}")
+    out = torch.empty_like(t.chunk(group.size)[0])  # [S/N rows, ...]
+    chunks = [c.contiguous() for c in t.chunk(group.size)] if group.rank == src else None
+    dist.scatter(out, chunks, src=group.ranks[src], group=group.pg)
+    return out
+
+
+def barrier(group: Group) -> None:
+    """Wait until every rank of the group has called it: no bytes, only a round of messages (a
+    latency, alpha in chapter 1's time model)."""
+    group._note("barrier", None, nbytes=0, sent=0)
+    if group.size > 1:
+        dist.barrier(group=group.pg)
 
 
 def send(t: torch.Tensor, group: Group, dst: int) -> None:

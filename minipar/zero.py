@@ -82,9 +82,12 @@ class ZeroBucket:
     def __init__(self, params: list[nn.Parameter], group: Group, spread: tuple[Group, ...] = (),
                  offload: bool = False):
         self.params, self.group = params, group
-        self.spread = spread + (group,)  # the groups holding the other pieces (tp, ep), and the other slices
+        # Where the rest of this bucket's gradient lives, for a norm over the whole of it: other tp or
+        # ep shards of these same parameters (`spread`), and the other dp ranks' slices (`group`).
+        self.spread = spread + (group,)
         numel = sum(p.numel() for p in params)
-        self.padded = -(-numel // group.size) * group.size
+        self.padded = -(-numel // group.size) * group.size  # numel rounded up to a multiple of N
+        # Rank r owns elements [r * padded/N, (r+1) * padded/N): e.g. numel 10, N 4: padded 12, slices of 3.
         self.slice = slice(group.rank * self.padded // group.size, (group.rank + 1) * self.padded // group.size)
         self.full = self._flatten([p.detach() for p in params])  # [padded]
         offset = 0
@@ -94,17 +97,17 @@ class ZeroBucket:
         # This rank's slice of the weights, in fp32 (float64 stays float64): what the optimizer updates.
         dtype = torch.promote_types(self.full.dtype, torch.float32)
         device = "cpu" if offload else self.full.device  # CPU offload: state and update live in host memory
-        self.master = nn.Parameter(self.full[self.slice].to(device=device, dtype=dtype).clone())
+        self.master = nn.Parameter(self.full[self.slice].to(device=device, dtype=dtype).clone())  # [padded // N]
         self.ready: set[int] = set()
 
     def _flatten(self, tensors) -> torch.Tensor:
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        return torch.nn.functional.pad(flat, (0, self.padded - flat.numel()))
+        flat = torch.cat([t.reshape(-1) for t in tensors])  # [numel]
+        return torch.nn.functional.pad(flat, (0, self.padded - flat.numel()))  # [padded], zeros at the end
 
     def reduce_scatter_grads(self) -> None:
         """Add this rank's slice of the dp-mean of the bucket's gradients to master.grad; free them."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        mine = reduce_scatter(self._flatten(grads).div_(self.group.size), self.group)
+        mine = reduce_scatter(self._flatten(grads).div_(self.group.size), self.group)  # [padded] -> [padded // N]
         mine = mine.to(self.master.device, self.master.dtype)
         if self.master.grad is None:
             self.master.grad = mine
@@ -120,6 +123,7 @@ class ZeroBucket:
         Written through `.data`: a second handle on the same memory, so autograd does not count
         it as an in-place change of the parameters.
         """
+        # N slices of [padded // N] -> [padded], in rank order: slice r lands at self.slice of rank r
         all_gather_into(self.full.data, self.master.detach().to(self.full.device, self.full.dtype), self.group)
 
 

@@ -67,18 +67,19 @@ class ShardedBucket(ZeroBucket):
     """A ZeRO bucket whose parameters are views into a flat buffer that exists only when gathered."""
 
     def __init__(self, params: list[nn.Parameter], group: Group, spread: tuple[Group, ...]):
-        super().__init__(params, group, spread)  # the parameters are views into self.full
+        super().__init__(params, group, spread)  # the parameters are views into self.full: [padded]
+        # kept: self.master [padded // N], this rank's slice; self.full keeps its shape, not its bytes
         self.work = None
         self.free()
 
     def free(self) -> None:
-        self.full.untyped_storage().resize_(0)
+        self.full.untyped_storage().resize_(0)  # still shaped [padded], now 0 bytes behind it
 
     def start_gather(self) -> None:
         if self.full.untyped_storage().nbytes() > 0:
             return  # gathered, or on its way
-        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
-        local = self.master.detach().to(self.full.dtype)
+        self.full.untyped_storage().resize_(self.padded * self.full.element_size())  # [padded] again
+        local = self.master.detach().to(self.full.dtype)  # [padded // N] -> N of them fill [padded]
         self.work = all_gather_into(self.full.data, local, self.group, async_op=True)
 
     def gather(self) -> None:

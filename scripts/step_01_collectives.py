@@ -5,13 +5,25 @@
 Part 1 gives every rank a small tensor (rank r holds [10r, 10r+1, ...]) and runs each operation of
 minipar/collectives.py on it, printing what every rank holds before and after.
 
+Part 1 ends with the four operations training rarely needs: reduce and gather (onto a root),
+scatter (from one), and barrier (no data at all).
+
 Part 2 runs each operation on 1 MiB of float32 and prints the ledger's payload and sent bytes per
 rank next to the textbook ring formula, 2(N-1)/N * S or (N-1)/N * S. Then it runs
 `ring_all_reduce`, the all-reduce written with send/recv, counts what it really sent, and checks
 that its result is the all-reduce's.
 
+Part 3 times an all-reduce of 4 bytes to 4 MiB on this machine (each size 20 times after a
+warm-up; the fastest run of each rank, then the slowest rank) and fits the classic time model
+t = alpha + beta * (bytes each rank sends): alpha the latency of one call, beta the time per byte.
+The fit weighs every size by 1/t^2 (it minimises the relative error), so the small sizes, which
+only alpha explains, count as much as the large ones. The times are this machine's and vary from
+run to run; the sizes and the formula do not.
+
 Chapter: docs/01_collectives.md.
 """
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,7 +33,9 @@ from minipar import collectives as C
 from minipar.mesh import Mesh
 
 
-def fmt(t: torch.Tensor) -> str:
+def fmt(t: torch.Tensor | None) -> str:
+    if t is None:
+        return "(nothing: not the root)"
     return "[" + " ".join(f"{v:>3.0f}" for v in t.tolist()) + "]"
 
 
@@ -63,6 +77,12 @@ def part1_who_holds_what(group: C.Group) -> None:
     t = x.clone()
     C.ring_all_reduce(t, group)
     show("ring_all_reduce (send/recv only): the same result as all_reduce", x, t)
+
+    show("reduce (sum) to rank 0: only the root gets the sum", x, C.reduce(x.clone(), group, dst=0))
+    show("gather to rank 0: only the root gets all tensors", x, C.gather(x, group, dst=0))
+    show("scatter from rank 0: rank i gets element i of rank 0's tensor", x, C.scatter(x, group, src=0))
+    C.barrier(group)
+    say("\nbarrier: no data moves; every rank waits until all have called it (ledger: 1 call, 0 bytes)")
 
 
 def part2_bytes(group: C.Group, ledger: C.Ledger) -> None:
@@ -117,12 +137,50 @@ def part2_bytes(group: C.Group, ledger: C.Ledger) -> None:
         print(f"\nevery rank's ledger shows the same numbers: {all(r == all_rows[0] for r in all_rows)}")
 
 
+def part3_alpha_beta(group: C.Group) -> None:
+    n, repeats = group.size, 20
+    sizes = [4 * 4**k for k in range(11)]  # 4 B, 16 B, ..., 4 MiB
+    measured = []
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4)  # [S/4] float32
+        best = float("inf")
+        for run in range(2 + repeats):  # two warm-up calls, then the timed ones
+            dist.barrier(group=group.pg)  # start together: no rank's time includes another's lateness
+            start = time.perf_counter()
+            C.all_reduce(x, group)
+            if run >= 2:
+                best = min(best, time.perf_counter() - start)
+        slowest = torch.tensor([best], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group.pg)  # the op ends when its last rank does
+        measured.append(slowest.item())
+    sent = [C.ring_bytes_sent("all_reduce", b, n) for b in sizes]
+    # Weighted least squares for t = alpha + beta * sent, weights 1/t^2: the 2x2 normal equations.
+    w = [1 / t**2 for t in measured]
+    sw, sx, sxx = sum(w), sum(wi * x for wi, x in zip(w, sent)), sum(wi * x * x for wi, x in zip(w, sent))
+    sy, sxy = sum(wi * t for wi, t in zip(w, measured)), sum(wi * x * t for wi, x, t in zip(w, sent, measured))
+    beta = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    alpha = (sy - beta * sx) / sw
+    barrier = float("inf")
+    for _ in range(repeats):  # the fastest barrier, as for the all-reduces
+        start = time.perf_counter()
+        dist.barrier(group=group.pg)
+        barrier = min(barrier, time.perf_counter() - start)
+    say(f"\n\nTime of one all_reduce on {n} ranks (gloo, float32), fastest of {repeats}, slowest rank")
+    say(f"  {'S bytes':>12}{'sent bytes':>13}{'measured':>12}{'model':>12}")
+    for nbytes, x, t in zip(sizes, sent, measured):
+        say(f"  {nbytes:>12,}{x:>13,}{t * 1e6:>9.1f} µs{(alpha + beta * x) * 1e6:>9.1f} µs")
+    say(f"  fitted t = alpha + beta * sent: alpha {alpha * 1e6:.1f} µs, beta {beta * 1e9:.3f} ns per byte "
+        f"({1 / beta / 1e9:.2f} GB/s)")
+    say(f"  barrier (no bytes, one round of messages), fastest of {repeats} on rank 0: {barrier * 1e6:.1f} µs")
+
+
 def main() -> None:
     start_gloo()
     mesh = Mesh.build(dp=dist.get_world_size())  # one group of every rank; its name in the ledger: "dp"
     say(mesh.layout.table())
     part1_who_holds_what(mesh.dp_group)
     part2_bytes(mesh.dp_group, mesh.ledger)
+    part3_alpha_beta(mesh.dp_group)
     finish(mesh)
 
 

@@ -1,11 +1,11 @@
-"""Step 4: pipeline parallelism, five schedules on paper and on real ranks.
+"""Step 4: pipeline parallelism, six schedules on paper and on real ranks.
 
     .venv/bin/torchrun --standalone --nproc-per-node 4 scripts/step_04_pipeline.py    (2 works too)
     options: --micro-batches 8 (m; must divide the 16 rows), --out runs/step_04 (the PNGs), --repeats 5
 
 Every rank is one pipeline stage of the same 8-layer tiny Llama (float64, seed 0); the same batch
-of 16 sequences is cut into m micro-batches. For naive (m = 1), GPipe, 1F1B, interleaved (v = 2)
-and ZB-H1 it shows:
+of 16 sequences is cut into m micro-batches. For naive (m = 1), GPipe, 1F1B, interleaved (v = 2),
+ZB-H1 and ZB-V it shows:
 
 (a) on paper (rank 0 alone, no model runs): the unit-time simulated timeline, the idle fraction
     the formula predicts, and how many micro-batches of activations each rank holds at its peak;
@@ -56,6 +56,8 @@ def predicted(name: str, p: int, m: int, v: int, sim: Timeline) -> tuple[float, 
         return (p - 1) / (v * m + p - 1), "(p-1)/(v*m+p-1)"
     if name == "zb1":  # F = B = W = 1: the W's fill 1F1B's idle slots (schedules.zero_bubble_h1)
         return (p - 1) / (3 * m + p - 1), "(p-1)/(3m+p-1), the paper's"
+    if name == "zbv":  # a greedy construction (schedules.zero_bubble_v): no closed form to quote
+        return sim.idle_fraction(), "the simulation's own (no closed form)"
     return bubble_formula(p, m), "(p-1)/(m+p-1)"
 
 
@@ -64,12 +66,14 @@ def on_paper(name: str, p: int, m: int, v: int, out: Path) -> tuple[Timeline, fl
     sim = simulate(sched)
     theory, source = predicted(name, p, m, v, sim)
     peaks = [peak_activations(acts) for acts in sched.actions]
-    say(f"\n(a) on paper: unit-time simulation ({'F = B = W = 1' if name == 'zb1' else 'F = 1, B = 2'})")
+    chunks = len(sched.placement) // p  # v for interleaved, 2 for zbv's V, else 1
+    split = name in ("zb1", "zbv")  # the backward split into B and W
+    say(f"\n(a) on paper: unit-time simulation ({'F = B = W = 1' if split else 'F = 1, B = 2'})")
     say(indent(sim.ascii(), "  "))
     say(f"  idle fraction: theory {theory:.1%} {source}, simulated {sim.idle_fraction():.1%}")
-    if v > 1:  # a chunk holds 1/v of a rank's layers, so its activations are 1/v as large
+    if chunks > 1:  # a chunk holds 1/chunks of a rank's layers, so its activations are that much smaller
         say(f"  peak activations per rank, in micro-batch-chunks: {peaks} "
-            f"= {[k / v for k in peaks]} of a whole stage's micro-batch")
+            f"= {[k / chunks for k in peaks]} of a whole stage's micro-batch")
     else:
         say(f"  peak activations per rank, in micro-batches: {peaks}")
     sim.draw(str(out / f"{name}_simulated.png"), f"{name}, p={p} m={m}: simulated, idle {sim.idle_fraction():.1%}")
@@ -136,13 +140,12 @@ def main() -> None:
     args = parser.parse_args()
     start_gloo()
     p, m, out = dist.get_world_size(), args.micro_batches, Path(args.out)
-    plan = [("naive", 1, 1), ("gpipe", m, 1), ("1f1b", m, 1), ("interleaved", m, 2), ("zb1", m, 1)]
+    plan = [("naive", 1, 1), ("gpipe", m, 1), ("1f1b", m, 1), ("interleaved", m, 2), ("zb1", m, 1), ("zbv", m, 1)]
     try:  # every rank checks every schedule first, so a bad size stops all of them, not just rank 0
         if ROWS % m or args.repeats < 1:
             raise ValueError(f"--micro-batches {m} must divide the {ROWS} rows and --repeats be at least 1")
         for name, m_, v in plan:
-            build(name, p, m_, v)
-            stage_layers(CFG.n_layers, p * v)
+            stage_layers(CFG.n_layers, build(name, p, m_, v).n_stages)  # zbv: 2p stages
     except ValueError as e:  # ScheduleError is a ValueError too
         say(f"step_04: {e}")
         raise SystemExit(2) from None
@@ -155,7 +158,8 @@ def main() -> None:
         say(f"note: {p} ranks share {os.cpu_count()} CPU cores: measured bubbles include time spent "
             "waiting for a core, not only for a neighbour")
     for name, m_, v in plan:
-        say(f"\n=== {name}: m = {m_}" + (f", v = {v} chunks per rank (a/b: first/second chunk)" if v > 1 else ""))
+        chunks = "2 chunks per rank in a V" if name == "zbv" else f"v = {v} chunks per rank" if v > 1 else ""
+        say(f"\n=== {name}: m = {m_}" + (f", {chunks} (a/b: first/second chunk)" if chunks else ""))
         sim, theory = on_paper(name, p, m_, v, out) if dist.get_rank() == 0 else (None, None)
         on_ranks(name, m_, v, mesh, ref, sim, theory, out, args.repeats)
     say(f"\nPNGs: {out}/<schedule>_simulated.png and <schedule>_measured.png")

@@ -3,8 +3,8 @@
     .venv/bin/torchrun --standalone --nproc-per-node 16 scripts/step_09_4d.py     (a few minutes on a laptop)
 
 (a) the mesh: which 16 ranks form each group, and each rank's coordinates;
-(b) one training step of the `small` model (4 layers: 2 per stage) in float64, its loss against one
-    process running the plain model on the whole batch;
+(b) one training step of the `small` model's shape (4 layers: 2 per stage) with a 256-word vocabulary,
+    in float64, its loss against one process running the plain model on the whole batch;
 (c) per rank: the bytes it holds (weights, gradients, optimizer state: measured on its tensors, and
     estimated on the meta device) and the bytes it sent in the step, group by group (measured by
     the ledger, and estimated by estimate.bytes_sent);
@@ -82,8 +82,8 @@ def part_c(mesh: Mesh, wrapper, pipeline, micro, sent) -> None:
 
 
 def part_d() -> None:
-    say("\n(d) the same 16 ranks, other layouts, by estimate (small model, float64, 16 x 32 tokens per step, "
-        "one row per micro-batch):")
+    say("\n(d) the same 16 ranks, other layouts, by estimate (the small shape with a 256-word vocabulary, "
+        "float64, 16 x 32 tokens per step, one row per micro-batch):")
     say(f"  {'layout':<42} {'fullest rank':>12}   bytes sent per step by pp rank 0, per group")
     for layout in (dict(dp=16), dict(dp=16, zero=3), dict(dp=8, tp=2, sp=True), dict(dp=4, tp=2, pp=2, sp=True),
                    dict(dp=2, tp=2, pp=2, cp=2, sp=True, zero=1), dict(dp=1, tp=4, pp=2, cp=2, sp=True)):

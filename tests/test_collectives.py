@@ -150,3 +150,33 @@ def _uneven_all_to_all(rank, world):
 def test_all_to_all_with_uneven_splits_and_its_backward(world):
     for calls, sent, expected in run_ranks(world, _uneven_all_to_all):
         assert calls == 2 and sent == expected  # forward and backward, each counting what it sent away
+
+
+def _rooted_collectives(rank, world):
+    with Mesh.build(dp=world) as mesh:
+        group, ledger = mesh.dp_group, mesh.ledger
+        inputs = [_rank_tensor(r) for r in range(world)]  # [4, 6] each, known to every rank
+        root = world - 1  # not rank 0, so a root argument that is ignored shows
+        got = C.reduce(inputs[rank].clone(), group, dst=root)
+        assert (got is None) == (rank != root)
+        if rank == root:
+            torch.testing.assert_close(got, sum(inputs), rtol=1e-12, atol=1e-12)
+        got = C.gather(inputs[rank], group, dst=root)
+        assert (got is None) == (rank != root)
+        if rank == root:
+            torch.testing.assert_close(got, torch.cat(inputs), rtol=0, atol=0)
+        full = torch.cat([inputs[root]] * world) if rank == root else torch.zeros(4 * world, 6, dtype=torch.float64)
+        torch.testing.assert_close(C.scatter(full, group, src=root), inputs[root], rtol=0, atol=0)  # chunk i = root's
+        C.barrier(group)
+        nbytes = inputs[rank].numel() * 8
+        assert ledger.get("dp", "reduce").sent == (0 if world == 1 else nbytes)
+        assert ledger.get("dp", "gather").sent == (0 if rank == root else nbytes)
+        assert ledger.get("dp", "gather").bytes == world * nbytes
+        assert ledger.get("dp", "scatter").sent == ((world - 1) * nbytes if rank == root else 0)
+        assert (ledger.get("dp", "barrier").calls, ledger.get("dp", "barrier").sent) == (1, 0)
+        return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduce_gather_scatter_and_barrier_equal_local_computation_on_their_root(world):
+    assert all(run_ranks(world, _rooted_collectives))

@@ -49,3 +49,41 @@ def test_every_test_the_docs_name_exists():
     for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
         named = set(re.findall(r"`(test_\w+)`", doc.read_text())) | set(re.findall(r"::(test_\w+)`", doc.read_text()))
         assert named <= defined, (doc.name, sorted(named - defined))
+
+
+def test_a_training_log_masks_memory_and_bubble_and_a_cheaper_run_skips_later_steps():
+    shown = "step     1/10 | loss 8.3321 | 2,308 tok/s | peak mem 351 MiB | bubble 51% | sent 6.75 MiB/step"
+    assert docs_check.same(shown, shown.replace("351", "76").replace("51%", "44%").replace("2,308", "97"))
+    assert not docs_check.same(shown, shown.replace("6.75", "6.76"))  # bytes sent are not a measurement
+    assert not docs_check.same(shown, shown.replace("8.3321", "8.3322"))
+    assert docs_check.within("step     1/10 | loss 8.3321", 1)
+    assert not docs_check.within("step    10/10 | loss 7.8514", 1)
+    assert not docs_check.within("saved /tmp/ch4/step_000010", 1) and docs_check.within("saved /tmp/ch4/step_000001", 1)
+    assert docs_check.within("mesh pp2 x dp2 x cp1 x tp2 = 8 ranks", 1) and docs_check.within("step 10/10", None)
+    marked = "torchrun --nproc-per-node 2 scripts/train.py --steps 10 (checked on its first 1 step)"
+    assert docs_check.CHEAPER.search(marked).group(1) == "1"
+
+
+def test_a_line_anchor_passes_on_its_definition_and_fails_once_it_moves(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    code = tmp_path / "pkg" / "mod.py"
+    source = "def gpipe(p, m):\n    return []\n\n\nclass Pipeline:\n    def run(self):\n        pass\n"
+    code.write_text("import torch\n\n\n" + source)
+    doc = tmp_path / "docs" / "ch.md"
+    doc.parent.mkdir()
+    doc.write_text("[`gpipe(p, m)`](../pkg/mod.py#L4), [`Pipeline.run`](../pkg/mod.py#L9) [Pipeline](../pkg/mod.py#L8)")
+    assert docs_check.anchor_errors(doc) == []
+    code.write_text("import torch\n\n\n\n" + source)
+    errors = docs_check.anchor_errors(doc)  # one blank line more: every definition moved down by one
+    assert len(errors) == 3 and "#L4 does not define gpipe" in errors[0], errors
+    docs_check.fix_anchors(doc)  # --fix-anchors: re-pointed at the lines that define them now
+    assert docs_check.anchor_errors(doc) == [] and "mod.py#L10)" in doc.read_text()
+    doc.write_text("[`gpipe`](../pkg/mod.py#L5) [`gone`](../pkg/missing.py#L1) [`gpipe`](../pkg/mod.py#L99)\n")
+    assert [e.split(": ", 1)[1] for e in docs_check.anchor_errors(doc)] == [
+        "../pkg/missing.py#L1 does not define gone", "../pkg/mod.py#L99 does not define gpipe"]
+
+
+def test_every_line_anchor_in_the_course_points_at_its_definition():
+    docs = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+    assert [e for d in docs for e in docs_check.anchor_errors(d)] == []
+    assert sum(len(docs_check.ANCHOR.findall(d.read_text())) for d in docs) >= 20  # the chapters link their key code

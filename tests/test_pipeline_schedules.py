@@ -175,3 +175,20 @@ def test_zbv_places_stages_in_a_v_and_its_peak_is_bounded(p, m):
     assert schedule.placement == tuple(range(p)) + tuple(reversed(range(p)))  # rank 0: first and last stage
     peaks = [peak_activations(acts) for acts in schedule.actions]  # in chunks, half a rank's layers each
     assert max(peaks) <= 3 * p  # 1.5x 1F1B's 2p chunks at most (see zero_bubble_v)
+
+
+def test_the_worked_examples_in_the_builders_docstrings_are_what_they_build():
+    def named(acts, stage=False):
+        return " ".join(f"{a}/{a.stage}" if stage else str(a) for a in acts)
+
+    assert [named(acts) for acts in build("gpipe", 2, 3).actions] == ["F0 F1 F2 B0 B1 B2"] * 2
+    assert [named(acts) for acts in build("1f1b", 3, 4).actions] == [
+        "F0 F1 F2 B0 F3 B1 B2 B3", "F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"]
+    rank0, rank1 = build("interleaved", 2, 4, 2).actions
+    assert named(rank0[:10], stage=True) == "F0/0 F1/0 F0/2 F1/2 F2/0 B0/2 F3/0 B1/2 F2/2 B0/0"
+    assert named(rank1[:8], stage=True) == "F0/1 F1/1 F0/3 B0/3 F1/3 B1/3 F2/1 B0/1"
+    assert named([a for a in rank0 if a.kind == "F"], stage=True) == "F0/0 F1/0 F0/2 F1/2 F2/0 F3/0 F2/2 F3/2"
+    assert named([a for a in rank0 if a.kind == "B"], stage=True) == "B0/2 B1/2 B0/0 B1/0 B2/2 B3/2 B2/0 B3/0"
+    assert simulate(build("zbv", 2, 2)).ascii().splitlines() == [
+        "rank 0:  F0a F1a   . F0b B0b F1b B1b B0a W0b B1a W1b W0a W1a",
+        "rank 1:    . F0a F0b F1a F1b B0b B0a B1b B1a W0b W0a W1b W1a"]

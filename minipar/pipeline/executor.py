@@ -144,7 +144,7 @@ class Pipeline:
         on the last stage, 0 elsewhere; the measured timeline is left in `self.timeline`."""
         m, last = len(micro_batches), self.n_stages - 1
         tokens = micro_batches[0][0]
-        act_shape = (tokens.shape[0], tokens.shape[1] // self.seq_shards, model.config.dim)  # what stages pass on
+        act_shape = (tokens.shape[0], tokens.shape[1] // self.seq_shards, model.config.dim)  # [b, s/tp, d]: passed on
         act_dtype = next(model.parameters()).dtype
         actions = self.forward_actions(m) if forward_only else self.actions(m)
         split = any(a.kind == "W" for a in actions)
@@ -158,13 +158,14 @@ class Pipeline:
             received = None  # F: the previous stage's output [b, s(/tp), d]; B: the gradient of this one's
             if incoming is not None:
                 like = torch.empty(act_shape, dtype=act_dtype, device=tokens.device) if a.kind == "F" else \
-                    torch.empty_like(outputs[i, k])
+                    torch.empty_like(outputs[i, k])  # F: [b, s/tp, d]; B: shaped as this stage's output, the same
                 received = self._receive(incoming, like, local)
             start = time.perf_counter()  # the wait for a neighbour is the bubble, not the action's time
             if a.kind == "F":
-                x = micro_batches[i][0] if k == 0 else received.requires_grad_()
+                x = micro_batches[i][0] if k == 0 else received.requires_grad_()  # tokens [b, s], or [b, s/tp, d]
                 out = model.forward_stage(x, self.layers_of(k), first=k == 0, last=k == last,
                                           targets=micro_batches[i][1] if k == last else None, divisor=divisor)
+                # out: [b, s/tp, d] for the next stage, or on the last stage the loss, a scalar []
                 if k == last:
                     out = out / m if divisor is None else out  # the step's loss: the mean over micro-batches
                     total = total + out.detach()

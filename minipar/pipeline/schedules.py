@@ -88,10 +88,28 @@ def naive(p: int, m: int) -> list[list[Action]]:
 
 
 def gpipe(p: int, m: int) -> list[list[Action]]:
+    """GPipe: every rank runs all m forwards, then all m backwards, in micro-batch order.
+
+    p = 2, m = 3: both ranks get the same list, and the dependencies stagger them in time
+    (timeline.simulate, F = 1, B = 2):
+
+        actions[0] = actions[1] = [F0 F1 F2 B0 B1 B2]
+        rank 0:  F0 F1 F2  .  .  . B0 B0 B1 B1 B2 B2
+        rank 1:   . F0 F1 F2 B0 B0 B1 B1 B2 B2  .  .
+    """
     return [[Action("F", i, s) for i in range(m)] + [Action("B", i, s) for i in range(m)] for s in range(p)]
 
 
 def one_f_one_b(p: int, m: int) -> list[list[Action]]:
+    """1F1B: stage s runs p-s-1 warm-up forwards, then one forward and its oldest backward in turn,
+    then the backwards left. At most p-s micro-batches are between their F and their B.
+
+    p = 3, m = 4 (warm-ups 2, 1, 0):
+
+        rank 0:  F0 F1 | F2 B0  F3 B1 | B2 B3          warm-up | steady (F, then B) | drain
+        rank 1:  F0    | F1 B0  F2 B1  F3 B2 | B3
+        rank 2:        | F0 B0  F1 B1  F2 B2  F3 B3
+    """
     out = []
     for s in range(p):
         warmup = min(p - s - 1, m)
@@ -104,7 +122,24 @@ def one_f_one_b(p: int, m: int) -> list[list[Action]]:
 
 
 def interleaved(p: int, m: int, v: int) -> list[list[Action]]:
-    """Megatron's interleaved 1F1B: v chunks per rank, micro-batches in groups of p."""
+    """Megatron's interleaved 1F1B: v chunks per rank, micro-batches in groups of p.
+
+    Rank s holds the virtual stages s, s+p, ..., s+(v-1)p (chunk c is stage c*p + s). Its k-th
+    forward is worked out by `unit`: k counts through groups of p*v forwards; inside a group, the
+    first p run chunk 0 on micro-batches group*p .. group*p+p-1, the next p chunk 1 on the same
+    micro-batches, and so on. Backwards walk the same order with the chunks reversed (the last
+    chunk's backward comes first). Rank s warms up with 2(p-s-1) + (v-1)p forwards, then
+    alternates one forward and one backward.
+
+    p = 2, v = 2, m = 4 (stages 0 and 2 on rank 0, 1 and 3 on rank 1), written F<micro-batch>/<stage>:
+
+        k           0    1    2    3    4    5    6    7
+        forward   F0/0 F1/0 F0/2 F1/2 F2/0 F3/0 F2/2 F3/2     (rank 0; unit(k, True))
+        backward  B0/2 B1/2 B0/0 B1/0 B2/2 B3/2 B2/0 B3/0     (rank 0; unit(k, False))
+
+        rank 0 (warm-up 2*1 + 1*2 = 4):  F0/0 F1/0 F0/2 F1/2 | F2/0 B0/2 F3/0 B1/2 F2/2 B0/0 ...
+        rank 1 (warm-up 0 + 1*2 = 2):    F0/1 F1/1 | F0/3 B0/3 F1/3 B1/3 F2/1 B0/1 ...
+    """
     if v < 2:
         raise ScheduleError("the interleaved schedule needs --virtual-stages of at least 2")
     if m % p:
@@ -196,6 +231,12 @@ def zero_bubble_v(p: int, m: int) -> list[list[Action]]:
     layers: 1F1B's peak on its first stage); F's on the way back up are never held up, or the
     loss could never be reached. So the peak can pass 2p (about 1.4x at m >= 2p): the paper's
     hand-made ZB-V keeps 1F1B's peak exactly, this greedy one spends memory for fewer idle slots.
+
+    p = 2, m = 2: rank 0 holds stages 0 and 3 (a, b), rank 1 stages 1 and 2; stage 1 hands its
+    output to stage 2 on the same rank. F = B = W = 1 (timeline.simulate):
+
+        rank 0:  F0a F1a   . F0b B0b F1b B1b B0a W0b B1a W1b W0a W1a
+        rank 1:    . F0a F0b F1a F1b B0b B0a B1b B1a W0b W0a W1b W1a
     """
     n = 2 * p
     todo = [[Action(kind, i, k) for i in range(m) for k in (r, n - 1 - r) for kind in "FB"] for r in range(p)]
