@@ -52,6 +52,7 @@ norm of gradients some of which are tp shards, clipped).
 from __future__ import annotations
 
 import math
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -134,6 +135,15 @@ def clip_grads(grads: list[torch.Tensor], spread: list[tuple[Group, ...]], max_n
         for g in grads:
             g.mul_(coef)
     return float(norm)
+
+
+def weak_hook(method):
+    """A wrapper's bound method as a parameter's hook, without keeping the wrapper alive: a tensor
+    keeps its hooks in C++, where Python's garbage collector cannot see the cycle parameter -> hook
+    -> wrapper -> parameter, so a plain bound method would keep every wrapper (and its process
+    groups) for as long as the process lives."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)
 
 
 class GradBucket:
@@ -248,7 +258,7 @@ class DataParallel(GradSync):
         self._grads_pending = False  # a backward ran since the last finish_grad_sync
         for p in module.parameters():
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._grad_ready)
+                p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready))
 
     def _make_buckets(self, params: list[nn.Parameter], bucket_mb: float) -> list[GradBucket]:
         # Backward meets the last layers first; a bucket never mixes reduction groups.

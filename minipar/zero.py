@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from minipar.collectives import Group, all_gather, all_gather_into, broadcast, reduce_scatter
-from minipar.data_parallel import GradSync, bucket_params, by_grad_mean, clip_grads
+from minipar.data_parallel import GradSync, bucket_params, by_grad_mean, clip_grads, weak_hook
 from minipar.mesh import Groups
 from minipar.placement import DENSE, placement_of
 from minipar.tensor_parallel import sync_partial_grads
@@ -158,7 +158,7 @@ class ZeroDataParallel(GradSync):
         if stage >= 2:
             for p in module.parameters():
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._grad_ready)
+                    p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready))
 
     def _new_bucket(self, params, group: Group, spread: tuple[Group, ...]) -> ZeroBucket:
         return ZeroBucket(params, group, spread, self.offload)

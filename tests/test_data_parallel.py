@@ -128,3 +128,27 @@ def _synced_backward_twice(rank, world):
 def test_accumulating_without_no_sync_is_refused_not_silently_wrong():
     for msg in run_ranks(2, _synced_backward_twice):
         assert "inside model.no_sync()" in msg
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_a_dropped_wrapper_is_freed_with_its_groups(zero):
+    """The wrappers' gradient hooks live on the parameters, in C++, where Python's collector cannot
+    see a cycle: a hook holding the wrapper strongly kept every wrapper, and the gloo threads of its
+    groups, alive for the life of the process. The hooks hold it weakly, so a dropped one goes."""
+    import gc
+    import weakref
+
+    from minipar.grad_sync import build_grad_sync
+    from minipar.mesh import Groups
+
+    model = Llama(get_config("tiny", vocab_size=64))
+    wrapper = build_grad_sync(model, Groups(), [{"params": list(model.parameters())}], adamw_lr, zero=zero)
+    model(torch.randint(0, 64, (1, 8))).sum().backward()  # the hooks run, and still do not hold it
+    gone = weakref.ref(wrapper)
+    del wrapper
+    gc.collect()
+    assert gone() is None
+
+
+def adamw_lr(groups):
+    return adamw(groups, lr=1e-3)
