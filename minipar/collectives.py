@@ -162,7 +162,7 @@ class Group:
 
     def crosses(self, to: int) -> bool:
         """Whether this rank's bytes to group rank `to` leave its node."""
-        return self.node(to) != self.node(self.rank)
+        return self.ranks_per_node is not None and self.node(to) != self.node(self.rank)
 
     @classmethod
     def solo(cls, name: str) -> Group:

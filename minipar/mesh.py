@@ -33,8 +33,8 @@ Nodes. A node's ranks talk over fast links (NVLink), different nodes over a slow
 numbers each node's ranks consecutively, so with K ranks per node, global rank r lives on node
 r // K. `ranks_per_node` (torchrun's LOCAL_WORLD_SIZE, or `--ranks-per-node` to simulate several
 nodes on one machine) is part of the layout, every group knows its ranks' nodes, and the ledger
-counts which bytes leave the node (collectives.py). With tp innermost, a tp group of at most K
-ranks never leaves its node.
+counts which bytes leave the node (collectives.py). With tp innermost, a tp group never leaves
+its node when tp divides K.
 
 `MeshLayout` is the pure arithmetic (no processes: testable for every layout); `Mesh` adds this
 rank's process groups, and hands them out by name in one typed object, `Groups` (dp, tp, pp, cp,

@@ -80,8 +80,18 @@ def test_dp_crosses_the_nodes_and_tp_stays_inside_one():
         assert (ledger["dp/all_to_all"]["cross"], ledger["tp/all_to_all"]["intra"]) == (E * F64, E * F64)
 
 
+def test_the_ledger_adds_up_and_shows_intra_and_cross_node_bytes():
+    ledger = C.Ledger()
+    ledger.record("dp", "all_gather", 400, 300, cross=300)  # a rank whose next in the ring is elsewhere
+    ledger.record("dp", "all_gather", 400, 300)  # one whose next is on its node
+    e = ledger.get("dp", "all_gather")
+    assert (e.sent, e.intra, e.cross) == (600, 300, 300) and ledger.total_sent() == 600
+    header, row = ledger.table().splitlines()
+    assert header.split()[-2:] == ["intra-node", "cross-node"] and row.split()[-3:] == ["600", "300", "300"]
+
+
 def test_tp_groups_stay_inside_a_node_whenever_the_node_holds_whole_tp_groups():
-    # tp is innermost: with K a multiple of tp, each tp group is K's consecutive ranks' subset.
+    # tp is innermost: with K a multiple of tp, each tp group lies inside one node's K consecutive ranks.
     for world, tp, k in [(8, 2, 4), (8, 4, 4), (8, 2, 2), (16, 4, 8)]:
         layout = MeshLayout(world, dp=world // tp, tp=tp, ranks_per_node=k)
         assert layout.nodes == world // k
@@ -134,6 +144,7 @@ def _zero3_step(rank, world, k):
         per = GLOBAL_BATCH // world
         mesh.ledger.reset()
         train_step(z, [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])], grad_clip=1.0)
+        assert mesh.node == rank // k
         return psi, mesh.ledger.snapshot()
 
 
