@@ -35,6 +35,19 @@ S bytes costs each rank:
 `ring_all_reduce` below writes the all-reduce out with send/recv, so the 2(N-1)/N can be counted
 rather than believed (scripts/step_01_collectives.py does that).
 
+Intra-node and cross-node bytes. Ranks of one node talk over NVLink (hundreds of GB/s a GPU),
+ranks of different nodes over the network (tens of GB/s a GPU), so the ledger splits each rank's
+sent bytes by the link they take, under the same algorithms as above (a Group knows its ranks'
+nodes: node = global rank // ranks per node, mesh.py). The ring runs over the group's ranks in
+group order, r0 -> r1 -> ... -> r(N-1) -> r0: at each of its N-1 steps (2(N-1) for all-reduce)
+every rank sends one chunk to the next rank of the ring, so a rank's whole share takes one link,
+a cross-node one when the next rank lives on another node. A group laid over M nodes in M runs of
+neighbours has M such links (none when M = 1): a ring over ranks on 2 nodes crosses the node
+boundary twice per step, and of the group's N * (N-1)/N * S bytes of an all-gather, M (N-1)/N * S
+cross (each node sends (N-1)/N * S out, whatever its size). Broadcast: the same links (its chain
+is the ring's). All-to-all: piece j goes straight to rank j, across when j's node is another.
+send and gather: to the one peer. recv sends nothing.
+
 The `Ledger` counts, per (group, op): the number of calls, the payload bytes (the tensor handed to
 the call) and the bytes this rank sends by the ring formula above. Tests assert on it, benchmarks
 print it and the training log shows it per step. Its debug mode (`ledger.trace = []`) also keeps
@@ -66,6 +79,8 @@ class Entry:
     calls: int = 0
     bytes: int = 0  # payload: size of the tensor handed to the op
     sent: int = 0  # bytes this rank puts on the wire under the ring algorithm
+    intra: int = 0  # of sent: to ranks on this rank's node
+    cross: int = 0  # of sent: to ranks on other nodes
 
 
 # How many payload bytes one rank sends, by the ring algorithm, for a payload of S bytes on N ranks.
@@ -100,11 +115,14 @@ class Ledger:
         self.posted[group] += 1
         self.last = (group, op, ranks, peer)
 
-    def record(self, group: str, op: str, nbytes: int, sent: int) -> None:
+    def record(self, group: str, op: str, nbytes: int, sent: int, cross: int = 0) -> None:
+        """One operation: its payload, the bytes it sends, and how many of those leave the node."""
         e = self.entries[(group, op)]
         e.calls += 1
         e.bytes += nbytes
         e.sent += sent
+        e.intra += sent - cross
+        e.cross += cross
 
     def reset(self) -> None:
         self.entries.clear()
@@ -116,24 +134,28 @@ class Ledger:
         return sum(e.sent for e in self.entries.values())
 
     def snapshot(self) -> dict[str, dict[str, int]]:
-        """A plain dict {"group/op": {"calls", "bytes", "sent"}}, for logs and JSON."""
+        """A plain dict {"group/op": {"calls", "bytes", "sent", "intra", "cross"}}, for logs and JSON."""
         return {f"{g}/{op}": vars(e).copy() for (g, op), e in sorted(self.entries.items())}
 
     def table(self) -> str:
-        lines = [f"{'group/op':<24}{'calls':>8}{'payload bytes':>16}{'sent bytes':>14}"]
+        lines = [f"{'group/op':<24}{'calls':>8}{'payload bytes':>16}{'sent bytes':>14}{'intra-node':>14}"
+                 f"{'cross-node':>14}"]
         for key, e in self.snapshot().items():
-            lines.append(f"{key:<24}{e['calls']:>8}{e['bytes']:>16,}{e['sent']:>14,}")
+            lines.append(f"{key:<24}{e['calls']:>8}{e['bytes']:>16,}{e['sent']:>14,}{e['intra']:>14,}"
+                         f"{e['cross']:>14,}")
         return "\n".join(lines)
 
 
 @dataclass
 class Group:
-    """A named process group: its ranks, and the ledger that its traffic is written in."""
+    """A named process group: its ranks, and the ledger that its traffic is written in.
+    ranks_per_node: global rank r lives on node r // ranks_per_node (None: every rank on one node)."""
 
     name: str
     pg: dist.ProcessGroup
     ranks: list[int]
     ledger: Ledger
+    ranks_per_node: int | None = None
 
     @property
     def size(self) -> int:
@@ -143,6 +165,14 @@ class Group:
     def rank(self) -> int:
         """This rank's index inside the group."""
         return 0 if self.size == 1 else self.ranks.index(dist.get_rank())
+
+    def node(self, i: int) -> int:
+        """The node of group rank i."""
+        return 0 if self.ranks_per_node is None else self.ranks[i] // self.ranks_per_node
+
+    def crosses(self, to: int) -> bool:
+        """Whether this rank's bytes to group rank `to` leave its node."""
+        return self.ranks_per_node is not None and self.node(to) != self.node(self.rank)
 
     @classmethod
     def solo(cls, name: str) -> Group:
@@ -155,11 +185,14 @@ class Group:
         return ("world" if self.pg is dist.group.WORLD else self.name), tuple(self.ranks)
 
     def _note(self, op: str, t: torch.Tensor | None, peer: int | None = None, nbytes: int | None = None,
-              sent: int | None = None) -> None:
-        """Write the ledger line of one operation (peer: a group rank, for send and recv)."""
+              sent: int | None = None, to: int | None = None) -> None:
+        """Write the ledger line of one operation (peer: a group rank, for send and recv; to: the
+        group rank the bytes go to, when neither the peer nor the ring's next rank)."""
         nbytes = t.numel() * t.element_size() if nbytes is None else nbytes
         sent = ring_bytes_sent(op, nbytes, self.size) if sent is None else sent
-        self.ledger.record(self.name, op, nbytes, sent)
+        if to is None:  # a ring's bytes all go to the next rank of the ring (the docstring's model)
+            to = peer if peer is not None else (self.rank + 1) % self.size
+        self.ledger.record(self.name, op, nbytes, sent, cross=sent if self.crosses(to) else 0)
         if self.size > 1:  # what a rank last asked of others: named if the job hangs (train.py)
             self.ledger.post(self.name, op, tuple(self.ranks), None if peer is None else self.ranks[peer])
         if self.ledger.trace is not None and self.size > 1:
@@ -233,7 +266,9 @@ def all_to_all(t: torch.Tensor, group: Group, dim: int = 0, send_splits: list[in
         recv_splits = send_splits
     row_bytes = t.numel() // max(1, t.shape[dim]) * t.element_size()
     payload = t.shape[dim] * row_bytes
-    group.ledger.record(group.name, "all_to_all", payload, (t.shape[dim] - send_splits[group.rank]) * row_bytes)
+    across = sum(rows for j, rows in enumerate(send_splits) if group.crosses(j))  # piece j goes to rank j
+    group.ledger.record(group.name, "all_to_all", payload, (t.shape[dim] - send_splits[group.rank]) * row_bytes,
+                        cross=across * row_bytes)
     if group.size > 1:
         group.ledger.post(group.name, "all_to_all", tuple(group.ranks), None)
     if group.ledger.trace is not None and group.size > 1:
@@ -342,7 +377,7 @@ def gather_object(obj, group: Group, dst: int = 0) -> list | None:
     all_reduce(longest, group, op="max")
     raw.extend(bytes(int(longest.item()) - len(raw)))  # pickle.loads ignores what follows the object
     mine = torch.frombuffer(raw, dtype=torch.uint8).to(device)  # [longest]
-    group._note("gather", mine, sent=0 if group.rank == dst else len(raw))  # dst keeps its own
+    group._note("gather", mine, sent=0 if group.rank == dst else len(raw), to=dst)  # dst keeps its own
     parts = [torch.empty_like(mine) for _ in range(group.size)] if group.rank == dst else None
     dist.gather(mine, parts, dst=group.ranks[dst], group=group.pg)
     return None if parts is None else [pickle.loads(p.cpu().numpy().tobytes()) for p in parts]

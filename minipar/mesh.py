@@ -29,6 +29,13 @@ replicated parameters get their gradients averaged over data *and* context repli
 Expert parallelism carves its dimensions out of dp x cp: `Mesh.unflatten(("dp", "cp"), edp=..,
 ep=..)` reshapes each dp x cp group and builds a group per new dimension.
 
+Nodes. A node's ranks talk over fast links (NVLink), different nodes over a slower network; torchrun
+numbers each node's ranks consecutively, so with K ranks per node, global rank r lives on node
+r // K. `ranks_per_node` (torchrun's LOCAL_WORLD_SIZE, or `--ranks-per-node` to simulate several
+nodes on one machine) is part of the layout, every group knows its ranks' nodes, and the ledger
+counts which bytes leave the node (collectives.py). With tp innermost, a tp group never leaves
+its node when tp divides K.
+
 `MeshLayout` is the pure arithmetic (no processes: testable for every layout); `Mesh` adds this
 rank's process groups, and hands them out by name in one typed object, `Groups` (dp, tp, pp, cp,
 dp_cp, ep, edp), which also says over which group a parameter's gradient is averaged. There is no
@@ -62,11 +69,16 @@ class MeshLayout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ranks_per_node: int | None = None  # None: every rank on one node
 
     def __post_init__(self):
         for dim in DIMS:
             if getattr(self, dim) < 1:
                 raise LayoutError(f"--{dim} must be at least 1, got {getattr(self, dim)}")
+        k = self.ranks_per_node
+        if k is not None and (k < 1 or self.world_size % k):
+            raise LayoutError(f"--ranks-per-node {k} does not divide the world's {self.world_size} ranks: give a "
+                              f"divisor of {self.world_size} (the ranks torchrun starts on each node)")
         product = self.dp * self.tp * self.pp * self.cp
         if product != self.world_size:
             raise LayoutError(
@@ -78,6 +90,14 @@ class MeshLayout:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, d) for d in DIMS)  # (pp, dp, cp, tp)
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // (self.ranks_per_node or self.world_size)
+
+    def node(self, rank: int) -> int:
+        """The node global rank `rank` lives on (torchrun numbers each node's ranks consecutively)."""
+        return rank // (self.ranks_per_node or self.world_size)
 
     def coords(self, rank: int) -> dict[str, int]:
         """Rank -> {"pp": i, "dp": j, "cp": k, "tp": l}."""
@@ -136,6 +156,8 @@ class MeshLayout:
     def table(self) -> str:
         """The grid as text: one line per (pp, dp), the tp ranks of each cp slot side by side."""
         lines = [f"mesh pp{self.pp} x dp{self.dp} x cp{self.cp} x tp{self.tp} = {self.world_size} ranks"]
+        if self.nodes > 1:
+            lines[0] += f" on {self.nodes} nodes of {self.ranks_per_node}"
         for p in range(self.pp):
             for d in range(self.dp):
                 cells = []
@@ -204,9 +226,11 @@ class Mesh:
     _groups: dict[str, Group] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, dp=1, tp=1, pp=1, cp=1, ledger: Ledger | None = None, timeout: float | None = None) -> Mesh:
-        """timeout: seconds an operation of these groups may wait before it fails (None: torch's)."""
-        layout = MeshLayout(dist.get_world_size(), dp=dp, tp=tp, pp=pp, cp=cp)
+    def build(cls, dp=1, tp=1, pp=1, cp=1, ledger: Ledger | None = None, timeout: float | None = None,
+              ranks_per_node: int | None = None) -> Mesh:
+        """timeout: seconds an operation of these groups may wait before it fails (None: torch's).
+        ranks_per_node: how many consecutive ranks share a node (None: all of them, one node)."""
+        layout = MeshLayout(dist.get_world_size(), dp=dp, tp=tp, pp=pp, cp=cp, ranks_per_node=ranks_per_node)
         mesh = cls(layout, dist.get_rank(), ledger or Ledger())
         limit = None if timeout is None else datetime.timedelta(seconds=timeout)
         for name, dims in GROUP_DIMS.items():
@@ -216,7 +240,7 @@ class Mesh:
                 own = len(ranks) < layout.world_size or name == "pp_grad"
                 pg = dist.new_group(ranks, timeout=limit) if own else dist.group.WORLD
                 if mesh.rank in ranks:
-                    mesh._groups[name] = Group(name, pg, ranks, mesh.ledger)
+                    mesh._groups[name] = Group(name, pg, ranks, mesh.ledger, layout.ranks_per_node)
         return mesh
 
     # -- groups and coordinates ----------------------------------------------------------------
@@ -235,6 +259,11 @@ class Mesh:
     @property
     def coords(self) -> dict[str, int]:
         return self.layout.coords(self.rank)
+
+    @property
+    def node(self) -> int:
+        """The node this rank lives on."""
+        return self.layout.node(self.rank)
 
     def groups(self) -> Groups:
         """The groups a module needs, by name, in one typed object (ep and edp once `unflatten`
@@ -262,7 +291,7 @@ class Mesh:
             for ranks in groups:
                 pg = dist.new_group(ranks) if len(ranks) < self.layout.world_size else dist.group.WORLD
                 if self.rank in ranks:
-                    self._groups[name] = Group(name, pg, ranks, self.ledger)
+                    self._groups[name] = Group(name, pg, ranks, self.ledger, self.layout.ranks_per_node)
 
     def destroy(self) -> None:
         """Free this mesh's process groups (tests build many meshes in one world)."""

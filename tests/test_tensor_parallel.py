@@ -194,14 +194,15 @@ def test_ledger_two_collectives_per_layer_each_way_and_no_full_logits(tp, sp):
             assert fwd["tp/all_reduce"]["calls"] - 3 == 2 * cfg.n_layers + 1  # 3: the loss's max, sum, target
             assert fwd["tp/all_reduce"]["bytes"] - 3 * B * S * 8 == (2 * cfg.n_layers + 1) * bsh
             # Backward: f before attention and before the MLP in each layer, plus the LM head's input.
+            sent = 2 * (tp - 1) * (2 * cfg.n_layers + 1) * bsh // tp
             assert bwd["tp/all_reduce"] == {"calls": 2 * cfg.n_layers + 1, "bytes": (2 * cfg.n_layers + 1) * bsh,
-                                            "sent": 2 * (tp - 1) * (2 * cfg.n_layers + 1) * bsh // tp}
+                                            "sent": sent, "intra": sent, "cross": 0}  # one node
             assert "tp/all_gather" not in fwd and "tp/reduce_scatter" not in fwd
         else:
             # The same regions, as all-gathers (entering) and reduce-scatters (leaving): same bytes.
-            n = 2 * cfg.n_layers + 1
-            assert fwd["tp/all_gather"] == {"calls": n, "bytes": n * bsh, "sent": (tp - 1) * n * bsh // tp}
-            assert fwd["tp/reduce_scatter"] == {"calls": n, "bytes": n * bsh, "sent": (tp - 1) * n * bsh // tp}
+            n, sent = 2 * cfg.n_layers + 1, (tp - 1) * (2 * cfg.n_layers + 1) * bsh // tp
+            one_node = {"calls": n, "bytes": n * bsh, "sent": sent, "intra": sent, "cross": 0}
+            assert fwd["tp/all_gather"] == one_node and fwd["tp/reduce_scatter"] == one_node
             assert bwd["tp/all_gather"] == fwd["tp/reduce_scatter"]
             assert bwd["tp/reduce_scatter"] == fwd["tp/all_gather"]
             assert fwd["tp/all_reduce"]["calls"] == 3  # only the loss's three numbers per token

@@ -63,6 +63,7 @@ class TrainConfig:
     zero: int = 0  # ZeRO stage over the dp group: 0 (plain data parallelism), 1, 2, 3
     offload: bool = False  # ZeRO 1-2: optimizer state and step on the CPU
     recompute: bool = False  # activation checkpointing per transformer layer
+    ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE, else the world (parse_args fills it in)
     model: str = "small"
     # Shape flags (SHAPE_FLAGS): None takes the preset's value; parse_args fills them in.
     dim: int | None = None
@@ -135,6 +136,7 @@ class TrainConfig:
             ("steps", self.steps >= 1, "1 or more"),
             ("seq_len", 1 <= self.seq_len <= max_seq_len, f"1 to --model {self.model}'s max_seq_len, {max_seq_len}"),
             *((dim, getattr(self, dim) >= 1, "1 or more") for dim in ("dp", "tp", "pp", "cp", "ep")),
+            ("ranks_per_node", self.ranks_per_node is None or self.ranks_per_node >= 1, "1 or more"),
             ("global_batch", 1 <= self.global_batch <= MAX_BATCH, f"1 to {MAX_BATCH} sequences"),
             ("micro_batch", 1 <= self.micro_batch <= MAX_BATCH, f"1 to {MAX_BATCH} sequences"),
             ("max_bad_steps", self.max_bad_steps >= 1, "1 or more"),
@@ -219,7 +221,8 @@ class TrainConfig:
             raise ConfigError("--offload needs --zero 1 or 2: it moves ZeRO's optimizer slices to the CPU")
         if self.dtype not in (None, "float32", "float64", "bfloat16"):
             raise ConfigError(f"--dtype {self.dtype}: choose float32, float64 or bfloat16")
-        MeshLayout(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)  # raises LayoutError
+        MeshLayout(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp,
+                   ranks_per_node=self.ranks_per_node)  # raises LayoutError
 
     def check_vocab(self, m: ModelConfig) -> None:
         """The trained BPE's tokens are rows of the model's embedding: it must fit. (A --tokenizer
@@ -292,6 +295,9 @@ def parser() -> argparse.ArgumentParser:
                    "(tp > 1)")
     g.add_argument("--schedule", default=d.schedule, choices=SCHEDULES, help="pipeline schedule (pp > 1)")
     g.add_argument("--virtual-stages", type=int, default=1, help="chunks per pipeline rank (interleaved)")
+    g.add_argument("--ranks-per-node", type=int, help="ranks that share a node (its fast links): the ledger counts "
+                   "what crosses between nodes; less than the world simulates several nodes on one machine "
+                   "(default: torchrun's LOCAL_WORLD_SIZE, else every rank on one node)")
     add_model_flags(p, d)
     add_data_flags(p, d)
     g = p.add_argument_group("optimisation")
@@ -343,7 +349,10 @@ def parse_args(argv=None) -> TrainConfig:
         args = p.parse_args(argv)
     cfg = TrainConfig(**vars(args))
     layout = cfg.dp * cfg.tp * cfg.pp * cfg.cp  # --plan: the ranks the flags ask for, none launched
-    cfg.validate(layout if cfg.plan else int(os.environ.get("WORLD_SIZE", "1")))
+    world = layout if cfg.plan else int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.ranks_per_node is None:  # torchrun's ranks on this node; without torchrun, one node
+        cfg.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    cfg.validate(world)
     return cfg.resolved()
 
 

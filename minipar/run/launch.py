@@ -219,7 +219,8 @@ def launch(cfg: TrainConfig, resume: Path | None) -> None:
     loop (train.run). A rank that stops answering becomes a RankTimeout naming what we waited for."""
     device = start_distributed(cfg.timeout)
     torch.manual_seed(cfg.seed)
-    mesh = Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, timeout=cfg.timeout)
+    mesh = Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, timeout=cfg.timeout,
+                      ranks_per_node=cfg.ranks_per_node)
     if cfg.ep > 1:  # experts: the dp x cp ranks reshaped to edp x ep
         mesh.unflatten(("dp", "cp"), edp=cfg.dp * cfg.cp // cfg.ep, ep=cfg.ep)
     log = RunLog(cfg, mesh, device)
