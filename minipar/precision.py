@@ -91,7 +91,8 @@ def resolve(precision: str | None, dtype: str | None = None, grad_reduce: str | 
         raise ValueError(f"--dtype {dtype} with --precision {precision}: "
                          + ("float64 runs everything in float64 (the proofs); drop --precision" if dtype == "float64"
                             else f"--dtype {dtype} means --precision {implied}; give one of them"))
-    name = precision or implied or (None if dtype == "float64" else "bf16-autocast" if device_type == "cuda" else "fp32")
+    default = None if dtype == "float64" else "bf16-autocast" if device_type == "cuda" else "fp32"
+    name = precision or implied or default
     if grad_reduce is not None and name != "bf16-mixed":
         raise ValueError(f"--grad-reduce {grad_reduce} applies to --precision bf16-mixed only "
                          f"(here the gradients are {dtype or 'float32'} already)")
@@ -109,6 +110,12 @@ def resolve(precision: str | None, dtype: str | None = None, grad_reduce: str | 
 def of_config(cfg, device_type: str = "cpu") -> Precision:
     """A TrainConfig's Precision (its --precision, --dtype and --grad-reduce)."""
     return resolve(cfg.precision, cfg.dtype, cfg.grad_reduce, device_type)
+
+
+def widths(cfg) -> tuple[Precision, int, int]:
+    """(cfg's Precision, its working weights' and gradients' bytes, the gradient wire's bytes)."""
+    p = of_config(cfg)
+    return p, p.working.itemsize, (p.reduce if p.mixed else p.working).itemsize
 
 
 def model_state_bytes(psi: int, n: int, stage: int, p: Precision) -> dict[str, float]:

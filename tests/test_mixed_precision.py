@@ -144,3 +144,66 @@ def test_bf16_mixed_follows_the_fp32_loss_curve_over_100_steps():
     assert fp32[-1] < 0.6 * fp32[0]  # the runs learn something, so the comparison means something
     for step, (a, b) in enumerate(zip(fp32, mixed)):
         assert abs(a - b) <= 2**-4 * a, f"step {step}: fp32 {a:.4f}, bf16-mixed {b:.4f}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Layouts: one SGD step at lr 1 in bf16-mixed, so each fp32 master moves by its averaged gradient
+# ----------------------------------------------------------------------------------------------
+
+ROWS, SEQ = 8, 16
+
+
+def _moved(rank, world, layout, grad_reduce=None):
+    from minipar.context_parallel import split_sequence
+    from minipar.run.train import train_step
+    from minipar.tensor_parallel import unshard
+
+    cfg = TrainConfig(model=layout.pop("model", "tiny"), seq_len=SEQ, global_batch=ROWS, micro_batch=2,
+                      weight_decay=0.0, grad_clip=0.0, bucket_mb=0.01, grad_reduce=grad_reduce, **MIXED, **layout)
+    with Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp) as mesh:
+        if cfg.ep > 1:
+            mesh.unflatten(("dp", "cp"), edp=cfg.dp * cfg.cp // cfg.ep, ep=cfg.ep)
+        model, pipeline, wrapper = _train_objects(cfg, mesh, get_config(cfg.model, vocab_size=256),
+                                                  lambda groups: torch.optim.SGD(groups, lr=1.0))
+        with wrapper.gathered():  # the fp32 masters
+            before = {n: unshard(p.detach(), p, mesh.groups()).clone() for n, p in model.named_parameters()}
+        x = torch.randint(0, 256, (ROWS, SEQ + 1), generator=torch.Generator().manual_seed(0))
+        per = ROWS // cfg.dp
+        x = x[mesh.dp_rank * per:(mesh.dp_rank + 1) * per]
+        x, y = (split_sequence(t, mesh.cp_group) for t in (x[:, :-1], x[:, 1:]))
+        train_step(wrapper, list(zip(x.split(2), y.split(2))), 0.0, pipeline=pipeline)
+        with wrapper.gathered():
+            return {n: before[n] - unshard(p.detach(), p, mesh.groups()) for n, p in model.named_parameters()}
+
+
+def gradients(world, layout, grad_reduce=None) -> dict[str, torch.Tensor]:
+    out = {}
+    for moved in run_ranks(world, _moved, dict(layout), grad_reduce, timeout=300):
+        out.update(moved)
+    return out
+
+
+def worst_relative_error(got: dict, want: dict) -> float:
+    """max over tensors of |got - want| / |want| (Frobenius norms)."""
+    assert got.keys() == want.keys()
+    return max(float((got[n] - want[n]).norm() / want[n].norm()) for n in want)
+
+
+# What reorders the sums: one process adds the whole batch's contributions inside each matmul (an fp32
+# accumulator, rounded once to bf16). A layout adds them in pieces, each rounded to bf16 before the
+# next sum: dp rounds each rank's gradient, then sums them in bf16 across ranks; tp rounds each rank's
+# partial products before their all-reduce; pp and cp hand bf16 activations between ranks computed in
+# another order; ep adds the experts' tokens in another order. Each rounding is a relative 2^-9;
+# through forward and backward of two layers a gradient gathers a few tens of them: 2^-4 of its norm
+# is a generous bound, yet a gradient averaged with a wrong scale (a factor 2: error 1) or missing a
+# rank's half of the batch (about 1/2) lands far outside it.
+LAYOUT_TOLERANCE = 2**-4
+PARITY = [(2, dict(dp=2)), (2, dict(dp=2, zero=1)), (2, dict(dp=2, zero=2)), (2, dict(dp=2, zero=3)),
+          (2, dict(tp=2, sp=True)), (2, dict(pp=2)), (2, dict(cp=2)), (2, dict(tp=2, recompute=True)),
+          (2, dict(model="tiny-moe", dp=2, ep=2))]
+
+
+@pytest.mark.parametrize("world,layout", PARITY, ids=["-".join(f"{k}{v}" for k, v in c[1].items()) for c in PARITY])
+def test_bf16_mixed_gradients_equal_one_process_under_every_layout(world, layout):
+    one = gradients(1, dict(model=layout.get("model", "tiny")))
+    assert worst_relative_error(gradients(world, layout), one) < LAYOUT_TOLERANCE

@@ -54,16 +54,10 @@ from minipar.pipeline.schedules import build as build_schedule
 from minipar.pipeline.schedules import messages_of
 from minipar.placement import DENSE, placement_of
 from minipar.planning.estimate_moe import moe_block_bytes, moe_bytes_sent
-from minipar.precision import Precision, of_config
+from minipar.precision import of_config, widths
 from minipar.run.config import TrainConfig
 from minipar.zero import bucket_plan
 from minipar.zero3 import unit_chunks, units_of
-
-
-def _widths(cfg: TrainConfig) -> tuple[Precision, int, int]:
-    """(cfg's Precision, the working weights' and gradients' bytes, the gradient wire's bytes)."""
-    p = of_config(cfg)
-    return p, p.working.itemsize, (p.reduce if p.mixed else p.working).itemsize
 
 
 @dataclass
@@ -107,7 +101,7 @@ def held_bytes(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
     """{params, grads, optimizer}: the bytes pp rank `pp_rank` holds once gradients are synced.
     bf16-mixed (precision.py): bf16 weights and gradients, fp32 masters (counted with the params)."""
     model = rank_model(model_cfg, cfg, pp_rank)
-    prec, width, wire = _widths(cfg)
+    prec, width, wire = widths(cfg)
     master = torch.promote_types(prec.built, torch.float32).itemsize
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
@@ -137,7 +131,7 @@ def dp_bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) ->
     if n == 1:
         return {}
     model = rank_model(model_cfg, cfg, pp_rank)
-    _, width, wire = _widths(cfg)  # weights are gathered at their width, gradients sent at the wire's
+    _, width, wire = widths(cfg)  # weights are gathered at their width, gradients sent at the wire's
     sent = Counter({f"{_dp_name(DENSE, cfg)}/all_reduce": ring_bytes_sent("all_reduce", 8, n)})
     if cfg.zero == 0:  # a bucket never mixes reduction groups (DataParallel._make_buckets)
         for dims, params in by_grad_mean(list(reversed(list(model.parameters())))).items():
@@ -148,9 +142,9 @@ def dp_bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) ->
     for _, dims, chunk in _zero_plan(model, cfg):
         r, group = _replicas(dims, cfg), _dp_name(dims, cfg)
         padded = -(-sum(p.numel() for p in chunk) // r) * r
-        sent[f"{group}/reduce_scatter"] += (m if cfg.zero >= 2 else 1) * ring_bytes_sent("reduce_scatter",
-                                                                                        padded * wire, r)
-        sent[f"{group}/all_gather"] += (2 * m if cfg.zero == 3 else 1) * ring_bytes_sent("all_gather", padded * width, r)
+        scatters, gathers = (m if cfg.zero >= 2 else 1), (2 * m if cfg.zero == 3 else 1)
+        sent[f"{group}/reduce_scatter"] += scatters * ring_bytes_sent("reduce_scatter", padded * wire, r)
+        sent[f"{group}/all_gather"] += gathers * ring_bytes_sent("all_gather", padded * width, r)
     for group, (size, times) in _norm_sums(model, cfg).items():
         if group in ("dp", "dp_cp", "edp"):
             sent[f"{group}/all_reduce"] += times * ring_bytes_sent("all_reduce", _grad_width(cfg), size)
@@ -194,7 +188,7 @@ def bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
     tokens = cfg.micro_batch * cfg.seq_len // cfg.cp  # this rank's, per micro-batch
     # Under bf16 autocast the matmuls' outputs (and their gradients) are bf16, but the residual
     # stream, the norms' outputs and RoPE's rotations stay in the weights' fp32 (bf16-mixed: bf16).
-    weight_width = _widths(cfg)[1]
+    weight_width = widths(cfg)[1]
     stream, product = tokens * model_cfg.dim * weight_width, tokens * model_cfg.dim * w
     grad_width = _grad_width(cfg)
     if cfg.tp > 1:
@@ -261,7 +255,7 @@ def temporary_bytes(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) 
     Both are in peak_bytes; the logits' gradient and what a kernel allocates for itself are not."""
     if cfg.zero == 0:
         return {}
-    model, (_, width, wire) = rank_model(model_cfg, cfg, pp_rank), _widths(cfg)
+    model, (_, width, wire) = rank_model(model_cfg, cfg, pp_rank), widths(cfg)
     plan = _zero_plan(model, cfg)
     padded = [-(-sum(p.numel() for p in chunk) // _replicas(dims, cfg)) * _replicas(dims, cfg) * max(width, wire)
               for _, dims, chunk in plan]
@@ -285,11 +279,6 @@ def _zero_plan(model, cfg: TrainConfig):
 # ----------------------------------------------------------------------------------------------
 
 
-def _autocast(cfg: TrainConfig) -> bool:
-    """bf16-autocast: fp32 weights and residual stream, bf16 matmul products and weight copies."""
-    return of_config(cfg).autocast is not None
-
-
 def layer_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
     """The tensors one dense transformer layer keeps for backward, for one micro-batch: exactly what
     autograd saves in minipar's layer (tests/test_estimate.py counts them), Korthikanti et al.'s
@@ -308,13 +297,13 @@ def layer_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
     s, d, e = cfg.seq_len // cfg.cp, c.dim, c.head_dim
     tokens, sp = b * s, (t if cfg.sp else 1)
     if cfg.recompute:  # the layer's input: the residual stream, in the weights' dtype
-        return tokens * d * _widths(cfg)[1] // sp
+        return tokens * d * widths(cfg)[1] // sp
     heads, kv = c.n_heads // t, max(1, c.n_kv_heads // t)
     repeated = cfg.cp == 1 and 1 < kv < heads  # einops repeat copies k and v; one kv head is a view
     attention = 2 * tokens * d // t + 2 * tokens * e * (heads if repeated else kv)
     small = 2 * tokens // sp + 2 * s * e + tokens * heads  # 1/rms, cos and sin, log-sum-exp
     mlp = 4 * tokens * c.ffn_dim // t
-    if _autocast(cfg):  # autocast: x, x/rms and the small ones in fp32; a bf16 copy of the
+    if of_config(cfg).autocast is not None:  # autocast: x, x/rms and the small ones in fp32; a bf16 copy of the
         # normed input for each of the 5 projections that read it; the weights' copies: weight_casts.
         # SDPA's bf16 copy of the (fp32, rotated) keys is made from their repeated view: full width.
         # Ring attention keeps q, k and its output in fp32, v in bf16; wo reads a bf16 copy.
@@ -328,7 +317,7 @@ def layer_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
 def weight_casts(c: ModelConfig, cfg: TrainConfig) -> int:
     """Under bf16 autocast, the bf16 copy of each weight matrix of a layer that backward keeps:
     made once per autocast region, so once per layer however many micro-batches are in flight."""
-    if not _autocast(cfg):  # bf16-mixed's weights are bf16 already: no copies (ZeRO-3 frees them after use)
+    if of_config(cfg).autocast is None:  # bf16-mixed: the weights are bf16 already, no copies
         return 0
     t, d, kv = cfg.tp, c.dim, c.n_kv_heads * c.head_dim
     return 2 * ((2 * d * d + 3 * d * c.ffn_dim) // t + 2 * d * kv // (t if c.n_kv_heads % t == 0 else 1))
@@ -340,7 +329,7 @@ def head_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
     sp = t if cfg.sp else 1
     vocab = -(-c.vocab_size // t)
     logits = tokens * vocab * max(w, 4) + 8 * tokens  # kept by the loss in at least fp32; the targets
-    if _autocast(cfg):  # x, x/rms in fp32; bf16 copies of the normed input and of the head's weight
+    if of_config(cfg).autocast is not None:  # x, x/rms in fp32; bf16 copies of the normed input and head weight
         return 4 * (2 * tokens * c.dim // sp + tokens // sp) + 2 * (tokens * c.dim + vocab * c.dim) + logits
     return w * (tokens * c.dim + 2 * tokens * c.dim // sp + tokens // sp) + logits
 

@@ -24,10 +24,10 @@ from minipar.expert_parallel import check_expert_layout
 from minipar.mesh import MeshLayout
 from minipar.model import CONFIGS, ModelConfig, config_from
 from minipar.pipeline.executor import stage_layers
-from minipar.precision import resolve as resolve_precision
 from minipar.pipeline.schedules import SCHEDULES, ScheduleError
 from minipar.pipeline.schedules import build as build_schedule
 from minipar.pipeline.schedules import placement as schedule_placement
+from minipar.precision import resolve as resolve_precision
 from minipar.run.args import HelpFormatter, InputError, Parser
 from minipar.run.config_file import as_toml, read_config_file
 from minipar.tensor_parallel import check_tensor_layout
