@@ -317,9 +317,8 @@ def parser() -> argparse.ArgumentParser:
                    help="fp32; bf16-autocast (fp32 weights, bf16 matmuls); bf16-mixed (the ZeRO paper's: bf16 "
                         "weights and gradients, fp32 master weights and Adam state: 16 bytes per parameter). "
                         "Default: fp32 on CPU, bf16-autocast on CUDA")
-    g.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16"],
-                   help="float64: everything in float64 (the proofs; takes no --precision); float32 is "
-                        "--precision fp32, bfloat16 the older spelling of --precision bf16-autocast")
+    g.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16"], help="float64: all in "
+                   "float64 (proofs; no --precision); float32 = --precision fp32, bfloat16 = bf16-autocast")
     g.add_argument("--grad-reduce", default=None, choices=["bf16", "fp32"],
                    help="bf16-mixed: gradients sent in bf16 (default) or fp32: twice the bytes, the sum over "
                         "ranks rounded once instead of at each hop")
