@@ -50,7 +50,23 @@ def _worker(rank: int, world: int, port: int, tasks, results, backend: str = "gl
             results.put((rank, True, fn(rank, world, *args, **kwargs)))
         except BaseException:  # noqa: B036 - report everything, including assertion errors
             results.put((rank, False, traceback.format_exc()))
+        _destroy_subgroups()
     dist.destroy_process_group()
+
+
+def _destroy_subgroups() -> None:
+    """Free the groups a test made. Each gloo group keeps its own transport threads, which poll; a
+    worker that ran hundreds of tests without this held hundreds of them, and the suite slowed
+    step by step until CI's time ran out. (torch has no public list of groups: _world is private.)"""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    import gc
+
+    for group in list(distributed_c10d._world.pg_map):
+        if group is not distributed_c10d.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+    gc.collect()  # the threads go with the last reference to a group: models and meshes hold them
 
 
 class _Pool:

@@ -1,6 +1,7 @@
 """The mesh: groups partition the world, coordinates round-trip, the groups a module needs come by name."""
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -156,3 +157,20 @@ def test_groups_made_of_one_group_average_every_gradient_over_it():
     assert groups.tp.size == groups.cp.size == groups.pp.size == 1
     with pytest.raises(KeyError, match="no sp group"):
         groups["sp"]
+
+
+def _threads_after_making_groups(rank, world):
+    """This process's thread count, then two more groups made (each gloo group has threads)."""
+    import os
+    threads = len(os.listdir("/proc/self/task"))
+    Mesh.build(dp=2)
+    Mesh.build(dp=2)
+    return threads
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_the_test_ranks_free_the_groups_each_test_made():
+    """The harness's reused ranks drop a test's groups when it ends: without that each gloo group's
+    polling threads stayed, and a full suite slowed step by step past CI's time limit."""
+    counts = [run_ranks(2, _threads_after_making_groups)[0] for _ in range(4)]
+    assert counts[-1] <= counts[1] + 1, f"threads per rank before each task: {counts}"
