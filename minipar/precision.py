@@ -23,11 +23,14 @@ Bytes per parameter Psi, per rank over N data-parallel ranks (`model_state_bytes
 (minipar's ZeRO 1-2 in fp32 also keep an fp32 slice beside the weights, 4 Psi/N more: the master
 the optimizer updates; ZeRO's slices are padded so that each bucket divides by N.)
 
-Gradient reduction, `--grad-reduce` (bf16-mixed only): the gradients are held in bf16 either way;
-`bf16` sends them as they are, `fp32` casts each flat bucket to fp32 before its all-reduce or
-reduce-scatter: twice the bytes on the wire (and in the flat buffer), but the sum over N ranks is
-rounded once, to bf16 at the end, instead of at every hop of the ring (bf16 keeps 8 bits of
-mantissa: a relative 2^-9 per rounding).
+Gradient reduction, `--grad-reduce` (bf16-mixed only): the gradients are held in bf16 either way.
+bf16 keeps 8 significant bits, so each rounding moves a value by up to u = 2^-8 of it (half an ulp).
+`bf16` sends them as they are: the sum over N ranks is rounded at each of its N - 1 additions, an
+error up to about (N - 1) u of sum |g_i| (more than the mean itself where the ranks' gradients
+cancel). `fp32` casts each flat bucket to fp32 before its all-reduce or reduce-scatter: the sum is
+exact but for fp32's own 2^-24s and is rounded to bf16 once, within half an ulp of the exact mean.
+What it costs: twice the gradient bytes on the wire and in the flat buffer. At N = 2 the two agree
+bit for bit (one bf16 addition is the exact sum rounded once); the difference grows with N.
 
 Why bf16 and not fp16: bf16 has fp32's 8-bit exponent, so gradients as small as 1e-38 survive;
 fp16's 5-bit exponent flushes those below about 6e-8 to zero, which is why fp16 training multiplies

@@ -320,8 +320,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16"], help="float64: all in "
                    "float64 (proofs; no --precision); float32 = --precision fp32, bfloat16 = bf16-autocast")
     g.add_argument("--grad-reduce", default=None, choices=["bf16", "fp32"],
-                   help="bf16-mixed: gradients sent in bf16 (default) or fp32: twice the bytes, the sum over "
-                        "ranks rounded once instead of at each hop")
+                   help="bf16-mixed: gradients summed over ranks in bf16 (default: rounded at each of N-1 adds) "
+                        "or fp32 (twice the bytes; the mean rounded once, within half a bf16 ulp)")
     g.add_argument("--bucket-mb", type=float, default=d.bucket_mb, help="data-parallel gradient bucket size")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage over the dp group: 0, 1, 2 or 3")
     g.add_argument("--offload", action=switch, default=False, help="ZeRO 1-2: optimizer state and update on the CPU")
