@@ -134,16 +134,45 @@ def _curve(rank, world, precision, steps):
 
 def test_bf16_mixed_follows_the_fp32_loss_curve_over_100_steps():
     fp32, mixed = (run_ranks(1, _curve, p, 100)[0] for p in ("fp32", "bf16-mixed"))
-    # Tolerance. bf16 keeps 8 bits of mantissa: each weight, activation and gradient is rounded by up to
-    # a relative 2^-9, so one forward of this 2-layer model moves the loss by a few 2^-9 relative (about
-    # 0.02 at a loss of 4). The fp32 masters take every update whole, so the runs do not drift apart by
+    # Tolerance. bf16 keeps 8 significant bits: each weight, activation and gradient is rounded by up to
+    # a relative 2^-8, so one forward of this 2-layer model moves the loss by a few 2^-8 relative (about
+    # 0.04 at a loss of 4). The fp32 masters take every update whole, so the runs do not drift apart by
     # rounding the updates away; what accumulates is the difference of 100 gradients each a few 2^-8
     # off, which Adam turns into updates of the same relative size. A relative 2^-4 (6%) of the loss
     # covers that with room; a broken master (updates lost to bf16 rounding, lr 3e-3 on weights of
     # 0.02: a 2^-3 relative step, half of it rounded away) or a wrong gradient scale lands far outside.
     assert fp32[-1] < 0.6 * fp32[0]  # the runs learn something, so the comparison means something
+    print(f"fp32 vs bf16-mixed: worst relative loss difference {max(abs(a - b) / a for a, b in zip(fp32, mixed)):.2e}"
+          f" over {len(fp32)} steps, tolerance {2**-4:.2e}")
     for step, (a, b) in enumerate(zip(fp32, mixed)):
         assert abs(a - b) <= 2**-4 * a, f"step {step}: fp32 {a:.4f}, bf16-mixed {b:.4f}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints hold the fp32 masters: a resumed run continues bit for bit, and fp32 runs load them
+# ----------------------------------------------------------------------------------------------
+
+
+def test_bf16_mixed_zero2_checkpoint_resumes_bit_for_bit_and_loads_into_an_fp32_run(tmp_path):
+    from safetensors.torch import load_file
+    from test_train import common, losses, run
+
+    def argv(name, **over):  # scripts/train.py's flags: bf16-mixed instead of the float64 of test_train
+        return [a for a in common(tmp_path, steps=6, save_every=3, out=tmp_path / name,
+                                  log_json=tmp_path / f"{name}.jsonl", **over) if not a.startswith("--dtype")]
+
+    run(argv("whole", dp=2, zero=2, precision="bf16-mixed"), nproc=2)
+    saved = tmp_path / "whole" / "step_000003"
+    assert {t.dtype for t in load_file(saved / "model.safetensors").values()} == {torch.float32}  # the masters
+    run(argv("resumed", dp=2, zero=2, precision="bf16-mixed", resume=saved), nproc=2)
+    whole, resumed = losses(tmp_path / "whole.jsonl"), losses(tmp_path / "resumed.jsonl")
+    assert sorted(resumed) == [4, 5, 6] and all(resumed[s] == whole[s] for s in resumed), (whole, resumed)
+    # The same checkpoint in an fp32 run on one process: it loads (the layout and the precision may
+    # change on resume), and continues within bf16's reach of the bf16-mixed run (the curve test's 2^-4).
+    run(argv("fp32", precision="fp32", resume=saved))
+    fp32 = losses(tmp_path / "fp32.jsonl")
+    assert sorted(fp32) == [4, 5, 6] and all(abs(fp32[s] - whole[s]) <= 2**-4 * whole[s] for s in fp32), (whole, fp32)
+    assert fp32 != resumed  # it did run in fp32: bf16's roundings are gone
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,13 +182,13 @@ def test_bf16_mixed_follows_the_fp32_loss_curve_over_100_steps():
 ROWS, SEQ = 8, 16
 
 
-def _moved(rank, world, layout, grad_reduce=None):
+def _moved(rank, world, layout):
     from minipar.context_parallel import split_sequence
     from minipar.run.train import train_step
     from minipar.tensor_parallel import unshard
 
     cfg = TrainConfig(model=layout.pop("model", "tiny"), seq_len=SEQ, global_batch=ROWS, micro_batch=2,
-                      weight_decay=0.0, grad_clip=0.0, bucket_mb=0.01, grad_reduce=grad_reduce, **MIXED, **layout)
+                      weight_decay=0.0, grad_clip=0.0, bucket_mb=0.01, **MIXED, **layout)
     with Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp) as mesh:
         if cfg.ep > 1:
             mesh.unflatten(("dp", "cp"), edp=cfg.dp * cfg.cp // cfg.ep, ep=cfg.ep)
@@ -176,9 +205,9 @@ def _moved(rank, world, layout, grad_reduce=None):
             return {n: before[n] - unshard(p.detach(), p, mesh.groups()) for n, p in model.named_parameters()}
 
 
-def gradients(world, layout, grad_reduce=None) -> dict[str, torch.Tensor]:
+def gradients(world, layout) -> dict[str, torch.Tensor]:
     out = {}
-    for moved in run_ranks(world, _moved, dict(layout), grad_reduce, timeout=300):
+    for moved in run_ranks(world, _moved, dict(layout), timeout=300):
         out.update(moved)
     return out
 
@@ -193,17 +222,103 @@ def worst_relative_error(got: dict, want: dict) -> float:
 # accumulator, rounded once to bf16). A layout adds them in pieces, each rounded to bf16 before the
 # next sum: dp rounds each rank's gradient, then sums them in bf16 across ranks; tp rounds each rank's
 # partial products before their all-reduce; pp and cp hand bf16 activations between ranks computed in
-# another order; ep adds the experts' tokens in another order. Each rounding is a relative 2^-9;
-# through forward and backward of two layers a gradient gathers a few tens of them: 2^-4 of its norm
-# is a generous bound, yet a gradient averaged with a wrong scale (a factor 2: error 1) or missing a
-# rank's half of the batch (about 1/2) lands far outside it.
+# another order; ep adds the experts' tokens in another order. Each rounding moves a value by up to
+# u = 2^-8 of it; through forward and backward of two layers a gradient gathers a few tens of them,
+# partly cancelling: 16 u = 2^-4 of its norm bounds that, yet a gradient averaged with a wrong scale
+# (a factor 2: error 1) or missing a rank's half of the batch (about 1/2) lands far outside it.
+# Measured (tiny, CPU, printed with -s): dp and ZeRO 1-3 1.1-1.4 u, ep 1.3 u, tp 2.5-3.2 u, cp 3.7 u,
+# pp 0 (each stage runs one process's very sums): the tolerance is 4x the worst, not loose by 10x.
 LAYOUT_TOLERANCE = 2**-4
 PARITY = [(2, dict(dp=2)), (2, dict(dp=2, zero=1)), (2, dict(dp=2, zero=2)), (2, dict(dp=2, zero=3)),
           (2, dict(tp=2, sp=True)), (2, dict(pp=2)), (2, dict(cp=2)), (2, dict(tp=2, recompute=True)),
           (2, dict(model="tiny-moe", dp=2, ep=2))]
 
 
+ONE_PROCESS: dict[str, dict] = {}  # the reference of each model, computed once per session
+
+
 @pytest.mark.parametrize("world,layout", PARITY, ids=["-".join(f"{k}{v}" for k, v in c[1].items()) for c in PARITY])
 def test_bf16_mixed_gradients_equal_one_process_under_every_layout(world, layout):
-    one = gradients(1, dict(model=layout.get("model", "tiny")))
-    assert worst_relative_error(gradients(world, layout), one) < LAYOUT_TOLERANCE
+    model = layout.get("model", "tiny")
+    if model not in ONE_PROCESS:
+        ONE_PROCESS[model] = gradients(1, dict(model=model))
+    error = worst_relative_error(gradients(world, layout), ONE_PROCESS[model])
+    margin = f"{LAYOUT_TOLERANCE / error:.0f}x below it" if error else "bit-identical"
+    print(f"{layout}: worst relative error {error:.2e}, tolerance {LAYOUT_TOLERANCE:.2e} ({margin})")
+    assert error < LAYOUT_TOLERANCE
+
+
+# ----------------------------------------------------------------------------------------------
+# --grad-reduce: what fp32 on the wire buys over bf16, measured against the exact mean
+# ----------------------------------------------------------------------------------------------
+# Each rank's gradient is bf16 (8 significant bits: a rounding moves a value by at most u = 2^-8 of
+# it, half an ulp). The wrappers divide it by N (exact: N = 4) and sum over the ranks.
+#   fp32: the sum of four bf16 values in fp32 is exact up to fp32's own roundings (3 of 2^-24 each),
+#         then rounded once to bf16: within half a bf16 ulp of the exact mean (plus those 2^-24s).
+#   bf16: gloo adds the ranks' values pairwise in bf16, rounding each of the N - 1 partial sums; by
+#         the textbook bound for any order of summation the error is at most gamma_{N-1} * sum |g_i| / N,
+#         gamma_k = k u / (1 - k u): three roundings, and of partial sums that can exceed the mean.
+# At dp 2 the two settings agree bit for bit: a bf16 add of two bf16 values is their exact sum
+# rounded once, which is what fp32 gives too. Hence dp 4 here.
+
+REDUCE_N, REDUCE_NUMEL = 4, 4096
+
+
+class _Weighted(torch.nn.Module):
+    """sum(w * x): the gradient of w is x, the rank's own bf16 values, exactly."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(REDUCE_NUMEL))
+
+    def forward(self, x):
+        return (self.w * x).sum()
+
+
+def _reduced(rank, world, grad_reduce, zero):
+    from minipar.collectives import all_gather
+    from minipar.grad_sync import build_grad_sync
+    from minipar.precision import resolve
+
+    g = torch.Generator().manual_seed(rank)  # magnitudes over 2^-6 .. 2^6 and both signs: sums that cancel
+    x = (torch.randn(REDUCE_NUMEL, generator=g) * 2.0 ** torch.randint(-6, 7, (REDUCE_NUMEL,), generator=g))
+    x = x.to(torch.bfloat16)
+    with Mesh.build(dp=world) as mesh:
+        model = _Weighted()
+        wrapper = build_grad_sync(model, mesh.groups(), [{"params": list(model.parameters())}],
+                                  lambda groups: torch.optim.SGD(groups, lr=1.0), zero=zero, bucket_mb=1.0,
+                                  precision=resolve("bf16-mixed", grad_reduce=grad_reduce))
+        mesh.ledger.reset()
+        wrapper(x).backward()
+        wrapper.finish_grad_sync()
+        sent = mesh.ledger.total_sent()
+        got = model.w.grad if zero == 0 else wrapper.buckets[0].grad_slice
+        mine = slice(None) if zero == 0 else wrapper.buckets[0].slice
+        every = all_gather(x.double()[None], mesh.groups().dp)  # [N, numel]: every rank's gradient
+        return dict(got=got.double(), mean=every.mean(0)[mine], abs_mean=every.abs().mean(0)[mine],
+                    dtype=got.dtype, sent=sent)
+
+
+def half_ulp_bf16(x: torch.Tensor) -> torch.Tensor:
+    """Half the spacing of bf16 numbers at x: 2^(e - 8) for |x| in [2^(e-1), 2^e)."""
+    return torch.ldexp(torch.ones_like(x), torch.frexp(x)[1] - 9)
+
+
+@pytest.mark.parametrize("zero", [0, 2], ids=["all-reduce", "reduce-scatter"])
+def test_grad_reduce_fp32_rounds_the_mean_once_and_bf16_within_its_three_roundings_dp4(zero):
+    u = 2.0**-8
+    results = {how: run_ranks(REDUCE_N, _reduced, how, zero) for how in ("fp32", "bf16")}
+    for fp32, bf16 in zip(results["fp32"], results["bf16"]):
+        assert fp32["dtype"] == bf16["dtype"] == torch.bfloat16  # held in bf16 either way
+        mean, spread = fp32["mean"], fp32["abs_mean"]  # the exact mean (float64), and sum |g_i| / N
+        fp32_error, bf16_error = (fp32["got"] - mean).abs(), (bf16["got"] - mean).abs()
+        fp32_bound = half_ulp_bf16(mean) + 3 * 2.0**-24 * spread
+        gamma = 3 * u / (1 - 3 * u)
+        assert (fp32_error <= fp32_bound).all(), f"fp32 off by {float((fp32_error / fp32_bound).max()):.3f} bounds"
+        assert (bf16_error <= gamma * spread).all(), f"bf16 off by {float((bf16_error / (gamma * spread)).max()):.3f}"
+        # What fp32 buys is real: bf16's extra roundings leave some means further than half an ulp.
+        beyond = (bf16_error > half_ulp_bf16(mean) + 3 * 2.0**-24 * spread).float().mean()
+        print(f"zero {zero}: bf16 beyond half an ulp on {float(beyond):.1%} of elements; "
+              f"worst bf16 error {float((bf16_error / (gamma * spread)).max()):.2f} of its bound")
+        assert beyond > 0.01
+        assert fp32["sent"] == 2 * bf16["sent"]  # and what it costs: twice the bytes
