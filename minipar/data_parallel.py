@@ -61,6 +61,7 @@ from torch import nn
 from minipar.collectives import Group, all_reduce, broadcast
 from minipar.mesh import Groups
 from minipar.placement import DENSE, placement_of
+from minipar.precision import FULL, Precision
 from minipar.tensor_parallel import sync_partial_grads
 
 
@@ -147,10 +148,11 @@ def weak_hook(method):
 
 
 class GradBucket:
-    """A few parameters whose gradients are averaged together, in one flat buffer."""
+    """A few parameters whose gradients are averaged together, in one flat buffer of dtype `reduce`
+    (None: the gradients' own; bf16-mixed may reduce its bf16 gradients in fp32)."""
 
-    def __init__(self, index: int, params: list[nn.Parameter], group: Group):
-        self.index, self.params, self.group = index, params, group
+    def __init__(self, index: int, params: list[nn.Parameter], group: Group, reduce: torch.dtype | None = None):
+        self.index, self.params, self.group, self.reduce = index, params, group, reduce
         self.ready: set[int] = set()  # ids of params whose gradient is complete
         self.buffer: torch.Tensor | None = None
         self.work = None
@@ -160,9 +162,13 @@ class GradBucket:
         group = self.group
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         if self.buffer is None:  # allocated once, reused every step
-            self.buffer = torch.empty(sum(p.numel() for p in self.params), dtype=grads[0].dtype,
+            self.buffer = torch.empty(sum(p.numel() for p in self.params), dtype=self.reduce or grads[0].dtype,
                                       device=grads[0].device)
-        torch.cat([g.reshape(-1) for g in grads], out=self.buffer).div_(group.size)
+        if self.buffer.dtype == grads[0].dtype:
+            torch.cat([g.reshape(-1) for g in grads], out=self.buffer)
+        else:  # --grad-reduce fp32: the bf16 gradients widened, so the sum is rounded once, at the end
+            self.buffer.copy_(torch.cat([g.reshape(-1) for g in grads]))
+        self.buffer.div_(group.size)
         self.work = all_reduce(self.buffer, group, async_op=True)
 
     def finish(self) -> None:
@@ -175,25 +181,39 @@ class GradBucket:
         for p in self.params:
             averaged = self.buffer[offset : offset + p.numel()].view_as(p)
             if p.grad is None:
-                p.grad = averaged.clone()
+                p.grad = averaged.to(p.dtype, copy=True)
             else:
-                p.grad.copy_(averaged)
+                p.grad.copy_(averaged)  # held in the weights' dtype, whatever the wire's
             offset += p.numel()
         self.work = None
         self.ready.clear()
 
 
-def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """A torch optimizer's state by parameter name: {name: {slot: tensor}}."""
-    return {n: dict(optimizer.state[p]) for n, p in model.named_parameters() if p in optimizer.state}
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, master: dict | None = None) -> dict:
+    """A torch optimizer's state by parameter name: {name: {slot: tensor}} (`master`: the tensor the
+    optimizer steps for each parameter, if not the parameter itself)."""
+    steps = {n: (master or {}).get(p, p) for n, p in model.named_parameters()}
+    return {n: dict(optimizer.state[m]) for n, m in steps.items() if m in optimizer.state}
 
 
-def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, states: dict) -> None:
+def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, states: dict,
+                        master: dict | None = None) -> None:
     """The inverse of optimizer_state."""
     params = dict(model.named_parameters())
     for name, slots in states.items():
         for slot, value in slots.items():
-            optimizer.state[params[name]][slot] = value
+            optimizer.state[(master or {}).get(params[name], params[name])][slot] = value
+
+
+def master_copies(params: list[nn.Parameter], precision: Precision) -> dict[nn.Parameter, nn.Parameter]:
+    """bf16-mixed: each parameter's fp32 master, a copy, and the parameter itself becomes its bf16
+    working copy (the model computes with it). Otherwise each parameter is its own master."""
+    if not precision.mixed:
+        return {p: p for p in params}
+    masters = {p: nn.Parameter(p.detach().clone()) for p in params}
+    for p in params:
+        p.data = p.data.to(precision.working)
+    return masters
 
 
 class GradSync(nn.Module):
@@ -222,6 +242,19 @@ class GradSync(nn.Module):
         """The groups whose ranks hold p's other pieces (its Placement.shards: tp, ep)."""
         return self.groups.shards(placement_of(p))
 
+    @contextmanager
+    def _holding(self, weights: dict[nn.Parameter, torch.Tensor]):
+        """Inside the block each parameter shows the tensor `weights` gives it (bf16-mixed: its fp32
+        master, for a checkpoint); its own data again after."""
+        kept = {p: p.data for p in weights}
+        for p, w in weights.items():
+            p.data = w
+        try:
+            yield
+        finally:
+            for p, data in kept.items():
+                p.data = data
+
     def held_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in weights, gradients and optimizer state, measured on its tensors."""
         return {"params": self.param_bytes(), "grads": self.gradient_bytes(), "optimizer": self.optimizer_state_bytes()}
@@ -240,9 +273,9 @@ class DataParallel(GradSync):
     """
 
     def __init__(self, module: nn.Module, groups: Groups, bucket_mb: float = 25.0,
-                 optimizer: torch.optim.Optimizer | None = None):
+                 optimizer: torch.optim.Optimizer | None = None, precision: Precision = FULL):
         super().__init__()
-        self.module, self.groups, self.optimizer = module, groups, optimizer
+        self.module, self.groups, self.optimizer, self.precision = module, groups, optimizer, precision
         self.group = groups.reduction(DENSE)
         self.sync = True
         self.buckets = self._make_buckets([p for p in module.parameters() if p.requires_grad], bucket_mb)
@@ -253,6 +286,11 @@ class DataParallel(GradSync):
                     broadcast(p.data, b.group, src=0)
             for t in module.buffers():
                 broadcast(t.data, self.group, src=0)
+        # bf16-mixed: the optimizer, built on the model's fp32 parameters, steps their fp32 masters.
+        self.master = master_copies(list(module.parameters()), precision)
+        if optimizer is not None and precision.mixed:
+            for g in optimizer.param_groups:
+                g["params"] = [self.master[p] for p in g["params"]]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next_to_launch = 0
         self._grads_pending = False  # a backward ran since the last finish_grad_sync
@@ -264,7 +302,8 @@ class DataParallel(GradSync):
         # Backward meets the last layers first; a bucket never mixes reduction groups.
         chunks = [(chunk, self.groups.reduction(dims)) for dims, ps in by_grad_mean(list(reversed(params))).items()
                   for chunk in bucket_params(ps, bucket_mb)]
-        return [GradBucket(i, chunk, group) for i, (chunk, group) in enumerate(chunks)]
+        reduce = self.precision.reduce if self.precision.mixed else None
+        return [GradBucket(i, chunk, group, reduce) for i, (chunk, group) in enumerate(chunks)]
 
     @contextmanager
     def no_sync(self):
@@ -314,26 +353,44 @@ class DataParallel(GradSync):
         self._next_to_launch = 0
 
     def clip_and_step(self, max_norm: float, pp_group: Group | None = None) -> float:
-        """Sum the tp partial gradients, clip by the global norm (over tp and pp), step."""
+        """Sum the tp partial gradients, clip by the global norm (over tp and pp), step. bf16-mixed:
+        the masters take fp32 copies of the gradients (the norm is an fp32 sum), and after the step
+        the working weights take bf16 copies of the masters."""
         sync_partial_grads(self.module, self.groups.tp)
         params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = clip_grads([p.grad for p in params], [self.spread_of(p) for p in params], max_norm, [pp_group])
+        for p in params:
+            self.master[p].grad = p.grad.to(self.master[p].dtype)  # the same tensor unless bf16-mixed
+        grads = [self.master[p].grad for p in params]
+        norm = clip_grads(grads, [self.spread_of(p) for p in params], max_norm, [pp_group])
         if math.isfinite(norm):  # every rank has the same norm, so every rank skips a bad step alike
             self.optimizer.step()
+            if self.precision.mixed:
+                for p, master in self.master.items():
+                    p.data.copy_(master.detach())  # rounded to bf16
         self.optimizer.zero_grad(set_to_none=True)
+        for p in params:
+            p.grad = None
         return norm
 
     # -- the optimizer state by parameter name, and the weights (always whole here) --------------
     def state_by_name(self) -> dict:
-        return optimizer_state(self.module, self.optimizer)
+        return optimizer_state(self.module, self.optimizer, self.master)
 
     def load_state_by_name(self, states: dict) -> None:
-        set_optimizer_state(self.module, self.optimizer, states)
+        set_optimizer_state(self.module, self.optimizer, states, self.master)
+
+    @contextmanager
+    def gathered(self):
+        """The weights are whole here; bf16-mixed shows the fp32 masters (what a checkpoint saves)."""
+        with self._holding({p: m.detach() for p, m in self.master.items()} if self.precision.mixed else {}):
+            yield
 
     def param_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.module.parameters())
+        """The weights, and bf16-mixed's fp32 masters."""
+        weights = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        return weights + sum(m.numel() * m.element_size() for p, m in self.master.items() if m is not p)
 
     def gradient_bytes(self) -> int:
         """A full gradient per parameter, plus the flat bucket buffers (kept between steps)."""
-        return self.param_bytes() + sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets
-                                        if b.buffer is not None)
+        grads = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        return grads + sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets if b.buffer is not None)

@@ -5,12 +5,15 @@ and ZeRO stages 1, 2 and 3. Which one a run uses is one decision, taken here, so
 loop, the benchmarks and the course scripts build them alike:
 
     build_grad_sync(model, mesh.groups(), param_groups(model, cfg), partial(adamw, lr=cfg.lr),
-                    zero=cfg.zero, bucket_mb=cfg.bucket_mb, offload=cfg.offload)
+                    zero=cfg.zero, bucket_mb=cfg.bucket_mb, offload=cfg.offload, precision=of_config(cfg))
 
     zero 0   DataParallel         the optimizer built here, on the whole parameters
     zero 1   ZeroDataParallel     the wrapper builds it on its slices (make_optimizer), stage 1
     zero 2   ZeroDataParallel     stage 2: the gradients sharded too
     zero 3   Zero3DataParallel    the weights too; each layer is a bucket (bucket_mb unused)
+
+`precision` (precision.py) is the same choice for all four: bf16-mixed keeps fp32 master weights
+in whichever wrapper runs, whole in DataParallel, this rank's slices under ZeRO.
 
 `adamw` holds AdamW's settings once: betas (0.9, 0.95) and eps 1e-8, as GPT-3 and Llama train.
 """
@@ -24,6 +27,7 @@ from torch import nn
 
 from minipar.data_parallel import DataParallel, GradSync
 from minipar.mesh import Groups
+from minipar.precision import FULL, Precision
 from minipar.zero import ZeroDataParallel
 from minipar.zero3 import Zero3DataParallel
 
@@ -38,16 +42,18 @@ def adamw(param_groups: list[dict], lr: float, **options) -> torch.optim.AdamW:
 
 def build_grad_sync(model: nn.Module, groups: Groups, param_groups: list[dict],
                     make_optimizer: Callable[[list[dict]], torch.optim.Optimizer], *, zero: int = 0,
-                    bucket_mb: float = 25.0, offload: bool = False) -> GradSync:
+                    bucket_mb: float = 25.0, offload: bool = False, precision: Precision = FULL) -> GradSync:
     """The gradient-sync wrapper for ZeRO stage `zero` (0: plain data parallelism) around `model`.
     Each parameter's gradient is averaged over the group its Placement names (`groups.reduction`);
-    `make_optimizer(param_groups)` builds the optimizer (ZeRO: on the wrapper's slices of them)."""
+    `make_optimizer(param_groups)` builds the optimizer (ZeRO: on the wrapper's slices of them).
+    `precision` bf16-mixed (precision.py): `model` comes in fp32; the wrapper keeps fp32 masters
+    (ZeRO: its slices) for the optimizer and turns the model's own weights into bf16 copies."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage {zero}: choose 0, 1, 2 or 3")
     if offload and zero not in (1, 2):
         raise ValueError(f"offload needs ZeRO stage 1 or 2, not {zero}: it moves ZeRO's optimizer slices to the CPU")
     if zero == 3:
-        return Zero3DataParallel(model, groups, make_optimizer, param_groups)
+        return Zero3DataParallel(model, groups, make_optimizer, param_groups, precision=precision)
     if zero:
-        return ZeroDataParallel(model, groups, zero, make_optimizer, param_groups, bucket_mb, offload)
-    return DataParallel(model, groups, bucket_mb, optimizer=make_optimizer(param_groups))
+        return ZeroDataParallel(model, groups, zero, make_optimizer, param_groups, bucket_mb, offload, precision)
+    return DataParallel(model, groups, bucket_mb, optimizer=make_optimizer(param_groups), precision=precision)

@@ -45,6 +45,7 @@ from minipar.collectives import Group, all_gather, all_gather_into, broadcast, r
 from minipar.data_parallel import GradSync, bucket_params, by_grad_mean, clip_grads, weak_hook
 from minipar.mesh import Groups
 from minipar.placement import DENSE, placement_of
+from minipar.precision import FULL, Precision
 from minipar.tensor_parallel import sync_partial_grads
 
 
@@ -76,12 +77,15 @@ class ZeroBucket:
     """Some parameters as one flat vector, padded to a multiple of N; this rank owns 1/N of it.
 
     The parameters become views into that flat vector (`full`), so the all-gather after the step
-    writes the new weights straight into them, with no copy.
+    writes the new weights straight into them, with no copy. `master`: this rank's slice in fp32
+    (float64 stays float64), what the optimizer updates; `grad_slice`: its gradient, in the
+    weights' dtype. bf16-mixed: `full` (and the gradients) become bf16 once the master is taken.
     """
 
     def __init__(self, params: list[nn.Parameter], group: Group, spread: tuple[Group, ...] = (),
-                 offload: bool = False):
+                 offload: bool = False, precision: Precision = FULL):
         self.params, self.group = params, group
+        self.reduce = precision.reduce if precision.mixed else None  # None: the gradients' own dtype
         # Where the rest of this bucket's gradient lives, for a norm over the whole of it: other tp or
         # ep shards of these same parameters (`spread`), and the other dp ranks' slices (`group`).
         self.spread = spread + (group,)
@@ -90,14 +94,17 @@ class ZeroBucket:
         # Rank r owns elements [r * padded/N, (r+1) * padded/N): e.g. numel 10, N 4: padded 12, slices of 3.
         self.slice = slice(group.rank * self.padded // group.size, (group.rank + 1) * self.padded // group.size)
         self.full = self._flatten([p.detach() for p in params])  # [padded]
+        dtype = torch.promote_types(self.full.dtype, torch.float32)
+        device = "cpu" if offload else self.full.device  # CPU offload: state and update live in host memory
+        # This rank's slice of the weights, in fp32 (float64 stays float64): what the optimizer updates.
+        self.master = nn.Parameter(self.full[self.slice].to(device=device, dtype=dtype).clone())  # [padded // N]
+        if precision.mixed:
+            self.full = self.full.to(precision.working)  # the working weights: bf16
         offset = 0
         for p in params:
             p.data = self.full[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
-        # This rank's slice of the weights, in fp32 (float64 stays float64): what the optimizer updates.
-        dtype = torch.promote_types(self.full.dtype, torch.float32)
-        device = "cpu" if offload else self.full.device  # CPU offload: state and update live in host memory
-        self.master = nn.Parameter(self.full[self.slice].to(device=device, dtype=dtype).clone())  # [padded // N]
+        self.grad_slice: torch.Tensor | None = None
         self.ready: set[int] = set()
 
     def _flatten(self, tensors) -> torch.Tensor:
@@ -105,14 +112,16 @@ class ZeroBucket:
         return torch.nn.functional.pad(flat, (0, self.padded - flat.numel()))  # [padded], zeros at the end
 
     def reduce_scatter_grads(self) -> None:
-        """Add this rank's slice of the dp-mean of the bucket's gradients to master.grad; free them."""
+        """Add this rank's slice of the dp-mean of the bucket's gradients to grad_slice; free them."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        mine = reduce_scatter(self._flatten(grads).div_(self.group.size), self.group)  # [padded] -> [padded // N]
-        mine = mine.to(self.master.device, self.master.dtype)
-        if self.master.grad is None:
-            self.master.grad = mine
+        flat = self._flatten(grads)  # [padded]
+        flat = flat.to(self.reduce) if self.reduce is not None else flat  # --grad-reduce fp32: twice the bytes
+        mine = reduce_scatter(flat.div_(self.group.size), self.group)  # [padded] -> [padded // N]
+        mine = mine.to(self.master.device, self.full.dtype)
+        if self.grad_slice is None:
+            self.grad_slice = mine
         else:
-            self.master.grad += mine  # accumulation: one reduce-scatter per micro-batch (stage 2)
+            self.grad_slice += mine  # accumulation: one reduce-scatter per micro-batch (stage 2)
         for p in self.params:
             p.grad = None  # the full gradient is gone: only the slice remains
         self.ready.clear()
@@ -137,11 +146,12 @@ class ZeroDataParallel(GradSync):
     STAGES: tuple[int, ...] = (1, 2)  # stage 3 is zero3.Zero3DataParallel, a subclass
 
     def __init__(self, module: nn.Module, groups: Groups, stage: int, make_optimizer, param_groups,
-                 bucket_mb: float = 25.0, offload: bool = False):
+                 bucket_mb: float = 25.0, offload: bool = False, precision: Precision = FULL):
         super().__init__()
         if stage not in self.STAGES:
             raise ValueError(f"ZeRO stage {stage} is not built by {type(self).__name__}: choose from {self.STAGES}")
         self.module, self.groups, self.stage, self.offload = module, groups, stage, offload
+        self.precision = precision
         self.group = groups.reduction(DENSE)  # the dense parameters' group
         with torch.no_grad():  # start identical, as in DataParallel
             for p in module.parameters():
@@ -161,7 +171,7 @@ class ZeroDataParallel(GradSync):
                     p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready))
 
     def _new_bucket(self, params, group: Group, spread: tuple[Group, ...]) -> ZeroBucket:
-        return ZeroBucket(params, group, spread, self.offload)
+        return ZeroBucket(params, group, spread, self.offload, self.precision)
 
     def _chunks(self, params, bucket_mb):
         return bucket_params(params, bucket_mb)
@@ -192,13 +202,16 @@ class ZeroDataParallel(GradSync):
 
     def clip_and_step(self, max_norm: float, pp_group: Group | None = None) -> float:
         """Global gradient norm from the slices (summed over dp; tp-sharded buckets also over tp;
-        stages over pp), clipping, the optimizer step on the slices, and the all-gather of weights."""
-        with_grad = [b for b in self.buckets if b.master.grad is not None]
+        stages over pp), clipping, the optimizer step on the slices, and the all-gather of weights.
+        bf16-mixed: each gradient slice is copied to fp32 for the norm and AdamW, for the step only."""
+        with_grad = [b for b in self.buckets if b.grad_slice is not None]
+        for b in with_grad:
+            b.master.grad = b.grad_slice.to(b.master.dtype)  # the same tensor unless bf16-mixed
         norm = clip_grads([b.master.grad for b in with_grad], [b.spread for b in with_grad], max_norm, [pp_group])
         if math.isfinite(norm):  # a diverging step is skipped on every rank alike
             self.optimizer.step()
         for b in self.buckets:
-            b.master.grad = None  # between steps a rank holds no gradient at all
+            b.master.grad = b.grad_slice = None  # between steps a rank holds no gradient at all
         if math.isfinite(norm):
             self._after_step()
         return norm
@@ -207,6 +220,29 @@ class ZeroDataParallel(GradSync):
         """Stages 1-2: every rank needs all the new weights: all-gather the updated slices."""
         for b in self.buckets:
             b.all_gather_params()
+
+    @contextmanager
+    def gathered(self):
+        """Every full weight present inside the block; bf16-mixed: the fp32 masters, all-gathered
+        (what a checkpoint saves, so that a resumed run starts from the very same weights)."""
+        if not self.precision.mixed:
+            with self._gathered_working():
+                yield
+            return
+        weights = {}
+        for b in self.buckets:
+            flat = torch.empty(b.padded, dtype=b.master.dtype, device=b.full.device)  # [padded], fp32
+            all_gather_into(flat, b.master.detach().to(b.full.device), b.group)
+            offset = 0
+            for p in b.params:
+                weights[p] = flat[offset : offset + p.numel()].view(p.shape)
+                offset += p.numel()
+        with self._holding(weights):
+            yield
+
+    @contextmanager
+    def _gathered_working(self):
+        yield  # stages 1-2 hold every weight (ZeRO-3 gathers)
 
     # -- checkpoints: the optimizer state by parameter name, as an unsharded optimizer would hold it --
     def state_by_name(self) -> dict:
@@ -237,13 +273,15 @@ class ZeroDataParallel(GradSync):
 
     # -- what each rank holds, measured on the real tensors ----------------------------------------
     def param_bytes(self) -> int:
-        """Full weights held now, plus this rank's master slices."""
-        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.module.parameters()}
-        full = sum(storages.values())  # by storage: under ZeRO-3 a bucket's parameters share one buffer
-        return full + sum(b.master.numel() * b.master.element_size() for b in self.buckets)
+        """Full weights held now, plus this rank's master slices (and ZeRO-3's bf16 shards under bf16-mixed)."""
+        held = [*self.module.parameters(), *(t for b in self.buckets for t in (b.master, getattr(b, "shard", None))
+                                            if t is not None)]
+        # By storage: a bucket's parameters share one buffer (ZeRO-3: of 0 bytes once freed), a shard may be its master.
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+        return sum(storages.values())
 
     def gradient_bytes(self) -> int:
         """Full gradients not yet reduce-scattered, plus this rank's gradient slices."""
         full = sum(p.grad.numel() * p.grad.element_size() for p in self.module.parameters() if p.grad is not None)
-        return full + sum(b.master.grad.numel() * b.master.grad.element_size() for b in self.buckets
-                          if b.master.grad is not None)
+        return full + sum(b.grad_slice.numel() * b.grad_slice.element_size() for b in self.buckets
+                          if b.grad_slice is not None)

@@ -39,6 +39,7 @@ from torch import nn
 
 from minipar.collectives import Group, all_gather_into
 from minipar.mesh import Groups
+from minipar.precision import FULL, Precision
 from minipar.zero import ZeroBucket, ZeroDataParallel
 
 
@@ -64,11 +65,14 @@ def unit_chunks(units: list[nn.Module], params: list[nn.Parameter]) -> list[list
 
 
 class ShardedBucket(ZeroBucket):
-    """A ZeRO bucket whose parameters are views into a flat buffer that exists only when gathered."""
+    """A ZeRO bucket whose parameters are views into a flat buffer that exists only when gathered.
+    `shard`: the slice it gathers from: the master itself, or under bf16-mixed its bf16 copy (so the
+    all-gather sends bf16, and the copy is made once per step, not once per gather)."""
 
-    def __init__(self, params: list[nn.Parameter], group: Group, spread: tuple[Group, ...]):
-        super().__init__(params, group, spread)  # the parameters are views into self.full: [padded]
-        # kept: self.master [padded // N], this rank's slice; self.full keeps its shape, not its bytes
+    def __init__(self, params: list[nn.Parameter], group: Group, spread: tuple[Group, ...],
+                 precision: Precision = FULL):
+        super().__init__(params, group, spread, precision=precision)  # parameters: views into self.full [padded]
+        self.shard = self.master.detach().to(self.full.dtype)  # [padded / N]; the master when of one dtype
         self.work = None
         self.free()
 
@@ -79,8 +83,7 @@ class ShardedBucket(ZeroBucket):
         if self.full.untyped_storage().nbytes() > 0:
             return  # gathered, or on its way
         self.full.untyped_storage().resize_(self.padded * self.full.element_size())  # [padded] again
-        local = self.master.detach().to(self.full.dtype)  # [padded // N] -> N of them fill [padded]
-        self.work = all_gather_into(self.full.data, local, self.group, async_op=True)
+        self.work = all_gather_into(self.full.data, self.shard, self.group, async_op=True)  # N x [padded // N]
 
     def gather(self) -> None:
         self.start_gather()
@@ -94,9 +97,10 @@ class Zero3DataParallel(ZeroDataParallel):
 
     STAGES = (3,)
 
-    def __init__(self, module: nn.Module, groups: Groups, make_optimizer, param_groups, units=None):
+    def __init__(self, module: nn.Module, groups: Groups, make_optimizer, param_groups, units=None,
+                 precision: Precision = FULL):
         self._units = units if units is not None else units_of(module)  # plain list: set before Module init
-        super().__init__(module, groups, 3, make_optimizer, param_groups, 0.0)
+        super().__init__(module, groups, 3, make_optimizer, param_groups, 0.0, precision=precision)
         self._unit_buckets = [[b for b in self.buckets if id(b.params[0]) in {id(p) for p in u.parameters()}]
                               for u in self._units]
         for i, unit in enumerate(self._units):
@@ -105,7 +109,7 @@ class Zero3DataParallel(ZeroDataParallel):
 
     # Buckets: one per unit and kind of parameter, never spanning two units.
     def _new_bucket(self, params, group: Group, spread: tuple[Group, ...]) -> ShardedBucket:
-        return ShardedBucket(params, group, spread)
+        return ShardedBucket(params, group, spread, self.precision)
 
     def _chunks(self, params, bucket_mb):
         return unit_chunks(self._units, params)
@@ -136,10 +140,14 @@ class Zero3DataParallel(ZeroDataParallel):
         return super().clip_and_step(max_norm, pp_group)
 
     def _after_step(self) -> None:
-        pass  # no all-gather: each layer is gathered when it is next used
+        """No all-gather: each layer is gathered when it is next used. bf16-mixed: the bf16 shards
+        take the updated masters."""
+        if self.precision.mixed:
+            for b in self.buckets:
+                b.shard.copy_(b.master.detach())
 
     @contextmanager
-    def gathered(self):
+    def _gathered_working(self):
         for b in self.buckets:
             b.gather()
         try:

@@ -120,7 +120,7 @@ def held_bytes(model, optimizer) -> dict[str, int]:
     grads = [p.grad for p in params]
     if isinstance(model, ZeroDataParallel):  # its fp32 master slices, their gradients, its own optimizer
         params += [b.master for b in model.buckets]
-        grads += [b.master.grad for b in model.buckets]
+        grads += [b.grad_slice for b in model.buckets]
         optimizer = model.optimizer
     inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
     state = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t)]

@@ -250,11 +250,11 @@ def part_c(mesh: Mesh) -> None:
         wrapper.finish_grad_sync()  # nothing left to do: stage 2 reduce-scattered during backward
         # The gradient slices exist from the reduce-scatter until the step: look at them now.
         first = wrapper.buckets[0]
-        grads[recompute, offload] = torch.cat([b.master.grad for b in wrapper.buckets])
-        grad_device = first.master.grad.device
-        slices = nbytes(t for b in wrapper.buckets for t in (b.master, b.master.grad))
+        grads[recompute, offload] = torch.cat([b.grad_slice for b in wrapper.buckets])
+        grad_device = first.grad_slice.device
+        slices = nbytes(t for b in wrapper.buckets for t in (b.master, b.grad_slice))
         wrapper.clip_and_step(CLIP)
-        freed = all(b.master.grad is None for b in wrapper.buckets)
+        freed = all(b.grad_slice is None for b in wrapper.buckets)
         runs[recompute, offload] = by_unit
         params[recompute, offload] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         state = wrapper.optimizer.state[first.master]

@@ -18,9 +18,10 @@ def grad_sync(model, mesh, cfg: TrainConfig):
 
     from minipar.data_parallel import param_groups
     from minipar.grad_sync import adamw, build_grad_sync
+    from minipar.precision import of_config
 
     return build_grad_sync(model, mesh.groups(), param_groups(model, cfg), partial(adamw, lr=cfg.lr), zero=cfg.zero,
-                           bucket_mb=cfg.bucket_mb, offload=cfg.offload)
+                           bucket_mb=cfg.bucket_mb, offload=cfg.offload, precision=of_config(cfg))
 
 
 # ----------------------------------------------------------------------------------------------

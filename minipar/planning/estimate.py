@@ -54,11 +54,10 @@ from minipar.pipeline.schedules import build as build_schedule
 from minipar.pipeline.schedules import messages_of
 from minipar.placement import DENSE, placement_of
 from minipar.planning.estimate_moe import moe_block_bytes, moe_bytes_sent
+from minipar.precision import of_config, widths
 from minipar.run.config import TrainConfig
 from minipar.zero import bucket_plan
 from minipar.zero3 import unit_chunks, units_of
-
-PARAM_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.float32, None: torch.float32}
 
 
 @dataclass
@@ -86,31 +85,34 @@ def rank_model(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> Ll
         layers, first, last = pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last()
     if not model_cfg.n_experts:  # dense layers are all alike: build only as many as the rank holds
         model_cfg, layers = replace(model_cfg, n_layers=len(layers)), list(range(len(layers)))
-    return _model_on_paper(model_cfg, tuple(layers), first, last, cfg.tp, cfg.sp, cfg.ep, cfg.dtype)
+    return _model_on_paper(model_cfg, tuple(layers), first, last, cfg.tp, cfg.sp, cfg.ep, of_config(cfg).built)
 
 
 @lru_cache(maxsize=64)  # the planner asks for the same stage under many ZeRO stages and dp sizes
 def _model_on_paper(model_cfg: ModelConfig, layers: tuple, first: bool, last: bool, tp: int, sp: bool, ep: int,
-                    dtype: str | None) -> Llama:
+                    dtype: torch.dtype) -> Llama:
     with torch.device("meta"):  # the layers parallelize swaps in are made on paper too
         model = parallelize(Llama(model_cfg, seed=0), tp=paper_group("tp", tp), sp=sp,
                             stage=(list(layers), first, last), ep=paper_group("ep", ep))
-    return model.to(PARAM_DTYPES[dtype])  # as train.build_model: buckets are cut by bytes
+    return model.to(dtype)  # as train.build_model (bf16-mixed: fp32 too): buckets are cut by bytes
 
 
 def held_bytes(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> dict[str, int]:
-    """{params, grads, optimizer}: the bytes pp rank `pp_rank` holds once gradients are synced."""
+    """{params, grads, optimizer}: the bytes pp rank `pp_rank` holds once gradients are synced.
+    bf16-mixed (precision.py): bf16 weights and gradients, fp32 masters (counted with the params)."""
     model = rank_model(model_cfg, cfg, pp_rank)
-    width = PARAM_DTYPES[cfg.dtype].itemsize  # bfloat16 autocast keeps fp32 weights
+    prec, width, wire = widths(cfg)
+    master = torch.promote_types(prec.built, torch.float32).itemsize
     params = list(model.parameters())
-    whole = sum(p.numel() for p in params) * width
+    numel = sum(p.numel() for p in params)
     if cfg.zero == 0:  # every weight, its gradient, a flat all-reduce buffer if it has replicas, two moments
-        buffers = sum(p.numel() for p in params if _replicas(placement_of(p).grad_mean, cfg) > 1) * width
-        return {"params": whole, "grads": whole + buffers, "optimizer": 2 * whole}
+        buffers = sum(p.numel() for p in params if _replicas(placement_of(p).grad_mean, cfg) > 1) * wire
+        return {"params": numel * (width + master * prec.mixed), "grads": numel * width + buffers,
+                "optimizer": 2 * numel * master}
     plan = _zero_plan(model, cfg)
-    master = torch.promote_types(PARAM_DTYPES[cfg.dtype], torch.float32).itemsize
-    slices = sum(-(-sum(p.numel() for p in chunk) // _replicas(dims, cfg)) for _, dims, chunk in plan) * master
-    return {"params": (0 if cfg.zero == 3 else whole) + slices, "grads": slices, "optimizer": 2 * slices}
+    slices = sum(-(-sum(p.numel() for p in chunk) // _replicas(dims, cfg)) for _, dims, chunk in plan)
+    weights = numel * width if cfg.zero < 3 else slices * width * prec.mixed  # ZeRO-3: the bf16 shard it gathers
+    return {"params": weights + slices * master, "grads": slices * width, "optimizer": 2 * slices * master}
 
 
 def _replicas(grad_mean: tuple[str, ...], cfg: TrainConfig) -> int:
@@ -129,19 +131,20 @@ def dp_bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) ->
     if n == 1:
         return {}
     model = rank_model(model_cfg, cfg, pp_rank)
-    width = PARAM_DTYPES[cfg.dtype].itemsize
+    _, width, wire = widths(cfg)  # weights are gathered at their width, gradients sent at the wire's
     sent = Counter({f"{_dp_name(DENSE, cfg)}/all_reduce": ring_bytes_sent("all_reduce", 8, n)})
     if cfg.zero == 0:  # a bucket never mixes reduction groups (DataParallel._make_buckets)
         for dims, params in by_grad_mean(list(reversed(list(model.parameters())))).items():
             for chunk in bucket_params(params, cfg.bucket_mb):
                 sent[f"{_dp_name(dims, cfg)}/all_reduce"] += ring_bytes_sent(
-                    "all_reduce", sum(p.numel() for p in chunk) * width, _replicas(dims, cfg))
+                    "all_reduce", sum(p.numel() for p in chunk) * wire, _replicas(dims, cfg))
         return {k: v for k, v in sent.items() if v}
     for _, dims, chunk in _zero_plan(model, cfg):
         r, group = _replicas(dims, cfg), _dp_name(dims, cfg)
-        padded = -(-sum(p.numel() for p in chunk) // r) * r * width
-        sent[f"{group}/reduce_scatter"] += (m if cfg.zero >= 2 else 1) * ring_bytes_sent("reduce_scatter", padded, r)
-        sent[f"{group}/all_gather"] += (2 * m if cfg.zero == 3 else 1) * ring_bytes_sent("all_gather", padded, r)
+        padded = -(-sum(p.numel() for p in chunk) // r) * r
+        scatters, gathers = (m if cfg.zero >= 2 else 1), (2 * m if cfg.zero == 3 else 1)
+        sent[f"{group}/reduce_scatter"] += scatters * ring_bytes_sent("reduce_scatter", padded * wire, r)
+        sent[f"{group}/all_gather"] += gathers * ring_bytes_sent("all_gather", padded * width, r)
     for group, (size, times) in _norm_sums(model, cfg).items():
         if group in ("dp", "dp_cp", "edp"):
             sent[f"{group}/all_reduce"] += times * ring_bytes_sent("all_reduce", _grad_width(cfg), size)
@@ -175,7 +178,7 @@ def bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
     exact once every expert fills it, dropless the expectation under uniform routing) and the experts' norm over
     ep. Under --recompute, backward replays each layer's forward messages, up to the last it needs."""
     sent = Counter(dp_bytes_sent(model_cfg, cfg, pp_rank))
-    model, m, w = rank_model(model_cfg, cfg, pp_rank), cfg.accum_steps, ACT_WIDTH[cfg.dtype]
+    model, m, w = rank_model(model_cfg, cfg, pp_rank), cfg.accum_steps, of_config(cfg).activation_width
     layers, moe_blocks = len(model.layers), sum(isinstance(x, MoE) for x in model.modules())
     if moe_blocks:
         sent.update(moe_bytes_sent(model_cfg, cfg, moe_blocks))
@@ -184,8 +187,8 @@ def bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
     first, last = model.tok_emb is not None, model.lm_head is not None
     tokens = cfg.micro_batch * cfg.seq_len // cfg.cp  # this rank's, per micro-batch
     # Under bf16 autocast the matmuls' outputs (and their gradients) are bf16, but the residual
-    # stream, the norms' outputs and RoPE's rotations stay in the weights' fp32.
-    weight_width = PARAM_DTYPES[cfg.dtype].itemsize
+    # stream, the norms' outputs and RoPE's rotations stay in the weights' fp32 (bf16-mixed: bf16).
+    weight_width = widths(cfg)[1]
     stream, product = tokens * model_cfg.dim * weight_width, tokens * model_cfg.dim * w
     grad_width = _grad_width(cfg)
     if cfg.tp > 1:
@@ -226,9 +229,9 @@ def bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
 
 
 def _grad_width(cfg: TrainConfig) -> int:
-    """The width of the gradients the norm is taken of: ZeRO's master slices, or the weights'."""
-    return torch.promote_types(PARAM_DTYPES[cfg.dtype], torch.float32).itemsize if cfg.zero else \
-        PARAM_DTYPES[cfg.dtype].itemsize
+    """The width of the gradients the norm is taken of: the masters' (ZeRO's slices, bf16-mixed's), or the weights'."""
+    prec = of_config(cfg)
+    return torch.promote_types(prec.built, torch.float32).itemsize if cfg.zero or prec.mixed else prec.built.itemsize
 
 
 def _pipeline_bytes(sent: Counter, model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int, act: int) -> None:
@@ -252,9 +255,9 @@ def temporary_bytes(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) 
     Both are in peak_bytes; the logits' gradient and what a kernel allocates for itself are not."""
     if cfg.zero == 0:
         return {}
-    model, width = rank_model(model_cfg, cfg, pp_rank), PARAM_DTYPES[cfg.dtype].itemsize
+    model, (_, width, wire) = rank_model(model_cfg, cfg, pp_rank), widths(cfg)
     plan = _zero_plan(model, cfg)
-    padded = [-(-sum(p.numel() for p in chunk) // _replicas(dims, cfg)) * _replicas(dims, cfg) * width
+    padded = [-(-sum(p.numel() for p in chunk) // _replicas(dims, cfg)) * _replicas(dims, cfg) * max(width, wire)
               for _, dims, chunk in plan]
     if cfg.zero < 3:
         return {"flattened": max(padded)}
@@ -275,8 +278,6 @@ def _zero_plan(model, cfg: TrainConfig):
 # Activations: what backward needs, kept from forward
 # ----------------------------------------------------------------------------------------------
 
-ACT_WIDTH = {"float64": 8, "float32": 4, "bfloat16": 2, None: 4}  # bf16: autocast keeps some in fp32
-
 
 def layer_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
     """The tensors one dense transformer layer keeps for backward, for one micro-batch: exactly what
@@ -292,17 +293,17 @@ def layer_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
         MLP        gate, silu(gate), up and their product                       4 ffn/tp
         small      1/rms of both norms; RoPE's cos and sin tables (per sequence position)
     With --recompute a layer keeps only its input (and rebuilds the rest in backward)."""
-    t, w, b = cfg.tp, ACT_WIDTH[cfg.dtype], cfg.micro_batch
+    t, w, b = cfg.tp, of_config(cfg).activation_width, cfg.micro_batch
     s, d, e = cfg.seq_len // cfg.cp, c.dim, c.head_dim
     tokens, sp = b * s, (t if cfg.sp else 1)
     if cfg.recompute:  # the layer's input: the residual stream, in the weights' dtype
-        return tokens * d * PARAM_DTYPES[cfg.dtype].itemsize // sp
+        return tokens * d * widths(cfg)[1] // sp
     heads, kv = c.n_heads // t, max(1, c.n_kv_heads // t)
     repeated = cfg.cp == 1 and 1 < kv < heads  # einops repeat copies k and v; one kv head is a view
     attention = 2 * tokens * d // t + 2 * tokens * e * (heads if repeated else kv)
     small = 2 * tokens // sp + 2 * s * e + tokens * heads  # 1/rms, cos and sin, log-sum-exp
     mlp = 4 * tokens * c.ffn_dim // t
-    if cfg.dtype == "bfloat16":  # autocast: x, x/rms and the small ones in fp32; a bf16 copy of the
+    if of_config(cfg).autocast is not None:  # autocast: x, x/rms and the small ones in fp32; a bf16 copy of the
         # normed input for each of the 5 projections that read it; the weights' copies: weight_casts.
         # SDPA's bf16 copy of the (fp32, rotated) keys is made from their repeated view: full width.
         # Ring attention keeps q, k and its output in fp32, v in bf16; wo reads a bf16 copy.
@@ -316,7 +317,7 @@ def layer_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
 def weight_casts(c: ModelConfig, cfg: TrainConfig) -> int:
     """Under bf16 autocast, the bf16 copy of each weight matrix of a layer that backward keeps:
     made once per autocast region, so once per layer however many micro-batches are in flight."""
-    if cfg.dtype != "bfloat16":
+    if of_config(cfg).autocast is None:  # bf16-mixed: the weights are bf16 already, no copies
         return 0
     t, d, kv = cfg.tp, c.dim, c.n_kv_heads * c.head_dim
     return 2 * ((2 * d * d + 3 * d * c.ffn_dim) // t + 2 * d * kv // (t if c.n_kv_heads % t == 0 else 1))
@@ -324,11 +325,11 @@ def weight_casts(c: ModelConfig, cfg: TrainConfig) -> int:
 
 def head_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
     """The final norm, the LM head's logits (kept by the loss in at least fp32) and the targets."""
-    w, t, tokens = ACT_WIDTH[cfg.dtype], cfg.tp, cfg.micro_batch * cfg.seq_len // cfg.cp
+    w, t, tokens = of_config(cfg).activation_width, cfg.tp, cfg.micro_batch * cfg.seq_len // cfg.cp
     sp = t if cfg.sp else 1
     vocab = -(-c.vocab_size // t)
     logits = tokens * vocab * max(w, 4) + 8 * tokens  # kept by the loss in at least fp32; the targets
-    if cfg.dtype == "bfloat16":  # x, x/rms in fp32; bf16 copies of the normed input and of the head's weight
+    if of_config(cfg).autocast is not None:  # x, x/rms in fp32; bf16 copies of the normed input and head weight
         return 4 * (2 * tokens * c.dim // sp + tokens // sp) + 2 * (tokens * c.dim + vocab * c.dim) + logits
     return w * (tokens * c.dim + 2 * tokens * c.dim // sp + tokens // sp) + logits
 
@@ -340,7 +341,7 @@ def moe_layer_activation_bytes(c: ModelConfig, cfg: TrainConfig, worst: bool = F
     if cfg.recompute:
         return layer_activation_bytes(c, cfg)  # its input only
     tokens, t = cfg.micro_batch * cfg.seq_len // cfg.cp, cfg.tp
-    shared_input = ACT_WIDTH[cfg.dtype] * tokens * c.dim * (t - 1) // t if cfg.sp else 0
+    shared_input = of_config(cfg).activation_width * tokens * c.dim * (t - 1) // t if cfg.sp else 0
     return layer_activation_bytes(replace(c, ffn_dim=0), cfg) - shared_input + moe_block_bytes(c, cfg, worst)
 
 

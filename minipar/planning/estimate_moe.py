@@ -41,6 +41,7 @@ import math
 
 from minipar.collectives import ring_bytes_sent
 from minipar.model import ModelConfig
+from minipar.precision import of_config
 from minipar.run.config import TrainConfig
 
 INDEX = 8  # int64 indices
@@ -48,9 +49,9 @@ INDEX = 8  # int64 indices
 
 def widths(cfg: TrainConfig) -> tuple[int, int]:
     """(the weights' and the residual stream's width, the matmul products' width): bf16 autocast
-    keeps fp32 weights and makes bf16 products."""
-    weight = 8 if cfg.dtype == "float64" else 4
-    return weight, 2 if cfg.dtype == "bfloat16" else weight
+    keeps fp32 weights and makes bf16 products; bf16-mixed has both in bf16."""
+    p = of_config(cfg)  # bf16-mixed: bf16 weights and products
+    return p.working.itemsize, p.activation_width
 
 
 def routed_tokens(c: ModelConfig, cfg: TrainConfig) -> int:

@@ -44,14 +44,18 @@ from minipar.model import ModelConfig, get_config
 from minipar.pipeline.schedules import build as build_schedule
 from minipar.pipeline.timeline import simulate
 from minipar.planning.estimate import (
-    PARAM_DTYPES,
     activation_bytes,
     bytes_sent,
     held_bytes,
     peak_bytes,
     temporary_bytes,
 )
+from minipar.precision import of_config
 from minipar.run.config import TrainConfig
+
+PRECISION_NOTE = {"float64": "float64 throughout", "fp32": "fp32 throughout",
+                  "bf16-autocast": "bf16-autocast (fp32 weights; backward keeps a bf16 copy of each layer's weights)",
+                  "bf16-mixed": "bf16-mixed (bf16 weights and gradients, fp32 master and Adam state)"}
 
 
 @dataclass(frozen=True)
@@ -204,7 +208,7 @@ def report(cfg: TrainConfig) -> str:
     limit, what = device_memory()
     lines = [f"--model {cfg.model} ({c.num_params() / 1e6:,.1f}M parameters, vocabulary {c.vocab_size}), "
              f"dp {cfg.dp} tp {cfg.tp} pp {cfg.pp} cp {cfg.cp} ep {cfg.ep}, --zero {cfg.zero}, "
-             f"{PARAM_DTYPES[cfg.dtype].itemsize}-byte weights" + (" (bf16 autocast)" * (cfg.dtype == "bfloat16")),
+             f"{PRECISION_NOTE[of_config(cfg).name]}",
              f"{'pp rank':>8} {'weights':>12} {'gradients':>12} {'optimizer':>12} {'activations':>12} "
              f"{'ZeRO buffers':>12} {'total':>12}   (MiB per rank; activations and buffers at their peak in the step)"]
     for r in range(cfg.pp):

@@ -27,6 +27,7 @@ from minipar.pipeline.executor import stage_layers
 from minipar.pipeline.schedules import SCHEDULES, ScheduleError
 from minipar.pipeline.schedules import build as build_schedule
 from minipar.pipeline.schedules import placement as schedule_placement
+from minipar.precision import resolve as resolve_precision
 from minipar.run.args import HelpFormatter, InputError, Parser
 from minipar.run.config_file import as_toml, read_config_file
 from minipar.tensor_parallel import check_tensor_layout
@@ -96,7 +97,9 @@ class TrainConfig:
     max_bad_steps: int = 3  # consecutive steps with a non-finite gradient norm before the run stops
     timeout: float = 300.0  # seconds a collective or message may wait before the run stops, naming it
     seed: int = 0
-    dtype: str | None = None  # None: bfloat16 autocast on CUDA, float32 on CPU
+    dtype: str | None = None  # float64 for proofs; float32; bfloat16 = --precision bf16-autocast
+    precision: str | None = None  # fp32 | bf16-autocast | bf16-mixed; None: fp32 on CPU, bf16-autocast on CUDA
+    grad_reduce: str | None = None  # bf16-mixed: bf16 (default) or fp32 gradients on the wire
     bucket_mb: float = 25.0
     out: str | None = None  # None: runs/run_NNN, the first unused number
     save_every: int = 0
@@ -219,8 +222,10 @@ class TrainConfig:
             raise ConfigError("--zero 3 with --recompute is not supported: choose one")
         if self.offload and self.zero not in (1, 2):
             raise ConfigError("--offload needs --zero 1 or 2: it moves ZeRO's optimizer slices to the CPU")
-        if self.dtype not in (None, "float32", "float64", "bfloat16"):
-            raise ConfigError(f"--dtype {self.dtype}: choose float32, float64 or bfloat16")
+        try:
+            resolve_precision(self.precision, self.dtype, self.grad_reduce)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         MeshLayout(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp,
                    ranks_per_node=self.ranks_per_node)  # raises LayoutError
 
@@ -314,8 +319,15 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-bad-steps", type=int, default=d.max_bad_steps,
                    help="stop after this many consecutive steps with a non-finite loss or gradient (each is skipped)")
     g.add_argument("--seed", type=int, default=d.seed, help="weights and data order")
-    g.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16"],
-                   help="compute dtype (default: bfloat16 autocast on CUDA, float32 on CPU)")
+    g.add_argument("--precision", default=None, choices=["fp32", "bf16-autocast", "bf16-mixed"],
+                   help="fp32; bf16-autocast (fp32 weights, bf16 matmuls); bf16-mixed (the ZeRO paper's: bf16 "
+                        "weights and gradients, fp32 master weights and Adam state: 16 bytes per parameter). "
+                        "Default: fp32 on CPU, bf16-autocast on CUDA")
+    g.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16"], help="float64: all in "
+                   "float64 (proofs; no --precision); float32 = --precision fp32, bfloat16 = bf16-autocast")
+    g.add_argument("--grad-reduce", default=None, choices=["bf16", "fp32"],
+                   help="bf16-mixed: gradients summed over ranks in bf16 (default: rounded at each of N-1 adds) "
+                        "or fp32 (twice the bytes; the mean rounded once, within half a bf16 ulp)")
     g.add_argument("--bucket-mb", type=float, default=d.bucket_mb, help="data-parallel gradient bucket size")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage over the dp group: 0, 1, 2 or 3")
     g.add_argument("--offload", action=switch, default=False, help="ZeRO 1-2: optimizer state and update on the CPU")

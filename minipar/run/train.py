@@ -36,6 +36,7 @@ from minipar.mesh import Mesh
 from minipar.model import Llama
 from minipar.parallelize import parallelize
 from minipar.pipeline.executor import Pipeline
+from minipar.precision import of_config
 from minipar.run import checkpoint, saving, validation
 from minipar.run.batches import TokenData
 from minipar.run.config import TrainConfig
@@ -93,12 +94,13 @@ def train_step(model: GradSync, micro_batches, grad_clip: float = 0.0, autocast=
 
 
 def precision(cfg: TrainConfig, device: torch.device):
-    """(compute dtype, parameter dtype, autocast context): bf16 autocast keeps fp32 master weights."""
-    dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[
-        cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
-    if dtype == torch.bfloat16:
-        return dtype, torch.float32, lambda: torch.autocast(device.type, dtype=torch.bfloat16)
-    return dtype, dtype, nullcontext
+    """(the run's Precision, the dtype the model is built in, autocast context). Default: fp32 on CPU,
+    bf16-autocast on CUDA. bf16-mixed builds the model in fp32: the wrapper keeps those weights as
+    its masters and turns the model's own into bf16 copies (precision.py)."""
+    chosen = of_config(cfg, device.type)
+    if chosen.autocast is not None:
+        return chosen, chosen.built, lambda: torch.autocast(device.type, dtype=chosen.autocast)
+    return chosen, chosen.built, nullcontext
 
 
 def build_model(cfg: TrainConfig, mesh: Mesh, model_cfg, device, param_dtype):
@@ -118,7 +120,7 @@ def build_model(cfg: TrainConfig, mesh: Mesh, model_cfg, device, param_dtype):
 
 def run(cfg: TrainConfig, resume: Path | None, mesh: Mesh, data: TokenData, log: RunLog, device) -> None:
     """This rank's model, from the seed, --init-from's weights or the checkpoint it resumes; then the steps."""
-    dtype, param_dtype, autocast = precision(cfg, device)
+    chosen, param_dtype, autocast = precision(cfg, device)
     # The preset with the shape flags (the tokenizer fits its vocabulary); weights to start from bring their RoPE.
     model_cfg = init_model_config(cfg) if cfg.init_from else cfg.model_config()
     model, pipeline = build_model(cfg, mesh, model_cfg, device, param_dtype)
@@ -132,10 +134,10 @@ def run(cfg: TrainConfig, resume: Path | None, mesh: Mesh, data: TokenData, log:
         log.say(f"resumed from {resume} at step {start}")
     # Each gradient is averaged over the group its Placement names (dense: dp x cp), by --zero's wrapper.
     wrapper = build_grad_sync(model, mesh.groups(), param_groups(model, cfg), partial(adamw, lr=cfg.lr),
-                              zero=cfg.zero, bucket_mb=cfg.bucket_mb, offload=cfg.offload)
+                              zero=cfg.zero, bucket_mb=cfg.bucket_mb, offload=cfg.offload, precision=chosen)
     if saved_states is not None:
         wrapper.load_state_by_name(saved_states)
-    log.start(model_cfg, data, dtype, start)
+    log.start(model_cfg, data, chosen.name, start)
     train_loop(cfg, start, consumed, data, mesh, wrapper, pipeline, autocast, device, log)
 
 

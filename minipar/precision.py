@@ -1,0 +1,132 @@
+"""Precision: the dtype each tensor of a run is held in, and the bytes that costs per parameter.
+
+Chapter 5 of the course (mixed precision, beside ZeRO). Three settings, `--precision`:
+
+    fp32           one dtype throughout: weights, gradients, optimizer state, compute (--dtype
+                   float64 is this with float64 everywhere: the proofs)
+    bf16-autocast  fp32 weights, gradients and optimizer state; torch.autocast runs the matmuls in
+                   bf16, casting each weight to a bf16 copy that backward keeps (about 2 bytes per
+                   weight of every layer in flight, whatever ZeRO shards)
+    bf16-mixed     the ZeRO paper's scheme: the model's working weights and gradients are bf16 on
+                   every rank; the gradient-sync wrapper owns fp32 master weights (ZeRO: only this
+                   rank's slice) and AdamW's fp32 moments, and casts the master back after each step
+
+Bytes per parameter Psi, per rank over N data-parallel ranks (`model_state_bytes`):
+
+                   weights      gradients     master + Adam's m, v
+    fp32           4            4             0 + 8    (the weights are the master)
+    bf16-mixed     2            2             4 + 8    = the paper's (2 + 2 + 12) Psi
+    ZeRO-1         as above     as above      / N
+    ZeRO-2         as above     / N           / N
+    ZeRO-3         / N          / N           / N
+
+(minipar's ZeRO 1-2 in fp32 also keep an fp32 slice beside the weights, 4 Psi/N more: the master
+the optimizer updates; ZeRO's slices are padded so that each bucket divides by N.)
+
+Gradient reduction, `--grad-reduce` (bf16-mixed only): the gradients are held in bf16 either way.
+bf16 keeps 8 significant bits, so each rounding moves a value by up to u = 2^-8 of it (half an ulp).
+`bf16` sends them as they are: the sum over N ranks is rounded at each of its N - 1 additions, an
+error up to about (N - 1) u of sum |g_i| (more than the mean itself where the ranks' gradients
+cancel). `fp32` casts each flat bucket to fp32 before its all-reduce or reduce-scatter: the sum is
+exact but for fp32's own 2^-24s and is rounded to bf16 once, within half an ulp of the exact mean.
+What it costs: twice the gradient bytes on the wire and in the flat buffer. At N = 2 the two agree
+bit for bit (one bf16 addition is the exact sum rounded once); the difference grows with N.
+
+Why bf16 and not fp16: bf16 has fp32's 8-bit exponent, so gradients as small as 1e-38 survive;
+fp16's 5-bit exponent flushes those below about 6e-8 to zero, which is why fp16 training multiplies
+the loss by a large "loss scale" before backward (and divides the gradients by it before the step,
+skipping steps that overflow). bf16 needs no loss scale; minipar keeps to bf16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PRECISIONS = ("fp32", "bf16-autocast", "bf16-mixed")
+GRAD_REDUCE = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a run holds and computes in. `built`: the dtype the model is built, loaded and saved in
+    (the master weights' dtype); `working`: the weights and gradients the model computes with;
+    `reduce`: gradients on the wire; `autocast`: the compute dtype torch.autocast switches to."""
+
+    name: str
+    built: torch.dtype = torch.float32
+    working: torch.dtype = torch.float32
+    reduce: torch.dtype = torch.float32
+    autocast: torch.dtype | None = None
+
+    @property
+    def mixed(self) -> bool:
+        """bf16-mixed: the working weights are a low-precision copy of a master the wrapper owns."""
+        return self.working != self.built
+
+    @property
+    def activation_width(self) -> int:
+        """The bytes of a matmul's output: bf16 under either bf16 setting."""
+        return self.autocast.itemsize if self.autocast is not None else self.working.itemsize
+
+
+FULL = Precision("fp32")
+
+
+def resolve(precision: str | None, dtype: str | None = None, grad_reduce: str | None = None,
+            device_type: str = "cpu") -> Precision:
+    """The run's Precision from --precision, --dtype and --grad-reduce; ValueError (one line) for a
+    combination that means nothing. How they combine:
+
+        --dtype float64 | float32   one dtype throughout (float32 is --precision fp32); float64
+                                    takes no --precision (the proofs run in float64 alone)
+        --dtype bfloat16            the older spelling of --precision bf16-autocast
+        neither                     fp32 on CPU, bf16-autocast on CUDA (what the benchmarks ran)
+    """
+    if precision not in (None, *PRECISIONS):
+        raise ValueError(f"--precision {precision}: choose {', '.join(PRECISIONS)}")
+    if dtype not in (None, "float32", "float64", "bfloat16"):
+        raise ValueError(f"--dtype {dtype}: choose float32, float64 or bfloat16")
+    implied = {"float32": "fp32", "bfloat16": "bf16-autocast", "float64": None}.get(dtype) if dtype else None
+    if dtype and precision and precision != implied:
+        raise ValueError(f"--dtype {dtype} with --precision {precision}: "
+                         + ("float64 runs everything in float64 (the proofs); drop --precision" if dtype == "float64"
+                            else f"--dtype {dtype} means --precision {implied}; give one of them"))
+    default = None if dtype == "float64" else "bf16-autocast" if device_type == "cuda" else "fp32"
+    name = precision or implied or default
+    if grad_reduce is not None and name != "bf16-mixed":
+        raise ValueError(f"--grad-reduce {grad_reduce} applies to --precision bf16-mixed only "
+                         f"(here the gradients are {dtype or 'float32'} already)")
+    if grad_reduce not in (None, *GRAD_REDUCE):
+        raise ValueError(f"--grad-reduce {grad_reduce}: choose bf16 or fp32")
+    if name is None:
+        return Precision("float64", torch.float64, torch.float64, torch.float64)
+    if name == "bf16-autocast":
+        return Precision(name, autocast=torch.bfloat16)
+    if name == "bf16-mixed":
+        return Precision(name, working=torch.bfloat16, reduce=GRAD_REDUCE[grad_reduce or "bf16"])
+    return FULL
+
+
+def of_config(cfg, device_type: str = "cpu") -> Precision:
+    """A TrainConfig's Precision (its --precision, --dtype and --grad-reduce)."""
+    return resolve(cfg.precision, cfg.dtype, cfg.grad_reduce, device_type)
+
+
+def widths(cfg) -> tuple[Precision, int, int]:
+    """(cfg's Precision, its working weights' and gradients' bytes, the gradient wire's bytes)."""
+    p = of_config(cfg)
+    return p, p.working.itemsize, (p.reduce if p.mixed else p.working).itemsize
+
+
+def model_state_bytes(psi: int, n: int, stage: int, p: Precision) -> dict[str, float]:
+    """The table above: bytes per rank of weights, gradients and master + moments for `psi`
+    parameters over `n` ranks at ZeRO stage `stage` (0: data parallelism), before padding. ZeRO-3
+    in one dtype holds no weights beside its slice: the slice it updates is the one it gathers."""
+    width, master = p.working.itemsize, torch.promote_types(p.built, torch.float32).itemsize
+    weights = psi * width if stage < 3 else psi * width / n if p.mixed else 0
+    states = (master if (p.mixed or stage) else 0) + 2 * master  # the master (if apart from the weights), m, v
+    return {"weights": weights, "grads": psi * width / (n if stage >= 2 else 1),
+            "master + moments": psi * states / (n if stage >= 1 else 1)}
