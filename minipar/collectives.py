@@ -10,16 +10,14 @@ four ranks, each holding one tensor (a, b, c, d are whole tensors, a0 is a quart
     all-to-all       rank i sends its j-th chunk to rank j
     send / recv      one rank to one other (pipeline stages, the context-parallel ring)
 
-Four more have a root, or carry nothing, and training rarely needs them (minipar's layers call
-none of them; chapter 1 shows them):
+Four more have a root, or carry nothing; minipar's layers call none of them (chapter 1 shows them):
 
     reduce           [a] [b] [c] [d]          -> [a+b+c+d] on the root only
     gather           [a] [b] [c] [d]          -> [a b c d] on the root only
     scatter          [a0 a1 a2 a3] on the root -> rank i holds a_i
     barrier          no data: nobody leaves until everybody has arrived
 
-and one that carries no tensor of the model:
-`gather_object` (any picklable object, as bytes, onto one rank: a checkpoint's pipeline stages).
+and `gather_object` carries no tensor of the model (any picklable object onto one rank, as bytes).
 
 Bytes on the wire. With the ring algorithm (what NCCL and gloo use for large tensors), a tensor of
 S bytes costs each rank:
@@ -32,29 +30,21 @@ S bytes costs each rank:
     reduce           S                 (the broadcast run backwards, partial sums toward the root)
     gather, scatter  S/N each non-root rank sends (gather); (N-1)/N * S the root sends (scatter)
 
-`ring_all_reduce` below writes the all-reduce out with send/recv, so the 2(N-1)/N can be counted
-rather than believed (scripts/step_01_collectives.py does that).
+`ring_all_reduce` below writes the all-reduce with send/recv, so the 2(N-1)/N can be counted.
 
-Intra-node and cross-node bytes. Ranks of one node talk over NVLink (hundreds of GB/s a GPU),
-ranks of different nodes over the network (tens of GB/s a GPU), so the ledger splits each rank's
-sent bytes by the link they take, under the same algorithms as above (a Group knows its ranks'
-nodes: node = global rank // ranks per node, mesh.py). The ring runs over the group's ranks in
-group order, r0 -> r1 -> ... -> r(N-1) -> r0: at each of its N-1 steps (2(N-1) for all-reduce)
-every rank sends one chunk to the next rank of the ring, so a rank's whole share takes one link,
-a cross-node one when the next rank lives on another node. A group laid over M nodes in M runs of
-neighbours has M such links (none when M = 1): a ring over ranks on 2 nodes crosses the node
-boundary twice per step, and of the group's N * (N-1)/N * S bytes of an all-gather, M (N-1)/N * S
-cross (each node sends (N-1)/N * S out, whatever its size). Broadcast: the same links (its chain
-is the ring's). All-to-all: piece j goes straight to rank j, across when j's node is another.
-send and gather: to the one peer. recv sends nothing.
+Intra-node and cross-node bytes. Ranks of one node talk over NVLink, ranks of different nodes
+over the network (ten times slower or more), so the ledger splits each rank's sent bytes by the
+link they take (node = global rank // ranks per node, mesh.py). A ring runs over the group's ranks
+in group order and a rank sends its whole share to the next one: across when that one lives on
+another node. A group over M nodes has M crossing links, so each node sends (N-1)/N * S out per
+all-gather, whatever its size. All-to-all sends piece j straight to rank j; send and gather go to
+their one peer (chapter 1 works the forms out; tests/test_nodes.py checks them).
 
-The `Ledger` counts, per (group, op): the number of calls, the payload bytes (the tensor handed to
-the call) and the bytes this rank sends by the ring formula above. Tests assert on it, benchmarks
-print it and the training log shows it per step. Its debug mode (`ledger.trace = []`) also keeps
-every operation in the order this rank posted it, with its communicator and peer: NCCL matches
-point-to-point messages by posting order alone (it ignores tags) and needs every rank of a
-communicator to issue the same collectives in the same order, and `order_check.py` proves both
-from the traces of a gloo run.
+The `Ledger` counts, per (group, op), the calls, the payload bytes and the bytes this rank sends
+by the formulas above; tests assert on it, the training log shows it per step. Its debug mode
+(`ledger.trace = []`) keeps every operation in posting order: NCCL matches point-to-point messages
+by posting order alone and needs every rank of a communicator to issue the same collectives in the
+same order, and `order_check.py` proves both from the traces of a gloo run.
 
 The autograd-aware operators built on these (a collective in forward whose conjugate runs in
 backward: Megatron-LM's f and g, and the all-to-all of expert parallelism) are in autograd_ops.py.
@@ -69,9 +59,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-# ----------------------------------------------------------------------------------------------
-# The ledger
-# ----------------------------------------------------------------------------------------------
+# -- The ledger -----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -98,12 +86,9 @@ def ring_bytes_sent(op: str, nbytes: int, n: int) -> int:
 
 @dataclass
 class Ledger:
-    """Calls and bytes per (group name, op). Shared by all groups of one mesh.
-
-    `trace`: None, or a list that receives (communicator, op, peer, bytes) for every operation,
-    in posting order; communicator is (name, ranks), peer the other rank's global number for
-    send/recv, else None.
-    """
+    """Calls and bytes per (group name, op), shared by all groups of one mesh. `trace`: None, or a
+    list that receives (communicator, op, peer, bytes) for every operation in posting order
+    (communicator: (name, ranks); peer: the other rank's global number for send/recv, else None)."""
 
     entries: dict[tuple[str, str], Entry] = field(default_factory=lambda: defaultdict(Entry))
     trace: list[tuple] | None = None
@@ -199,10 +184,8 @@ class Group:
             self.ledger.trace.append((self.communicator, op, None if peer is None else self.ranks[peer], nbytes))
 
 
-# ----------------------------------------------------------------------------------------------
-# The operations. Each writes its ledger line, then calls torch.distributed. Ops on a group of
-# one rank do nothing and cost nothing, so code can call them unconditionally.
-# ----------------------------------------------------------------------------------------------
+# -- The operations. Each writes its ledger line, then calls torch.distributed. Ops on a group of
+# -- one rank do nothing and cost nothing, so code can call them unconditionally.
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -365,9 +348,8 @@ def send_recv(send_t: torch.Tensor, dst: int, recv_t: torch.Tensor, src: int, gr
 def gather_object(obj, group: Group, dst: int = 0) -> list | None:
     """Every rank's picklable `obj`, in group order, on group rank `dst` (None on the others).
 
-    Objects travel as bytes: each rank pickles its own, the ranks agree on the longest (an 8-byte
-    all-reduce), and the byte tensors, padded to it, are gathered on `dst` (each other rank sends
-    its own; the ledger counts it under "gather"). Checkpoints collect the pipeline stages this way.
+    Each rank pickles its own, the ranks agree on the longest (an 8-byte all-reduce), and the byte
+    tensors, padded to it, are gathered on `dst` (ledger: "gather"). Checkpoints collect stages so.
     """
     if group.size == 1:
         return [obj]
@@ -409,10 +391,7 @@ def ring_all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
         else:
             recv(incoming, group, left)
             send(chunks[send_idx], group, right)
-        if reduce:
-            chunks[recv_idx].add_(incoming)
-        else:
-            chunks[recv_idx].copy_(incoming)
+        chunks[recv_idx].add_(incoming) if reduce else chunks[recv_idx].copy_(incoming)
 
     for step in range(n - 1):  # reduce-scatter
         exchange((i - step) % n, (i - step - 1) % n, reduce=True)

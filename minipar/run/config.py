@@ -282,6 +282,19 @@ def add_data_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    help="global batches of held-out windows per validation")
 
 
+def add_precision_flags(g) -> None:
+    """--precision, --dtype and --grad-reduce (how they combine: minipar/precision.py)."""
+    g.add_argument("--precision", default=None, choices=["fp32", "bf16-autocast", "bf16-mixed"],
+                   help="fp32; bf16-autocast (fp32 weights, bf16 matmuls); bf16-mixed (the ZeRO paper's: bf16 "
+                        "weights and gradients, fp32 master weights and Adam state: 16 bytes per parameter). "
+                        "Default: fp32 on CPU, bf16-autocast on CUDA")
+    g.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16"], help="float64: all in "
+                   "float64 (proofs; no --precision); float32 = --precision fp32, bfloat16 = bf16-autocast")
+    g.add_argument("--grad-reduce", default=None, choices=["bf16", "fp32"],
+                   help="bf16-mixed: gradients summed over ranks in bf16 (default: rounded at each of N-1 adds) "
+                        "or fp32 (twice the bytes; the mean rounded once, within half a bf16 ulp)")
+
+
 def parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = Parser(
@@ -319,15 +332,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-bad-steps", type=int, default=d.max_bad_steps,
                    help="stop after this many consecutive steps with a non-finite loss or gradient (each is skipped)")
     g.add_argument("--seed", type=int, default=d.seed, help="weights and data order")
-    g.add_argument("--precision", default=None, choices=["fp32", "bf16-autocast", "bf16-mixed"],
-                   help="fp32; bf16-autocast (fp32 weights, bf16 matmuls); bf16-mixed (the ZeRO paper's: bf16 "
-                        "weights and gradients, fp32 master weights and Adam state: 16 bytes per parameter). "
-                        "Default: fp32 on CPU, bf16-autocast on CUDA")
-    g.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16"], help="float64: all in "
-                   "float64 (proofs; no --precision); float32 = --precision fp32, bfloat16 = bf16-autocast")
-    g.add_argument("--grad-reduce", default=None, choices=["bf16", "fp32"],
-                   help="bf16-mixed: gradients summed over ranks in bf16 (default: rounded at each of N-1 adds) "
-                        "or fp32 (twice the bytes; the mean rounded once, within half a bf16 ulp)")
+    add_precision_flags(g)
     g.add_argument("--bucket-mb", type=float, default=d.bucket_mb, help="data-parallel gradient bucket size")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage over the dp group: 0, 1, 2 or 3")
     g.add_argument("--offload", action=switch, default=False, help="ZeRO 1-2: optimizer state and update on the CPU")
