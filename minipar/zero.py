@@ -100,12 +100,17 @@ class ZeroBucket:
         self.master = nn.Parameter(self.full[self.slice].to(device=device, dtype=dtype).clone())  # [padded // N]
         if precision.mixed:
             self.full = self.full.to(precision.working)  # the working weights: bf16
-        offset = 0
-        for p in params:
-            p.data = self.full[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
+        for p, view in zip(params, self.views(self.full)):
+            p.data = view
         self.grad_slice: torch.Tensor | None = None
         self.ready: set[int] = set()
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """A flat [padded] vector seen as this bucket's parameters, in order, without copies."""
+        offsets = [0]
+        for p in self.params:
+            offsets.append(offsets[-1] + p.numel())
+        return [flat[a:b].view(p.shape) for p, a, b in zip(self.params, offsets, offsets[1:])]
 
     def _flatten(self, tensors) -> torch.Tensor:
         flat = torch.cat([t.reshape(-1) for t in tensors])  # [numel]
@@ -233,10 +238,7 @@ class ZeroDataParallel(GradSync):
         for b in self.buckets:
             flat = torch.empty(b.padded, dtype=b.master.dtype, device=b.full.device)  # [padded], fp32
             all_gather_into(flat, b.master.detach().to(b.full.device), b.group)
-            offset = 0
-            for p in b.params:
-                weights[p] = flat[offset : offset + p.numel()].view(p.shape)
-                offset += p.numel()
+            weights.update(zip(b.params, b.views(flat)))
         with self._holding(weights):
             yield
 

@@ -98,9 +98,8 @@ def precision(cfg: TrainConfig, device: torch.device):
     bf16-autocast on CUDA. bf16-mixed builds the model in fp32: the wrapper keeps those weights as
     its masters and turns the model's own into bf16 copies (precision.py)."""
     chosen = of_config(cfg, device.type)
-    if chosen.autocast is not None:
-        return chosen, chosen.built, lambda: torch.autocast(device.type, dtype=chosen.autocast)
-    return chosen, chosen.built, nullcontext
+    autocast = nullcontext if chosen.autocast is None else lambda: torch.autocast(device.type, dtype=chosen.autocast)
+    return chosen, chosen.built, autocast
 
 
 def build_model(cfg: TrainConfig, mesh: Mesh, model_cfg, device, param_dtype):
