@@ -1,6 +1,6 @@
 """Collectives with a backward: the operators that make parallel layers differentiable.
 
-Chapter 3's Megatron-LM operators and expert parallelism's dispatch. Each runs a collective in
+Chapter 4's Megatron-LM operators and expert parallelism's dispatch. Each runs a collective in
 forward and its conjugate in backward, so that autograd carries gradients across ranks:
 
     copy_to_parallel (f)        identity forward, all-reduce backward

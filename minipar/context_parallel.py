@@ -1,6 +1,6 @@
 """Context parallelism: the sequence split across ranks, attention computed by passing K/V around a ring.
 
-Chapter 6 of the course. Everything in a transformer layer but attention treats each token on its
+Chapter 5 of the course. Everything in a transformer layer but attention treats each token on its
 own, so a long sequence can simply be cut into pieces, one per cp rank. Attention needs every
 earlier token's key and value: ring attention passes the K/V blocks around the cp group, one hop
 per step, and each rank attends its queries to each block as it passes by:

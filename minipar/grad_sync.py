@@ -1,6 +1,6 @@
 """One place that chooses how gradients are synchronised, and one AdamW.
 
-Chapters 2 and 5 built four wrappers with one protocol (data_parallel.py): plain data parallelism
+Chapters 2 and 3 built four wrappers with one protocol (data_parallel.py): plain data parallelism
 and ZeRO stages 1, 2 and 3. Which one a run uses is one decision, taken here, so the training
 loop, the benchmarks and the course scripts build them alike:
 

@@ -25,7 +25,7 @@ neighbours, so they can cross the slower network between nodes.
 
 A *group* is a line through the grid along one dimension: all ranks that share every coordinate
 but one. Each dimension's groups partition the world. We also build the dp x cp groups, because
-replicated parameters get their gradients averaged over data *and* context replicas (chapter 6).
+replicated parameters get their gradients averaged over data *and* context replicas (chapter 5).
 Expert parallelism carves its dimensions out of dp x cp: `Mesh.unflatten(("dp", "cp"), edp=..,
 ep=..)` reshapes each dp x cp group and builds a group per new dimension.
 

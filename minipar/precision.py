@@ -1,6 +1,6 @@
 """Precision: the dtype each tensor of a run is held in, and the bytes that costs per parameter.
 
-Chapter 5 of the course (mixed precision, beside ZeRO). Three settings, `--precision`:
+Chapter 3 of the course (mixed precision, beside ZeRO). Three settings, `--precision`:
 
     fp32           one dtype throughout: weights, gradients, optimizer state, compute (--dtype
                    float64 is this with float64 everywhere: the proofs)

@@ -1,6 +1,6 @@
 """Block-wise quantization: a tensor sent in 8 or 4 bits a number, each block with its own scale.
 
-The groundwork of ZeRO++ (chapter 5, issue #20): qwZ all-gathers the weights as int8 and qgZ
+The groundwork of ZeRO++ (chapter 3, issue #20): qwZ all-gathers the weights as int8 and qgZ
 reduces the gradients as int4/int8, each dequantized on arrival. Pure tensor code: no process
 groups here, the collectives send what `quantize` returns.
 

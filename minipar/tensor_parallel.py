@@ -1,6 +1,6 @@
 """Tensor parallelism: each weight matrix split across the tp ranks (Megatron-LM's layers).
 
-Chapter 3 of the course. A linear layer Y = X A can be cut two ways.
+Chapter 4 of the course. A linear layer Y = X A can be cut two ways.
 
     Column-parallel: A split by output columns      Row-parallel: A split by input rows
          X        [A0 | A1]      [Y0 | Y1]                [X0 | X1]    [A0]       Y0 + Y1

@@ -1,6 +1,6 @@
 """ZeRO stages 1 and 2: shard the optimizer state, then the gradients, across the dp group.
 
-Chapter 5 of the course. Data parallelism keeps N identical copies of everything. Per parameter,
+Chapter 3 of the course. Data parallelism keeps N identical copies of everything. Per parameter,
 in mixed precision, that is 2 bytes of weights, 2 of gradients and 12 of optimizer state (fp32
 master weight, Adam's two moments): the optimizer state is 3/4 of the memory, and every dp rank
 holds the same copy. ZeRO (Rajbhandari et al., 2020) gives each rank one N-th of it:

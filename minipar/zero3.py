@@ -1,6 +1,6 @@
 """ZeRO stage 3: the weights are sharded too, and each layer is gathered only while it is used.
 
-Chapter 5 of the course, second half. After stages 1 and 2, every rank still holds all the
+Chapter 3 of the course, second half. After stages 1 and 2, every rank still holds all the
 weights. Stage 3 keeps only this rank's 1/N slice of each layer's (flat, padded) weights, and
 rebuilds the full layer just in time, twice per step:
 

@@ -1,4 +1,4 @@
-"""The fp32 and bf16-mixed loss curves of one run, side by side: docs/img/05_fp32_vs_bf16_loss.png.
+"""The fp32 and bf16-mixed loss curves of one run, side by side: docs/img/03_fp32_vs_bf16_loss.png.
 
     .venv/bin/python scripts/plot_precision.py                 # 300 steps of the tiny model, one process
     .venv/bin/python scripts/plot_precision.py --steps 100 --out /tmp/curves.png
@@ -6,7 +6,7 @@
 Runs scripts/train.py twice on its built-in data (the Python standard library's text), the same
 seed, model and batches, once with `--precision fp32` and once with `--precision bf16-mixed`, reads
 the two JSON logs and plots the losses, with their relative difference below. Chapter:
-docs/05_zero.md (mixed precision).
+docs/03_zero.md (mixed precision).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def plot(fp32: list[float], mixed: list[float], out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "05_fp32_vs_bf16_loss.png")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "03_fp32_vs_bf16_loss.png")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         fp32, mixed = (losses(p, args.steps, Path(tmp)) for p in ("fp32", "bf16-mixed"))

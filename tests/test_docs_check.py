@@ -58,7 +58,7 @@ def test_a_training_log_masks_memory_and_bubble_and_a_cheaper_run_skips_later_st
     assert not docs_check.same(shown, shown.replace("8.3321", "8.3322"))
     assert docs_check.within("step     1/10 | loss 8.3321", 1)
     assert not docs_check.within("step    10/10 | loss 7.8514", 1)
-    assert not docs_check.within("saved /tmp/ch4/step_000010", 1) and docs_check.within("saved /tmp/ch4/step_000001", 1)
+    assert not docs_check.within("saved /tmp/ch6/step_000010", 1) and docs_check.within("saved /tmp/ch6/step_000001", 1)
     assert docs_check.within("mesh pp2 x dp2 x cp1 x tp2 = 8 ranks", 1) and docs_check.within("step 10/10", None)
     marked = "torchrun --nproc-per-node 2 scripts/train.py --steps 10 (checked on its first 1 step)"
     assert docs_check.CHEAPER.search(marked).group(1) == "1"

@@ -18,12 +18,12 @@ ANSWERS = Path(__file__).parent / "exercises" / "answers"
 WRONG_SAYS = {
     1: "the result is not the sum over ranks",
     2: "differs from the whole batch's gradient on one device: max abs diff",
-    3: "the output y differs from one device's: max abs diff",
-    4: "GPipe runs every forward before any backward",
+    3: "after step 1 the parameters differ from Adam on one device",
+    4: "the output y differs from one device's: max abs diff",
     5: "do not hold every position exactly once",
-    6: "is idle less than that",
-    7: "under 1F1B, 1 is not it",
-    8: "after step 1 the parameters differ from Adam on one device",
+    6: "GPipe runs every forward before any backward",
+    7: "is idle less than that",
+    8: "under 1F1B, 1 is not it",
 }
 
 
@@ -56,8 +56,8 @@ def test_ring_exercise_passes_uneven_chunks_and_fails_half_the_bytes():
 def test_make_exercise_lists_the_exercises_and_prints_pass_or_fail(capsys):
     run = checks.load(Path(__file__).parent / "exercises" / "run.py")  # by path: "run" is a common name
     assert run.main([]) == 0
-    assert "docs/exercises/ex4_gpipe.py" in capsys.readouterr().out
-    assert run.main(["4", str(ANSWERS / "ex4_reference.py")]) == 0
+    assert "docs/exercises/ex6_gpipe.py" in capsys.readouterr().out
+    assert run.main(["6", str(ANSWERS / "ex6_reference.py")]) == 0
     assert "PASS" in capsys.readouterr().out
     assert run.main(["5", str(ANSWERS / "ex5_wrong.py")]) == 1
     out = capsys.readouterr().out
@@ -65,7 +65,7 @@ def test_make_exercise_lists_the_exercises_and_prints_pass_or_fail(capsys):
 
 
 def test_the_zero1_checkers_adam_is_torchs_adam():
-    """Exercise 8's one-device reference is Adam written out; it must be torch.optim.Adam's update."""
+    """Exercise 3's one-device reference is Adam written out; it must be torch.optim.Adam's update."""
     import torch
     torch.manual_seed(0)
     start = torch.randn(10, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""Exercise 5 (chapter 6): zigzag chunk assignment for context parallelism.
+"""Exercise 5 (chapter 5): zigzag chunk assignment for context parallelism.
 
 Ring attention cuts the sequence across cp ranks. With a causal mask token t attends to t+1 keys,
 so a contiguous cut gives the last rank the most work. The zigzag cut: split the sequence into

@@ -1,6 +1,6 @@
 """Pipeline parallelism: stages of layers, and the one executor that runs any schedule.
 
-Chapter 4 of the course, second half (the schedules themselves are in schedules.py).
+Chapter 6 of the course, second half (the schedules themselves are in schedules.py).
 
     pp = 2, 4 layers:      rank 0 (stage 0)                 rank 1 (stage 1)
                            tok_emb, layers 0-1   -- x -->   layers 2-3, norm, lm_head, loss

@@ -1,6 +1,6 @@
 """Pipeline schedules as data: for each rank, the ordered list of what it computes.
 
-Chapter 4 of the course, first half. Cut the model's layers into p stages, one per rank, and the
+Chapter 6 of the course, first half. Cut the model's layers into p stages, one per rank, and the
 batch into m micro-batches. Stage s can run the forward of micro-batch i only after stage s-1 has,
 and the backward only after stage s+1 has. A *schedule* is the order in which each rank takes its
 actions:

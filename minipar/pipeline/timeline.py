@@ -1,6 +1,6 @@
 """A pipeline's timeline: when each action ran on each rank, simulated on a clock or measured.
 
-Chapter 4. `simulate(schedule)` runs a schedule's actions with fixed durations and no processes:
+Chapter 6. `simulate(schedule)` runs a schedule's actions with fixed durations and no processes:
 each rank takes its next action once the actions it needs (schedules.inputs_of) are done, so a
 deadlock shows as a rank waiting forever, and the idle fraction is the schedule's bubble. A
 `Timeline` holds such a simulated run or a measured one (Pipeline.run stamps each action), so the

@@ -334,7 +334,7 @@ def check_predict_bubble(path, run_ranks=None) -> list[str]:
     run = simulate(build("gpipe", 4, 8)).idle_fraction()
     if abs(answer - run) > 0.005:
         return [f"ANSWER = {answer:.4f}: the simulated GPipe timeline (p=4, m=8, F=1, B=2) is idle "
-                f"{'more' if run > answer else 'less'} than that (run scripts/step_04_pipeline.py, then think again)"]
+                f"{'more' if run > answer else 'less'} than that (run scripts/step_06_pipeline.py, then think again)"]
     return []
 
 
@@ -407,13 +407,13 @@ def check_zero1(path, run_ranks) -> list[str]:
 EXERCISES = {
     1: ("ex1_ring_all_reduce.py", "ring all-reduce from send/recv, and its bytes", check_ring, "45 min"),
     2: ("ex2_dp_hooks.py", "data-parallel gradient averaging with hooks", check_dp_hooks, "20 min"),
-    3: ("ex3_column_row.py", "column-parallel then row-parallel linear", check_column_row, "30 min"),
-    4: ("ex4_gpipe.py", "GPipe's action list", check_gpipe, "10 min"),
+    3: ("ex3_zero1.py", "a ZeRO-1 step: Adam on this rank's slice", check_zero1, "30 min"),
+    4: ("ex4_column_row.py", "column-parallel then row-parallel linear", check_column_row, "30 min"),
     5: ("ex5_zigzag.py", "zigzag chunks for context parallelism", check_zigzag, "10 min"),
-    6: ("ex6_predict_bubble.py", "predict: GPipe's bubble at p=4, m=8", check_predict_bubble, "10 min"),
-    7: ("ex7_predict_activations.py", "predict: rank 0's activations, GPipe vs 1F1B", check_predict_activations,
+    6: ("ex6_gpipe.py", "GPipe's action list", check_gpipe, "10 min"),
+    7: ("ex7_predict_bubble.py", "predict: GPipe's bubble at p=4, m=8", check_predict_bubble, "10 min"),
+    8: ("ex8_predict_activations.py", "predict: rank 0's activations, GPipe vs 1F1B", check_predict_activations,
         "10 min"),
-    8: ("ex8_zero1.py", "a ZeRO-1 step: Adam on this rank's slice", check_zero1, "30 min"),
 }
 
 

@@ -1,5 +1,3 @@
-"""Exercise 6, the library's answer: GPipe's bubble formula (p-1)/(m+p-1)."""
+"""Exercise 6, the library's answer."""
 
-from minipar.pipeline.schedules import bubble_formula
-
-ANSWER = bubble_formula(4, 8)
+from minipar.pipeline.schedules import gpipe  # noqa: F401 - the checker calls it

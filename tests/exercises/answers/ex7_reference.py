@@ -1,5 +1,5 @@
-"""Exercise 7, the answer from the chapter: GPipe holds every micro-batch (m) before its first
-backward; 1F1B's first stage at most p (its warm-up of p-1, plus the one in flight)."""
+"""Exercise 7, the library's answer: GPipe's bubble formula (p-1)/(m+p-1)."""
 
-P, M = 4, 8
-ANSWER = (M, P)
+from minipar.pipeline.schedules import bubble_formula
+
+ANSWER = bubble_formula(4, 8)

@@ -1,3 +1,3 @@
-"""Exercise 7, a plausible wrong answer: 1F1B thought to hold one micro-batch at a time."""
+"""Exercise 7, a plausible wrong answer: (p-1)/m, forgetting that the fill makes the step longer."""
 
-ANSWER = (8, 1)
+ANSWER = "3/8"

@@ -1,6 +1,6 @@
 """Step 3: tensor parallelism, seen from every rank: who holds which slice, and what it costs.
 
-    .venv/bin/torchrun --standalone --nproc-per-node 2 scripts/step_03_tensor_parallel.py    (4 works too)
+    .venv/bin/torchrun --standalone --nproc-per-node 2 scripts/step_04_tensor_parallel.py    (4 works too)
 
 All ranks form one tp group; everything is float64 and compared with one device; the mesh's
 ledger, reset around each piece, says which collectives it ran.
@@ -14,7 +14,7 @@ ledger, reset around each piece, says which collectives it ran.
 (d) the whole model without and with sequence parallelism: bytes by op (the same bytes sent),
     the partial gradients synchronised after, the single-device loss.
 
-Chapter: docs/03_tensor_parallel.md.
+Chapter: docs/04_tensor_parallel.md.
 """
 
 import torch

@@ -1,4 +1,4 @@
-"""Exercise 4 (chapter 4): GPipe's list of actions.
+"""Exercise 6 (chapter 6): GPipe's list of actions.
 
 A pipeline schedule is, for each of p ranks (rank s holds stage s), the ordered list of what it
 computes: `Action("F", i, s)` the forward of micro-batch i on stage s, `Action("B", i, s)` its
@@ -9,7 +9,7 @@ finishes, with GPipe's bubble.
 
 The library's own, after you tried: `gpipe` in minipar/pipeline/schedules.py.
 
-Check: make exercise N=4 (no ranks needed, a second)
+Check: make exercise N=6 (no ranks needed, a second)
 """
 
 from minipar.pipeline.schedules import Action  # noqa: F401 - yours to use

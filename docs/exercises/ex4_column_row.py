@@ -1,4 +1,4 @@
-"""Exercise 3 (chapter 3): a column-parallel linear, then a row-parallel one (Megatron's MLP).
+"""Exercise 4 (chapter 4): a column-parallel linear, then a row-parallel one (Megatron's MLP).
 
 One device computes  y = tanh(x W1^T) W2^T  with W1 [h, d] and W2 [d, h]. At tensor parallelism N
 rank r holds
@@ -8,7 +8,7 @@ and the same x [b, d] as every other rank. Return y [b, d], the same on every ra
 autograd giving every rank the right gradients: x.grad equal to one device's, w1.grad and w2.grad
 equal to this rank's slices of one device's W1 and W2 gradients.
 
-Two conjugate operators do it (chapter 3): f (identity forward, all-reduce of the gradient
+Two conjugate operators do it (chapter 4): f (identity forward, all-reduce of the gradient
 backward) where the parallel region starts, g (all-reduce forward, identity backward) where it
 ends. `minipar.autograd_ops` has both (`copy_to_parallel`, `reduce_from_parallel`); writing them
 yourself as torch.autograd.Function with `minipar.collectives.all_reduce` is the longer exercise.
@@ -16,7 +16,7 @@ yourself as torch.autograd.Function with `minipar.collectives.all_reduce` is the
 The library's own, after you tried: `ColumnParallelLinear` and `RowParallelLinear` in
 minipar/tensor_parallel.py, put together in `ParallelMLP` (minipar/parallelize.py).
 
-Check: make exercise N=3 (tp 2 and 4, a few seconds)
+Check: make exercise N=4 (tp 2 and 4, a few seconds)
 """
 
 import torch

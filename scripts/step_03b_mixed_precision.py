@@ -1,7 +1,7 @@
 """Step 5b: mixed precision under ZeRO: the paper's (2 + 2 + 12) Psi, held byte for byte, and what
 fp32 gradients on the wire cost.
 
-    .venv/bin/torchrun --standalone --nproc-per-node 4 scripts/step_05b_mixed_precision.py   (2 works too)
+    .venv/bin/torchrun --standalone --nproc-per-node 4 scripts/step_03b_mixed_precision.py   (2 works too)
 
 All ranks form one dp group. The small Llama (seed 0), in `--precision bf16-mixed`: the wrapper
 (build_grad_sync) keeps fp32 master weights and AdamW's fp32 moments (ZeRO: this rank's slices) and
@@ -15,7 +15,7 @@ turns the model's own weights into bf16 working copies; gradients are bf16. One 
     sends the gradients at twice the width and buys one rounding of the sum instead of N - 1
     (tests/test_mixed_precision.py measures that against the exact mean).
 
-Chapter: docs/05_zero.md (mixed precision). The loss curves: scripts/plot_precision.py.
+Chapter: docs/03_zero.md (mixed precision). The loss curves: scripts/plot_precision.py.
 """
 
 from functools import partial

@@ -1,6 +1,6 @@
 """Step 5: ZeRO, seen from every rank: what each one holds, what it sends, and that it changes nothing.
 
-    .venv/bin/torchrun --standalone --nproc-per-node 4 scripts/step_05_zero.py    (2 works too)
+    .venv/bin/torchrun --standalone --nproc-per-node 4 scripts/step_03_zero.py    (2 works too)
 
 All ranks form one dp group. The small Llama (seed 0) trains on a fixed global batch of 8 rows of
 128 tokens, each rank its 8/N rows, at ZeRO stage 0 (plain DataParallel and AdamW), 1, 2 and 3:
@@ -18,7 +18,7 @@ All ranks form one dp group. The small Llama (seed 0) trains on a fixed global b
 (d) in float64, three AdamW steps with 2 micro-batches per rank at each stage: the largest
     parameter difference from stage 0 (they are one optimizer), and the bytes of each step.
 
-Chapter: docs/05_zero.md.
+Chapter: docs/03_zero.md.
 """
 
 from functools import partial

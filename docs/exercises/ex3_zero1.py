@@ -1,4 +1,4 @@
-"""Exercise 8 (chapter 5): a ZeRO-1 optimizer step.
+"""Exercise 3 (chapter 3): a ZeRO-1 optimizer step.
 
 Data parallelism keeps a whole copy of Adam's state (two numbers per parameter) on every rank.
 ZeRO-1 cuts it: with the parameters flattened into one vector of P numbers and N data-parallel
@@ -20,7 +20,7 @@ eps 1e-8), or Adam written out by hand.
 
 The library's own, after you tried: `ZeroDataParallel` in minipar/zero.py (with buckets).
 
-Check: make exercise N=8 (2 and 4 ranks, a few seconds)
+Check: make exercise N=3 (2 and 4 ranks, a few seconds)
 """
 
 import torch

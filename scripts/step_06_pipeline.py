@@ -1,6 +1,6 @@
 """Step 4: pipeline parallelism, six schedules on paper and on real ranks.
 
-    .venv/bin/torchrun --standalone --nproc-per-node 4 scripts/step_04_pipeline.py    (2 works too)
+    .venv/bin/torchrun --standalone --nproc-per-node 4 scripts/step_06_pipeline.py    (2 works too)
     options: --micro-batches 8 (m; must divide the 16 rows), --out runs/step_04 (the PNGs), --repeats 5
 
 Every rank is one pipeline stage of the same 8-layer tiny Llama (float64, seed 0); the same batch
@@ -15,7 +15,7 @@ ZB-H1 and ZB-V it shows:
 
 Each schedule runs once to warm up, then --repeats times (5); the fastest run is shown, since
 other processes on the machine only ever make a run slower. PNGs of both timelines go to --out.
-Chapter: docs/04_pipeline.md.
+Chapter: docs/06_pipeline.md.
 """
 
 import argparse

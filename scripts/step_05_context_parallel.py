@@ -1,6 +1,6 @@
 """Step 6: context parallelism, seen from every rank: which tokens it holds, what passes round the ring.
 
-    .venv/bin/torchrun --standalone --nproc-per-node 2 scripts/step_06_context_parallel.py    (4 works too)
+    .venv/bin/torchrun --standalone --nproc-per-node 2 scripts/step_05_context_parallel.py    (4 works too)
 
 All ranks form one cp group; everything is float64 and compared with attention on the whole
 sequence on one device (torch's scaled_dot_product_attention, causal).
@@ -18,7 +18,7 @@ sequence on one device (torch's scaled_dot_product_attention, causal).
 (d) bytes each rank sent, from the mesh's ledger ('cp/send'), forward and backward, next to the
     formula: forward cp-1 hops of the local K/V, backward cp hops of K, V, dK and dV.
 
-Chapter: docs/06_context_parallel.md.
+Chapter: docs/05_context_parallel.md.
 """
 
 import torch
