@@ -1,0 +1,210 @@
+"""The course's pictures, drawn from the library's own numbers: docs/img/*.png.
+
+    .venv/bin/python scripts/draw_figures.py                      # all five (the loss runs take a minute or two)
+    .venv/bin/python scripts/draw_figures.py zero tp --out /tmp   # some of them, elsewhere
+
+    zero      who holds what under ZeRO 0-3 at dp 4 (planning/estimate.held_bytes: equal to what the
+              ranks hold, tests/test_mixed_precision.py)                     chapter 3
+    tp        the column/row split of the MLP at tp 2 (the shard shapes parallelize cuts)   chapter 4
+    zigzag    which cp rank holds each query row of causal attention, contiguous against zigzag
+              (context_parallel.zigzag_positions), and the work each rank does          chapter 5
+    experts   the tokens each ep rank sends each other in one MoE layer's all-to-all (the router
+              of the small-moe model on random tokens)                                   chapter 7
+    parity    the same training run under six layouts (scripts/train.py, float64): one curve, and
+              each layout's largest difference from one process                         chapter 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
+
+from minipar.context_parallel import zigzag_positions  # noqa: E402
+from minipar.model import get_config  # noqa: E402
+from minipar.moe import MoE  # noqa: E402
+from minipar.planning.estimate import held_bytes  # noqa: E402
+from minipar.run.config import TrainConfig  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]  # one per rank
+
+
+def zero(out: Path) -> None:
+    c, kinds = get_config("small"), ("params", "grads", "optimizer")
+    labels = ("weights (bf16) + fp32 masters", "gradients (bf16)", "AdamW momentum, variance (fp32)")
+    held = [held_bytes(c, TrainConfig(model="small", dp=4, zero=stage, precision="bf16-mixed")) for stage in range(4)]
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    bottom = [0.0] * 4
+    for kind, label, color in zip(kinds, labels, COLORS):
+        mib = [h[kind] / 2**20 for h in held]
+        ax.bar(range(4), mib, bottom=bottom, label=label, color=color)
+        bottom = [b + m for b, m in zip(bottom, mib)]
+    for stage, total in enumerate(bottom):
+        ax.text(stage, total, f"{total:.1f} MiB", ha="center", va="bottom")
+    ax.set_xticks(range(4), ["no ZeRO", "stage 1\n(optimizer)*", "stage 2\n(+ gradients)", "stage 3\n(+ weights)"])
+    fig.text(0.01, 0.01, "No ZeRO: the gradients' bar includes DataParallel's flat all-reduce buffers (2 Psi).\n"
+             "* after the gradient reduce-scatter, the moment shown; minipar's stage 1 holds whole gradients during "
+             "backward", fontsize=7)
+    ax.set_ylabel("MiB held by each of 4 dp ranks")
+    ax.set_title("small model in bf16-mixed, dp 4: (2 + 2 + 12) Psi, split stage by stage")
+    ax.legend()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(out / "03_zero_stages.png", dpi=110)
+
+
+def _matrix(ax, x, y, w, h, parts, vertical, label):
+    """A w x h matrix at (x, y) cut into `parts` colored slices: columns if vertical, else rows."""
+    for r in range(parts):
+        if parts == 1:  # whole, the same on every rank
+            ax.add_patch(Rectangle((x, y), w, h, color="lightgray"))
+        elif vertical:
+            ax.add_patch(Rectangle((x + r * w / parts, y), w / parts, h, color=COLORS[r], alpha=0.75))
+        else:
+            ax.add_patch(Rectangle((x, y + h - (r + 1) * h / parts), w, h / parts, color=COLORS[r], alpha=0.75))
+    ax.add_patch(Rectangle((x, y), w, h, fill=False, linewidth=1.2))
+    ax.text(x + w / 2, y - 0.35, label, ha="center", va="top", fontsize=8)
+
+
+def tp(out: Path) -> None:
+    c, t = get_config("small"), 2
+    d, f = c.dim, c.ffn_dim
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    _matrix(ax, 0, 1, 1.2, 2, 1, True, f"X [tokens, {d}]\nwhole on every rank")
+    ax.text(1.7, 2.35, "f", fontsize=13, ha="center", style="italic")
+    ax.text(1.7, 1.75, "×", fontsize=14, ha="center")
+    _matrix(ax, 2.2, 1, 2.4, 2, t, True, f"W_gate, W_up: columns cut\n[{d}, {f}] -> [{d}, {f // t}] a rank")
+    ax.text(5.0, 2, "=", fontsize=14, ha="center")
+    _matrix(ax, 5.4, 1, 2.4, 2, t, True, f"H = silu(X W_gate) * X W_up\n[tokens, {f // t}] a rank, no message")
+    ax.text(8.05, 2, "×", fontsize=14, ha="center")
+    _matrix(ax, 8.3, 0.4, 1.2, 3.2, t, False, f"W_down: rows cut\n[{f}, {d}] -> [{f // t}, {d}] a rank")
+    ax.text(9.9, 2.35, "g", fontsize=13, ha="center", style="italic")
+    ax.text(9.9, 1.75, "=", fontsize=14, ha="center")
+    _matrix(ax, 10.3, 1, 1.2, 2, 1, True, f"Y = sum of the partial\nproducts (g: all-reduce)")
+    ax.set_xlim(-0.3, 11.8)
+    ax.set_ylim(-0.8, 4)
+    ax.axis("off")
+    ax.set_title(f"Tensor parallelism at tp {t}: the MLP's column-then-row split (colors: ranks)")
+    fig.tight_layout()
+    fig.savefig(out / "04_tp_column_row.png", dpi=110)
+
+
+def zigzag(out: Path) -> None:
+    cp, s = 4, 16
+    owners = {"contiguous": [p // (s // cp) for p in range(s)], "zigzag": [0] * s}
+    for r in range(cp):
+        for p in zigzag_positions(r, cp, s).tolist():
+            owners["zigzag"][p] = r
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4.4))
+    for ax, (name, owner) in zip(axes, owners.items()):
+        work = [sum(q + 1 for q in range(s) if owner[q] == r) for r in range(cp)]  # keys each rank's queries see
+        for q in range(s):
+            for k in range(q + 1):
+                ax.add_patch(Rectangle((k, s - 1 - q), 1, 1, color=COLORS[owner[q]], alpha=0.8))
+        ax.set_xlim(0, s)
+        ax.set_ylim(0, s)
+        ax.set_aspect("equal")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.set_xlabel("key position 0 .. 15")
+        ax.set_ylabel("query position (0 at top)")
+        ax.set_title(f"{name}: score blocks per rank {work}", fontsize=10)
+    fig.suptitle(f"Causal attention, {s} tokens on cp = {cp} ranks (color: the rank holding the query)")
+    fig.tight_layout()
+    fig.savefig(out / "05_zigzag.png", dpi=110)
+
+
+def experts(out: Path) -> None:
+    c, ep, tokens = get_config("small-moe"), 4, 256
+    torch.manual_seed(0)
+    moe = MoE(c)
+    torch.nn.init.normal_(moe.router.weight, std=c.dim**-0.5)
+    chosen = moe.probabilities(torch.randn(tokens, c.dim)).topk(c.top_k, dim=-1).indices  # [T, k]
+    per_rank, local = tokens // ep, c.n_experts // ep
+    sent = torch.zeros(ep, ep, dtype=torch.long)  # [from the token's rank, to the expert's rank]
+    for t, row in enumerate(chosen.tolist()):
+        for e in row:
+            sent[t // per_rank, e // local] += 1
+    fig, ax = plt.subplots(figsize=(5.2, 4.4))
+    ax.imshow(sent, cmap="Blues")
+    for i in range(ep):
+        for j in range(ep):
+            ax.text(j, i, int(sent[i, j]), ha="center", va="center", color="black" if i != j else "darkred")
+    ax.set_xticks(range(ep), [f"rank {j}\nexperts {j * local}-{j * local + local - 1}" for j in range(ep)], fontsize=8)
+    ax.set_yticks(range(ep), [f"rank {i}" for i in range(ep)])
+    ax.set_xlabel("to the rank holding the expert")
+    ax.set_ylabel(f"from the rank holding the token ({per_rank} tokens)")
+    off = int(sent.sum() - sent.diagonal().sum())
+    ax.set_title(f"One MoE layer's all-to-all, top-{c.top_k} of {c.n_experts} experts at ep {ep}:\n"
+                 f"{off} of {int(sent.sum())} assignments leave their rank (diagonal: stay)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / "07_expert_all_to_all.png", dpi=110)
+
+
+PARITY_RUN = ["--model", "tiny", "--vocab-size", "512", "--seq-len", "32", "--global-batch", "8", "--micro-batch", "2",
+              "--steps", "40", "--lr", "3e-3", "--warmup", "5", "--dtype", "float64", "--log-every", "100",
+              "--no-wandb"]
+LAYOUTS = {"one process": [], "dp 2": ["--dp", "2"], "tp 2 + sp": ["--tp", "2", "--sp"], "pp 2 (1F1B)": ["--pp", "2"],
+           "cp 2": ["--cp", "2"], "dp 2, ZeRO-3": ["--dp", "2", "--zero", "3"]}
+
+
+def losses(flags: list[str], folder: Path) -> list[float]:
+    log, ranks = folder / "log.jsonl", 1 if not flags else 2
+    folder.mkdir(parents=True)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+    argv = [*launcher, str(ROOT / "scripts" / "train.py"), *PARITY_RUN, *flags, "--out", str(folder / "out"),
+            "--log-json", str(log), "--cache-dir", str(folder.parent / "cache")]
+    done = subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"scripts/train.py {' '.join(flags)} failed:\n{done.stderr[-2000:]}")
+    return [json.loads(line)["loss"] for line in log.read_text().splitlines() if "loss" in json.loads(line)]
+
+
+def parity(out: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        curves = {name: losses(flags, Path(tmp) / str(i)) for i, (name, flags) in enumerate(LAYOUTS.items())}
+    reference = curves["one process"]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True, height_ratios=(3, 2))
+    steps = range(1, len(reference) + 1)
+    for i, (name, curve) in enumerate(curves.items()):
+        top.plot(steps, curve, label=name, linewidth=4 - 0.5 * i, alpha=0.8, color=f"C{i}")
+        if name != "one process":
+            bottom.semilogy(steps, [abs(a - b) or 1e-18 for a, b in zip(curve, reference)], label=name,
+                            color=f"C{i}", marker="o", markersize=3, linestyle="none")
+    top.set_ylabel("training loss")
+    top.set_title("tiny Llama, float64: the same run under six layouts")
+    top.legend(fontsize=8)
+    bottom.set_ylabel("|loss - one process|\n(0 drawn at 1e-18)")
+    bottom.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out / "09_loss_parity.png", dpi=110)
+
+
+FIGURES = {"zero": zero, "tp": tp, "zigzag": zigzag, "experts": experts, "parity": parity}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", choices=[[], *FIGURES], help="the figures to draw (default: all)")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img", help="folder for the PNGs")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.names or FIGURES:
+        FIGURES[name](args.out)
+        print(f"drew {name}")
+
+
+if __name__ == "__main__":
+    main()
