@@ -91,7 +91,7 @@ def tp(out: Path) -> None:
     _matrix(ax, 8.3, 0.4, 1.2, 3.2, t, False, f"W_down: rows cut\n[{f}, {d}] -> [{f // t}, {d}] a rank")
     ax.text(9.9, 2.35, "g", fontsize=13, ha="center", style="italic")
     ax.text(9.9, 1.75, "=", fontsize=14, ha="center")
-    _matrix(ax, 10.3, 1, 1.2, 2, 1, True, f"Y = sum of the partial\nproducts (g: all-reduce)")
+    _matrix(ax, 10.3, 1, 1.2, 2, 1, True, "Y = sum of the partial\nproducts (g: all-reduce)")
     ax.set_xlim(-0.3, 11.8)
     ax.set_ylim(-0.8, 4)
     ax.axis("off")
