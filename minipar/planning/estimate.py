@@ -45,6 +45,7 @@ from functools import lru_cache
 import torch
 
 from minipar.collectives import Group, Ledger, ring_bytes_sent
+from minipar.context_parallel import attention_bytes_sent
 from minipar.data_parallel import bucket_params, by_grad_mean, param_groups
 from minipar.model import Llama, ModelConfig
 from minipar.moe import MoE
@@ -173,7 +174,8 @@ def bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
     parallel group's (dp_bytes_sent) and, per micro-batch, tensor parallelism's four messages per
     layer (sp: all-gathers and reduce-scatters instead of all-reduces) with the embedding's, the
     head's and the vocabulary-parallel loss's; the pipeline's activations and gradients; ring
-    attention's K/V blocks (forward) and K/V with their gradients (backward); mixture-of-experts
+    attention's K/V blocks (forward) and K/V with their gradients (backward), or Ulysses' four
+    all-to-alls each way (context_parallel.attention_bytes_sent); mixture-of-experts
     blocks' all-to-alls and load-balancing sums (estimate_moe.moe_bytes_sent: with a capacity factor
     exact once every expert fills it, dropless the expectation under uniform routing) and the experts' norm over
     ep. Under --recompute, backward replays each layer's forward messages, up to the last it needs."""
@@ -221,10 +223,10 @@ def bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
     if cfg.pp > 1:
         _pipeline_bytes(sent, model_cfg, cfg, pp_rank, stream // (cfg.tp if cfg.sp else 1))  # the stream
         sent["pp/all_reduce"] += ring_bytes_sent("all_reduce", grad_width, cfg.pp)  # the norm, over stages
-    if cfg.cp > 1:
-        kv = max(1, model_cfg.n_kv_heads // cfg.tp) * tokens * model_cfg.head_dim * weight_width  # K or V, rotated
-        forward = (cfg.cp - 1) * 2 * kv * (2 if cfg.recompute else 1)  # K and V round the ring (replayed)
-        sent["cp/send"] += m * layers * (forward + cfg.cp * 4 * kv)
+    if cfg.cp > 1:  # ring: K/V round the ring; ulysses: four all-to-alls (each replayed under --recompute)
+        heads, kv_heads = model_cfg.n_heads // cfg.tp, max(1, model_cfg.n_kv_heads // cfg.tp)
+        sent["cp/send" if cfg.cp_attention == "ring" else "cp/all_to_all"] += m * layers * attention_bytes_sent(
+            cfg.cp_attention, tokens, heads, kv_heads, model_cfg.head_dim, cfg.cp, weight_width, w, cfg.recompute)
     return {k: v for k, v in sent.items() if v}
 
 
