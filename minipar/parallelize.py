@@ -70,7 +70,8 @@ from minipar.tensor_parallel import (
 
 
 def parallelize(model: Llama, *, tp: Group | None = None, cp: Group | None = None, ep: Group | None = None,
-                sp: bool = False, stage: tuple | None = None, recompute: bool = False, cp_attention: str = "ring") -> Llama:
+                sp: bool = False, stage: tuple | None = None, recompute: bool = False,
+                cp_attention: str = "ring") -> Llama:
     """This rank's part of `model` (see the module docstring for the steps and their order).
     tp, cp, ep: this rank's groups (None, or a group of one: not split that way). sp: sequence
     parallelism over tp. stage: (layer ids, holds the embedding, holds the head) of this rank's
