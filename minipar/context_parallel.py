@@ -205,7 +205,7 @@ def attention_bytes_sent(attention: str, tokens: int, heads: int, kv_heads: int,
     the weights' dtype) and of v and the output (matmul products). replay: --recompute's second forward.
 
         ring     forward: its K and V, cp-1 hops; backward: K, V, dK, dV, cp hops (the last brings
-                 them home). Both in the rotated width (stacked with K into one message).
+                 them home). V too in the rotated width: it travels stacked with K, one message.
         ulysses  an all-to-all of q, k, v and one of the output, each sending (cp-1)/cp of it;
                  backward the same four, carrying gradients.
     """

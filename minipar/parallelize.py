@@ -44,7 +44,13 @@ from einops import rearrange
 from torch import nn
 
 from minipar.collectives import Group
-from minipar.context_parallel import global_token_count, ring_attention, ulysses_attention, zigzag_positions
+from minipar.context_parallel import (
+    CP_ATTENTION,
+    global_token_count,
+    ring_attention,
+    ulysses_attention,
+    zigzag_positions,
+)
 from minipar.expert_parallel import parallelize_experts
 from minipar.model import (
     MLP,
@@ -173,6 +179,8 @@ class ParallelAttention(nn.Module):
                  cp_attention: str = "ring"):
         super().__init__()
         self.head_dim, self.rope_freqs, self.tp, self.sp, self.cp = plain.head_dim, plain.rope_freqs, tp, sp, cp
+        if cp_attention not in CP_ATTENTION:
+            raise ValueError(f"cp_attention {cp_attention!r}: choose one of {', '.join(CP_ATTENTION)}")
         self.cp_attention = cp_attention
         if tp is None:
             self.wq, self.wk, self.wv, self.wo = plain.wq, plain.wk, plain.wv, plain.wo
