@@ -57,11 +57,11 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    cp_attention: str = "ring"  # ring (K/V blocks round the cp ring) or ulysses (all-to-all to whole heads)
     ep: int = 1  # expert parallelism, carved out of dp x cp (mixture-of-experts models)
     sp: bool = False  # Megatron sequence parallelism inside the tp group
     schedule: str = "1f1b"  # pipeline schedule, used when pp > 1
     virtual_stages: int = 1
+    cp_attention: str = "ring"  # ring (K/V blocks round the cp ring) or ulysses (all-to-all to whole heads)
     zero: int = 0  # ZeRO stage over the dp group: 0 (plain data parallelism), 1, 2, 3
     offload: bool = False  # ZeRO 1-2: optimizer state and step on the CPU
     recompute: bool = False  # activation checkpointing per transformer layer
