@@ -33,6 +33,20 @@ Every hop is one batched send-and-receive (collectives.send_recv).
 Gradients of everything outside attention are partial too (each cp rank saw only its tokens), so
 replicated parameters are reduced over cp as well as dp: data parallelism runs over the dp x cp
 group (mesh.dp_cp_group), and so does ZeRO.
+
+Ulysses (DeepSpeed-Ulysses, `--cp-attention ulysses`): the other way to attend over a split
+sequence. Attention is independent per head, so instead of moving K/V blocks past the queries,
+swap which dimension is split: an all-to-all turns "s/cp tokens of all h heads" into "all s tokens
+of h/cp heads", each rank runs plain causal attention for its heads, and a second all-to-all
+turns the output back. Four all-to-alls forward (q, k, v in, the output back), four backward:
+
+    rank r holds  [b, h, s/cp, hd]  --all-to-all-->  [b, h/cp, s, hd]  --attention-->  back the same way
+
+The tokens keep the zigzag order the data pipeline gives (RoPE has already rotated them by their
+global positions): after the first all-to-all the rank orders the s tokens by position, so that
+the causal mask is the plain triangle, and puts them back in the received order before returning
+them. No load balancing is needed (every rank attends the whole sequence for its heads). The
+heads and the kv heads of a tp rank must both divide by cp (check_cp_layout).
 """
 
 from __future__ import annotations
@@ -40,13 +54,22 @@ from __future__ import annotations
 import torch
 from einops import rearrange, repeat
 
+from minipar.autograd_ops import all_to_all_with_grad
 from minipar.collectives import Group, all_reduce, send_recv
+from minipar.model import causal_attention
+
+CP_ATTENTION = ("ring", "ulysses")
 
 
-def check_cp_layout(seq_len: int, cp: int) -> None:
+def check_cp_layout(seq_len: int, cp: int, attention: str = "ring", n_heads: int = 1, n_kv_heads: int = 1,
+                    tp: int = 1) -> None:
     if cp > 1 and seq_len % (2 * cp):
         raise ValueError(f"--seq-len {seq_len} is not divisible by 2 x --cp = {2 * cp}: the zigzag split cuts "
                          f"the sequence into 2 cp equal chunks")
+    heads, kv_heads = n_heads // tp, n_kv_heads // tp if n_kv_heads % tp == 0 else 1  # a tp rank's (parallelize)
+    if attention == "ulysses" and (heads % cp or kv_heads % cp):
+        raise ValueError(f"--cp-attention ulysses: each tp rank's {heads} query heads and {kv_heads} kv heads must "
+                         f"both divide by --cp {cp} (the all-to-all gives each cp rank whole heads); use ring")
 
 
 def zigzag_positions(rank: int, cp: int, seq_len: int, device=None) -> torch.Tensor:
@@ -153,6 +176,46 @@ def ring_attention(q, k, v, group: Group, seq_len: int) -> torch.Tensor:
     q [b, h, s/cp, d], k and v [b, h_kv, s/cp, d] -> [b, h, s/cp, d]. `seq_len` is the full length.
     """
     return _RingAttention.apply(q, k, v, group, seq_len)
+
+
+def ulysses_attention(q, k, v, group: Group, seq_len: int) -> torch.Tensor:
+    """Causal attention over the whole sequence by two all-to-alls (see the module docstring).
+
+    q [b, h, s/cp, d], k and v [b, h_kv, s/cp, d], this rank's zigzag tokens -> [b, h, s/cp, d].
+    """
+    cp = group.size
+    # Rank i's tokens arrive i-th: their positions in the received order, and the order that sorts them.
+    received = torch.cat([zigzag_positions(i, cp, seq_len, q.device) for i in range(cp)])  # [s]
+    by_position = torch.argsort(received)
+
+    def all_tokens_of_my_heads(t):  # [b, heads, s/cp, d] -> [b, heads/cp, s, d], in position order
+        pieces = rearrange(t, "b (c h) s d -> c b h s d", c=cp)  # piece j: the heads rank j will hold
+        mine = all_to_all_with_grad(pieces, group)  # [cp, b, heads/cp, s/cp, d]: piece i from rank i
+        return rearrange(mine, "c b h s d -> b h (c s) d")[:, :, by_position]
+
+    out = causal_attention(*(all_tokens_of_my_heads(t) for t in (q, k, v)))  # [b, h/cp, s, d]
+    back = rearrange(out[:, :, received], "b h (c s) d -> c b h s d", c=cp)  # piece i: rank i's tokens
+    return rearrange(all_to_all_with_grad(back, group), "c b h s d -> b (c h) s d")  # [b, h, s/cp, d]
+
+
+def attention_bytes_sent(attention: str, tokens: int, heads: int, kv_heads: int, head_dim: int, cp: int,
+                         rotated: int, product: int, replay: bool = False) -> int:
+    """Bytes one cp rank sends for one layer's attention, forward and backward. tokens: the rank's
+    (b s/cp); heads, kv_heads: a tp rank's; rotated, product: the widths of q and k (after RoPE, in
+    the weights' dtype) and of v and the output (matmul products). replay: --recompute's second forward.
+
+        ring     forward: its K and V, cp-1 hops; backward: K, V, dK, dV, cp hops (the last brings
+                 them home). V too in the rotated width: it travels stacked with K, one message.
+        ulysses  an all-to-all of q, k, v and one of the output, each sending (cp-1)/cp of it;
+                 backward the same four, carrying gradients.
+    """
+    forwards = 2 if replay else 1
+    if attention == "ring":
+        kv = tokens * kv_heads * head_dim * rotated  # this rank's K, or its V
+        return forwards * (cp - 1) * 2 * kv + cp * 4 * kv
+    q_and_out, k_and_v = tokens * heads * head_dim, tokens * kv_heads * head_dim
+    per_pass = q_and_out * (rotated + product) + k_and_v * (rotated + product)  # q, out; k, v
+    return (forwards + 1) * per_pass * (cp - 1) // cp
 
 
 def global_token_count(targets: torch.Tensor, group: Group, ignore_index: int = -100) -> torch.Tensor:

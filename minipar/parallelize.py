@@ -24,7 +24,7 @@ Where the messages are sent, read in the forwards: ParallelAttention and Paralle
 parallel region once (f) for the layers that read their input (q, k and v; gate and up), so one
 all-reduce of that input's gradient in backward, not one per projection; the row-parallel wo and
 w_down leave it (g), and so does the embedding; the LM head enters it itself. ParallelAttention
-with a cp group runs ring attention on this rank's zigzag positions.
+with a cp group runs ring attention (or Ulysses' all-to-alls) on this rank's zigzag positions.
 
 The gradient-sync wrapper (data_parallel.py, zero.py, zero3.py) comes after, around the result.
 Initialisation stays exact: the plain model draws every weight at its full shape from (seed,
@@ -44,7 +44,13 @@ from einops import rearrange
 from torch import nn
 
 from minipar.collectives import Group
-from minipar.context_parallel import global_token_count, ring_attention, zigzag_positions
+from minipar.context_parallel import (
+    CP_ATTENTION,
+    global_token_count,
+    ring_attention,
+    ulysses_attention,
+    zigzag_positions,
+)
 from minipar.expert_parallel import parallelize_experts
 from minipar.model import (
     MLP,
@@ -70,11 +76,12 @@ from minipar.tensor_parallel import (
 
 
 def parallelize(model: Llama, *, tp: Group | None = None, cp: Group | None = None, ep: Group | None = None,
-                sp: bool = False, stage: tuple | None = None, recompute: bool = False) -> Llama:
+                sp: bool = False, stage: tuple | None = None, recompute: bool = False,
+                cp_attention: str = "ring") -> Llama:
     """This rank's part of `model` (see the module docstring for the steps and their order).
     tp, cp, ep: this rank's groups (None, or a group of one: not split that way). sp: sequence
     parallelism over tp. stage: (layer ids, holds the embedding, holds the head) of this rank's
-    pipeline stages, or None for the whole model."""
+    pipeline stages, or None for the whole model. cp_attention: "ring" or "ulysses" (context_parallel.py)."""
     tp, cp = (g if g is not None and g.size > 1 else None for g in (tp, cp))
     if stage is not None:
         keep_stage(model, *stage)
@@ -82,7 +89,7 @@ def parallelize(model: Llama, *, tp: Group | None = None, cp: Group | None = Non
         tensor_parallel(model, tp, sp)
     if tp is not None or cp is not None:
         for layer in model.layers.values():
-            layer.attn = ParallelAttention(layer.attn, model.config, tp, sp, cp)
+            layer.attn = ParallelAttention(layer.attn, model.config, tp, sp, cp, cp_attention)
     if cp is not None:
         context_parallel(model, cp)
     if model.config.n_experts:
@@ -163,13 +170,18 @@ class ParallelAttention(nn.Module):
 
     tp: wq, wk, wv column-parallel by whole heads (with fewer kv heads than tp ranks, each rank
     keeps the whole wk and wv and uses the kv head its query heads read), wo row-parallel.
-    cp: this rank's tokens are two zigzag chunks of the sequence; the K/V go around the ring.
+    cp: this rank's tokens are two zigzag chunks of the sequence; the K/V go around the ring, or
+    (cp_attention "ulysses") two all-to-alls give this rank all the tokens of h/cp of its heads.
     tp or cp None: not split that way (the plain layers; causal attention on the whole sequence).
     """
 
-    def __init__(self, plain: Attention, config: ModelConfig, tp: Group | None, sp: bool, cp: Group | None):
+    def __init__(self, plain: Attention, config: ModelConfig, tp: Group | None, sp: bool, cp: Group | None,
+                 cp_attention: str = "ring"):
         super().__init__()
         self.head_dim, self.rope_freqs, self.tp, self.sp, self.cp = plain.head_dim, plain.rope_freqs, tp, sp, cp
+        if cp_attention not in CP_ATTENTION:
+            raise ValueError(f"cp_attention {cp_attention!r}: choose one of {', '.join(CP_ATTENTION)}")
+        self.cp_attention = cp_attention
         if tp is None:
             self.wq, self.wk, self.wv, self.wo = plain.wq, plain.wk, plain.wv, plain.wo
             return
@@ -188,10 +200,13 @@ class ParallelAttention(nn.Module):
         local_len = x.shape[1]
         if self.cp is None:
             positions, attend = sequence_positions(local_len, x.device), causal_attention
-        else:  # two zigzag chunks of the sequence; every rank's K/V pass by on the cp ring
+        else:  # two zigzag chunks of the sequence, RoPE'd at their global positions
             seq_len = local_len * self.cp.size
             positions = zigzag_positions(self.cp.rank, self.cp.size, seq_len, x.device)
-            attend = partial(ring_attention, group=self.cp, seq_len=seq_len)
+            if self.cp_attention == "ulysses":  # all-to-all: all s tokens of h/cp heads, and back
+                attend = partial(ulysses_attention, group=self.cp, seq_len=seq_len)
+            else:  # every rank's K/V pass by on the cp ring
+                attend = partial(ring_attention, group=self.cp, seq_len=seq_len)
         cos, sin = rope_cos_sin(positions, self.rope_freqs, x.dtype)
         out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)  # [b, h/tp, s/cp, hd]
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))  # tp: wo sums the heads' parts (g)

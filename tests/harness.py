@@ -161,7 +161,8 @@ def shutdown() -> None:
 
 
 def parallel_llama(config, seed: int = 0, tp_group=None, sequence_parallel: bool = False, layer_ids=None,
-                   embed: bool = True, head: bool = True, recompute: bool = False, cp_group=None):
+                   embed: bool = True, head: bool = True, recompute: bool = False, cp_group=None,
+                   cp_attention: str = "ring"):
     """The plain Llama(config, seed) through minipar's one seam, `parallelize`: the shorthand the
     tests build their models with. layer_ids, embed, head: this rank's pipeline stages."""
     from minipar.model import Llama
@@ -170,4 +171,4 @@ def parallel_llama(config, seed: int = 0, tp_group=None, sequence_parallel: bool
     stage = None if layer_ids is None and embed and head else (
         list(range(config.n_layers)) if layer_ids is None else list(layer_ids), embed, head)
     return parallelize(Llama(config, seed), tp=tp_group, cp=cp_group, sp=sequence_parallel, stage=stage,
-                       recompute=recompute)
+                       recompute=recompute, cp_attention=cp_attention)

@@ -277,6 +277,8 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     (["--tp=3"], 3, "does not divide the model's 4 attention heads"),
     (["--global-batch=6"], 1, "--global-batch 6 is not divisible by --dp 1 x --micro-batch 4"),
     (["--cp=2", "--seq-len=30"], 2, "not divisible by 2 x --cp = 4"),
+    (["--cp=2", "--tp=2", "--cp-attention=ulysses"], 4, "2 query heads and 1 kv heads must both divide by --cp 2"),
+    (["--cp-attention=ulysse"], 1, "argument --cp-attention: invalid choice: 'ulysse'"),
     (["--pp=4", "--micro-batch=2"], 4, "pipeline stages"),
     (["--zero=4"], 1, "--zero 4: choose 0, 1, 2 or 3"),
     (["--offload"], 1, "--offload needs --zero 1 or 2"),

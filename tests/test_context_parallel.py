@@ -68,6 +68,56 @@ def test_ring_attention_forward_and_backward_equal_sdpa_causal_gqa(cp):
 
 
 # ----------------------------------------------------------------------------------------------
+# Ulysses: two all-to-alls instead of the ring
+# ----------------------------------------------------------------------------------------------
+
+
+def _ulysses(rank, world, h, h_kv):
+    with Mesh.build(cp=world) as mesh:
+        g = mesh.cp_group
+        q, k, v = qkv(h=h, h_kv=h_kv)
+        d_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+        local = [C.split_sequence(t, g, dim=2).clone().requires_grad_() for t in (q, k, v)]
+        out = C.ulysses_attention(*local, g, S)
+        out.backward(C.split_sequence(d_out, g, dim=2))
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_out = reference_attention(*ref)
+        ref_out.backward(d_out)
+        torch.testing.assert_close(out, C.split_sequence(ref_out, g, dim=2), **TIGHT)
+        for mine, theirs, name in zip(local, ref, "qkv"):
+            torch.testing.assert_close(mine.grad, C.split_sequence(theirs.grad, g, dim=2), **TIGHT, msg=name)
+        entry = mesh.ledger.get("cp", "all_to_all")
+        # The same attention by the ring, on the same ranks: its K/V hops, next to its formula.
+        C.ring_attention(*local, g, S).backward(C.split_sequence(d_out, g, dim=2))
+        return dict(calls=entry.calls, sent=entry.sent, ring=mesh.ledger.get("cp", "send").sent)
+
+
+@pytest.mark.parametrize("cp,h,h_kv", [(2, 4, 2), (4, 8, 4), (2, 4, 4)], ids=["cp2-gqa", "cp4-gqa", "cp2-mha"])
+def test_ulysses_attention_forward_and_backward_equal_sdpa_and_send_the_closed_form(cp, h, h_kv):
+    tokens, d, w = 2 * S // cp, 8, 8  # b s/cp, head dim, float64
+    for r in run_ranks(cp, _ulysses, h, h_kv):
+        assert r["calls"] == 8  # q, k, v there and the output back; the same four carrying gradients
+        # Each all-to-all keeps 1/cp of its [b, heads, s/cp, d] and sends the rest: by hand, then the formula.
+        assert r["sent"] == 2 * (2 * h + 2 * h_kv) * tokens * d * w * (cp - 1) // cp
+        assert r["sent"] == C.attention_bytes_sent("ulysses", tokens, h, h_kv, d, cp, w, w)
+        assert r["ring"] == (cp - 1) * 2 * tokens * h_kv * d * w + cp * 4 * tokens * h_kv * d * w
+        assert r["ring"] == C.attention_bytes_sent("ring", tokens, h, h_kv, d, cp, w, w)
+
+
+def test_ulysses_refuses_heads_that_do_not_split_over_cp_in_one_line():
+    C.check_cp_layout(16, 2, "ulysses", n_heads=4, n_kv_heads=2)  # 2 and 1 heads per cp rank
+    with pytest.raises(ValueError, match="1 kv heads must both divide by --cp 2"):
+        C.check_cp_layout(16, 2, "ulysses", n_heads=4, n_kv_heads=2, tp=2)  # tp leaves 1 kv head per rank
+    with pytest.raises(ValueError, match="2 query heads and 2 kv heads must both divide by --cp 4"):
+        C.check_cp_layout(16, 4, "ulysses", n_heads=4, n_kv_heads=4, tp=2)
+    C.check_cp_layout(16, 4, "ring", n_heads=4, n_kv_heads=4, tp=2)  # the ring takes any heads
+    from minipar.parallelize import ParallelAttention
+
+    with pytest.raises(ValueError, match="cp_attention 'ulyses': choose one of ring, ulysses"):
+        ParallelAttention(Llama(CFG).layers["0"].attn, CFG, None, False, None, "ulyses")  # no silent ring
+
+
+# ----------------------------------------------------------------------------------------------
 # The model
 # ----------------------------------------------------------------------------------------------
 
@@ -102,6 +152,35 @@ def test_model_loss_and_every_gradient_at_cp2_equal_single_device():
     assert sum(r["loss"] for r in out) / 2 == pytest.approx(loss.item(), rel=1e-12)
     for n, p in model.named_parameters():
         torch.testing.assert_close(sum(r["grads"][n] for r in out) / 2, p.grad, **TIGHT, msg=n)
+
+
+def _model_at_layout(rank, world, degrees, cfg, attention):
+    with Mesh.build(**degrees) as mesh:
+        g, tp = mesh.cp_group, mesh.tp_group
+        model = parallel_llama(cfg, seed=2, tp_group=tp, cp_group=g, cp_attention=attention).double()
+        x, y = batch()
+        loss = model(C.split_sequence(x, g), C.split_sequence(y, g))
+        loss.backward()
+        grads = {n: unshard(p.grad, p, tp) for n, p in model.named_parameters()}  # whole, on every tp rank
+        return dict(loss=loss.item(), grads=grads, ledger=mesh.ledger.snapshot(), tp_rank=tp.rank)
+
+
+ULYSSES_MODELS = [(2, dict(cp=2), CFG),  # 4 query heads, 2 kv heads: 2 and 1 per cp rank
+                  (4, dict(tp=2, cp=2), get_config("tiny", n_layers=2, vocab_size=250, n_heads=8, n_kv_heads=4))]
+
+
+@pytest.mark.parametrize("world,degrees,cfg", ULYSSES_MODELS, ids=["cp2-gqa", "tp2xcp2-gqa"])
+def test_model_loss_and_every_gradient_under_ulysses_equal_single_device(world, degrees, cfg):
+    model = Llama(cfg, seed=2).double()
+    loss = model(*batch())
+    loss.backward()
+    out = run_ranks(world, _model_at_layout, degrees, cfg, "ulysses")
+    cp_ranks = [r for r in out if r["tp_rank"] == 0]  # one of each cp rank's tp ranks: the same loss and grads
+    assert sum(r["loss"] for r in cp_ranks) / 2 == pytest.approx(loss.item(), rel=1e-12)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(sum(r["grads"][n] for r in cp_ranks) / 2, p.grad, **TIGHT, msg=n)
+    assert all("cp/send" not in r["ledger"] and r["ledger"]["cp/all_to_all"]["calls"] == 8 * cfg.n_layers
+               for r in out)  # no ring: four all-to-alls each way per layer
 
 
 def _attention_memory(rank, world):

@@ -274,7 +274,7 @@ def _activations(rank, world, layout, whole_model):
                                                                                                  nullcontext())
     with Mesh.build(tp=cfg.tp, cp=cfg.cp) as mesh, autocast:
         model = parallelize(Llama(c, 0), tp=mesh.tp_group, cp=mesh.cp_group, sp=cfg.sp,
-                            recompute=cfg.recompute).to(dtype)
+                            recompute=cfg.recompute, cp_attention=cfg.cp_attention).to(dtype)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         tokens = torch.randint(0, 250, (2, 33), generator=torch.Generator().manual_seed(0))
         x, y = (split_sequence(t, mesh.cp_group) for t in (tokens[:, :-1], tokens[:, 1:]))
@@ -289,7 +289,8 @@ def _activations(rank, world, layout, whole_model):
 ACTIVATION_LAYOUTS = [(1, dict()), (2, dict(tp=2)), (2, dict(tp=2, sp=True)), (2, dict(cp=2)),
                       (4, dict(tp=2, sp=True, cp=2)), (1, dict(dtype="bfloat16")), (2, dict(tp=2, dtype="bfloat16")),
                       (2, dict(tp=2, sp=True, dtype="bfloat16")), (2, dict(cp=2, dtype="bfloat16")),
-                      (4, dict(tp=2, sp=True, cp=2, dtype="bfloat16"))]
+                      (4, dict(tp=2, sp=True, cp=2, dtype="bfloat16")), (2, dict(cp=2, cp_attention="ulysses")),
+                      (2, dict(cp=2, cp_attention="ulysses", dtype="bfloat16"))]
 
 
 @pytest.mark.parametrize("world,layout", ACTIVATION_LAYOUTS,
@@ -498,7 +499,10 @@ TRAFFIC_LAYOUTS = [(2, dict(dp=2)), (4, dict(dp=4)), (2, dict(dp=2, zero=1)), (2
                    (2, dict(dp=2, zero=1, dtype="bfloat16")),
                    # --recompute: backward replays each layer's forward, its tp and ring messages included
                    (2, dict(tp=2, recompute=True)), (2, dict(tp=2, sp=True, recompute=True)),
-                   (2, dict(cp=2, recompute=True))]
+                   (2, dict(cp=2, recompute=True)),
+                   # Ulysses: four all-to-alls each way per layer (q, k rotated in the weights' width)
+                   (2, dict(cp=2, cp_attention="ulysses")), (2, dict(cp=2, cp_attention="ulysses", dtype="bfloat16")),
+                   (2, dict(cp=2, cp_attention="ulysses", recompute=True))]
 
 
 @pytest.mark.parametrize("world,layout", TRAFFIC_LAYOUTS,

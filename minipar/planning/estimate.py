@@ -45,6 +45,7 @@ from functools import lru_cache
 import torch
 
 from minipar.collectives import Group, Ledger, ring_bytes_sent
+from minipar.context_parallel import attention_bytes_sent
 from minipar.data_parallel import bucket_params, by_grad_mean, param_groups
 from minipar.model import Llama, ModelConfig
 from minipar.moe import MoE
@@ -120,7 +121,6 @@ def _replicas(grad_mean: tuple[str, ...], cfg: TrainConfig) -> int:
     return cfg.dp * cfg.cp if tuple(grad_mean) == DENSE else cfg.dp * cfg.cp // cfg.ep
 
 
-
 def dp_bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> dict[str, int]:
     """What pp rank `pp_rank` sends in one step over its data-parallel groups (dp, or dp x cp; edp
     for experts' gradients), by the ledger's "group/op" keys and ring volumes: train_step's 8-byte
@@ -173,7 +173,8 @@ def bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
     parallel group's (dp_bytes_sent) and, per micro-batch, tensor parallelism's four messages per
     layer (sp: all-gathers and reduce-scatters instead of all-reduces) with the embedding's, the
     head's and the vocabulary-parallel loss's; the pipeline's activations and gradients; ring
-    attention's K/V blocks (forward) and K/V with their gradients (backward); mixture-of-experts
+    attention's K/V blocks (forward) and K/V with their gradients (backward), or Ulysses' four
+    all-to-alls each way (context_parallel.attention_bytes_sent); mixture-of-experts
     blocks' all-to-alls and load-balancing sums (estimate_moe.moe_bytes_sent: with a capacity factor
     exact once every expert fills it, dropless the expectation under uniform routing) and the experts' norm over
     ep. Under --recompute, backward replays each layer's forward messages, up to the last it needs."""
@@ -221,10 +222,10 @@ def bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
     if cfg.pp > 1:
         _pipeline_bytes(sent, model_cfg, cfg, pp_rank, stream // (cfg.tp if cfg.sp else 1))  # the stream
         sent["pp/all_reduce"] += ring_bytes_sent("all_reduce", grad_width, cfg.pp)  # the norm, over stages
-    if cfg.cp > 1:
-        kv = max(1, model_cfg.n_kv_heads // cfg.tp) * tokens * model_cfg.head_dim * weight_width  # K or V, rotated
-        forward = (cfg.cp - 1) * 2 * kv * (2 if cfg.recompute else 1)  # K and V round the ring (replayed)
-        sent["cp/send"] += m * layers * (forward + cfg.cp * 4 * kv)
+    if cfg.cp > 1:  # ring: K/V round the ring; ulysses: four all-to-alls (each replayed under --recompute)
+        heads, kv_heads = model_cfg.n_heads // cfg.tp, max(1, model_cfg.n_kv_heads // cfg.tp)
+        sent["cp/send" if cfg.cp_attention == "ring" else "cp/all_to_all"] += m * layers * attention_bytes_sent(
+            cfg.cp_attention, tokens, heads, kv_heads, model_cfg.head_dim, cfg.cp, weight_width, w, cfg.recompute)
     return {k: v for k, v in sent.items() if v}
 
 
@@ -290,6 +291,7 @@ def layer_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
         attention  q after RoPE and the output before wo (d/tp each); k and v at the kv heads'
                    width, or at the query heads' once repeated for grouped-query attention; the
                    softmax's log-sum-exp per head                                ~4d/tp + h/tp
+                   (Ulysses: the output also before it is reordered, + d/tp; two orders of s)
         MLP        gate, silu(gate), up and their product                       4 ffn/tp
         small      1/rms of both norms; RoPE's cos and sin tables (per sequence position)
     With --recompute a layer keeps only its input (and rebuilds the rest in backward)."""
@@ -299,8 +301,11 @@ def layer_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
     if cfg.recompute:  # the layer's input: the residual stream, in the weights' dtype
         return tokens * d * widths(cfg)[1] // sp
     heads, kv = c.n_heads // t, max(1, c.n_kv_heads // t)
-    repeated = cfg.cp == 1 and 1 < kv < heads  # einops repeat copies k and v; one kv head is a view
-    attention = 2 * tokens * d // t + 2 * tokens * e * (heads if repeated else kv)
+    ulysses = cfg.cp > 1 and cfg.cp_attention == "ulysses"  # SDPA on h/cp heads; its output reordered for wo
+    at_once = cfg.cp if ulysses else 1  # the heads SDPA sees: a tp rank's, or a cp rank's share of them
+    repeated = (cfg.cp == 1 or ulysses) and 1 < kv // at_once < heads // at_once  # repeat copies; 1 head: a view
+    attention = (2 + ulysses) * tokens * d // t + 2 * tokens * e * (heads if repeated else kv)
+    orders = 16 * cfg.seq_len if ulysses else 0  # bytes: ulysses_attention's two int64 orders of the tokens
     small = 2 * tokens // sp + 2 * s * e + tokens * heads  # 1/rms, cos and sin, log-sum-exp
     mlp = 4 * tokens * c.ffn_dim // t
     if of_config(cfg).autocast is not None:  # autocast: x, x/rms and the small ones in fp32; a bf16 copy of the
@@ -308,10 +313,11 @@ def layer_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
         # SDPA's bf16 copy of the (fp32, rotated) keys is made from their repeated view: full width.
         # Ring attention keeps q, k and its output in fp32, v in bf16; wo reads a bf16 copy.
         qo, width_k, width_v = tokens * d // t, tokens * e * heads, tokens * e * (heads if repeated else kv)
-        attention_bytes = 10 * qo + 6 * tokens * e * kv if cfg.cp > 1 else 2 * (2 * qo + width_k + width_v)
-        return 4 * (4 * tokens * d // sp + small) + 2 * (5 * tokens * d + mlp) + attention_bytes
+        ring = cfg.cp > 1 and not ulysses
+        attention_bytes = 10 * qo + 6 * tokens * e * kv if ring else 2 * ((2 + ulysses) * qo + width_k + width_v)
+        return 4 * (4 * tokens * d // sp + small) + 2 * (5 * tokens * d + mlp) + attention_bytes + orders
     norms = 2 * tokens * d + 4 * tokens * d // sp
-    return w * (norms + attention + mlp + small)
+    return w * (norms + attention + mlp + small) + orders
 
 
 def weight_casts(c: ModelConfig, cfg: TrainConfig) -> int:

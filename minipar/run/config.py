@@ -19,7 +19,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, fields, replace
 
-from minipar.context_parallel import check_cp_layout
+from minipar.context_parallel import CP_ATTENTION, check_cp_layout
 from minipar.expert_parallel import check_expert_layout
 from minipar.mesh import MeshLayout
 from minipar.model import CONFIGS, ModelConfig, config_from
@@ -61,6 +61,7 @@ class TrainConfig:
     sp: bool = False  # Megatron sequence parallelism inside the tp group
     schedule: str = "1f1b"  # pipeline schedule, used when pp > 1
     virtual_stages: int = 1
+    cp_attention: str = "ring"  # ring (K/V blocks round the cp ring) or ulysses (all-to-all to whole heads)
     zero: int = 0  # ZeRO stage over the dp group: 0 (plain data parallelism), 1, 2, 3
     offload: bool = False  # ZeRO 1-2: optimizer state and step on the CPU
     recompute: bool = False  # activation checkpointing per transformer layer
@@ -189,10 +190,11 @@ class TrainConfig:
                 f"{self.micro_batch}: every rank must run whole micro-batches"
             )
         try:
-            check_cp_layout(self.seq_len, self.cp)
+            check_cp_layout(self.seq_len, self.cp, self.cp_attention, m.n_heads, m.n_kv_heads, self.tp)
             check_expert_layout(m.n_experts, m.top_k, self.ep, self.dp * self.cp)
         except ValueError as e:
-            raise ConfigError(f"{e} (--model {self.model})" if "expert" in str(e) else str(e)) from None
+            raise ConfigError(f"{e} (--model {self.model})" if "expert" in str(e) or "heads" in str(e)
+                              else str(e)) from None
         if self.sp and (self.seq_len // self.cp) % self.tp:
             raise ConfigError(f"--sp with --cp {self.cp}: each rank's {self.seq_len // self.cp} tokens do not "
                               f"split over --tp {self.tp}")
@@ -309,6 +311,8 @@ def parser() -> argparse.ArgumentParser:
     for dim, help_ in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline"), ("cp", "context")):
         g.add_argument(f"--{dim}", type=int, default=1, help=f"{help_}-parallel degree")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel degree, carved out of dp x cp (MoE models)")
+    g.add_argument("--cp-attention", default=d.cp_attention, choices=CP_ATTENTION, help="context-parallel "
+                   "attention: K/V round a ring, or all-to-alls to whole heads (ulysses: heads / tp must divide by cp)")
     g.add_argument("--sp", action=switch, default=False, help="sequence parallelism in the norm/residual regions "
                    "(tp > 1)")
     g.add_argument("--schedule", default=d.schedule, choices=SCHEDULES, help="pipeline schedule (pp > 1)")

@@ -108,7 +108,8 @@ def build_model(cfg: TrainConfig, mesh: Mesh, model_cfg, device, param_dtype):
                         grad_group=mesh.pp_grad_group, seq_shards=cfg.tp if cfg.sp else 1) if cfg.pp > 1 else None
     stage = (pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last()) if pipeline else None
     model = parallelize(Llama(model_cfg, seed=cfg.seed), tp=mesh.tp_group, cp=mesh.cp_group,
-                        ep=mesh.groups().ep, sp=cfg.sp, stage=stage, recompute=cfg.recompute)
+                        ep=mesh.groups().ep, sp=cfg.sp, stage=stage, recompute=cfg.recompute,
+                        cp_attention=cfg.cp_attention)
     return model.to(device=device, dtype=param_dtype), pipeline
 
 
