@@ -72,6 +72,14 @@ def small_model() -> None:
         print(f"  {label:32}{measured[key] / MiB:9.2f} MiB{estimate[key] / MiB:8.2f} MiB{measured[key] / psi:9.1f} B")
     total = sum(measured.values())
     print(f"  {'total':32}{total / MiB:9.2f} MiB")
+    gap = measured["activations"] - estimate["activations"]
+    ids, scalar = 8 * cfg.micro_batch * (cfg.seq_len + 1), 4  # what the estimator leaves out (said below)
+    if gap != ids + scalar:
+        raise SystemExit(f"the activations differ from the estimator's by {gap:,} B, not {ids + scalar:,}: look again")
+    print(f"\n  activations to the byte: measured {measured['activations']:,} B, estimator {estimate['activations']:,} B;"
+          f"\n  the {gap:,} B between them are the batch's token ids, which the embedding keeps "
+          f"({cfg.micro_batch} x {cfg.seq_len + 1} int64,\n  the rows the data loader cut), and one float32 scalar "
+          f"of the loss: the estimator counts neither.")
     head = head_activation_bytes(c, cfg)
     states = sum(measured[k] for k in ("params", "grads", "optimizer"))
     print(f"\n  model states: {states / psi:.0f} bytes per parameter. Of the activations, {head / MiB:.2f} MiB "
