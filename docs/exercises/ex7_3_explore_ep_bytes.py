@@ -22,4 +22,5 @@ if __name__ == "__main__":
         cfg = TrainConfig(model="small-moe", dp=ep, ep=ep, seq_len=256, micro_batch=1, global_batch=ep,
                           dtype="float32")
         sent = sum(v for k, v in bytes_sent(c, cfg).items() if k.startswith("ep/"))
-        print(f"ep {ep}: sends {sent:>10,} bytes on ep per step; weights {held_bytes(c, cfg)['params'] / 2**20:.2f} MiB")
+        weights = held_bytes(c, cfg)["params"] / 2**20
+        print(f"ep {ep}: sends {sent:>10,} bytes on ep per step; weights {weights:.2f} MiB")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from check_common import answer_of, choice_problems, in_process, number_problems, numbers_problems
+from check_common import answer_of, in_process, number_problems, numbers_problems
 
 MiB = 2**20
 

@@ -152,20 +152,22 @@ def check_explore_plan(student) -> list[str]:
     flags = {k: " ".join(f"--{d} {n}" if n is not True else f"--{d}" for d, n in v.items())
              for k, v in PLAN_CHOICES.items()}
     return choice_problems(answer_of(student), truth_plan_choice(), flags,
-                           "run: python scripts/plan.py --model 8b --gpus 8 --seq-len 8192 --global-batch 1024 --top 40")
+                           "run: python scripts/plan.py --model 8b --gpus 8 --seq-len 8192 --global-batch 1024 "
+                           "--top 40")
 
 
 @lru_cache
 def truth_compute_seconds() -> float:
     from minipar.planning.planner import Cluster, step_time
-    return step_time(*_cfg("8b", dp=8, zero=3, seq_len=8192, global_batch=1024, dtype="bfloat16"), Cluster(8))["compute"]
+    c, cfg = _cfg("8b", dp=8, zero=3, seq_len=8192, global_batch=1024, dtype="bfloat16")
+    return step_time(c, cfg, Cluster(8))["compute"]
 
 
 @in_process
 def check_predict_compute_time(student) -> list[str]:
     return number_problems(answer_of(student), truth_compute_seconds(), 0.05,
                            "the planner's compute seconds per step",
-                           "planner.step_time: FLOPs per token (ModelConfig.flops_per_token) x tokens / (GPUs x peak x MFU)")
+                           "planner.step_time: FLOPs per token x tokens / (GPUs x peak x MFU)")
 
 
 # -- Chapter 9 -----------------------------------------------------------------------------------
@@ -181,7 +183,7 @@ def check_predict_mesh_groups(student) -> list[str]:
     if not isinstance(answer, dict) or set(answer) != set(truth):
         return [f"ANSWER = {answer!r}: write a dict with the keys 'tp', 'cp', 'dp', 'pp'"]
     wrong = [f"{d}: {sorted(answer[d])} is not it" for d in truth if sorted(answer[d]) != truth[d]]
-    return [f"rank 5's groups: " + "; ".join(wrong) + " (mesh.py: tp varies fastest, then cp, dp, pp)"] if wrong else []
+    return ["rank 5's groups: " + "; ".join(wrong) + " (mesh.py: tp varies fastest, then cp, dp, pp)"] if wrong else []
 
 
 LAYOUTS_16 = {"A": dict(dp=16), "B": dict(dp=16, zero=3), "C": dict(dp=8, tp=2, sp=True),

@@ -7,7 +7,8 @@ from minipar.data_parallel import GradBucket, bucket_params
 class BucketedGradSync:
     def __init__(self, model, group, bucket_bytes):
         params = list(reversed(list(model.parameters())))
-        self.buckets = [GradBucket(i, chunk, group) for i, chunk in enumerate(bucket_params(params, bucket_bytes / 2**20))]
+        chunks = bucket_params(params, bucket_bytes / 2**20)
+        self.buckets = [GradBucket(i, chunk, group) for i, chunk in enumerate(chunks)]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         for p in params:
             p.register_post_accumulate_grad_hook(self._ready)
