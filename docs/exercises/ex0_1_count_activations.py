@@ -10,7 +10,7 @@ calls pack(t) for every tensor it saves. Return the bytes of what was saved:
   - not the model's weights (they are held anyway; they are not activations).
 
 The checker compares your count with the estimator (planning/estimate.py's `activation_bytes`),
-which works it out from the shapes alone, on the tiny and the small model (within 1%: it leaves
+which works it out from the shapes alone, on the tiny model at two shapes (within 1%: it leaves
 out a few small tensors).
 
 The library's own, after you tried: `kept_for_backward` in scripts/step_00_one_device.py.

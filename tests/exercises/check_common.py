@@ -53,6 +53,7 @@ def guarded(rank_fn):
         except Exception as e:  # noqa: BLE001 - the student's error, reported on one line
             return {"problems": [f"rank {rank}: raised {type(e).__name__}: {e}"]}
     run.__name__ = run.__qualname__ = rank_fn.__name__ + "_guarded"
+    run.__module__ = rank_fn.__module__  # the workers find it by module and name: assign it there
     return run
 
 

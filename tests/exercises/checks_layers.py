@@ -133,7 +133,7 @@ def check_activation_bytes(student) -> list[str]:
     from minipar.planning.estimate import activation_bytes
     from minipar.run.config import TrainConfig
 
-    for model, batch, seq_len in (("tiny", 2, 16), ("small", 1, 64)):
+    for model, batch, seq_len in (("tiny", 2, 16), ("tiny", 1, 64)):
         c = get_config(model)
         cfg = TrainConfig(model=model, seq_len=seq_len, micro_batch=batch, global_batch=batch, dtype="float32")
         tokens = torch.randint(0, c.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
