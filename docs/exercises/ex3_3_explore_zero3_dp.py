@@ -20,7 +20,7 @@ if __name__ == "__main__":
     c = get_config("8b")
     for dp in (1, 2, 4, 8, 16, 32):
         cfg = TrainConfig(model="8b", dp=dp, zero=3, seq_len=4096, micro_batch=1, global_batch=dp,
-                          dtype="bfloat16", vocab_size=c.vocab_size)
+                          precision="bf16-mixed", vocab_size=c.vocab_size)
         states = sum(held_bytes(c, cfg).values())
         print(f"dp {dp:>2}: peak {peak_bytes(c, cfg) / 1e9:6.1f} GB (model states {states / 1e9:6.1f} GB, "
               f"activations {activation_bytes(c, cfg) / 1e9:5.1f} GB)")

@@ -20,7 +20,8 @@ def _cfg(model: str, model_vocab: int | None = None, **kw):
     from minipar.run.config import TrainConfig
     c = get_config(model, vocab_size=model_vocab) if model_vocab else get_config(model)
     world = kw.get("dp", 1) * kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1)
-    kw = {"seq_len": 256, "micro_batch": 1, "global_batch": kw.get("dp", 1), "dtype": "float32", **kw}
+    kw = {"seq_len": 256, "micro_batch": 1, "global_batch": kw.get("dp", 1),
+          **({} if "precision" in kw else {"dtype": "float32"}), **kw}
     cfg = TrainConfig(model=model, **({} if model_vocab else {"vocab_size": c.vocab_size}), **kw)
     cfg.validate(world)
     return c, cfg
@@ -143,7 +144,7 @@ DPS = (1, 2, 4, 8, 16, 32)
 
 def zero3_8b_peak(dp: int) -> int:
     from minipar.planning.estimate import peak_bytes
-    return peak_bytes(*_cfg("8b", dp=dp, zero=3, seq_len=4096, dtype="bfloat16"))
+    return peak_bytes(*_cfg("8b", dp=dp, zero=3, seq_len=4096, precision="bf16-mixed"))
 
 
 @lru_cache
