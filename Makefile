@@ -54,8 +54,9 @@ test-gpu:
 bench-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) scripts/bench_gpu.py --compile --fused-adamw --append docs/benchmarks.md $(ARGS)
 
-# The exercises of docs/exercises/: make exercise N=1 checks docs/exercises/ex1_*.py against one
-# device (seconds); make exercise lists them. make exercise-1 is the same as N=1.
+# The exercises of docs/exercises/: make exercise N=3.1 (chapter 3, exercise 1) checks
+# docs/exercises/ex3_1_*.py against one device or the library's own figure (seconds); make exercise
+# lists them. make exercise-3.1 is the same as N=3.1.
 exercise: $(STAMP)
 	PYTHONPATH=$(CURDIR) $(BIN)/python tests/exercises/run.py $(N)
 

@@ -1,5 +1,5 @@
-"""Check one exercise of docs/exercises/: `make exercise N=1`, or
-`python tests/exercises/run.py 1 [path/to/your_file.py]`.
+"""Check one exercise of docs/exercises/: `make exercise N=3.1` (chapter 3, exercise 1), or
+`python tests/exercises/run.py 3.1 [path/to/your_file.py]`; `make exercise` lists them.
 
 Prints PASS, or each problem (which rank, which tensor, the largest difference), and exits 1.
 """
@@ -18,12 +18,13 @@ import harness  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
-    if not argv or not argv[0].isdigit() or int(argv[0]) not in checks.EXERCISES:
-        print("usage: make exercise N=<number>   (or: python tests/exercises/run.py N [your_file.py])")
-        for n, (name, title, _, minutes) in checks.EXERCISES.items():
-            print(f"  {n}  {title:<50} docs/exercises/{name}  (~{minutes})")
+    if not argv or argv[0] not in checks.EXERCISES:
+        print("usage: make exercise N=<chapter.exercise>, e.g. N=3.1   (or: python tests/exercises/run.py 3.1 "
+              "[your_file.py])")
+        for n, (name, kind, title, _, minutes) in checks.EXERCISES.items():
+            print(f"  {n:<4} {kind:<9} {title:<66} docs/exercises/{name}  (~{minutes})")
         return 0 if not argv else 2
-    number = int(argv[0])
+    number = argv[0]
     path = Path(argv[1]) if len(argv) > 1 else checks.EXERCISES_DIR / checks.EXERCISES[number][0]
     start = time.monotonic()
     try:

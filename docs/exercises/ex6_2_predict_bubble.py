@@ -1,0 +1,11 @@
+"""Exercise 6.2 (chapter 6), predict: GPipe's bubble.
+
+GPipe on p = 4 stages with m = 8 micro-batches, a forward taking one unit of time and a backward
+two. What fraction of the ranks' time is idle (the bubble)? Work it out on paper first, then
+write it below as a number (a fraction like 3 / 7 is fine). The answer key is the simulated
+timeline (minipar.pipeline.timeline.simulate); `python scripts/step_06_pipeline.py` draws it.
+
+Check: make exercise N=6.2
+"""
+
+ANSWER = None  # the idle fraction, between 0 and 1

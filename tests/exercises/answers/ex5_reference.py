@@ -1,3 +1,0 @@
-"""Exercise 5, the library's answer."""
-
-from minipar.context_parallel import zigzag_positions  # noqa: F401 - the checker calls it

@@ -1,3 +1,0 @@
-"""Exercise 6, the library's answer."""
-
-from minipar.pipeline.schedules import gpipe  # noqa: F401 - the checker calls it

@@ -1,3 +1,0 @@
-"""Exercise 8, a plausible wrong answer: 1F1B thought to hold one micro-batch at a time."""
-
-ANSWER = (8, 1)
