@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from minipar import zeropp
 from minipar.collectives import Group, all_reduce
 from minipar.mesh import Mesh
 from minipar.planning.planner import check_memory, report
@@ -223,6 +224,8 @@ def launch(cfg: TrainConfig, resume: Path | None) -> None:
                       ranks_per_node=cfg.ranks_per_node)
     if cfg.ep > 1:  # experts: the dp x cp ranks reshaped to edp x ep
         mesh.unflatten(("dp", "cp"), edp=cfg.dp * cfg.cp // cfg.ep, ep=cfg.ep)
+    if cfg.zeropp and {"hpz", "qgz"} & set(zeropp.parse(cfg.zeropp)):  # ZeRO++: dp = dp_cross x dp_intra
+        mesh.split_dp_by_node()
     log = RunLog(cfg, mesh, device)
     log.say(effective(cfg))
     log.say(mesh.layout.table())
