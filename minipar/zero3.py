@@ -37,6 +37,7 @@ two quantized all-to-alls (qgZ). Without it, every message is the plain one abov
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -84,7 +85,7 @@ class ShardedBucket(ZeroBucket):
             k, j = self.plus.intra.size, self.plus.intra.rank
             self.node_slice = slice(j * self.padded // k, (j + 1) * self.padded // k)
             self.secondary = torch.zeros(self.padded // k, dtype=self.full.dtype, device=self.full.device)  # [P/K]
-        self.work = None
+        self.work: Any = None  # the gather in flight: a torch work handle, or qwZ's QuantizedGather
         self.free()
 
     def free(self) -> None:

@@ -54,6 +54,7 @@ from minipar.pipeline.schedules import build as build_schedule
 from minipar.pipeline.schedules import messages_of
 from minipar.placement import DENSE, placement_of
 from minipar.planning.estimate_moe import moe_block_bytes, moe_bytes_sent
+from minipar.planning.zeropp import bucket_sent, secondary_bytes
 from minipar.precision import of_config, widths
 from minipar.run.config import TrainConfig
 from minipar.zero import bucket_plan
@@ -112,6 +113,7 @@ def held_bytes(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
     plan = _zero_plan(model, cfg)
     slices = sum(-(-sum(p.numel() for p in chunk) // _replicas(dims, cfg)) for _, dims, chunk in plan)
     weights = numel * width if cfg.zero < 3 else slices * width * prec.mixed  # ZeRO-3: the bf16 shard it gathers
+    weights += secondary_bytes(plan, cfg, width) if cfg.zero == 3 else 0  # ZeRO++'s hpZ (planning/zeropp.py)
     return {"params": weights + slices * master, "grads": slices * width, "optimizer": 2 * slices * master}
 
 
@@ -142,6 +144,9 @@ def dp_bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) ->
     for _, dims, chunk in _zero_plan(model, cfg):
         r, group = _replicas(dims, cfg), _dp_name(dims, cfg)
         padded = -(-sum(p.numel() for p in chunk) // r) * r
+        if cfg.zero == 3 and cfg.zeropp:  # ZeRO++ sends its own messages (planning/zeropp.py)
+            sent += bucket_sent(padded, cfg, width, wire)
+            continue
         scatters, gathers = (m if cfg.zero >= 2 else 1), (2 * m if cfg.zero == 3 else 1)
         sent[f"{group}/reduce_scatter"] += scatters * ring_bytes_sent("reduce_scatter", padded * wire, r)
         sent[f"{group}/all_gather"] += gathers * ring_bytes_sent("all_gather", padded * width, r)
