@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 from bench_common import (
     across_ranks,
     command_line,
@@ -26,18 +27,20 @@ from bench_common import (
     machine,
     parse,
     rank_micro_batches,
-    start,
     step_stats,
     take_turns,
+    threads_per_rank,
     world_size,
     write_json,
 )
 
 from minipar.data_parallel import param_groups
 from minipar.grad_sync import adamw, build_grad_sync
+from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.precision import resolve
 from minipar.run.config import TrainConfig
+from minipar.run.launch import start_distributed
 from minipar.run.train import train_step
 
 SIDES = {"plain ZeRO-3": (), "qwz": ("qwz",), "hpz": ("hpz",), "qgz": ("qgz",), "qwz,hpz,qgz": ("qwz", "hpz", "qgz")}
@@ -49,7 +52,9 @@ def main(argv=None) -> None:
     p.add_argument("--micro-batch", type=int, default=2)
     args = parse(p, argv)
     world = world_size()
-    device, mesh = start(dp=world, ranks_per_node=args.ranks_per_node)
+    torch.set_num_threads(threads_per_rank())
+    device = start_distributed(timeout=600.0)  # (bench_common.start passes no timeout, which join cannot print)
+    mesh = Mesh.build(dp=world, ranks_per_node=args.ranks_per_node)
     mesh.split_dp_by_node()
     config = get_config(args.model)
     cfg = TrainConfig(model=args.model, dp=world, seq_len=args.seq_len, micro_batch=args.micro_batch,
