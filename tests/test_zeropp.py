@@ -199,6 +199,12 @@ def _grads_and_loss(rank, world, options):
         return float(loss), grads, params
 
 
+@functools.cache
+def stepped(options):
+    """Each rank's (loss, gradients, weights after the step) under `options`; run once per option set."""
+    return run_ranks(N, _grads_and_loss, options)
+
+
 def single_device_step():
     model = new_model()
     x, y = global_batch(0)
@@ -218,7 +224,7 @@ def largest_rank_gradient(rank):
 def test_hpz_alone_is_exact_and_plain_zero3_is_unchanged_bit_for_bit():
     # hpZ moves the same numbers by another route: bitwise the plain ZeRO-3 step, which is itself
     # the single device to float64's rounding (and ZeRO-3 without options is today's: test_zero3).
-    plain, hpz = run_ranks(N, _grads_and_loss, ()), run_ranks(N, _grads_and_loss, ("hpz",))
+    plain, hpz = stepped(()), stepped(("hpz",))
     for (l0, g0, p0), (l1, g1, p1) in zip(plain, hpz):
         assert l0 == l1 and all(torch.equal(g0[n], g1[n]) for n in g0) and all(torch.equal(p0[n], p1[n]) for n in p0)
     loss, grads, _ = single_device_step()
@@ -230,8 +236,7 @@ def test_hpz_alone_is_exact_and_plain_zero3_is_unchanged_bit_for_bit():
 @pytest.mark.parametrize("options", [("qwz",), ("qgz",), ("qwz", "hpz", "qgz")], ids=",".join)
 def test_quantized_steps_stay_within_the_quantizations_reach_of_one_device(options):
     loss, grads, model = single_device_step()
-    plain = run_ranks(N, _grads_and_loss, ())[0]
-    got = run_ranks(N, _grads_and_loss, options)
+    plain, got = stepped(())[0], stepped(options)
     largest = max(g.abs().max() for g in grads.values())
     # qwZ moves each weight by at most 1/254 of its block's largest; to first order the loss moves by
     # at most sum |dL/dw| |dw| <= ||g||_1 max|w| / 254 (x 2: second order and a margin).
