@@ -10,7 +10,8 @@ loop, the benchmarks and the course scripts build them alike:
     zero 0   DataParallel         the optimizer built here, on the whole parameters
     zero 1   ZeroDataParallel     the wrapper builds it on its slices (make_optimizer), stage 1
     zero 2   ZeroDataParallel     stage 2: the gradients sharded too
-    zero 3   Zero3DataParallel    the weights too; each layer is a bucket (bucket_mb unused)
+    zero 3   Zero3DataParallel    the weights too; each layer is a bucket (bucket_mb unused);
+                                  `zeropp` (any of qwz, hpz, qgz: zeropp.py) changes how it sends
 
 `precision` (precision.py) is the same choice for all four: bf16-mixed keeps fp32 master weights
 in whichever wrapper runs, whole in DataParallel, this rank's slices under ZeRO.
@@ -42,7 +43,8 @@ def adamw(param_groups: list[dict], lr: float, **options) -> torch.optim.AdamW:
 
 def build_grad_sync(model: nn.Module, groups: Groups, param_groups: list[dict],
                     make_optimizer: Callable[[list[dict]], torch.optim.Optimizer], *, zero: int = 0,
-                    bucket_mb: float = 25.0, offload: bool = False, precision: Precision = FULL) -> GradSync:
+                    bucket_mb: float = 25.0, offload: bool = False, precision: Precision = FULL,
+                    zeropp: tuple[str, ...] = ()) -> GradSync:
     """The gradient-sync wrapper for ZeRO stage `zero` (0: plain data parallelism) around `model`.
     Each parameter's gradient is averaged over the group its Placement names (`groups.reduction`);
     `make_optimizer(param_groups)` builds the optimizer (ZeRO: on the wrapper's slices of them).
@@ -52,8 +54,10 @@ def build_grad_sync(model: nn.Module, groups: Groups, param_groups: list[dict],
         raise ValueError(f"ZeRO stage {zero}: choose 0, 1, 2 or 3")
     if offload and zero not in (1, 2):
         raise ValueError(f"offload needs ZeRO stage 1 or 2, not {zero}: it moves ZeRO's optimizer slices to the CPU")
+    if zeropp and zero != 3:
+        raise ValueError(f"ZeRO++ ({','.join(zeropp)}) needs ZeRO stage 3, not {zero}")
     if zero == 3:
-        return Zero3DataParallel(model, groups, make_optimizer, param_groups, precision=precision)
+        return Zero3DataParallel(model, groups, make_optimizer, param_groups, precision=precision, zeropp=zeropp)
     if zero:
         return ZeroDataParallel(model, groups, zero, make_optimizer, param_groups, bucket_mb, offload, precision)
     return DataParallel(model, groups, bucket_mb, optimizer=make_optimizer(param_groups), precision=precision)

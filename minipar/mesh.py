@@ -99,6 +99,18 @@ class MeshLayout:
         """The node global rank `rank` lives on (torchrun numbers each node's ranks consecutively)."""
         return rank // (self.ranks_per_node or self.world_size)
 
+    def dp_per_node(self) -> int:
+        """How many ranks of each dp group share a node (ZeRO++'s hpZ and qgZ split dp by node):
+        K / (cp x tp) when cp x tp divides K and that divides dp, 1 when cp x tp is a multiple of K."""
+        k, inner = self.ranks_per_node or self.world_size, self.cp * self.tp
+        if inner % k == 0:
+            return 1  # each dp rank's cp x tp block fills whole nodes
+        if k % inner or self.dp % (k // inner):
+            raise LayoutError(f"{k} ranks per node hold {k / inner:g} ranks of each dp group of {self.dp} (cp "
+                              f"{self.cp} x tp {self.tp} = {inner} per dp rank): give a --ranks-per-node that "
+                              "splits dp evenly")
+        return k // inner
+
     def coords(self, rank: int) -> dict[str, int]:
         """Rank -> {"pp": i, "dp": j, "cp": k, "tp": l}."""
         out = {}
@@ -186,8 +198,10 @@ class Groups:
     dp_cp: Group = _solo("dp_cp")  # dense gradients are averaged over data *and* context replicas
     ep: Group = _solo("ep")  # experts: carved out of dp x cp by Mesh.unflatten
     edp: Group = _solo("edp")
+    dp_intra: Group = _solo("dp_intra")  # ZeRO++: the dp ranks on this rank's node (Mesh.split_dp_by_node)
+    dp_cross: Group = _solo("dp_cross")  # and those at this rank's place on every node
 
-    NAMES: ClassVar = ("dp", "tp", "pp", "cp", "dp_cp", "ep", "edp")
+    NAMES: ClassVar = ("dp", "tp", "pp", "cp", "dp_cp", "ep", "edp", "dp_intra", "dp_cross")
 
     def __getitem__(self, name: str) -> Group:
         if name not in self.NAMES:
@@ -292,6 +306,13 @@ class Mesh:
                 pg = dist.new_group(ranks) if len(ranks) < self.layout.world_size else dist.group.WORLD
                 if self.rank in ranks:
                     self._groups[name] = Group(name, pg, ranks, self.ledger, self.layout.ranks_per_node)
+
+    def split_dp_by_node(self) -> None:
+        """ZeRO++ (zeropp.py): cut each dp group into its ranks on one node (dp_intra, K of them) and
+        the ranks at the same place on each node (dp_cross, one per node): dp = dp_cross x dp_intra.
+        Every rank must call it at the same time."""
+        per_node = self.layout.dp_per_node()  # raises LayoutError
+        self.unflatten(("dp",), dp_cross=self.layout.dp // per_node, dp_intra=per_node)
 
     def destroy(self) -> None:
         """Free this mesh's process groups (tests build many meshes in one world)."""

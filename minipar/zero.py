@@ -121,7 +121,7 @@ class ZeroBucket:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = self._flatten(grads)  # [padded]
         flat = flat.to(self.reduce) if self.reduce is not None else flat  # --grad-reduce fp32: twice the bytes
-        mine = reduce_scatter(flat.div_(self.group.size), self.group)  # [padded] -> [padded // N]
+        mine = self._reduce_scatter(flat.div_(self.group.size))  # [padded] -> [padded // N]
         mine = mine.to(self.master.device, self.full.dtype)
         if self.grad_slice is None:
             self.grad_slice = mine
@@ -130,6 +130,9 @@ class ZeroBucket:
         for p in self.params:
             p.grad = None  # the full gradient is gone: only the slice remains
         self.ready.clear()
+
+    def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
+        return reduce_scatter(flat, self.group)  # ZeRO++'s qgZ sends it its own way (zero3.py)
 
     def all_gather_params(self) -> None:
         """Every rank's updated slice, gathered straight into the parameters' flat vector.
@@ -275,9 +278,10 @@ class ZeroDataParallel(GradSync):
 
     # -- what each rank holds, measured on the real tensors ----------------------------------------
     def param_bytes(self) -> int:
-        """Full weights held now, plus this rank's master slices (and ZeRO-3's bf16 shards under bf16-mixed)."""
-        held = [*self.module.parameters(), *(t for b in self.buckets for t in (b.master, getattr(b, "shard", None))
-                                            if t is not None)]
+        """Full weights held now, plus this rank's master slices (and ZeRO-3's bf16 shards under bf16-mixed,
+        ZeRO++'s hpZ secondary shards)."""
+        extra = [(b.master, getattr(b, "shard", None), getattr(b, "secondary", None)) for b in self.buckets]
+        held = [*self.module.parameters(), *(t for ts in extra for t in ts if t is not None)]
         # By storage: a bucket's parameters share one buffer (ZeRO-3: of 0 bytes once freed), a shard may be its master.
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
         return sum(storages.values())

@@ -76,7 +76,8 @@ def small_model() -> None:
     ids, scalar = 8 * cfg.micro_batch * (cfg.seq_len + 1), 4  # what the estimator leaves out (said below)
     if gap != ids + scalar:
         raise SystemExit(f"the activations differ from the estimator's by {gap:,} B, not {ids + scalar:,}: look again")
-    print(f"\n  activations to the byte: measured {measured['activations']:,} B, estimator {estimate['activations']:,} B;"
+    got, said = measured["activations"], estimate["activations"]
+    print(f"\n  activations to the byte: measured {got:,} B, estimator {said:,} B;"
           f"\n  the {gap:,} B between them are the batch's token ids, which the embedding keeps "
           f"({cfg.micro_batch} x {cfg.seq_len + 1} int64,\n  the rows the data loader cut), and one float32 scalar "
           f"of the loss: the estimator counts neither.")

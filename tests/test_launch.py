@@ -103,3 +103,11 @@ def test_plain_torchrun_with_a_static_rendezvous_and_restarts_is_refused_by_each
     assert all(line.startswith("minipar: error: torchrun --max-restarts 1 with its static rendezvous (--master-port)")
                for line in ours), ours
     assert not (tmp_path / "out").exists()  # no worker got as far as --out
+
+
+def test_joining_without_a_timeout_waits_as_torch_does():
+    """The benchmarks join with timeout=None: no watchdog, and no line to format (it once raised a
+    TypeError formatting None before the group started)."""
+    started = []
+    launch.join(lambda: started.append(True), None)
+    assert started == [True]

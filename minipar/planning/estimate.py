@@ -1,36 +1,32 @@
 """What each rank will hold, worked out before anything runs.
 
-Chapter 8 of the course. A layout is chosen before a single GPU is touched, so the
-first question is arithmetic: how many bytes of weights, gradients and optimizer state does each
-rank hold, and does it fit? The ZeRO paper's answer for Psi parameters on N ranks, with 2 bytes of
-weight, 2 of gradient and K = 12 of optimizer state per parameter (zero.model_state_bytes):
+Chapter 8 of the course. A layout is chosen before a single GPU is touched, so the first question
+is arithmetic: how many bytes of weights, gradients and optimizer state does each rank hold, and
+does it fit? The ZeRO paper's answer for Psi parameters on N ranks, with 2 bytes of weight, 2 of
+gradient and K = 12 of optimizer state per parameter (zero.model_state_bytes):
 
     baseline   (2 + 2 + K) Psi          stage 2   2 Psi + (2 + K) Psi / N
     stage 1    2 Psi + 2 Psi + K Psi/N   stage 3   (2 + 2 + K) Psi / N
 
-minipar's own figures follow the same shape, but this module does not re-derive which parameter
-lands where. It builds the rank's part of the model *on paper*: the plain Llama on PyTorch's meta
-device (shapes, no memory), cut by the same `parallelize` that training uses, with groups that
-have a size and a rank but no processes (`PaperGroup`). Its parameters have the exact shapes the
-rank will hold (tp shards padded, experts cut over ep, only its pipeline stages), and ZeRO's
-buckets are planned by ZeRO's own `bucket_plan`. So the estimate follows the code, and
-tests/test_estimate.py checks it against what real ranks hold, byte for byte.
+minipar's figures follow the same shape, but this module does not re-derive which parameter lands
+where. It builds the rank's part of the model *on paper*: the plain Llama on PyTorch's meta device
+(shapes, no memory), cut by the same `parallelize` that training uses, with groups that have a
+size and a rank but no processes (`PaperGroup`): the exact shapes the rank will hold (tp shards
+padded, experts cut over ep, its pipeline stages only), and ZeRO's buckets planned by ZeRO's own
+`bucket_plan`. So the estimate follows the code; tests/test_estimate.py checks it byte for byte.
 
-Held bytes are given at one moment of the step, the one `GradSync.held_bytes()` measures in the
-tests: after the gradients are synchronised, before the optimizer step.
+Held bytes are given at the moment `GradSync.held_bytes()` measures: gradients synced, no step yet.
 
     params       the weights this rank holds whole (none under ZeRO-3), plus ZeRO's master slices
-    grads        a full gradient per weight, plus data parallelism's flat all-reduce buffers; under
-                 ZeRO, only this rank's slices
+    grads        a gradient per weight and data parallelism's flat buffers; ZeRO: this rank's slices
     optimizer    AdamW's two moments: of every weight, or of this rank's slices under ZeRO
-    activations  what autograd keeps for backward (layer_activation_bytes: to the byte in
-                 float64 on CPU; mixture-of-experts layers: estimate_moe.py), times the micro-
-                 batches the pipeline schedule keeps in flight
+    activations  what autograd keeps for backward (layer_activation_bytes: to the byte in float64
+                 on CPU; MoE layers: estimate_moe.py), times the micro-batches a schedule keeps
     temporary    ZeRO's buffers that live only for a moment of the step (`temporary_bytes`)
 
-Bytes sent per step, by group and operation (`bytes_sent`; the data-parallel groups' part alone:
-`dp_bytes_sent`), equal to the ledger (experts' all-to-all rows depend on the router:
-estimate_moe.py). planner.py uses these figures: `check_memory`, `--plan` and the layout planner.
+Bytes sent per step, by group and operation (`bytes_sent`; the dp groups' part: `dp_bytes_sent`),
+equal to the ledger (experts' all-to-all rows depend on the router: estimate_moe.py). planner.py
+uses these figures: `check_memory`, `--plan` and the layout planner.
 The fit check's total (`peak_bytes`) adds model states, activations and ZeRO's buffers at their
 peaks, as if they fell at one moment. Not estimated: the logits' gradient, what a kernel or the
 allocator takes for itself, and mixture-of-experts layers under bf16 autocast to the byte.
@@ -55,6 +51,7 @@ from minipar.pipeline.schedules import build as build_schedule
 from minipar.pipeline.schedules import messages_of
 from minipar.placement import DENSE, placement_of
 from minipar.planning.estimate_moe import moe_block_bytes, moe_bytes_sent
+from minipar.planning.zeropp import bucket_sent, secondary_bytes
 from minipar.precision import of_config, widths
 from minipar.run.config import TrainConfig
 from minipar.zero import bucket_plan
@@ -113,6 +110,7 @@ def held_bytes(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
     plan = _zero_plan(model, cfg)
     slices = sum(-(-sum(p.numel() for p in chunk) // _replicas(dims, cfg)) for _, dims, chunk in plan)
     weights = numel * width if cfg.zero < 3 else slices * width * prec.mixed  # ZeRO-3: the bf16 shard it gathers
+    weights += secondary_bytes(plan, cfg, width) if cfg.zero == 3 else 0  # ZeRO++'s hpZ (planning/zeropp.py)
     return {"params": weights + slices * master, "grads": slices * width, "optimizer": 2 * slices * master}
 
 
@@ -142,6 +140,9 @@ def dp_bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) ->
     for _, dims, chunk in _zero_plan(model, cfg):
         r, group = _replicas(dims, cfg), _dp_name(dims, cfg)
         padded = -(-sum(p.numel() for p in chunk) // r) * r
+        if cfg.zero == 3 and cfg.zeropp:  # ZeRO++ sends its own messages (planning/zeropp.py)
+            sent += bucket_sent(padded, cfg, width, wire)
+            continue
         scatters, gathers = (m if cfg.zero >= 2 else 1), (2 * m if cfg.zero == 3 else 1)
         sent[f"{group}/reduce_scatter"] += scatters * ring_bytes_sent("reduce_scatter", padded * wire, r)
         sent[f"{group}/all_gather"] += gathers * ring_bytes_sent("all_gather", padded * width, r)

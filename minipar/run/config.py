@@ -31,6 +31,7 @@ from minipar.precision import resolve as resolve_precision
 from minipar.run.args import HelpFormatter, InputError, Parser
 from minipar.run.config_file import as_toml, read_config_file
 from minipar.tensor_parallel import check_tensor_layout
+from minipar.zeropp import check as check_zeropp
 
 
 class ConfigError(InputError):
@@ -63,6 +64,7 @@ class TrainConfig:
     virtual_stages: int = 1
     cp_attention: str = "ring"  # ring (K/V blocks round the cp ring) or ulysses (all-to-all to whole heads)
     zero: int = 0  # ZeRO stage over the dp group: 0 (plain data parallelism), 1, 2, 3
+    zeropp: str | None = None  # ZeRO++ on ZeRO-3: any of qwz,hpz,qgz (zeropp.py)
     offload: bool = False  # ZeRO 1-2: optimizer state and step on the CPU
     recompute: bool = False  # activation checkpointing per transformer layer
     ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE, else the world (parse_args fills it in)
@@ -228,8 +230,13 @@ class TrainConfig:
             resolve_precision(self.precision, self.dtype, self.grad_reduce)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        MeshLayout(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp,
-                   ranks_per_node=self.ranks_per_node)  # raises LayoutError
+        layout = MeshLayout(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp,
+                            ranks_per_node=self.ranks_per_node)  # raises LayoutError
+        if self.zeropp is not None:
+            try:
+                check_zeropp(self.zeropp, self.zero, layout, self.cp, m.n_experts)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     def check_vocab(self, m: ModelConfig) -> None:
         """The trained BPE's tokens are rows of the model's embedding: it must fit. (A --tokenizer
@@ -339,6 +346,8 @@ def parser() -> argparse.ArgumentParser:
     add_precision_flags(g)
     g.add_argument("--bucket-mb", type=float, default=d.bucket_mb, help="data-parallel gradient bucket size")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage over the dp group: 0, 1, 2 or 3")
+    g.add_argument("--zeropp", default=None, help="ZeRO++ on --zero 3: any of qwz,hpz,qgz (int8 forward gather, "
+                   "backward gather inside the node, int4 gradients)")
     g.add_argument("--offload", action=switch, default=False, help="ZeRO 1-2: optimizer state and update on the CPU")
     g.add_argument("--recompute", action=switch, default=False, help="activation checkpointing per transformer layer")
     g = p.add_argument_group("checkpoints and logs")

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from minipar import zeropp
 from minipar.collectives import Group, all_reduce
 from minipar.mesh import Mesh
 from minipar.planning.planner import check_memory, report
@@ -223,6 +224,8 @@ def launch(cfg: TrainConfig, resume: Path | None) -> None:
                       ranks_per_node=cfg.ranks_per_node)
     if cfg.ep > 1:  # experts: the dp x cp ranks reshaped to edp x ep
         mesh.unflatten(("dp", "cp"), edp=cfg.dp * cfg.cp // cfg.ep, ep=cfg.ep)
+    if cfg.zeropp and {"hpz", "qgz"} & set(zeropp.parse(cfg.zeropp)):  # ZeRO++: dp = dp_cross x dp_intra
+        mesh.split_dp_by_node()
     log = RunLog(cfg, mesh, device)
     log.say(effective(cfg))
     log.say(mesh.layout.table())
@@ -288,7 +291,8 @@ def join(start, timeout: float | None) -> None:
     connection retried, gloo's mesh), a watchdog says the same line and ends the process."""
     rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "?")
     where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-    line = (f"rank {rank}: the process group did not start within --timeout {timeout:g} s: the {world} ranks did "
+    limit = "none" if timeout is None else f"{timeout:g} s"  # None: wait as long as torch does (benchmarks)
+    line = (f"rank {rank}: the process group did not start within --timeout {limit}: the {world} ranks did "
             f"not all reach the rendezvous at {where} (a rank did not start, died, or has another --master-port)")
     done = threading.Event()
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from minipar import zeropp
 from minipar.data_parallel import GradSync, param_groups
 from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
@@ -134,7 +135,8 @@ def run(cfg: TrainConfig, resume: Path | None, mesh: Mesh, data: TokenData, log:
         log.say(f"resumed from {resume} at step {start}")
     # Each gradient is averaged over the group its Placement names (dense: dp x cp), by --zero's wrapper.
     wrapper = build_grad_sync(model, mesh.groups(), param_groups(model, cfg), partial(adamw, lr=cfg.lr),
-                              zero=cfg.zero, bucket_mb=cfg.bucket_mb, offload=cfg.offload, precision=chosen)
+                              zero=cfg.zero, bucket_mb=cfg.bucket_mb, offload=cfg.offload, precision=chosen,
+                              zeropp=zeropp.parse(cfg.zeropp) if cfg.zeropp else ())
     if saved_states is not None:
         wrapper.load_state_by_name(saved_states)
     log.start(model_cfg, data, chosen.name, start)

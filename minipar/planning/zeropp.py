@@ -1,0 +1,57 @@
+"""ZeRO++'s figures before anything runs: hpZ's memory, and the bytes each rank sends per step.
+
+Chapter 8's estimate (estimate.py) asks this module for a ZeRO-3 run with --zeropp; the formulas
+are zeropp.py's table, per unit of P (padded) numbers over N = M x K dp ranks, s = P / N:
+
+    hpZ memory          P / K numbers a unit, in the working dtype (bf16 under bf16-mixed)
+    dp/all_gather       forward (N-1) s w, or qwZ (N-1) q_8(s); backward (N-1) s w unless hpZ
+    dp_intra/all_gather hpZ: (K-1) P/K w
+    dp/reduce_scatter   (N-1) s g, or under qgZ dp_intra/all_to_all (K-1) q_4(M s) and
+                        dp_cross/all_to_all (M-1) q_4(s)
+
+each gather and gradient exchange once per micro-batch (ZeRO-3 gathers and reduces per micro-batch).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from minipar.mesh import MeshLayout
+from minipar.zeropp import ZeroPP, parse, wire_bytes
+
+
+def _split(cfg) -> tuple[ZeroPP, int, int]:
+    """(the options, K: dp ranks a node, M: nodes a dp group spans) of a TrainConfig."""
+    plus = ZeroPP(parse(cfg.zeropp) if cfg.zeropp else ())
+    layout = MeshLayout(cfg.dp * cfg.tp * cfg.pp * cfg.cp, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp,
+                        ranks_per_node=cfg.ranks_per_node)
+    k = layout.dp_per_node() if plus.hpz or plus.qgz else cfg.dp
+    return plus, k, cfg.dp // k
+
+
+def secondary_bytes(plan, cfg, width: int) -> int:
+    """hpZ's node-local copy: P / K numbers of `width` bytes for each ZeRO-3 bucket of `plan`
+    (zero.bucket_plan's (group, dims, params)); 0 without hpz."""
+    plus, k, _ = _split(cfg)
+    if not plus.hpz:
+        return 0
+    padded = [-(-sum(p.numel() for p in chunk) // cfg.dp) * cfg.dp for _, _, chunk in plan]
+    return sum(p // k * width for p in padded)
+
+
+def bucket_sent(padded: int, cfg, width: int, wire: int) -> Counter:
+    """{"group/op": bytes} one rank sends in a step for one ZeRO-3 bucket of `padded` numbers."""
+    plus, k, m = _split(cfg)
+    n, s, times = cfg.dp, padded // cfg.dp, cfg.accum_steps
+    sent = Counter()
+    sent["dp/all_gather"] = times * (n - 1) * (wire_bytes(s, plus.weight_bits, plus.block) if plus.qwz else s * width)
+    if plus.hpz:
+        sent["dp_intra/all_gather"] = times * (k - 1) * padded // k * width
+    else:
+        sent["dp/all_gather"] += times * (n - 1) * s * width
+    if plus.qgz:
+        sent["dp_intra/all_to_all"] = times * (k - 1) * wire_bytes(m * s, plus.grad_bits, plus.block)
+        sent["dp_cross/all_to_all"] = times * (m - 1) * wire_bytes(s, plus.grad_bits, plus.block)
+    else:
+        sent["dp/reduce_scatter"] = times * (n - 1) * s * wire
+    return sent

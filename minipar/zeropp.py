@@ -1,0 +1,182 @@
+"""ZeRO++: ZeRO-3 with about a quarter of its cross-node bytes (qwZ, hpZ, qgZ).
+
+Chapter 3 of the course, last section. ZeRO-3 (zero3.py) sends three times the weights per step:
+an all-gather in forward, another in backward, a reduce-scatter of the gradients. Inside a node
+those bytes ride NVLink; between nodes a network ten times slower or more. ZeRO++ (Wang et al.,
+2023) cuts what crosses, three ways, each a flag (`--zeropp qwz,hpz,qgz`, any subset):
+
+    qwZ  quantized weights: the forward all-gather sends each rank's shard as int8 codes with one
+         fp32 scale per block of B numbers (quantize.py), dequantized on arrival into the working
+         dtype. Half the bytes of bf16; the forward runs on weights within scale/2 of the true ones.
+    hpZ  hierarchical partitioning: each rank keeps a second shard of every unit, 1/K of it (K: the
+         dp ranks on its node), cut out of the forward gather's result (so it costs no bytes: it is
+         refreshed by the first forward after each optimizer step). Backward all-gathers from it
+         over the node alone: 0 cross-node bytes for weights, for P/K more bytes of memory a unit.
+    qgZ  quantized gradients: the reduce-scatter becomes two all-to-alls of int4 blocks (int8 on
+         request). Hop 1, inside the node: piece j goes to the node's rank j, which dequantizes,
+         sums in full precision (fp32, or float64 in the proofs) and quantizes the sum again. Hop 2,
+         across nodes: each rank sends one slice to its peer on every other node, which dequantizes
+         and sums: each rank holds the reduced slice that reduce_scatter would have left it.
+
+    dp ranks  d = node * K + j              hop 1 (inside each node)       hop 2 (across)
+      node 0: [d0 d1]  node 1: [d2 d3]      d0 <-> d1,  d2 <-> d3          d0 <-> d2,  d1 <-> d3
+    dp_intra groups {d0 d1} {d2 d3}; dp_cross groups {d0 d2} {d1 d3} (Mesh.split_dp_by_node)
+
+Why int4 for gradients, int8 for weights: a gradient is an average that the optimizer smooths over
+steps (Adam's moments), and qgZ reduces in full precision between hops, so each number is rounded
+twice, not once per rank; weights are used as they arrive, by every rank, every micro-batch.
+
+Bytes, per rank per step (one micro-batch), for a unit of P numbers (padded: P = N s), w bytes a
+number (2 in bf16), N = M x K dp ranks on M nodes of K, blocks of B with 4-byte scales, and
+q_b(n) = ceil(n b / 8) + 4 ceil(n / B) the bytes of n numbers at b bits (`wire_bytes`):
+
+                      plain ZeRO-3        with ZeRO++                  crosses the network
+    forward gather    (N-1) s w           qwZ: (N-1) q_8(s)            the ring: each node's last
+    backward gather   (N-1) s w           hpZ: (K-1) M s w, in node    rank sends all it sends
+    gradients         (N-1) s w           qgZ: (K-1) q_4(M s) in node  qgZ hop 2: every rank's
+                                               + (M-1) q_4(s) across   (M-1) q_4(s)
+
+Summed over the dp group, the bytes that cross: plain M * 3 (N-1) s w, about 6 M Psi in bf16
+(Psi = N s numbers); ZeRO++ M (N-1) q_8(s) + N (M-1) q_4(s), about M Psi + M Psi / 2: four times
+less, the paper's claim, as N grows. minipar's test layout, N = 4 on M = 2 nodes of K = 2: plain
+9 Psi, ZeRO++ 2 Psi (plus the scales): 4.5x (tests/test_zeropp.py counts it to the byte).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from minipar.collectives import Group, all_gather_into, all_to_all
+from minipar.quantize import dequantize, quantize
+
+OPTIONS = ("qwz", "hpz", "qgz")
+BLOCK = 256  # numbers per scale: 4 scale bytes per 256 codes, 1.6% more than the codes alone
+
+
+def parse(text: str) -> tuple[str, ...]:
+    """'qwz,hpz' -> ('qwz', 'hpz'); ValueError for a name that is none of OPTIONS."""
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in OPTIONS]
+    if unknown or not names:
+        raise ValueError(f"--zeropp {text}: choose any of {', '.join(OPTIONS)}, separated by commas")
+    return names
+
+
+def check(text: str, zero: int, layout, cp: int = 1, experts: int = 0) -> tuple[str, ...]:
+    """--zeropp's names for a run of ZeRO stage `zero` on `layout` (a MeshLayout); ValueError, one
+    line, where they cannot apply. hpz and qgz need several nodes: on one node there is no slow link
+    to spare, and their node split would be the whole dp group (hpZ's copy the primary again)."""
+    names = parse(text)
+    if zero != 3:
+        raise ValueError(f"--zeropp {text} needs --zero 3: ZeRO++ changes how ZeRO-3 gathers weights and reduces "
+                         "gradients")
+    split = ",".join(n for n in names if n in ("hpz", "qgz"))
+    if split and layout.nodes == 1:
+        raise ValueError(f"--zeropp {split} splits the dp ranks by node, and this run has one node: give "
+                         "--ranks-per-node (on one machine it simulates several nodes), or use qwz alone")
+    if split and (cp > 1 or experts):
+        raise ValueError(f"--zeropp {split} splits the dp group by node, but {'--cp' if cp > 1 else 'the experts'} "
+                         "reduce gradients over other groups: use qwz alone")
+    if split:
+        layout.dp_per_node()  # raises LayoutError (a ValueError) unless each node holds an equal run of dp
+    return names
+
+
+@dataclass(frozen=True)
+class ZeroPP:
+    """Which of the three a ZeRO-3 run uses, and the groups hpZ and qgZ talk over."""
+
+    options: tuple[str, ...] = ()
+    intra: Group | None = None  # the dp ranks on this rank's node
+    cross: Group | None = None  # the dp ranks at this rank's place on each node
+    weight_bits: int = 8
+    grad_bits: int = 4
+    block: int = BLOCK
+
+    qwz = property(lambda self: "qwz" in self.options)
+    hpz = property(lambda self: "hpz" in self.options)
+    qgz = property(lambda self: "qgz" in self.options)
+
+
+# -- The wire format: codes, then scales, as one byte tensor --------------------------------------
+
+
+def wire_bytes(numel: int, bits: int, block: int = BLOCK) -> int:
+    """Bytes of `numel` numbers sent at `bits` bits: the codes (no padding) and an fp32 scale a block."""
+    return math.ceil(numel * bits / 8) + 4 * math.ceil(numel / block)
+
+
+def pack(x: torch.Tensor, bits: int, block: int = BLOCK) -> torch.Tensor:
+    """x -> uint8 [wire_bytes]: its codes, then its scales. A block holding inf or nan gets a nan
+    scale, so the sum it joins is nan and the step is skipped on every rank (zero.clip_and_step)."""
+    flat = x.detach().reshape(-1)
+    finite = torch.isfinite(flat)
+    codes, scales = quantize(torch.where(finite, flat, 0), block, bits)  # [blocks, block * bits/8], [blocks]
+    if not finite.all():
+        bad = ~torch.nn.functional.pad(finite, (0, -flat.numel() % block), value=True).view(-1, block).all(1)
+        scales = scales.masked_fill(bad, math.nan)
+    code_bytes = codes.reshape(-1).view(torch.uint8)[: math.ceil(flat.numel() * bits / 8)]  # padding stays home
+    return torch.cat([code_bytes, scales.view(torch.uint8)])
+
+
+def unpack(wire: torch.Tensor, numel: int, bits: int, dtype: torch.dtype, block: int = BLOCK) -> torch.Tensor:
+    """pack's bytes -> the [numel] numbers they stand for, in `dtype`."""
+    blocks, code_len = math.ceil(numel / block), math.ceil(numel * bits / 8)
+    codes = torch.nn.functional.pad(wire[:code_len], (0, blocks * block * bits // 8 - code_len))
+    codes = codes.view(torch.int8 if bits == 8 else torch.uint8).view(blocks, -1)  # [blocks, block * bits/8]
+    scales = wire[code_len:].clone().view(torch.float32)  # [blocks]; cloned: a view needs aligned bytes
+    return dequantize(codes, scales, bits, (numel,), dtype)
+
+
+# -- qwZ: the forward all-gather in int8 -----------------------------------------------------------
+
+
+class QuantizedGather:
+    """An all-gather of each rank's packed shard, in flight; wait() dequantizes every rank's piece
+    into `full` (the bucket's flat [padded] buffer, rank r's piece at r * s)."""
+
+    def __init__(self, full: torch.Tensor, shard: torch.Tensor, group: Group, bits: int, block: int = BLOCK):
+        self.full, self.numel, self.bits, self.block, self.n = full, shard.numel(), bits, block, group.size
+        mine = pack(shard, bits, block)  # [q] uint8
+        self.wire = torch.empty(self.n * mine.numel(), dtype=torch.uint8, device=shard.device)  # [N q]
+        self.work = all_gather_into(self.wire, mine, group, async_op=True)
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        for r, piece in enumerate(self.wire.chunk(self.n)):
+            self.full[r * self.numel:(r + 1) * self.numel] = unpack(piece, self.numel, self.bits, self.full.dtype,
+                                                                    self.block)
+
+
+# -- qgZ: the reduce-scatter as two quantized all-to-alls ------------------------------------------
+
+
+def quantized_exchange(rows: torch.Tensor, group: Group, bits: int, dtype: torch.dtype,
+                       block: int = BLOCK) -> torch.Tensor:
+    """rows [n, L]: row j goes to group rank j, quantized; returns the sum, in `dtype`, of the rows
+    this rank receives (one from every rank, its own included), each dequantized first. [L]"""
+    n, length = rows.shape
+    wire = torch.stack([pack(row, bits, block) for row in rows])  # [n, q] uint8
+    received = all_to_all(wire, group)  # [n, q]: row i came from group rank i
+    total = torch.zeros(length, dtype=dtype, device=rows.device)
+    for piece in received:
+        total += unpack(piece, length, bits, dtype, block)
+    return total
+
+
+def quantized_reduce_scatter(flat: torch.Tensor, intra: Group, cross: Group, bits: int,
+                             block: int = BLOCK) -> torch.Tensor:
+    """[P] on each of N = M x K dp ranks -> this rank's [P/N] of the sum: the slice of dp rank
+    d = cross.rank * K + intra.rank, as reduce_scatter over dp leaves it; summed in fp32 or wider."""
+    k, m = intra.size, cross.size
+    s = flat.numel() // (k * m)
+    wide = torch.promote_types(flat.dtype, torch.float32)
+    # Hop 1: row j holds the slices of the dp ranks at place j on every node ([m, k, s] -> [k, m s]).
+    by_place = flat.view(m, k, s).transpose(0, 1).reshape(k, m * s)
+    node_sum = quantized_exchange(by_place, intra, bits, wide, block)  # [m s]: my place's slices, summed over my node
+    # Hop 2: slice i goes to my peer on node i; what comes back is my own slice from every node.
+    return quantized_exchange(node_sum.view(m, s), cross, bits, wide, block)  # [s]
