@@ -117,7 +117,7 @@ def main() -> None:
         say(f"  {half}: {len(trace)} {'/'.join(sorted({t[1] for t in trace}))}: {each}; {sum(sizes):,} B in all")
     names = ["LM head"] + [f"layer {i} {part}" for i in reversed(range(CFG.n_layers)) for part in ("MLP", "attention")]
     if len(regions) != len(names) or len(regions) != len(backward):
-        raise SystemExit(f"step_03b: expected {len(names)} backward messages, the profile shows {len(regions)}")
+        raise SystemExit(f"step_04b: expected {len(names)} backward messages, the profile shows {len(regions)}")
     say("\n(b) the backward, message by message: the compute since the message before, its weight gradients, "
         "the message, what overlap could hide")
     for name, r, msg in zip(names, regions, backward):

@@ -147,7 +147,7 @@ def main() -> None:
         for name, m_, v in plan:
             stage_layers(CFG.n_layers, build(name, p, m_, v).n_stages)  # zbv: 2p stages
     except ValueError as e:  # ScheduleError is a ValueError too
-        say(f"step_04: {e}")
+        say(f"step_06: {e}")
         raise SystemExit(2) from None
     out.mkdir(parents=True, exist_ok=True)
     mesh = Mesh.build(pp=p)  # one pipeline group of every rank; rank r is stage r
