@@ -1,6 +1,6 @@
 """The mesh: every rank's place in the 4D grid, and one process group per line of it.
 
-Chapter 1 of the course. Parallel training cuts one job four ways at once:
+Chapters 1 and 10 (the appendix) of the course. Parallel training cuts one job four ways at once:
 
     dp  data parallel      each replica sees a different slice of the batch
     tp  tensor parallel    each weight matrix is split across ranks
