@@ -1,7 +1,7 @@
 """Step 4: pipeline parallelism, six schedules on paper and on real ranks.
 
     .venv/bin/torchrun --standalone --nproc-per-node 4 scripts/step_06_pipeline.py    (2 works too)
-    options: --micro-batches 8 (m; must divide the 16 rows), --out runs/step_04 (the PNGs), --repeats 5
+    options: --micro-batches 8 (m; must divide the 16 rows), --out runs/step_06 (the PNGs), --repeats 5
 
 Every rank is one pipeline stage of the same 8-layer tiny Llama (float64, seed 0); the same batch
 of 16 sequences is cut into m micro-batches. For naive (m = 1), GPipe, 1F1B, interleaved (v = 2),
@@ -135,7 +135,7 @@ def on_ranks(name: str, m: int, v: int, mesh: Mesh, ref, sim: Timeline, theory: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--micro-batches", type=int, default=8, help="m for every schedule but naive")
-    parser.add_argument("--out", default="runs/step_04", help="folder for the timeline PNGs")
+    parser.add_argument("--out", default="runs/step_06", help="folder for the timeline PNGs")
     parser.add_argument("--repeats", type=int, default=5, help="measured runs per schedule; the fastest is shown")
     args = parser.parse_args()
     start_gloo()
