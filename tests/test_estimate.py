@@ -272,6 +272,7 @@ def _activations(rank, world, layout, whole_model):
     bf16 = cfg.dtype == "bfloat16"  # autocast over fp32 weights, as train.precision sets it up
     dtype, autocast = (torch.float32, torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else (torch.float64,
                                                                                                  nullcontext())
+    dtype = torch.bfloat16 if cfg.precision == "bf16-mixed" else dtype  # bf16 weights, no autocast
     with Mesh.build(tp=cfg.tp, cp=cfg.cp) as mesh, autocast:
         model = parallelize(Llama(c, 0), tp=mesh.tp_group, cp=mesh.cp_group, sp=cfg.sp,
                             recompute=cfg.recompute, cp_attention=cfg.cp_attention).to(dtype)
@@ -291,6 +292,9 @@ ACTIVATION_LAYOUTS = [(1, dict()), (2, dict(tp=2)), (2, dict(tp=2, sp=True)), (2
                       (2, dict(tp=2, sp=True, dtype="bfloat16")), (2, dict(cp=2, dtype="bfloat16")),
                       (4, dict(tp=2, sp=True, cp=2, dtype="bfloat16")), (2, dict(cp=2, cp_attention="ulysses")),
                       (2, dict(cp=2, cp_attention="ulysses", dtype="bfloat16"))]
+MIXED = dict(dtype=None, precision="bf16-mixed")  # bf16 weights and activations, no autocast
+ACTIVATION_LAYOUTS += [(1, MIXED), (2, dict(tp=2, **MIXED)), (2, dict(tp=2, sp=True, **MIXED)), (2, dict(cp=2, **MIXED)),
+                       (2, dict(cp=2, cp_attention="ulysses", **MIXED))]
 
 
 @pytest.mark.parametrize("world,layout", ACTIVATION_LAYOUTS,

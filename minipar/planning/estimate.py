@@ -317,8 +317,8 @@ def layer_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
         ring = cfg.cp > 1 and not ulysses
         attention_bytes = 10 * qo + 6 * tokens * e * kv if ring else 2 * ((2 + ulysses) * qo + width_k + width_v)
         return 4 * (4 * tokens * d // sp + small) + 2 * (5 * tokens * d + mlp) + attention_bytes + orders
-    norms = 2 * tokens * d + 4 * tokens * d // sp
-    return w * (norms + attention + mlp + small) + orders
+    norms, lse = 2 * tokens * d + 4 * tokens * d // sp, (max(w, 4) - w) * tokens * heads * (cfg.cp == 1 or ulysses)
+    return w * (norms + attention + mlp + small) + orders + lse  # lse: SDPA keeps its log-sum-exp in fp32 at least
 
 
 def weight_casts(c: ModelConfig, cfg: TrainConfig) -> int:
