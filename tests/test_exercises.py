@@ -53,7 +53,12 @@ def test_ring_exercise_passes_uneven_chunks_and_fails_half_the_bytes():
     assert any("rank 1: N=2, length 12 (96 bytes): sent 48 bytes" in p for p in checks._ring_bytes_problems(2, results))
 
 
-def test_make_exercise_lists_the_exercises_and_prints_pass_or_fail(capsys):
+def test_make_exercise_lists_the_exercises_and_prints_pass_or_fail(capsys, monkeypatch):
+    import harness
+
+    # run.main ends with harness.shutdown(), as `make exercise` must; here that would close the session's
+    # pools of every world size, and each later test would pay to start its ranks again. Its own pools.
+    monkeypatch.setattr(harness, "_pools", {})
     run = checks.load(Path(__file__).parent / "exercises" / "run.py")  # by path: "run" is a common name
     assert run.main([]) == 0
     assert "docs/exercises/ex6_gpipe.py" in capsys.readouterr().out
