@@ -101,7 +101,12 @@ def test_ring_exercise_passes_uneven_chunks_and_fails_half_the_bytes():
                for p in checks_collectives._ring_bytes_problems(2, results))
 
 
-def test_make_exercise_lists_the_exercises_and_prints_pass_or_fail(capsys):
+def test_make_exercise_lists_the_exercises_and_prints_pass_or_fail(capsys, monkeypatch):
+    import harness
+
+    # run.main ends with harness.shutdown(), as `make exercise` must; here that would close the session's
+    # pools of every world size, and each later test would pay to start its ranks again. Its own pools.
+    monkeypatch.setattr(harness, "_pools", {})
     run = load(Path(__file__).parent / "exercises" / "run.py")  # by path: "run" is a common name
     assert run.main([]) == 0
     out = capsys.readouterr().out

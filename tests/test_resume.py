@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train import ROOT, TORCHRUN, _worker_of, common, losses, one_line_error, run
+from test_train import ROOT, TORCHRUN, _worker_of, common, losses, one_line_error, refused, run
 
 from minipar.run import checkpoint
 
@@ -79,15 +79,17 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_exactly_as_an_uninterrupt
     assert not (tmp / "auto" / ".lock").exists()  # given back at the end
 
 
-def test_resuming_into_an_out_with_later_checkpoints_or_a_live_lock_is_refused(runs):
+def test_resuming_into_an_out_with_later_checkpoints_or_a_live_lock_is_refused(runs, monkeypatch, capsys):
     tmp, _ = runs
     auto = tmp / "auto"
-    line = one_line_error(run(common(tmp, **dict(ARGS, dp=1), resume=auto / "step_000006"), check=False))
+    # The first two in this process (launch.main, as test_train's refusals); the live lock through the
+    # program, so that the lock's pid is another process's (this one's), as a live run's would be.
+    line = refused(common(tmp, **dict(ARGS, dp=1), resume=auto / "step_000006"), monkeypatch, capsys)
     assert f"--out {auto} already holds checkpoints after {auto / 'step_000006'} (step_000009 ... step_000012)" \
         in line and f"--resume {auto}, or choose another --out" in line
     for ckpt in checkpoint.checkpoints(auto):  # kept, whole
         checkpoint.verify(ckpt)
-    line = one_line_error(run(common(tmp, **dict(ARGS, dp=1), resume="auto"), check=False))
+    line = refused(common(tmp, **dict(ARGS, dp=1), resume="auto"), monkeypatch, capsys)
     assert "--resume auto needs --out" in line
     lock = tmp / "whole" / ".lock"
     lock.write_text(f"{socket.gethostname()} {os.getpid()}")  # this test's own process: alive

@@ -81,41 +81,70 @@ def one_line_error(proc):
     return lines[0]
 
 
+class Started(Exception):
+    """The checks passed: the run would start its process group now."""
+
+
+def refused(argv, monkeypatch, capsys) -> str:
+    """launch.main(argv) in this process, as `python scripts/train.py argv` runs it (one rank, from the
+    repository): it must return 2 with one line. A subprocess would prove the same at seconds of torch
+    import each; test_world_size_... below runs the program itself, so exit 2 and no traceback are proven
+    end to end once. launch.launch (the process group, the training) fails the test if a check lets it through."""
+    from minipar.run import launch
+
+    monkeypatch.chdir(ROOT)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    def started(cfg, resume):
+        raise Started
+
+    monkeypatch.setattr(launch, "launch", started)
+    capsys.readouterr()
+    code = launch.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("minipar: error: "), (code, err)
+    assert "Traceback" not in out + err
+    return lines[0]
+
+
 def test_world_size_that_does_not_match_the_degrees_is_one_line(tmp_path):
-    line = one_line_error(run(common(tmp_path, dp=2), check=False))
+    line = one_line_error(run(common(tmp_path, dp=2), check=False))  # the program itself: exit 2, one line
     assert "= 2 ranks, but the world has 1: launch with torchrun --nproc-per-node 2" in line
 
 
-def test_missing_data_path_is_one_line(tmp_path):
-    line = one_line_error(run(common(tmp_path, data=tmp_path / "nope.txt"), check=False))
+def test_missing_data_path_is_one_line(tmp_path, monkeypatch, capsys):
+    line = refused(common(tmp_path, data=tmp_path / "nope.txt"), monkeypatch, capsys)
     assert "no such file or directory" in line
 
 
-def test_layouts_the_model_or_sequence_cannot_take_are_one_line(tmp_path):
+def test_layouts_the_model_or_sequence_cannot_take_are_one_line(tmp_path, monkeypatch, capsys):
     def line(**kw):
-        return one_line_error(run(common(tmp_path, **kw), check=False))
+        return refused(common(tmp_path, **kw), monkeypatch, capsys)
 
     assert "not divisible by 2 x --cp = 4" in line(cp=2, seq_len=30)
     assert "does not divide the model's 4 attention heads" in line(tp=3)
     assert "pipeline stages" in line(pp=4)  # tiny has 2 layers
 
 
-def test_indivisible_batch_is_one_line(tmp_path):
-    line = one_line_error(run(common(tmp_path, global_batch=6, micro_batch=4), check=False))
+def test_indivisible_batch_is_one_line(tmp_path, monkeypatch, capsys):
+    line = refused(common(tmp_path, global_batch=6, micro_batch=4), monkeypatch, capsys)
     assert "--global-batch 6 is not divisible" in line
 
 
-def test_corrupt_checkpoint_is_one_line_and_earlier_checkpoints_are_kept(run_a, tmp_path):
+def test_corrupt_checkpoint_is_one_line_and_earlier_checkpoints_are_kept(run_a, tmp_path, monkeypatch, capsys):
     import shutil
 
     bad = tmp_path / "bad" / "step_000010"
     shutil.copytree(run_a / "a" / "step_000010", bad)
     (bad / "model.safetensors").write_bytes(b"\x00garbage")
-    line = one_line_error(run(common(tmp_path, resume=bad), check=False))
+    line = refused(common(tmp_path, resume=bad), monkeypatch, capsys)
     assert "is corrupt" in line
     # An --out that already holds checkpoints is never overwritten by a fresh run.
-    line = one_line_error(run(common(tmp_path, out=run_a / "a"), check=False))
+    kept = {p: p.read_bytes() for p in sorted((run_a / "a").rglob("*")) if p.is_file()}
+    line = refused(common(tmp_path, out=run_a / "a"), monkeypatch, capsys)
     assert "already holds checkpoints" in line
+    assert {p: p.read_bytes() for p in sorted((run_a / "a").rglob("*")) if p.is_file()} == kept
 
 
 def test_torchrun_layout_error_prints_our_line_once_before_any_work(tmp_path):
