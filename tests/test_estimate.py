@@ -293,8 +293,8 @@ ACTIVATION_LAYOUTS = [(1, dict()), (2, dict(tp=2)), (2, dict(tp=2, sp=True)), (2
                       (4, dict(tp=2, sp=True, cp=2, dtype="bfloat16")), (2, dict(cp=2, cp_attention="ulysses")),
                       (2, dict(cp=2, cp_attention="ulysses", dtype="bfloat16"))]
 MIXED = dict(dtype=None, precision="bf16-mixed")  # bf16 weights and activations, no autocast
-ACTIVATION_LAYOUTS += [(1, MIXED), (2, dict(tp=2, **MIXED)), (2, dict(tp=2, sp=True, **MIXED)), (2, dict(cp=2, **MIXED)),
-                       (2, dict(cp=2, cp_attention="ulysses", **MIXED))]
+ACTIVATION_LAYOUTS += [(1, MIXED), (2, dict(tp=2, **MIXED)), (2, dict(tp=2, sp=True, **MIXED)),
+                       (2, dict(cp=2, **MIXED)), (2, dict(cp=2, cp_attention="ulysses", **MIXED))]
 
 
 @pytest.mark.parametrize("world,layout", ACTIVATION_LAYOUTS,
