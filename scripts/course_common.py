@@ -44,3 +44,13 @@ def each_rank(title: str, line: str) -> None:
         if title:
             print(title)
         print("\n".join(f"  rank {r}: {text}" for r, text in enumerate(lines)))
+
+
+def runs(numbers: list[int]) -> str:
+    """[0..3, 12..15]: the runs of consecutive numbers, in the given order (token positions)."""
+    out, start = [], 0
+    for i in range(1, len(numbers) + 1):
+        if i == len(numbers) or numbers[i] != numbers[i - 1] + 1:
+            out.append(f"{numbers[start]}..{numbers[i - 1]}" if i - 1 > start else f"{numbers[start]}")
+            start = i
+    return "[" + ", ".join(out) + "]"

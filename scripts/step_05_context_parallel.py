@@ -24,7 +24,7 @@ Chapter: docs/05_context_parallel.md.
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from course_common import each_rank, finish, say, start_gloo
+from course_common import each_rank, finish, runs, say, start_gloo
 from einops import repeat
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -67,16 +67,6 @@ def full_lse(q, k) -> torch.Tensor:
     return torch.logsumexp(scores.masked_fill(~causal, float("-inf")), dim=-1)
 
 
-def span(pos: torch.Tensor) -> str:
-    """[0..3, 12..15]-style ranges of a sorted list of positions."""
-    p, runs, start = pos.tolist(), [], 0
-    for i in range(1, len(p) + 1):
-        if i == len(p) or p[i] != p[i - 1] + 1:
-            runs.append(f"{p[start]}..{p[i - 1]}" if i - 1 > start else f"{p[start]}")
-            start = i
-    return "[" + ", ".join(runs) + "]"
-
-
 def part_a(mesh: Mesh) -> None:
     g = mesh.cp_group
     cp, r = g.size, g.rank
@@ -96,8 +86,9 @@ def part_a(mesh: Mesh) -> None:
     for name, held in split.items():
         mine = held[r]
         per_step = [pairs(mine, held[(r - step) % cp]) for step in range(cp)]  # the block arriving at step t
+        line = f"{runs(mine.tolist()):<18} {pairs(mine, torch.arange(S)):>4} pairs   steps {per_step}"
         each_rank(f"\n  {name}: positions held, causal pairs computed, pairs per ring step" if name == "contiguous"
-                  else f"  {name}:", f"{span(mine):<18} {pairs(mine, torch.arange(S)):>4} pairs   steps {per_step}")
+                  else f"  {name}:", line)
     work = {name: [pairs(p, torch.arange(S)) for p in held] for name, held in split.items()}
     for name, w in work.items():
         steps = [max(pairs(held_r, split[name][(i - t) % cp]) for i, held_r in enumerate(split[name]))
@@ -129,7 +120,7 @@ def ring_trace(mesh: Mesh, q, k, v, ref_out, ref_lse) -> None:
         block_out, block_lse = C._block_attention(q, block_k, block_v, q_pos, k_pos, scale)
         out, lse = C._merge(out, lse, block_out, block_lse)
         done = int(torch.isclose(lse[0, 0], ref_lse[0, 0], rtol=0, atol=1e-12).sum())
-        each_rank(f"  step {step}", f"K/V of rank {owner} {span(k_pos):<16} pos {int(q_pos[follow]):>2}: "
+        each_rank(f"  step {step}", f"K/V of rank {owner} {runs(k_pos.tolist()):<16} pos {int(q_pos[follow]):>2}: "
                   f"block {float(block_lse[0, 0, follow]):7.4f}  merged {float(lse[0, 0, follow]):7.4f}   "
                   f"rows done {done}/{len(q_pos)}   {(out - ref_out).abs().max().item():.1e}")
         if step < cp - 1:

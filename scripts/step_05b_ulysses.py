@@ -22,7 +22,7 @@ Chapter: docs/05_context_parallel.md.
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from course_common import each_rank, finish, say, start_gloo
+from course_common import each_rank, finish, runs, say, start_gloo
 from einops import rearrange, repeat
 
 from minipar import context_parallel as C
@@ -54,16 +54,6 @@ def held(t: torch.Tensor) -> str:
     hs = sorted(set((label // 100).flatten().tolist()))
     pos = (label[0] % 100).tolist()
     return f"heads {hs[0]}-{hs[-1]}, positions {runs(pos)}"
-
-
-def runs(p: list[int]) -> str:
-    """[0..3, 12..15]-style runs of consecutive numbers, in the given order."""
-    out, start = [], 0
-    for i in range(1, len(p) + 1):
-        if i == len(p) or p[i] != p[i - 1] + 1:
-            out.append(f"{p[start]}..{p[i - 1]}" if i - 1 > start else f"{p[start]}")
-            start = i
-    return "[" + ", ".join(out) + "]"
 
 
 def part_a(mesh: Mesh) -> None:

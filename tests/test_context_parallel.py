@@ -42,20 +42,27 @@ def test_zigzag_gives_each_rank_an_early_and_a_late_chunk_and_equal_causal_work(
         C.check_cp_layout(10, 4)
 
 
+def _equal_to_sdpa(attend, g, h=None, h_kv=None):
+    """Run `attend` (ring or Ulysses) on this rank's zigzag share of q, k, v and a random output
+    gradient; assert its output and the gradients of q, k, v equal one device's SDPA on the whole
+    sequence. Returns this rank's inputs and the output gradient, for a second run."""
+    q, k, v = qkv() if h is None else qkv(h=h, h_kv=h_kv)
+    d_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    local = [C.split_sequence(t, g, dim=2).clone().requires_grad_() for t in (q, k, v)]
+    out = attend(*local, g, S)
+    out.backward(C.split_sequence(d_out, g, dim=2))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = reference_attention(*ref)
+    ref_out.backward(d_out)
+    torch.testing.assert_close(out, C.split_sequence(ref_out, g, dim=2), **TIGHT)
+    for mine, theirs, name in zip(local, ref, "qkv"):
+        torch.testing.assert_close(mine.grad, C.split_sequence(theirs.grad, g, dim=2), **TIGHT, msg=name)
+    return local, d_out, k
+
+
 def _ring(rank, world):
     with Mesh.build(cp=world) as mesh:
-        g = mesh.cp_group
-        q, k, v = qkv()
-        d_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-        local = [C.split_sequence(t, g, dim=2).clone().requires_grad_() for t in (q, k, v)]
-        out = C.ring_attention(*local, g, S)
-        out.backward(C.split_sequence(d_out, g, dim=2))
-        ref = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref_out = reference_attention(*ref)
-        ref_out.backward(d_out)
-        torch.testing.assert_close(out, C.split_sequence(ref_out, g, dim=2), **TIGHT)
-        for mine, theirs, name in zip(local, ref, "qkv"):
-            torch.testing.assert_close(mine.grad, C.split_sequence(theirs.grad, g, dim=2), **TIGHT, msg=name)
+        _, _, k = _equal_to_sdpa(C.ring_attention, mesh.cp_group)
         kv_bytes = 2 * k.numel() // world * 8
         return dict(sent=mesh.ledger.get("cp", "send").bytes, kv_bytes=kv_bytes)
 
@@ -75,17 +82,7 @@ def test_ring_attention_forward_and_backward_equal_sdpa_causal_gqa(cp):
 def _ulysses(rank, world, h, h_kv):
     with Mesh.build(cp=world) as mesh:
         g = mesh.cp_group
-        q, k, v = qkv(h=h, h_kv=h_kv)
-        d_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-        local = [C.split_sequence(t, g, dim=2).clone().requires_grad_() for t in (q, k, v)]
-        out = C.ulysses_attention(*local, g, S)
-        out.backward(C.split_sequence(d_out, g, dim=2))
-        ref = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref_out = reference_attention(*ref)
-        ref_out.backward(d_out)
-        torch.testing.assert_close(out, C.split_sequence(ref_out, g, dim=2), **TIGHT)
-        for mine, theirs, name in zip(local, ref, "qkv"):
-            torch.testing.assert_close(mine.grad, C.split_sequence(theirs.grad, g, dim=2), **TIGHT, msg=name)
+        local, d_out, _ = _equal_to_sdpa(C.ulysses_attention, g, h, h_kv)
         entry = mesh.ledger.get("cp", "all_to_all")
         # The same attention by the ring, on the same ranks: its K/V hops, next to its formula.
         C.ring_attention(*local, g, S).backward(C.split_sequence(d_out, g, dim=2))
