@@ -1,8 +1,8 @@
 """Block-wise quantization: a tensor sent in 8 or 4 bits a number, each block with its own scale.
 
-The groundwork of ZeRO++ (chapter 3, issue #20): qwZ all-gathers the weights as int8 and qgZ
-reduces the gradients as int4/int8, each dequantized on arrival. Pure tensor code: no process
-groups here, the collectives send what `quantize` returns.
+What ZeRO++ sends (zeropp.py, chapter 3): qwZ all-gathers the weights as int8 and qgZ reduces
+the gradients as int4 (or int8), each dequantized on arrival. Pure tensor code: no process groups
+here, the collectives send what `quantize` returns.
 
 Symmetric, per block. The tensor, flattened, is cut into blocks of `block` numbers (the last one
 padded with zeros). A block's scale maps its largest magnitude onto the largest code:
