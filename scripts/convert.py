@@ -6,9 +6,15 @@
 The imported checkpoint is an ordinary minipar one at step 0 (no optimizer state): train.py
 --init-from OUT_DIR starts from it under any layout, and scripts/sample.py and eval.py read it (give
 --tokenizer HF_DIR/tokenizer.json). The exported folder loads with
-`transformers.LlamaForCausalLM.from_pretrained(HF_DIR)`; transformers is not needed to convert.
+`transformers.LlamaForCausalLM.from_pretrained(HF_DIR)`, and holds the checkpoint's tokenizer.json
+if it has one; transformers is not needed to convert.
+
+The target must be new or an empty folder, outside the source: the folder is built under a
+temporary name beside it and renamed into place, so nothing a user has is overwritten or mixed
+into, and a failed conversion leaves nothing behind.
 """
 
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -17,7 +23,7 @@ from safetensors.torch import load_file
 
 from minipar.model import Llama
 from minipar.run import checkpoint
-from minipar.run.args import Parser, refusals
+from minipar.run.args import Parser, new_folder, refusals
 from minipar.run.config import TrainConfig
 from minipar.run.hf import export_hf, import_hf
 
@@ -36,20 +42,27 @@ def check_weights(config, weights: dict, source) -> None:
 
 
 def import_folder(hf_dir: str, out: str) -> Path:
-    config, weights = import_hf(hf_dir)
-    check_weights(config, weights, hf_dir)
-    run = asdict(TrainConfig(model="imported", vocab_size=config.vocab_size, tie_embeddings=config.tie_embeddings))
-    state = {"step": 0, "consumed": 0, "config": run, "model_config": asdict(config), "source": str(hf_dir)}
-    return checkpoint.save(out, 0, weights, {}, [], state)
+    """OUT_DIR/step_000000 (OUT_DIR new: it becomes a run's --out folder)."""
+    with new_folder(out, "import's OUT_DIR", source=hf_dir) as tmp:
+        config, weights = import_hf(hf_dir)
+        check_weights(config, weights, hf_dir)
+        run = asdict(TrainConfig(model="imported", vocab_size=config.vocab_size,
+                                 tie_embeddings=config.tie_embeddings))
+        state = {"step": 0, "consumed": 0, "config": run, "model_config": asdict(config), "source": str(hf_dir)}
+        step = checkpoint.save(tmp, 0, weights, {}, [], state)
+    return Path(out).expanduser() / step.name
 
 
 def export_folder(ckpt: str, hf_dir: str) -> Path:
     path = checkpoint.resolve(ckpt, flag="export")
-    config = checkpoint.model_config_of(path, checkpoint.verify(path))
-    weights = load_file(path / "model.safetensors")
-    check_weights(config, weights, path)
-    export_hf(config, weights, hf_dir)
-    return Path(hf_dir)
+    with new_folder(hf_dir, "export's HF_DIR", source=ckpt) as tmp:
+        config = checkpoint.model_config_of(path, checkpoint.verify(path))
+        weights = load_file(path / "model.safetensors")
+        check_weights(config, weights, path)
+        export_hf(config, weights, tmp)
+        if (path / "tokenizer.json").exists():  # verified with the rest: the text the model was trained on
+            shutil.copyfile(path / "tokenizer.json", tmp / "tokenizer.json")
+    return Path(hf_dir).expanduser()
 
 
 def main(argv=None) -> Path:

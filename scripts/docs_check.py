@@ -24,12 +24,14 @@ match when their text is the same and their numbers agree:
 Training logs. A block of `scripts/train.py` output is marked the same way, with the command a
 reader runs. Its log goes to stdout; the progress bar on stderr is ignored. `--out` is replaced
 by a fresh temporary folder (a second run must not resume the first's checkpoint), and the
-folder's name is put back in the fresh output. A long run may declare a cheaper equivalent at
-the end of its marker, `(checked on its first K steps)`: the check then runs the same command
-with `--steps K`, which trains those K steps exactly as the long run does (same data order, same
-warm-up learning rates), compares every shown line up to step K (the `/K` of its step lines read
-as the shown total), and skips the shown `step N/...` and `saved .../step_N` lines past K. A block
-with no line left to compare fails, so a check cannot pass by skipping everything.
+folder's name is put back in the fresh output. So is the `--out` of a step script that writes
+files (OUT_DEFAULTS: it refuses a folder that holds an earlier run's), given or not.
+A long run may declare a cheaper equivalent at the end of its marker, `(checked on its first K
+steps)`: the check then runs the same command with `--steps K`, which trains those K steps exactly
+as the long run does (same data order, same warm-up learning rates), compares every shown line up
+to step K (the `/K` of its step lines read as the shown total), and skips the shown `step N/...`
+and `saved .../step_N` lines past K. A block with no line left to compare fails, so a check cannot
+pass by skipping everything.
 
 Line anchors. A link to a definition, `[name](../minipar/zero.py#L120)` or [`Class.method`](...),
 must point at the line that defines it (`def name` or `class name`, the last dotted part); a
@@ -116,15 +118,23 @@ def flag(words: list[str], name: str) -> str | None:
     return words[words.index(name) + 1] if name in words[:-1] else None
 
 
+# The step scripts that write a folder, and its default: checked with a fresh --out like train.py.
+OUT_DEFAULTS = {"scripts/step_06_pipeline.py": "runs/step_06"}
+
+
 def run_train(command: str, steps: int | None) -> list[str]:
-    """A train.py command, run into a fresh --out (and with --steps K when a cheaper check is
-    declared); the fresh output reads as the shown command's: its folder, its total of steps."""
+    """A train.py command (or one of OUT_DEFAULTS), run into a fresh --out (and with --steps K when
+    a cheaper check is declared); the fresh output reads as the shown command's: its folder, its
+    total of steps."""
     words = command.split()
     out, total = flag(words, "--out"), flag(words, "--steps")
+    default = next((d for script, d in OUT_DEFAULTS.items() if script in words), None)
     with tempfile.TemporaryDirectory(prefix="docs_check_") as tmp:
         fresh_out = str(Path(tmp) / "out")
         if out:
             words[words.index("--out") + 1] = fresh_out
+        elif default:
+            words, out = [*words, "--out", fresh_out], default
         if steps is not None:
             if total is None:
                 return ["(a cheaper check needs the shown command to name --steps: add it)"]
@@ -185,7 +195,7 @@ def check_outputs(chapters: list[Path]) -> int:
             command, steps = CHEAPER.sub("", marked), int(cheaper.group(1)) if cheaper else None
             if (command, steps) not in outputs:
                 print(f"running {command}" + (f" (its first {steps} step(s))" if cheaper else ""), flush=True)
-                train = "scripts/train.py" in command.split()
+                train = {"scripts/train.py", *OUT_DEFAULTS} & set(command.split())
                 outputs[command, steps] = run_train(command, steps) if train else run(command)
             fresh = outputs[command, steps]
             checked = [line for line in shown if within(line, steps)]

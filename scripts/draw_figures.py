@@ -1,7 +1,10 @@
-"""The course's pictures, drawn from the library's own numbers: docs/img/*.png.
+"""The course's pictures, drawn from the library's own numbers (the chapters show docs/img/*.png).
 
-    .venv/bin/python scripts/draw_figures.py                      # all five (the loss runs take a minute or two)
-    .venv/bin/python scripts/draw_figures.py zero tp --out /tmp   # some of them, elsewhere
+    .venv/bin/python scripts/draw_figures.py                              # all five, into runs/figures
+    .venv/bin/python scripts/draw_figures.py zero tp --out /tmp/figures   # some of them, elsewhere
+
+--out is a new folder (one that holds anything is refused, docs/img included: nothing is drawn
+over); copy the PNGs into docs/img/ to update the course's. The loss runs take a minute or two.
 
     zero      who holds what under ZeRO 0-3 at dp 4 (planning/estimate.held_bytes: equal to what the
               ranks hold, tests/test_mixed_precision.py)                     chapter 3
@@ -35,6 +38,7 @@ from minipar.context_parallel import zigzag_positions  # noqa: E402
 from minipar.model import get_config  # noqa: E402
 from minipar.moe import MoE  # noqa: E402
 from minipar.planning.estimate import held_bytes  # noqa: E402
+from minipar.run.args import new_folder, refusals, unoccupied  # noqa: E402
 from minipar.run.config import TrainConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,13 +201,16 @@ FIGURES = {"zero": zero, "tp": tp, "zigzag": zigzag, "experts": experts, "parity
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", choices=[[], *FIGURES], help="the figures to draw (default: all)")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img", help="folder for the PNGs")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "figures", help="a new folder for the PNGs")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name in args.names or FIGURES:
-        FIGURES[name](args.out)
-        print(f"drew {name}")
+    with refusals():
+        unoccupied(args.out, "--out")
+    with new_folder(args.out, "--out") as folder:  # built beside --out, renamed into place when all are drawn
+        for name in args.names or FIGURES:
+            FIGURES[name](folder)
+            print(f"drew {name}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
-"""The fp32 and bf16-mixed loss curves of one run, side by side: docs/img/03_fp32_vs_bf16_loss.png.
+"""The fp32 and bf16-mixed loss curves of one run, side by side (chapter 3 shows
+docs/img/03_fp32_vs_bf16_loss.png).
 
-    .venv/bin/python scripts/plot_precision.py                 # 300 steps of the tiny model, one process
+    .venv/bin/python scripts/plot_precision.py                 # 300 steps: runs/03_fp32_vs_bf16_loss.png
     .venv/bin/python scripts/plot_precision.py --steps 100 --out /tmp/curves.png
+
+--out must be a new file (one that exists is refused: nothing is drawn over); copy it into
+docs/img/ to update the course's.
 
 Runs scripts/train.py twice on its built-in data (the Python standard library's text), the same
 seed, model and batches, once with `--precision fp32` and once with `--precision bf16-mixed`, reads
@@ -23,6 +27,8 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+
+from minipar.run.args import InputError, refusals  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--model", "tiny", "--vocab-size", "512", "--seq-len", "64", "--global-batch", "8", "--micro-batch", "8",
@@ -55,14 +61,22 @@ def plot(fp32: list[float], mixed: list[float], out: Path) -> None:
     bottom.set_xlabel("step")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    tmp = out.with_name(f".tmp-{os.getpid()}-{out.name}")
+    fig.savefig(tmp, dpi=110, format="png")
+    try:
+        os.link(tmp, out)  # unlike a rename, a link never replaces a file made there meanwhile
+    finally:
+        tmp.unlink()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "03_fp32_vs_bf16_loss.png")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "03_fp32_vs_bf16_loss.png", help="a new file")
+    args = parser.parse_args(argv)
+    with refusals():
+        if os.path.lexists(args.out.expanduser()):
+            raise InputError(f"--out {args.out} exists: nothing is drawn over it; give a new file (or move it away)")
     with tempfile.TemporaryDirectory() as tmp:
         fp32, mixed = (losses(p, args.steps, Path(tmp)) for p in ("fp32", "bf16-mixed"))
     plot(fp32, mixed, args.out)

@@ -14,12 +14,14 @@ ZB-H1 and ZB-V it shows:
     timeline of every rank, gathered to rank 0 and drawn on the simulation's grid.
 
 Each schedule runs once to warm up, then --repeats times (5); the fastest run is shown, since
-other processes on the machine only ever make a run slower. PNGs of both timelines go to --out.
+other processes on the machine only ever make a run slower. PNGs of both timelines go to --out, a
+new folder (one that holds anything is refused: an earlier run's PNGs are never drawn over).
 Chapter: docs/06_pipeline.md.
 """
 
 import argparse
 import os
+from contextlib import nullcontext
 from pathlib import Path
 from textwrap import indent
 
@@ -33,6 +35,7 @@ from minipar.parallelize import parallelize
 from minipar.pipeline.executor import Pipeline, stage_layers
 from minipar.pipeline.schedules import bubble_formula, build, peak_activations
 from minipar.pipeline.timeline import Timeline, simulate
+from minipar.run.args import new_folder, unoccupied
 
 CFG = get_config("tiny", n_layers=8)
 SEED, ROWS, SEQ = 0, 16, 32
@@ -135,13 +138,14 @@ def on_ranks(name: str, m: int, v: int, mesh: Mesh, ref, sim: Timeline, theory: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--micro-batches", type=int, default=8, help="m for every schedule but naive")
-    parser.add_argument("--out", default="runs/step_06", help="folder for the timeline PNGs")
+    parser.add_argument("--out", default="runs/step_06", help="a new folder for the timeline PNGs")
     parser.add_argument("--repeats", type=int, default=5, help="measured runs per schedule; the fastest is shown")
     args = parser.parse_args()
     start_gloo()
     p, m, out = dist.get_world_size(), args.micro_batches, Path(args.out)
     plan = [("naive", 1, 1), ("gpipe", m, 1), ("1f1b", m, 1), ("interleaved", m, 2), ("zb1", m, 1), ("zbv", m, 1)]
     try:  # every rank checks every schedule first, so a bad size stops all of them, not just rank 0
+        unoccupied(out, "--out")  # an earlier run's PNGs are never drawn over
         if ROWS % m or args.repeats < 1:
             raise ValueError(f"--micro-batches {m} must divide the {ROWS} rows and --repeats be at least 1")
         for name, m_, v in plan:
@@ -149,7 +153,6 @@ def main() -> None:
     except ValueError as e:  # ScheduleError is a ValueError too
         say(f"step_06: {e}")
         raise SystemExit(2) from None
-    out.mkdir(parents=True, exist_ok=True)
     mesh = Mesh.build(pp=p)  # one pipeline group of every rank; rank r is stage r
     ref = single_device() if dist.get_rank() == 0 else None
     say(f"tiny Llama, {CFG.n_layers} layers, float64; batch [{ROWS}, {SEQ}]; pp = {p}; "
@@ -157,11 +160,13 @@ def main() -> None:
     if p > (os.cpu_count() or 1):
         say(f"note: {p} ranks share {os.cpu_count()} CPU cores: measured bubbles include time spent "
             "waiting for a core, not only for a neighbour")
-    for name, m_, v in plan:
-        chunks = "2 chunks per rank in a V" if name == "zbv" else f"v = {v} chunks per rank" if v > 1 else ""
-        say(f"\n=== {name}: m = {m_}" + (f", {chunks} (a/b: first/second chunk)" if chunks else ""))
-        sim, theory = on_paper(name, p, m_, v, out) if dist.get_rank() == 0 else (None, None)
-        on_ranks(name, m_, v, mesh, ref, sim, theory, out, args.repeats)
+    # Rank 0 draws into a temporary folder beside --out, renamed to it at the end.
+    with new_folder(out, "--out") if dist.get_rank() == 0 else nullcontext(out) as folder:
+        for name, m_, v in plan:
+            chunks = "2 chunks per rank in a V" if name == "zbv" else f"v = {v} chunks per rank" if v > 1 else ""
+            say(f"\n=== {name}: m = {m_}" + (f", {chunks} (a/b: first/second chunk)" if chunks else ""))
+            sim, theory = on_paper(name, p, m_, v, folder) if dist.get_rank() == 0 else (None, None)
+            on_ranks(name, m_, v, mesh, ref, sim, theory, folder, args.repeats)
     say(f"\nPNGs: {out}/<schedule>_simulated.png and <schedule>_measured.png")
     finish(mesh)
 

@@ -65,9 +65,12 @@ def hf_variant(t: Path, name: str, edit=None, config_bytes: bytes | None = None)
 
 @pytest.fixture(scope="module")
 def t(tmp_path_factory):
+    return inputs(tmp_path_factory.mktemp("scripts"))
+
+
+def inputs(t: Path) -> Path:
     """A tiny checkpoint with its tokenizer, one without whose train_state.json climbs out of its
     cache, Hugging Face folders good and bad, and files that block, loop or link to themselves."""
-    t = tmp_path_factory.mktemp("scripts")
     tokenizer_json(t / "tok.json")
     model = get_config("tiny", vocab_size=VOCAB)
     weights, optimizer, hyper = checkpoint.gather_full(Llama(model), {}, [], Groups())

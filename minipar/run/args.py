@@ -10,6 +10,8 @@ A bad flag or file costs one line and exit code 2, never a traceback, and names 
     positive_int ...   argparse types: a number in its range, a size with a unit, a file, a folder
     regular_file       a file that can be read without blocking: not a FIFO, a device, a loop
     inside             a path written in a file stays in the folder the user gave
+    new_folder         what a script writes: built beside the target, renamed into place; a target
+                       holding anything is refused (nothing a user owns is overwritten or mixed into)
     refusals()         a script's checks: any InputError (or other ValueError, OSError) -> one line, exit 2
 
 Why the file checks: a FIFO given as a file blocks its reader forever, a symlink loop reads as "no
@@ -23,8 +25,10 @@ import errno
 import math
 import os
 import re
+import shutil
 import stat
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -210,3 +214,39 @@ def inside(base: str | Path, relative: str | Path, name: str) -> Path:
                          f"its folder")
     return joined
 
+
+
+def unoccupied(path: str | Path, name: str, source: str | Path | None = None) -> Path:
+    """`path` (~ expanded) if nothing is there, or an empty folder, and not inside `source` (what
+    the script reads): the only places a script may write. Anything else is one line."""
+    p = Path(path).expanduser()
+    if source is not None and Path(os.path.realpath(source)) in Path(os.path.realpath(p)).parents:
+        raise InputError(f"{name} {p} is inside {source}, which it is made from: give a folder outside it")
+    if os.path.lexists(p) and not (p.is_dir() and not p.is_symlink() and not any(p.iterdir())):
+        what = "is a file" if not p.is_dir() else "is a link" if p.is_symlink() else "holds files"
+        raise InputError(f"{name} {p} {what}: nothing is written over or into what is there; give a new or empty "
+                         f"folder (or move that one away)")
+    return p
+
+
+@contextmanager
+def new_folder(path: str | Path, name: str, source: str | Path | None = None) -> Iterator[Path]:
+    """A temporary folder beside `path` (which must be `unoccupied`), renamed to `path` when the
+    block ends without an error: a reader never sees it half-written, and a failure leaves nothing.
+    rename(2) itself refuses a folder filled or a file made there meanwhile."""
+    target = unoccupied(path, name, source)
+    tmp = target.with_name(f".tmp-{os.getpid()}-{target.name}")
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:  # a parent that is a file, a read-only folder
+        raise InputError(f"{name} {target}: cannot create a folder beside it ({e.strerror}): give a folder path "
+                         f"you can write") from None
+    try:
+        yield tmp
+        try:
+            os.rename(tmp, target)
+        except OSError as e:
+            raise InputError(f"{name} {target} was filled while this ran ({e.strerror}): nothing was written "
+                             f"there; give a new or empty folder") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -58,6 +59,13 @@ def checkpoints(folder: str | Path) -> list[Path]:
     """The step_* checkpoints in a folder, oldest first."""
     found = [p for p in Path(folder).glob("step_*") if p.name[5:].isdigit()]
     return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def not_a_runs(out: str | Path) -> list[str]:
+    """The names in an --out folder that no run of minipar writes there (sorted)."""
+    own = re.compile(r"step_\d+(\.corrupt(-\d+)?)?|\.tmp-.*|\.lock|wandb|wandb_run_id")
+    folder = Path(out).expanduser()
+    return sorted(p.name for p in folder.iterdir() if not own.fullmatch(p.name)) if folder.is_dir() else []
 
 
 def resolve(path: str | Path, skipped: list[str] | None = None, flag: str = "--resume",

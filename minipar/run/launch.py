@@ -112,6 +112,12 @@ def check_paths(cfg: TrainConfig, lock: bool = True) -> Path | None:
     # Newer checkpoints of --out that do not verify are set aside (below), not in the way of this run's saves.
     ours = [p for p in corrupt if p.parent.resolve() == Path(cfg.out).expanduser().resolve()]
     start = json.loads((resume / "train_state.json").read_text())["step"] if resume else 0
+    log = Path(cfg.log_json or "").expanduser()  # this run's JSON log may live in --out
+    foreign = [n for n in checkpoint.not_a_runs(cfg.out) if Path(cfg.out).expanduser().resolve() / n != log.resolve()]
+    if foreign:  # a user's folder (a model, a home): a run never mixes its files into it
+        raise ConfigError(f"--out {cfg.out} holds files that are not a minipar run's ({', '.join(foreign[:3])}"
+                          f"{' ...' if len(foreign) > 3 else ''}): give a new or empty folder (nothing is written "
+                          f"into a folder you own)")
     later = [p.name for p in checkpoint.checkpoints(cfg.out)
              if int(p.name[5:]) > start and p.name not in {q.name for q in ours}]
     if later:  # this run would save over them: refuse, whether they are another run's or this one's future
