@@ -166,3 +166,10 @@ def test_step_06_refuses_an_out_holding_an_earlier_runs_pngs(tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "scripts")})
     assert proc.returncode != 0 and f"--out {target} holds files" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
     assert "Traceback" not in proc.stdout and snapshot(target) == before
+
+
+def test_a_new_run_never_appends_its_json_log_to_an_existing_file(tmp_path, monkeypatch, capsys):
+    (tmp_path / "log.jsonl").write_text("my notes\n")
+    line = refused(common(tmp_path, out=tmp_path / "out", log_json=tmp_path / "log.jsonl"), monkeypatch, capsys)
+    assert f"--log-json {tmp_path / 'log.jsonl'} exists: a new run never appends" in line, line
+    assert (tmp_path / "log.jsonl").read_text() == "my notes\n" and not (tmp_path / "out").exists()

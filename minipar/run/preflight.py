@@ -41,6 +41,9 @@ def check_files(cfg: TrainConfig, resume: Path | None) -> None:
         check_writable("--out", cfg.out)
         if cfg.log_json:
             check_writable("--log-json", cfg.log_json, file=True)
+        if cfg.log_json and cfg.resume is None and os.path.lexists(Path(cfg.log_json).expanduser()):
+            raise ConfigError(f"--log-json {cfg.log_json} exists: a new run never appends to a file; give a new "
+                              f"file (a run continued with --resume appends to its own)")
     if resume is not None:
         state = json.loads((resume / "train_state.json").read_text())
         check_resume(cfg, state, resume)
