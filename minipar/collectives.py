@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import pickle
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -88,17 +89,13 @@ def ring_bytes_sent(op: str, nbytes: int, n: int) -> int:
 class Ledger:
     """Calls and bytes per (group name, op), shared by all groups of one mesh. `trace`: None, or a
     list that receives (communicator, op, peer, bytes) for every operation in posting order
-    (communicator: (name, ranks); peer: the other rank's global number for send/recv, else None)."""
+    (communicator: (name, ranks); peer: the other rank's global number for send/recv, else None).
+    `listeners`: functions called with (group, op, its ranks, peer or None) for each operation asked
+    of other ranks; the ledger only counts, whoever needs more listens (run/launch.py's HangWatch)."""
 
     entries: dict[tuple[str, str], Entry] = field(default_factory=lambda: defaultdict(Entry))
     trace: list[tuple] | None = None
-    last: tuple | None = None  # (group, op, its ranks, peer or None): the last operation posted
-    posted: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # operations asked of each group
-
-    def post(self, group: str, op: str, ranks: tuple, peer: int | None) -> None:
-        """An operation asked of other ranks: named, with its number in `group`, if the job hangs (launch.py)."""
-        self.posted[group] += 1
-        self.last = (group, op, ranks, peer)
+    listeners: list[Callable[[str, str, tuple, int | None], None]] = field(default_factory=list)
 
     def record(self, group: str, op: str, nbytes: int, sent: int, cross: int = 0) -> None:
         """One operation: its payload, the bytes it sends, and how many of those leave the node."""
@@ -170,16 +167,18 @@ class Group:
         return ("world" if self.pg is dist.group.WORLD else self.name), tuple(self.ranks)
 
     def _note(self, op: str, t: torch.Tensor | None, peer: int | None = None, nbytes: int | None = None,
-              sent: int | None = None, to: int | None = None) -> None:
+              sent: int | None = None, to: int | None = None, cross: int | None = None) -> None:
         """Write the ledger line of one operation (peer: a group rank, for send and recv; to: the
-        group rank the bytes go to, when neither the peer nor the ring's next rank)."""
+        group rank the bytes go to, when neither the peer nor the ring's next rank; cross: the
+        bytes that leave the node, when they go to several ranks)."""
         nbytes = t.numel() * t.element_size() if nbytes is None else nbytes
         sent = ring_bytes_sent(op, nbytes, self.size) if sent is None else sent
         if to is None:  # a ring's bytes all go to the next rank of the ring (the docstring's model)
             to = peer if peer is not None else (self.rank + 1) % self.size
-        self.ledger.record(self.name, op, nbytes, sent, cross=sent if self.crosses(to) else 0)
-        if self.size > 1:  # what a rank last asked of others: named if the job hangs (train.py)
-            self.ledger.post(self.name, op, tuple(self.ranks), None if peer is None else self.ranks[peer])
+        cross = (sent if self.crosses(to) else 0) if cross is None else cross
+        self.ledger.record(self.name, op, nbytes, sent, cross=cross)
+        for listen in self.ledger.listeners if self.size > 1 else ():
+            listen(self.name, op, tuple(self.ranks), None if peer is None else self.ranks[peer])
         if self.ledger.trace is not None and self.size > 1:
             self.ledger.trace.append((self.communicator, op, None if peer is None else self.ranks[peer], nbytes))
 
@@ -250,12 +249,8 @@ def all_to_all(t: torch.Tensor, group: Group, dim: int = 0, send_splits: list[in
     row_bytes = t.numel() // max(1, t.shape[dim]) * t.element_size()
     payload = t.shape[dim] * row_bytes
     across = sum(rows for j, rows in enumerate(send_splits) if group.crosses(j))  # piece j goes to rank j
-    group.ledger.record(group.name, "all_to_all", payload, (t.shape[dim] - send_splits[group.rank]) * row_bytes,
-                        cross=across * row_bytes)
-    if group.size > 1:
-        group.ledger.post(group.name, "all_to_all", tuple(group.ranks), None)
-    if group.ledger.trace is not None and group.size > 1:
-        group.ledger.trace.append((group.communicator, "all_to_all", None, payload))
+    group._note("all_to_all", None, nbytes=payload, sent=(t.shape[dim] - send_splits[group.rank]) * row_bytes,
+                cross=across * row_bytes)
     if group.size == 1:
         return t
     rows = t.movedim(dim, 0).contiguous()  # the pieces are runs of rows along dim 0

@@ -300,10 +300,11 @@ def _one_rank_skips_an_all_reduce(rank, world, skip):
     import torch.distributed as dist
 
     from minipar.collectives import Group, Ledger, all_reduce
-    from minipar.run.launch import hang_report
+    from minipar.run.launch import HangWatch, hang_report
 
     dist.barrier()  # both here (importing this file takes each rank its own time), then the 5 s limit
     ledger, limit = Ledger(), datetime.timedelta(seconds=5)
+    watch = HangWatch(ledger)
     dp = Group("dp", dist.new_group([0, 1], timeout=limit), [0, 1], ledger)
     tp = Group("tp", dist.new_group([0, 1], timeout=limit), [0, 1], ledger)
     all_reduce(torch.ones(1), dp)
@@ -313,7 +314,7 @@ def _one_rank_skips_an_all_reduce(rank, world, skip):
     try:
         all_reduce(torch.ones(1), dp if rank == 0 else tp)
     except RuntimeError as e:
-        return hang_report(types.SimpleNamespace(timeout=5), ledger, e)
+        return hang_report(types.SimpleNamespace(timeout=5), watch, e)
     return "no timeout"
 
 

@@ -7,7 +7,8 @@
       launch                the process group, the mesh, the run log, the data, then train.run
       exit code             0 done; 2 bad input (one line); 3 the run diverged; 4 a rank stopped
                             answering within --timeout (hang_report names what it waited for,
-                            and which ranks of the group never reached it)
+                            and which ranks of the group never reached it: HangWatch listens
+                            to the ledger for it)
 
 Everything checkable is checked before torch.distributed starts: a bad command line costs one
 line, not a hang. Under torchrun each worker asks Linux to end it when torchrun dies
@@ -26,13 +27,14 @@ import socket
 import sys
 import threading
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from minipar import zeropp
-from minipar.collectives import Group, all_reduce
+from minipar.collectives import Group, Ledger, all_reduce
 from minipar.mesh import Mesh
 from minipar.planning.planner import check_memory, report
 from minipar.run import checkpoint, train
@@ -228,6 +230,7 @@ def launch(cfg: TrainConfig, resume: Path | None) -> None:
     torch.manual_seed(cfg.seed)
     mesh = Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, timeout=cfg.timeout,
                       ranks_per_node=cfg.ranks_per_node)
+    watch = HangWatch(mesh.ledger)
     if cfg.ep > 1:  # experts: the dp x cp ranks reshaped to edp x ep
         mesh.unflatten(("dp", "cp"), edp=cfg.dp * cfg.cp // cfg.ep, ep=cfg.ep)
     if cfg.zeropp and {"hpz", "qgz"} & set(zeropp.parse(cfg.zeropp)):  # ZeRO++: dp = dp_cross x dp_intra
@@ -245,7 +248,7 @@ def launch(cfg: TrainConfig, resume: Path | None) -> None:
     except RuntimeError as e:  # DistBackendError too: a rank stopped answering? name what we waited for
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
-        raise RankTimeout(hang_report(cfg, mesh.ledger, e)) from None
+        raise RankTimeout(hang_report(cfg, watch, e)) from None
     log.close()
     mesh.destroy()
     dist.destroy_process_group()
@@ -348,15 +351,29 @@ class RankTimeout(RuntimeError):
     """Another rank did not answer within --timeout; the message names what this rank waited for."""
 
 
-def hang_report(cfg: TrainConfig, ledger, error: Exception, wait: float = 2.0) -> str:
+class HangWatch:
+    """Listens to a Ledger: the last operation this rank asked of others, (group, op, its ranks,
+    peer or None), and how many it has asked of each group; named if the job hangs."""
+
+    def __init__(self, ledger: Ledger):
+        self.last: tuple | None = None
+        self.posted: dict[str, int] = defaultdict(int)
+        ledger.listeners.append(self.heard)
+
+    def heard(self, group: str, op: str, ranks: tuple, peer: int | None) -> None:
+        self.posted[group] += 1
+        self.last = (group, op, ranks, peer)
+
+
+def hang_report(cfg: TrainConfig, watch: HangWatch, error: Exception, wait: float = 2.0) -> str:
     """One line: which rank gave up, after how long, the last operation it had asked of others, and
     (for a collective) which ranks of its group reached it: see `arrivals`."""
-    rank, last = dist.get_rank(), ledger.last
+    rank, last = dist.get_rank(), watch.last
     if last is None:
         return f"rank {rank}: a collective failed ({str(error).splitlines()[0][:200]})"
     group, op, ranks, peer = last
     waits = f", from rank {peer}" if peer is not None else \
-        f" #{ledger.posted[group]} with ranks {list(ranks)}{arrivals(group, ranks, dict(ledger.posted), wait)}"
+        f" #{watch.posted[group]} with ranks {list(ranks)}{arrivals(group, ranks, dict(watch.posted), wait)}"
     return (f"rank {rank}: no answer within --timeout {cfg.timeout:g} s; the last operation it asked of others "
             f"was {group}/{op}{waits} (a rank there stopped, died or runs a different step); the job stops")
 
