@@ -97,16 +97,29 @@ def shard(full: torch.Tensor, p: nn.Parameter, groups: Groups | Group) -> torch.
     """This rank's piece of a single-device tensor, cut along each mesh dimension that shards p.
     groups: the mesh's Groups (experts are cut over ep too), or the tp group alone. A tp piece is
     padded with zeros to a multiple of tp."""
+    index, pad = piece_of(tuple(full.shape), p, groups)
+    return padded(full[index], pad)
+
+
+def piece_of(full_shape: tuple, p: nn.Parameter, groups: Groups | Group) -> tuple[tuple[slice, ...], dict[int, int]]:
+    """Where `shard` cuts: this rank's index into a tensor of `full_shape`, and the zero rows to
+    add along each cut dimension (the last tp rank's share of rows that do not divide). A reader
+    of a file cuts there too, reading only its piece (run/checkpoint.py)."""
     groups = groups if isinstance(groups, Groups) else Groups(tp=groups)
-    for mesh_dim, dim in placement_of(p).shards:
-        local, group = p.shape[dim], groups[mesh_dim]
-        pad = local * group.size - full.shape[dim]
-        if pad:
-            shape = list(full.shape)
-            shape[dim] = pad
-            full = torch.cat([full, full.new_zeros(shape)], dim=dim)
-        full = full.narrow(dim, group.rank * local, local)
-    return full
+    index, pad = [slice(None)] * len(full_shape), {}
+    for mesh_dim, dim in placement_of(p).shards:  # distinct tensor dimensions
+        local = p.shape[dim]
+        start = min(groups[mesh_dim].rank * local, full_shape[dim])
+        index[dim] = slice(start, min(start + local, full_shape[dim]))
+        pad[dim] = local - (index[dim].stop - start)
+    return tuple(index), pad
+
+
+def padded(piece: torch.Tensor, pad: dict[int, int]) -> torch.Tensor:
+    for dim, rows in pad.items():
+        if rows:
+            piece = torch.cat([piece, piece.new_zeros(*piece.shape[:dim], rows, *piece.shape[dim + 1:])], dim=dim)
+    return piece
 
 
 def unshard(local: torch.Tensor, p: nn.Parameter, groups: Groups | Group) -> torch.Tensor:

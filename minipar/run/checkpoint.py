@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from minipar.collectives import gather_object
@@ -46,7 +46,7 @@ from minipar.model import ModelConfig, get_config
 from minipar.placement import placement_of
 from minipar.run.args import InputError, folder_path
 from minipar.run.checkpoint_checks import CheckpointError, check_state, checked_model_config, state_digest
-from minipar.tensor_parallel import shard, unshard
+from minipar.tensor_parallel import padded, piece_of, unshard
 
 FILES = ("model.safetensors", "optimizer.safetensors", "train_state.json")
 
@@ -275,40 +275,34 @@ def unlock(out: str | Path) -> None:
 
 
 def load(path: Path, model: nn.Module, groups: Groups | None = None) -> tuple[dict, dict]:
-    """Load weights into an already built model, each rank taking its shard (tp, ep: `groups`;
-    None: one device) of the single-device tensors (and only its pipeline stage's parameters).
+    """Load weights into an already built model, each rank reading only its shard (tp, ep:
+    `groups`; None: one device) of the single-device tensors, of its pipeline stage's parameters.
 
     Returns (the train state, this rank's optimizer state {name: {slot: tensor}}, sharded like the
     parameters) for the gradient-sync wrapper's `load_state_by_name`.
     """
-    groups = groups or Groups()
-    state = verify(path)
-    weights = load_file(path / "model.safetensors")
+    groups, state = groups or Groups(), verify(path)
     params = dict(model.named_parameters())  # a pipeline stage has only some of them
-    missing = set(params) - set(weights)
-    if missing:
-        raise CheckpointError(f"checkpoint {path} does not match the model (lacks {sorted(missing)[:3]}...)")
-    with torch.no_grad():
+    with safe_open(path / "model.safetensors", "pt") as f, torch.no_grad():
+        missing = set(params) - set(f.keys())
+        if missing:
+            raise CheckpointError(f"checkpoint {path} does not match the model (lacks {sorted(missing)[:3]}...)")
         for name, p in params.items():
-            full_shape = placement_of(p).full_shape
-            if tuple(weights[name].shape) != tuple(full_shape):
-                raise CheckpointError(
-                    f"checkpoint {path}: {name} has shape {tuple(weights[name].shape)}, the model "
-                    f"{tuple(full_shape)}: resume with the same --model and data"
-                )
-            if not torch.isfinite(weights[name]).all():  # saved so by another tool: refuse rather than train on
+            piece = read_shard(f, name, p, groups, f"checkpoint {path}", "resume with the same --model and data")
+            if not torch.isfinite(piece).all():  # saved so by another tool: refuse rather than train on
                 raise CheckpointError(f"checkpoint {path}: {name} in model.safetensors is not finite; "
                                       f"resume from an earlier one")
-            p.copy_(shard(weights[name], p, groups))
+            p.copy_(piece)
     states: dict[str, dict] = {}
-    for key, value in load_file(path / "optimizer.safetensors").items():
-        name, slot = key.rsplit("/", 1)
-        if name not in params:
-            continue  # another pipeline stage's
-        p = params[name]
-        if slot != "step":
-            value = shard(value, p, groups).to(device=p.device, dtype=p.dtype).clone()
-        states.setdefault(name, {})[slot] = value
+    with safe_open(path / "optimizer.safetensors", "pt") as f:
+        for key in f.keys():
+            name, slot = key.rsplit("/", 1)
+            if name not in params:
+                continue  # another pipeline stage's
+            p = params[name]
+            value = f.get_tensor(key) if slot == "step" else read_shard(f, key, p, groups, f"checkpoint {path}",
+                                                                        "resume with the same --model and data")
+            states.setdefault(name, {})[slot] = value if slot == "step" else value.to(p.device, p.dtype).clone()
     return state, states
 
 
@@ -324,21 +318,14 @@ def model_config_of(path: Path, state: dict) -> ModelConfig:
                       capacity_factor=run["capacity_factor"])
 
 
-def read_shard(f, name: str, p: nn.Parameter, groups: Groups) -> torch.Tensor:
-    """This rank's piece of tensor `name` of an open safetensors file, reading only that piece
-    (`shard` of the whole tensor, without the whole tensor: padding rows are zeros)."""
-    full, index = placement_of(p).full_shape, [slice(None)] * p.dim()
-    if tuple(f.get_slice(name).get_shape()) != tuple(full):
-        raise CheckpointError(f"--init-from: {name} has shape {tuple(f.get_slice(name).get_shape())}, the model "
-                              f"{tuple(full)}: give the --model (and --vocab-size) of those weights")
-    for mesh_dim, dim in placement_of(p).shards:
-        start = min(groups[mesh_dim].rank * p.shape[dim], full[dim])
-        index[dim] = slice(start, min(start + p.shape[dim], full[dim]))
-    piece = f.get_slice(name)[tuple(index)]
-    pad = [0, 0] * p.dim()
-    for _, dim in placement_of(p).shards:
-        pad[2 * (p.dim() - 1 - dim) + 1] = p.shape[dim] - piece.shape[dim]
-    return torch.nn.functional.pad(piece, pad)
+def read_shard(f, name: str, p: nn.Parameter, groups: Groups, source: str, fix: str) -> torch.Tensor:
+    """This rank's piece of tensor `name` of an open safetensors file: tensor_parallel.shard's cut
+    (`piece_of`), reading only that piece. A shape that is not p's whole shape names `source` and `fix`."""
+    full, stored = tuple(placement_of(p).full_shape), tuple(f.get_slice(name).get_shape())
+    if stored != full:
+        raise CheckpointError(f"{source}: {name} has shape {stored}, the model {full}: {fix}")
+    index, pad = piece_of(full, p, groups)
+    return padded(f.get_slice(name)[index], pad)
 
 
 def load_weights(path: Path, model: nn.Module, groups: Groups) -> None:
@@ -349,4 +336,5 @@ def load_weights(path: Path, model: nn.Module, groups: Groups) -> None:
         if missing:
             raise CheckpointError(f"--init-from {path}: the weights lack {missing[:3]}: they are of another model")
         for name, p in model.named_parameters():
-            p.copy_(read_shard(f, name, p, groups))
+            p.copy_(read_shard(f, name, p, groups, "--init-from", "give the --model (and --vocab-size) of those "
+                                                                  "weights"))
