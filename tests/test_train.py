@@ -295,12 +295,11 @@ def _one_rank_skips_an_all_reduce(rank, world, skip):
     it waits on tp instead (skip="tp"), or does nothing (skip="stop"). Returns each rank's report."""
     import datetime
     import time
-    import types
 
     import torch.distributed as dist
 
     from minipar.collectives import Group, Ledger, all_reduce
-    from minipar.run.launch import HangWatch, hang_report
+    from minipar.run.hang import HangWatch, hang_report
 
     dist.barrier()  # both here (importing this file takes each rank its own time), then the 5 s limit
     ledger, limit = Ledger(), datetime.timedelta(seconds=5)
@@ -314,7 +313,7 @@ def _one_rank_skips_an_all_reduce(rank, world, skip):
     try:
         all_reduce(torch.ones(1), dp if rank == 0 else tp)
     except RuntimeError as e:
-        return hang_report(types.SimpleNamespace(timeout=5), watch, e)
+        return hang_report(5, watch, e)
     return "no timeout"
 
 

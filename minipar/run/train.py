@@ -24,7 +24,9 @@ stop the run; `run_log.RunLog` is what a run shows.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -140,25 +142,40 @@ def run(cfg: TrainConfig, resume: Path | None, mesh: Mesh, data: TokenData, log:
     if saved_states is not None:
         wrapper.load_state_by_name(saved_states)
     log.start(model_cfg, data, chosen.name, start)
-    train_loop(cfg, start, consumed, data, mesh, wrapper, pipeline, autocast, device, log)
+    train_loop(Job(cfg, mesh, data, wrapper, pipeline, autocast, device, log), start, consumed)
 
 
-def train_loop(cfg, start, consumed, data, mesh, wrapper, pipeline, autocast, device, log) -> None:
-    """The steps, from `start`: batch, step, log; validate and save when due."""
+@dataclass
+class Job:
+    """This rank's part of the run, as `run` built it: everything the steps read."""
+
+    cfg: TrainConfig
+    mesh: Mesh
+    data: TokenData
+    model: GradSync  # the parallelized model in its gradient-sync wrapper, which holds the optimizer
+    pipeline: Pipeline | None  # None: no pp
+    autocast: Callable[[], AbstractContextManager]
+    device: torch.device
+    log: RunLog
+
+
+def train_loop(job: Job, start: int, consumed: int) -> None:
+    """The steps, from `start` (`consumed` samples in): batch, step, log; validate and save when due."""
+    cfg, mesh, data, model, pipeline, log = job.cfg, job.mesh, job.data, job.model, job.pipeline, job.log
     bad = 0  # consecutive steps skipped for a non-finite gradient norm
     for step in range(start, cfg.steps):
-        for group in wrapper.optimizer.param_groups:
+        for group in model.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         rows = data.rank_batch(consumed, cfg.global_batch, mesh.dp_rank, cfg.dp)
-        micro = micro_batches_of(rows, mesh, cfg.micro_batch, device)
+        micro = micro_batches_of(rows, mesh, cfg.micro_batch, job.device)
         mesh.ledger.reset()
         log.tick()
-        loss, grad_norm = train_step(wrapper, micro, cfg.grad_clip, autocast, pipeline)
+        loss, grad_norm = train_step(model, micro, cfg.grad_clip, job.autocast, pipeline)
         consumed += cfg.global_batch
-        log.step(step, loss, grad_norm, lr_at(step, cfg), wrapper, pipeline)
+        log.step(step, loss, grad_norm, lr_at(step, cfg), model, pipeline)
         if validation.is_due(cfg, step + 1):
-            log.validation(step, validation.validate(cfg, data, mesh, wrapper, pipeline, autocast, device), pipeline,
-                           validation.validation_batches(cfg, data) * cfg.global_batch)
+            log.validation(step, validation.validate(cfg, data, mesh, model, pipeline, job.autocast, job.device),
+                           pipeline, validation.validation_batches(cfg, data) * cfg.global_batch)
         bad = 0 if math.isfinite(grad_norm) else bad + 1  # the norm is global: every rank agrees
         if bad:
             log.say(f"step {step + 1}: non-finite gradient norm ({grad_norm}): step skipped, weights unchanged "
@@ -168,4 +185,4 @@ def train_loop(cfg, start, consumed, data, mesh, wrapper, pipeline, autocast, de
                                   f"(last at step {step + 1}); resume from the last checkpoint in {cfg.out} with a "
                                   f"lower --lr or longer --warmup and --allow-config-change")
         if saving.is_due(cfg, step + 1):
-            saving.save(cfg, step + 1, consumed, wrapper, mesh, log, data)
+            saving.save(cfg, step + 1, consumed, model, mesh, log, data)
