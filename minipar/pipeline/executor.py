@@ -138,15 +138,22 @@ class Pipeline:
         else:
             pending.append((isend(t, self._channel(msg), msg.dst_rank), t))
 
-    def run(self, model, micro_batches, divisor: float | None = None, forward_only: bool = False):
-        """Run this rank's actions (forward_only: its forward_actions) on its stages of `model`.
-        Returns the sum over micro-batches of loss / m (given a divisor: of token-loss sum / divisor)
-        on the last stage, 0 elsewhere; the measured timeline is left in `self.timeline`."""
+    def run(self, model, micro_batches, divisor: float | None = None):
+        """A training step's pipeline: this rank's actions on its stages of `model` (see `execute`)."""
+        return self.execute(model, micro_batches, self.actions(len(micro_batches)), divisor)
+
+    def run_forward(self, model, micro_batches, divisor: float | None = None):
+        """Its forward actions alone, in the schedule's order (validation: no backward)."""
+        return self.execute(model, micro_batches, self.forward_actions(len(micro_batches)), divisor)
+
+    def execute(self, model, micro_batches, actions: list[Action], divisor: float | None = None):
+        """Run `actions` on this rank's stages of `model`. Returns the sum over micro-batches of
+        loss / m (given a divisor: of token-loss sum / divisor) on the last stage, 0 elsewhere; the
+        measured timeline is left in `self.timeline`."""
         m, last = len(micro_batches), self.n_stages - 1
         tokens = micro_batches[0][0]
         act_shape = (tokens.shape[0], tokens.shape[1] // self.seq_shards, model.config.dim)  # [b, s/tp, d]: passed on
         act_dtype = next(model.parameters()).dtype
-        actions = self.forward_actions(m) if forward_only else self.actions(m)
         split = any(a.kind == "W" for a in actions)
         stage_params = {k: model.stage_parameters(self.layers_of(k), first=k == 0, last=k == last)
                         for k in self.my_stages}

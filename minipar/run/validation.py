@@ -50,7 +50,7 @@ def validation_loss(model, micro_batches, autocast=nullcontext, pipeline=None) -
     divisor = begin_step(model, micro_batches)
     with autocast():
         if pipeline is not None:
-            return pipeline.run(model.module, micro_batches, divisor, forward_only=True)
+            return pipeline.run_forward(model.module, micro_batches, divisor)
         return sum(model(x, y, divisor) for x, y in micro_batches)
 
 
