@@ -7,11 +7,14 @@ as torchrun numbers a real node's ranks), so the ledger can say which bytes woul
 small Llama (seed 0) in bf16-mixed under ZeRO-3, trained STEPS steps on the same batches five times:
 plain, each of --zeropp's three options alone, and all three (zeropp.py explains them):
 
-(a) one message of qwZ: the first numbers of rank 0's bf16 shard of one unit, their int8 codes, the
-    block's scale, the numbers dequantized, and the error against its bound, scale / 2;
+(a) one message of qwZ, the first forward's: the first numbers of rank 0's bf16 shard of one unit
+    (the initial weights, the same on any CPU), their int8 codes, the block's scale, the numbers
+    dequantized, and the error against its bound, scale / 2;
 (b) the bytes of the last step, all ranks together, by link: inside a node and across nodes;
 (c) what hpZ holds for it: a second copy of every unit, 1/K of it (K = 2 dp ranks a node), in bf16;
-(d) the loss after STEPS steps, against plain ZeRO-3's.
+(d) the loss after STEPS steps, against plain ZeRO-3's: how far each option moves it (trained bf16
+    weights differ in their last bits from one CPU's kernels to another's, so the loss is shown to
+    2 decimals and each difference by the power of ten it stays under).
 
 Chapter: docs/03_zero.md (ZeRO++). Tests: tests/test_zeropp.py.
 """
@@ -49,6 +52,7 @@ def train(mesh: Mesh, options: tuple[str, ...]) -> dict:
     model = Llama(CFG, seed=0)
     z = build_grad_sync(model, mesh.groups(), param_groups(model, OPT), partial(adamw, lr=OPT.lr), zero=3,
                         precision=resolve("bf16-mixed"), zeropp=options)
+    first = max(z.buckets, key=lambda b: b.padded).shard.clone()  # what the first forward's gather sends
     for step in range(STEPS):
         mesh.ledger.reset()  # keep the last step's bytes
         loss, _ = train_step(z, [batch(step, mesh.rank)], grad_clip=1.0)
@@ -58,14 +62,13 @@ def train(mesh: Mesh, options: tuple[str, ...]) -> dict:
     secondary = sum(b.secondary.numel() * 2 for b in z.buckets if b.secondary is not None)
     return dict(intra=sum(e["intra"] for e in moved), cross=sum(e["cross"] for e in moved),
                 loss=None if losses is None else sum(losses) / len(losses), params=z.param_bytes(),
-                secondary=secondary, padded=sum(b.padded for b in z.buckets), z=z)
+                secondary=secondary, padded=sum(b.padded for b in z.buckets), z=z, first=first)
 
 
-def show_message(z) -> None:
-    """(a): rank 0's shard of the largest bucket (the embedding), as qwZ sends it."""
+def show_message(z, shard: torch.Tensor) -> None:
+    """(a): rank 0's shard of the largest bucket (the embedding) before training, as qwZ sends it."""
     bucket = max(z.buckets, key=lambda b: b.padded)
     name = next(n for n, p in z.module.named_parameters() if p is bucket.params[0])
-    shard = bucket.shard
     codes, scales = quantize(shard, BLOCK, 8)
     back = dequantize(codes, scales, 8, shard.shape, torch.float32)
     say(f"(a) qwZ: rank 0's shard of {name}, {shard.numel():,} bf16 numbers = {2 * shard.numel():,} bytes, "
@@ -89,7 +92,7 @@ def main() -> None:
     mesh.split_dp_by_node()  # dp_intra {0,1} {2,3}, dp_cross {0,2} {1,3}
     say(mesh.layout.table())
     runs = {options: train(mesh, options) for options in OPTION_SETS}
-    show_message(runs[()]["z"])
+    show_message(runs[()]["z"], runs[()]["first"])
     totals = to_rank0({o: (r["intra"], r["cross"]) for o, r in runs.items()})
     if totals is not None:  # rank 0
         show_bytes_memory_loss(runs, totals, k)
@@ -109,10 +112,11 @@ def show_bytes_memory_loss(runs: dict, totals: list[dict], k: int) -> None:
           f"= {hpz['padded']:,} numbers / {k} x 2;")
     print(f"    the wrapper's param_bytes {plain['params']:,} -> {hpz['params']:,} "
           f"(+{hpz['params'] - plain['params']:,})")
-    print(f"(d) loss after {STEPS} steps (mean over the ranks' batches):")
-    for o in OPTION_SETS:
-        loss = runs[o]["loss"]
-        print(f"    {','.join(o) or 'plain ZeRO-3':<14}{loss:.6f}  ({loss - plain['loss']:+.6f} vs plain)")
+    print(f"(d) loss after {STEPS} steps (mean over the ranks' batches): plain ZeRO-3 {plain['loss']:.2f}")
+    for o in OPTION_SETS[1:]:
+        moved = abs(runs[o]["loss"] - plain["loss"])
+        under = next(10.0 ** -k for k in range(6, -1, -1) if moved < 10.0 ** -k)  # the first power of ten above
+        print(f"    {','.join(o):<14}" + ("the same loss, bit for bit" if moved == 0 else f"within {under:g} of plain"))
 
 
 if __name__ == "__main__":
