@@ -232,6 +232,30 @@ def test_init_from_refuses_weights_of_another_model(imported, tmp_path):
             check_init_from(parse_args(flags + tie + ["--init-from", str(ckpt)]), path)
 
 
+SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "tie_embeddings")
+
+
+def test_init_from_alone_takes_the_model_from_the_weights_and_a_flag_given_must_agree(imported, tmp_path):
+    """As from_pretrained: no --model and no shape flag; the effective config holds the weights' shape."""
+    from minipar.run.config import ConfigError, effective, parse_args
+    from minipar.run.preflight import check_init_from
+
+    _, ckpt, _ = imported
+    path = checkpoint.resolve(ckpt)
+    saved = checkpoint.model_config_of(path, checkpoint.verify(path))
+    tok = ["--tokenizer", str(tmp_path / "tokenizer.json")]  # a Hugging Face model comes with its own
+    cfg = parse_args(["--init-from", str(ckpt.parent), *tok])  # the --out folder: its newest checkpoint
+    check_init_from(cfg, path)
+    assert {n: getattr(cfg.model_config(), n) for n in SHAPE} == {n: getattr(saved, n) for n in SHAPE}
+    assert f"n-layers = {saved.n_layers}" in effective(cfg) and f"dim = {saved.dim}" in effective(cfg)
+    with pytest.raises(ConfigError, match=f"its model has n_layers {saved.n_layers}, .* pass --n-layers "
+                                          f"{saved.n_layers}"):
+        check_init_from(parse_args(["--init-from", str(ckpt), "--n-layers", str(saved.n_layers + 1), *tok]), path)
+    tie = "--tie-embeddings" if not saved.tie_embeddings else "--no-tie-embeddings"
+    with pytest.raises(ConfigError, match="its model has tie_embeddings"):
+        check_init_from(parse_args(["--init-from", str(ckpt), tie, *tok]), path)
+
+
 def test_train_py_refuses_init_from_another_model_in_one_line_before_any_process_group(imported, tmp_path, capsys):
     import torch.distributed as dist
 
@@ -257,8 +281,8 @@ def test_import_train_20_steps_at_dp2_tp2_export_and_generate_with_transformers(
     convert().main(["import", str(hf), str(tmp_path / "imported")])
     corpus = Path(__import__("sysconfig").get_paths()["stdlib"]) / "argparse.py"
     train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-             str(ROOT / "scripts" / "train.py"), "--model=tiny", "--tie-embeddings", f"--data={corpus}",
-             "--vocab-size=512", f"--cache-dir={tmp_path / 'cache'}", "--seq-len=32", "--global-batch=8",
+             str(ROOT / "scripts" / "train.py"), f"--data={corpus}",  # the model: --init-from's alone
+             f"--cache-dir={tmp_path / 'cache'}", "--seq-len=32", "--global-batch=8",
              "--micro-batch=4", "--dp=2", "--tp=2", "--steps=20", "--warmup=2", f"--init-from={tmp_path / 'imported'}",
              f"--out={tmp_path / 'run'}", "--no-wandb", "--log-every=1", f"--log-json={tmp_path / 'log.json'}"]
     run = subprocess.run(train, capture_output=True, text=True, cwd=ROOT, timeout=600,

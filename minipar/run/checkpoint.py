@@ -42,7 +42,7 @@ from torch import nn
 
 from minipar.collectives import gather_object
 from minipar.mesh import Groups
-from minipar.model import ModelConfig, get_config
+from minipar.model import CONFIGS, ModelConfig, get_config
 from minipar.placement import placement_of
 from minipar.run.args import InputError, folder_path
 from minipar.run.checkpoint_checks import CheckpointError, check_state, checked_model_config, state_digest
@@ -304,6 +304,19 @@ def load(path: Path, model: nn.Module, groups: Groups | None = None) -> tuple[di
                                                                         "resume with the same --model and data")
             states.setdefault(name, {})[slot] = value if slot == "step" else value.to(p.device, p.dtype).clone()
     return state, states
+
+
+def saved_model(path: str | Path) -> tuple[str, ModelConfig] | None:
+    """The model of the checkpoint `path` (or of an --out folder's newest), read without verifying
+    it: (its preset: the run's --model, else "small" for an imported one, whose shape says all;
+    its ModelConfig). None if it cannot be read: resolving it later says why, in one line."""
+    found = checkpoints(path) or [Path(path).expanduser()]
+    try:
+        state = json.loads((found[-1] / "train_state.json").read_text())
+        preset = state["config"]["model"]
+        return (preset if preset in CONFIGS else "small"), model_config_of(found[-1], state)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def model_config_of(path: Path, state: dict) -> ModelConfig:

@@ -28,6 +28,7 @@ from minipar.pipeline.schedules import SCHEDULES, ScheduleError
 from minipar.pipeline.schedules import build as build_schedule
 from minipar.pipeline.schedules import placement as schedule_placement
 from minipar.precision import resolve as resolve_precision
+from minipar.run import checkpoint
 from minipar.run.args import HelpFormatter, InputError, Parser
 from minipar.run.config_file import as_toml, read_config_file
 from minipar.tensor_parallel import check_tensor_layout
@@ -257,8 +258,8 @@ class TrainConfig:
 def add_model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     """--model, the shape flags that override its preset, the MoE weights, and where weights come from."""
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=d.model, choices=list(CONFIGS), help="named model size: the preset the "
-                   "shape flags below override")
+    g.add_argument("--model", choices=list(CONFIGS), help=f"named model size: the preset the shape flags below "
+                   f"override (default: --init-from's, else {d.model})")
     for name, what in SHAPE_FLAGS.items():
         g.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"{what} (default: the preset's)")
     g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction,
@@ -268,7 +269,8 @@ def add_model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    help="MoE: tokens an expert takes, x its fair share (0: dropless, every token served)")
     g.add_argument("--init-from", default=None,
                    help="start from these weights at step 0 with a fresh optimizer: a checkpoint folder, e.g. one "
-                   "scripts/convert.py import wrote from a Hugging Face model")
+                   "scripts/convert.py import wrote from a Hugging Face model; without --model, the model's "
+                   "preset and shape are the weights'")
 
 
 def add_data_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
@@ -368,6 +370,7 @@ def parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> TrainConfig:
     """The effective config of a command line (and its --config file), checked; see `resolved`."""
     p = parser()
+    p.set_defaults(model=None)  # None: not named, so the preset is --init-from's weights' or the default
     args = p.parse_args(argv)
     if args.config:  # the file's values become the defaults: a flag given on the command line still wins
         if os.path.exists(args.config) and not os.path.isfile(args.config):  # a FIFO: reading it would block
@@ -377,7 +380,13 @@ def parse_args(argv=None) -> TrainConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         args = p.parse_args(argv)
-    cfg = TrainConfig(**vars(args))
+    saved = checkpoint.saved_model(args.init_from) if args.init_from and not (args.model or args.resume) else None
+    if saved is not None:  # the weights state their model, as from_pretrained reads it; a flag given must agree
+        preset, model = saved
+        args.model = preset
+        for name in (*SHAPE_FLAGS, "tie_embeddings"):
+            setattr(args, name, getattr(model, name) if getattr(args, name) is None else getattr(args, name))
+    cfg = TrainConfig(**{**vars(args), "model": args.model or TrainConfig.model})
     layout = cfg.dp * cfg.tp * cfg.pp * cfg.cp  # --plan: the ranks the flags ask for, none launched
     world = layout if cfg.plan else int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.ranks_per_node is None:  # torchrun's ranks on this node; without torchrun, one node
