@@ -320,6 +320,8 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     ([f"--resume={{t}}/tok_run/{STEP}", "--tokenizer={t}/tok2.json", "--allow-config-change"], 1,
      "(its 320 ids do not fit the weights' 300)"),
     ([RUN, "--val-fraction=0.2"], 1, "--val-fraction 0.2 differs from the checkpoint's 0.0"),
+    ([RUN, "--precision=bf16-mixed"], 1, "precision bf16-mixed differs from the checkpoint's fp32 ("),
+    ([RUN, "--dtype=float64"], 1, "precision float64 differs from the checkpoint's fp32 ("),
     # checkpoints that verify but cannot be trusted: refused before any process group (issue 23)
     ([f"--resume={{t}}/hand_edited/{STEP}"], 1, "train_state.json does not match its checksum (edited by hand?)"),
     ([f"--resume={{t}}/step_minus_5/{STEP}"], 1, "has no step, or one that is not a whole number >= 0"),
@@ -438,6 +440,8 @@ GOOD = [  # edge cases that are fine
     ([f"--resume={{t}}/adamw/{STEP}", "--out={t}/resumed_k", "--dp=2", "--micro-batch=2", "--zero=1"], 2),
     ([f"--resume={{t}}/adamw/{STEP}", "--out={t}/resumed_l", "--dp=2", "--micro-batch=2", "--zero=3"], 2),
     ([f"--resume={{t}}/adam_steps_differ/{STEP}", "--out={t}/resumed_m"], 1),  # no bucket: each keeps its own count
+    ([RUN, "--out={t}/resumed_n", "--precision=fp32"], 1),  # the checkpoint's precision, named
+    ([RUN, "--out={t}/resumed_o", "--precision=bf16-mixed", "--allow-config-change"], 1),  # said on stdout
 ]
 
 

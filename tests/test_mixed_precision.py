@@ -169,9 +169,11 @@ def test_bf16_mixed_zero2_checkpoint_resumes_bit_for_bit_and_loads_into_an_fp32_
     run(argv("resumed", dp=2, zero=2, precision="bf16-mixed", resume=saved), nproc=2)
     whole, resumed = losses(tmp_path / "whole.jsonl"), losses(tmp_path / "resumed.jsonl")
     assert sorted(resumed) == [4, 5, 6] and all(resumed[s] == whole[s] for s in resumed), (whole, resumed)
-    # The same checkpoint in an fp32 run on one process: it loads (the layout and the precision may
-    # change on resume), and continues within bf16's reach of the bf16-mixed run (the curve test's 2^-4).
-    run(argv("fp32", precision="fp32", resume=saved))
+    # The same checkpoint in an fp32 run on one process: it loads (the layout may change on resume, the
+    # precision when asked, and the run says so), and continues within bf16's reach of the bf16-mixed
+    # run (the curve test's 2^-4).
+    changed = run(argv("fp32", precision="fp32", resume=saved) + ["--allow-config-change"])
+    assert "precision changes from the checkpoint's bf16-mixed to fp32 (--allow-config-change)" in changed.stdout
     fp32 = losses(tmp_path / "fp32.jsonl")
     assert sorted(fp32) == [4, 5, 6] and all(abs(fp32[s] - whole[s]) <= 2**-4 * whole[s] for s in fp32), (whole, fp32)
     assert fp32 != resumed  # it did run in fp32: bf16's roundings are gone

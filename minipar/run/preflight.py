@@ -13,7 +13,10 @@ import tempfile
 from dataclasses import fields, replace
 from pathlib import Path
 
+import torch
+
 from minipar.model import CONFIGS, ModelConfig
+from minipar.precision import of_config, resolve
 from minipar.run.checkpoint import model_config_of
 from minipar.run.checkpoint_checks import check_tensors
 from minipar.run.config import SHAPE_FLAGS, ConfigError, TrainConfig
@@ -95,6 +98,16 @@ def check_resume(cfg: TrainConfig, state: dict, path: Path) -> None:
                 keep = f"pass {flag if old else '--no-' + flag[2:]}"
             also = "" if name in WEIGHT_SETTINGS else ", or --allow-config-change to accept the change"
             raise ConfigError(f"{flag} {new} differs from the checkpoint's {old} ({path}): {keep} to continue it{also}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # a default precision is the device's
+    was, now = resolve(before["precision"], before["dtype"], None, device).name, of_config(cfg, device).name
+    if was != now:  # the weights' and moments' dtypes, the rounding of every step: a change like --seed's
+        if not cfg.allow_config_change:
+            keep = f"--precision {was}" if was else "--dtype float64"
+            raise ConfigError(f"precision {now or 'float64'} differs from the checkpoint's {was or 'float64'} "
+                              f"({path}): pass {keep} to continue it, or --allow-config-change to accept the change")
+        if os.environ.get("RANK", "0") == "0":
+            print(f"minipar: precision changes from the checkpoint's {was or 'float64'} to {now or 'float64'} "
+                  f"(--allow-config-change)", flush=True)
     changed = state.get("data_key") and state["data_key"] != data_key(cfg.data, cfg.bpe_vocab, cfg.token_dtype)
     if changed and not cfg.allow_config_change:
         raise ConfigError(f"--data {cfg.data or '(the standard library)'} is not the data of {path}: its files' names, "
