@@ -42,7 +42,7 @@ def script(name: str):
 SCRIPTS = {name: script(name) for name in ("convert", "sample", "eval", "plan")}
 
 
-def tokenizer_json(path: Path) -> None:
+def tokenizer_json(path: Path, text: str | None = None) -> None:
     """A byte-level BPE of about 270 tokens, trained here on a few lines of code (no download)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -50,7 +50,7 @@ def tokenizer_json(path: Path) -> None:
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=270, special_tokens=["<|endoftext|>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([TEXT.read_text()[:4000]], trainer)
+    tok.train_from_iterator([text or TEXT.read_text()[:4000]], trainer)
     tok.save(str(path))
 
 
@@ -72,6 +72,7 @@ def inputs(t: Path) -> Path:
     """A tiny checkpoint with its tokenizer, one without whose train_state.json climbs out of its
     cache, Hugging Face folders good and bad, and files that block, loop or link to themselves."""
     tokenizer_json(t / "tok.json")
+    tokenizer_json(t / "tok_other.json", TEXT.read_text()[4000:8000])  # the same kind and size, other merges
     model = get_config("tiny", vocab_size=VOCAB)
     weights, optimizer, hyper = checkpoint.gather_full(Llama(model), {}, [], Groups())
     run = asdict(TrainConfig(model="tiny", vocab_size=VOCAB, seq_len=32, cache_dir=str(t / "cache")))
@@ -132,6 +133,8 @@ CASES = [  # (script, argv, a fragment of the one line)
     ("sample", ["{t}/run", "--tokenizer", "{t}/fifo"], "fifo is not a regular file (a FIFO"),
     ("sample", ["{t}/run", "--tokenizer", "{t}/loop"], "argument --tokenizer: {t}/loop is a symlink loop"),
     ("sample", ["{t}/run", "--tokenizer", "{t}/a_folder"], "a_folder is a folder: give a file"),
+    ("sample", ["{t}/run", "--tokenizer", "{t}/tok_other.json"], "tok_other.json is not the tokenizer of {t}/run"),
+    ("eval", ["{t}/run", "--data", str(TEXT), "--tokenizer", "{t}/tok_other.json"], "is not the tokenizer of"),
     ("sample", ["{t}/run", "--batch-size", "0"], "unrecognized arguments: --batch-size 0"),
     ("sample", ["{t}/run", "--tokens", "-5"], "argument --tokens: -5 is out of range: give 0 or more"),
     ("sample", ["{t}/run", "--top-k", "-3"], "argument --top-k: -3 is out of range: give 0 or more"),

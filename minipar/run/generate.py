@@ -156,6 +156,11 @@ def checkpoint_tokenizer(state: dict, folder: Path, vocab_size: int, given: Path
         raise checkpoint.CheckpointError(f"no tokenizer at {path}: train.py builds it from the run's --data "
                                          f"({data}); give --tokenizer PATH")
     tok = read_tokenizer(path, separator)
+    own = folder / "tokenizer.json"  # what the weights were trained on: another one's ids mean other tokens
+    if given is not None and own.exists() and read_tokenizer(own, separator).to_str() != tok.to_str():
+        raise checkpoint.CheckpointError(f"--tokenizer {given} is not the tokenizer of {folder} (its ids would mean "
+                                         f"other tokens to the model): leave --tokenizer out, the checkpoint keeps "
+                                         f"its own")
     if tok.get_vocab_size() > vocab_size:
         raise checkpoint.CheckpointError(f"--tokenizer {path} has {tok.get_vocab_size()} tokens, more than the "
                                          f"model's vocabulary of {vocab_size}: give the tokenizer the model was "
