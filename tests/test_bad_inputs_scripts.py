@@ -88,6 +88,7 @@ def inputs(t: Path) -> Path:
     hf_variant(t, "hf_negative", lambda c: {**c, "num_hidden_layers": -2})
     hf_variant(t, "hf_null", lambda c: {**c, "intermediate_size": None})
     hf_variant(t, "hf_list", config_bytes=b"[1, 2, 3]")
+    hf_variant(t, "hf_tied_other", lambda c: {**c, "tie_word_embeddings": True})  # its lm_head is no embedding
     hf_variant(t, "hf_random", config_bytes=bytes(range(255, 0, -3)) * 4)
     hf_variant(t, "hf_escape")
     (t / "hf_escape" / "model.safetensors").unlink()
@@ -114,6 +115,7 @@ CASES = [  # (script, argv, a fragment of the one line)
     ("convert", ["import", "{t}/hf_null", "{t}/out"], "hf_null/config.json: intermediate_size None"),
     ("convert", ["import", "{t}/hf_list", "{t}/out"], "hf_list/config.json holds a JSON list, not an object"),
     ("convert", ["import", "{t}/hf_random", "{t}/out"], "hf_random/config.json is not JSON"),
+    ("convert", ["import", "{t}/hf_tied_other", "{t}/out"], "says tie_word_embeddings, but lm_head.weight in the"),
     ("convert", ["import", "{t}/hf_escape", "{t}/out"], "'../outside.safetensors' leads outside"),
     ("convert", ["import", "{t}/loop", "{t}/out"], "loop is a symlink loop"),
     ("convert", ["export", "{t}/loop", "{t}/out"], "export {t}/loop is a symlink loop"),

@@ -167,17 +167,21 @@ def safetensors_of(path: Path):
 
 def import_hf(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(config, {minipar name: tensor}) from a transformers Llama folder. A tied checkpoint's
-    lm_head.weight, if saved at all, is the embedding again and is dropped."""
+    lm_head.weight, if saved at all, must be the embedding again, and is dropped."""
     config, files = read_config(folder), weight_files(Path(folder))
     weights = {}
     for name, file in files.items():
-        if name == "lm_head.weight" and config.tie_embeddings or name.endswith("rotary_emb.inv_freq"):
+        if name.endswith("rotary_emb.inv_freq"):
             continue  # derived, not learned
         with safetensors_of(file) as f:
             try:
                 weights[rename(name)] = f.get_tensor(name)
             except SafetensorError as e:  # a shard that lacks it, or cut short
                 raise HFError(f"{file}: {name} cannot be read ({str(e)[:200]}): download it again") from None
+    head = weights.pop("lm_head.weight", None) if config.tie_embeddings else None
+    if head is not None and not torch.equal(head, weights.get("tok_emb.weight", head)):
+        raise HFError(f"{folder}: config.json says tie_word_embeddings, but lm_head.weight in the files is not the "
+                      f"embedding: set tie_word_embeddings to false in config.json to keep that head")
     return config, weights
 
 
