@@ -287,6 +287,12 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     (["--zero=3", "--dp=2", "--micro-batch=2", "--zeropp=hpz,qgz"], 2, "--zeropp hpz,qgz splits the dp ranks by node, "
      "and this run has one node"),
     (["--model=tiny-moe", "--dp=2", "--micro-batch=4", "--ep=4"], 2, "--ep 4"),
+    # a flag that would change nothing here is refused, as --sp without --tp is
+    (["--cp-attention=ulysses"], 1, "--cp-attention ulysses acts only with --cp 2 or more, which this run has not"),
+    (["--schedule=zbv"], 1, "--schedule zbv acts only with --pp 2 or more"),
+    (["--aux-loss-coef=0.05"], 1, "--aux-loss-coef 0.05 acts only with a model with experts"),
+    (["--capacity-factor=1.25"], 1, "--capacity-factor 1.25 acts only with a model with experts"),
+    (["--zero=3", "--zeropp=qwz"], 1, "--zeropp qwz acts only with --dp 2 or more"),
     # places the run cannot write
     (["--out="], 1, "--out is empty"),
     (["--out={t}/a_file"], 1, "a_file is a file: give a folder"),
@@ -417,7 +423,8 @@ GOOD = [  # edge cases that are fine
     (["--vocab-size=100000", "--bpe-vocab=300"], 1),  # a BPE smaller than the model's vocabulary
     (["--config={t}/good.toml"], 1),
     (["--config={t}/bad_range.toml", "--min-lr-ratio=0.5"], 1),  # the command line overrides the file
-    (["--aux-loss-coef=0", "--capacity-factor=0"], 1),
+    (["--model=tiny-moe", "--aux-loss-coef=0", "--capacity-factor=0"], 1),
+    (["--cp-attention=ring", "--schedule=1f1b", "--aux-loss-coef=0.01"], 1),  # the defaults named: the effective config
     (["--data={t}/clean"], 1),  # a folder of text files, one of them empty
     (["--data={t}/bom.txt"], 1),  # UTF-8 with a byte-order mark
     (["--out={t}/a_folder", "--log-json={t}/a_folder/log.jsonl"], 1),  # an empty folder that exists

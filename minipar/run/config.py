@@ -19,18 +19,19 @@ import math
 import os
 from dataclasses import asdict, dataclass, fields, replace
 
-from minipar.context_parallel import CP_ATTENTION, check_cp_layout
+from minipar.context_parallel import check_cp_layout
 from minipar.expert_parallel import check_expert_layout
 from minipar.mesh import MeshLayout
-from minipar.model import CONFIGS, ModelConfig, config_from
+from minipar.model import ModelConfig, config_from
 from minipar.pipeline.executor import stage_layers
-from minipar.pipeline.schedules import SCHEDULES, ScheduleError
+from minipar.pipeline.schedules import ScheduleError
 from minipar.pipeline.schedules import build as build_schedule
 from minipar.pipeline.schedules import placement as schedule_placement
 from minipar.precision import resolve as resolve_precision
-from minipar.run import checkpoint
-from minipar.run.args import HelpFormatter, InputError, Parser
+from minipar.run import checkpoint, flags
+from minipar.run.args import InputError
 from minipar.run.config_file import as_toml, read_config_file
+from minipar.run.flags import ACTS_WITH, BPE_VOCAB, SHAPE_FLAGS
 from minipar.tensor_parallel import check_tensor_layout
 from minipar.zeropp import check as check_zeropp
 
@@ -39,16 +40,10 @@ class ConfigError(InputError):
     """A bad command line; the message says what to change."""
 
 
-# Flags that override one field of --model's preset (ModelConfig's field of the same name).
-SHAPE_FLAGS = {"dim": "hidden size", "n_layers": "transformer blocks", "n_heads": "attention heads",
-               "n_kv_heads": "key/value heads (grouped-query attention)", "ffn_dim": "MLP hidden size",
-               "vocab_size": "the model's vocabulary: embedding rows, the tokenizer's must fit",
-               "max_seq_len": "longest sequence the run may use"}
 # The largest value of each shape flag: 60x Llama 3 405B's widths, 8x its depth; beyond, even the
 # estimator's model on paper overflows or takes minutes to build.
 SHAPE_MAX = {"dim": 2**20, "n_layers": 1024, "n_heads": 2**14, "n_kv_heads": 2**14, "ffn_dim": 2**22,
              "vocab_size": 2**32, "max_seq_len": 2**24}
-BPE_VOCAB = 4096  # the BPE's default size, when the model's vocabulary is larger
 MAX_BATCH = 2**24  # sequences in one step: far beyond any run, and its indices stay far inside int64
 MAX_TIMEOUT = 1e7  # seconds (115 days): a timedelta, and torch's milliseconds, hold it
 
@@ -255,122 +250,15 @@ class TrainConfig:
                               f"{m.vocab_size}: pass a smaller --bpe-vocab, or --vocab-size {self.bpe_size()} or more")
 
 
-def add_model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
-    """--model, the shape flags that override its preset, the MoE weights, and where weights come from."""
-    g = p.add_argument_group("model")
-    g.add_argument("--model", choices=list(CONFIGS), help=f"named model size: the preset the shape flags below "
-                   f"override (default: --init-from's, else {d.model})")
-    for name, what in SHAPE_FLAGS.items():
-        g.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"{what} (default: the preset's)")
-    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction,
-                   help="the LM head shares the embedding table (default: the preset's; 1b ties)")
-    g.add_argument("--aux-loss-coef", type=float, default=d.aux_loss_coef, help="MoE load-balancing loss weight")
-    g.add_argument("--capacity-factor", type=float, default=d.capacity_factor,
-                   help="MoE: tokens an expert takes, x its fair share (0: dropless, every token served)")
-    g.add_argument("--init-from", default=None,
-                   help="start from these weights at step 0 with a fresh optimizer: a checkpoint folder, e.g. one "
-                   "scripts/convert.py import wrote from a Hugging Face model; without --model, the model's "
-                   "preset and shape are the weights'")
-
-
-def add_data_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
-    """Where the tokens come from, how they are cut, and what is held out to validate on."""
-    g = p.add_argument_group("data and validation")
-    g.add_argument("--data", default=None, help="a text file or folder, or .bin token files (default: the Python "
-                   "standard library)")
-    g.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
-    g.add_argument("--bpe-vocab", type=int, help=f"tokens of the BPE trained on --data; it must fit in the "
-                   f"model's vocabulary (default: the model's vocabulary, at most {BPE_VOCAB})")
-    g.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer.json (default: a BPE trained on --data)")
-    g.add_argument("--token-dtype", default=d.token_dtype, choices=["uint16", "uint32"],
-                   help="the ids' type in .bin token files (nanoGPT's format: a bare array)")
-    g.add_argument("--cache-dir", default=d.cache_dir, help="where tokenised data is kept")
-    g.add_argument("--val-fraction", type=float, default=d.val_fraction,
-                   help="hold out this fraction of the documents (files) for validation, chosen by --seed")
-    g.add_argument("--eval-every", type=int, default=d.eval_every,
-                   help="validation loss every N steps (0: at the end only; needs --val-fraction)")
-    g.add_argument("--eval-batches", type=int, default=d.eval_batches,
-                   help="global batches of held-out windows per validation")
-
-
-def add_precision_flags(g) -> None:
-    """--precision, --dtype and --grad-reduce (how they combine: minipar/precision.py)."""
-    g.add_argument("--precision", default=None, choices=["fp32", "bf16-autocast", "bf16-mixed"],
-                   help="fp32; bf16-autocast (fp32 weights, bf16 matmuls); bf16-mixed (the ZeRO paper's: bf16 "
-                        "weights and gradients, fp32 master weights and Adam state: 16 bytes per parameter). "
-                        "Default: fp32 on CPU, bf16-autocast on CUDA")
-    g.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16"], help="float64: all in "
-                   "float64 (proofs; no --precision); float32 = --precision fp32, bfloat16 = bf16-autocast")
-    g.add_argument("--grad-reduce", default=None, choices=["bf16", "fp32"],
-                   help="bf16-mixed: gradients summed over ranks in bf16 (default: rounded at each of N-1 adds) "
-                        "or fp32 (twice the bytes; the mean rounded once, within half a bf16 ulp)")
-
-
 def parser() -> argparse.ArgumentParser:
-    d = TrainConfig()
-    p = Parser(
-        prog="train.py",
-        description="Train a Llama-style model with minipar. Launch with torchrun for more than one rank.",
-        formatter_class=HelpFormatter,
-    )
-    switch = argparse.BooleanOptionalAction  # --sp and --no-sp: a flag can turn off what --config turned on
-    p.add_argument("--config", help="a TOML file of these flags' settings (keys: the flags' names, e.g. "
-                   "global-batch = 16); the flags given here override it")
-    g = p.add_argument_group("layout (dp x tp x pp x cp must equal the number of ranks)")
-    for dim, help_ in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline"), ("cp", "context")):
-        g.add_argument(f"--{dim}", type=int, default=1, help=f"{help_}-parallel degree")
-    g.add_argument("--ep", type=int, default=1, help="expert-parallel degree, carved out of dp x cp (MoE models)")
-    g.add_argument("--cp-attention", default=d.cp_attention, choices=CP_ATTENTION, help="context-parallel "
-                   "attention: K/V round a ring, or all-to-alls to whole heads (ulysses: heads / tp must divide by cp)")
-    g.add_argument("--sp", action=switch, default=False, help="sequence parallelism in the norm/residual regions "
-                   "(tp > 1)")
-    g.add_argument("--schedule", default=d.schedule, choices=SCHEDULES, help="pipeline schedule (pp > 1)")
-    g.add_argument("--virtual-stages", type=int, default=1, help="chunks per pipeline rank (interleaved)")
-    g.add_argument("--ranks-per-node", type=int, help="ranks that share a node (its fast links): the ledger counts "
-                   "what crosses between nodes; less than the world simulates several nodes on one machine "
-                   "(default: torchrun's LOCAL_WORLD_SIZE, else every rank on one node)")
-    add_model_flags(p, d)
-    add_data_flags(p, d)
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
-    g.add_argument("--global-batch", type=int, default=d.global_batch, help="sequences per step, all dp ranks")
-    g.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per forward on one rank")
-    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
-    g.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="cosine floor, as a fraction of --lr")
-    g.add_argument("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW's, on matrices only")
-    g.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max global gradient norm (0: off)")
-    g.add_argument("--timeout", type=float, default=d.timeout,
-                   help="seconds a collective or message may wait (a stopped or dead rank) before the run stops")
-    g.add_argument("--max-bad-steps", type=int, default=d.max_bad_steps,
-                   help="stop after this many consecutive steps with a non-finite loss or gradient (each is skipped)")
-    g.add_argument("--seed", type=int, default=d.seed, help="weights and data order")
-    add_precision_flags(g)
-    g.add_argument("--bucket-mb", type=float, default=d.bucket_mb, help="data-parallel gradient bucket size")
-    g.add_argument("--zero", type=int, default=0, help="ZeRO stage over the dp group: 0, 1, 2 or 3")
-    g.add_argument("--zeropp", default=None, help="ZeRO++ on --zero 3: any of qwz,hpz,qgz (int8 forward gather, "
-                   "backward gather inside the node, int4 gradients)")
-    g.add_argument("--offload", action=switch, default=False, help="ZeRO 1-2: optimizer state and update on the CPU")
-    g.add_argument("--recompute", action=switch, default=False, help="activation checkpointing per transformer layer")
-    g = p.add_argument_group("checkpoints and logs")
-    g.add_argument("--out", default=None, help="checkpoint directory (default: runs/run_NNN, a new one)")
-    g.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")
-    g.add_argument("--resume", default=None, help="a checkpoint folder, an --out folder (its newest that verifies), "
-                   "or auto: --out's newest if it has one, else start fresh (for torchrun --max-restarts)")
-    g.add_argument("--allow-config-change", action=switch, default=False,
-                   help="--resume with another --data, --seq-len, --global-batch, --seed or learning-rate schedule")
-    g.add_argument("--plan", action=switch, default=False, help="print what each rank will hold under these flags, "
-                   "and exit")
-    g.add_argument("--wandb", action=switch, default=True, help="log to wandb (offline unless you have logged in)")
-    g.add_argument("--log-json", default=None, help="write one JSON object per step to this file (default: none)")
-    g.add_argument("--log-every", type=int, default=d.log_every, help="print a log line every N steps")
-    return p
+    """train.py's command line, its defaults this dataclass's (flags.py)."""
+    return flags.parser(TrainConfig())
 
 
 def parse_args(argv=None) -> TrainConfig:
     """The effective config of a command line (and its --config file), checked; see `resolved`."""
     p = parser()
-    p.set_defaults(model=None)  # None: not named, so the preset is --init-from's weights' or the default
+    p.set_defaults(model=None, **dict.fromkeys(ACTS_WITH))  # None: not named (--model: --init-from's or the default)
     args = p.parse_args(argv)
     if args.config:  # the file's values become the defaults: a flag given on the command line still wins
         if os.path.exists(args.config) and not os.path.isfile(args.config):  # a FIFO: reading it would block
@@ -386,12 +274,21 @@ def parse_args(argv=None) -> TrainConfig:
         args.model = preset
         for name in (*SHAPE_FLAGS, "tie_embeddings"):
             setattr(args, name, getattr(model, name) if getattr(args, name) is None else getattr(args, name))
-    cfg = TrainConfig(**{**vars(args), "model": args.model or TrainConfig.model})
+    d = TrainConfig()  # a setting named at its default asks for nothing (the effective config names them all)
+    named = {k for k in ACTS_WITH if getattr(args, k) not in (None, getattr(d, k))}
+    cfg = TrainConfig(**{**vars(args), **{k: getattr(d, k) for k in ("model", *ACTS_WITH) if getattr(args, k) is None}})
     layout = cfg.dp * cfg.tp * cfg.pp * cfg.cp  # --plan: the ranks the flags ask for, none launched
     world = layout if cfg.plan else int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.ranks_per_node is None:  # torchrun's ranks on this node; without torchrun, one node
         cfg.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     cfg.validate(world)
+    moe = cfg.model_config().n_experts > 0
+    acting = {"cp_attention": cfg.cp > 1, "schedule": cfg.pp > 1, "zeropp": cfg.dp > 1, "aux_loss_coef": moe,
+              "capacity_factor": moe}
+    idle = sorted(k for k in named if not acting[k])
+    if idle:
+        raise ConfigError(f"--{idle[0].replace('_', '-')} {getattr(cfg, idle[0])} acts only with {ACTS_WITH[idle[0]]}, "
+                          f"which this run has not: it would change nothing; leave it out")
     return cfg.resolved()
 
 

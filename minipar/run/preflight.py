@@ -100,7 +100,7 @@ def check_resume(cfg: TrainConfig, state: dict, path: Path) -> None:
             raise ConfigError(f"{flag} {new} differs from the checkpoint's {old} ({path}): {keep} to continue it{also}")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # a default precision is the device's
     was, now = resolve(before["precision"], before["dtype"], None, device).name, of_config(cfg, device).name
-    if was != now:  # the weights' and moments' dtypes, the rounding of every step: a change like --seed's
+    if was != now and {"precision", "dtype"} & saved.keys():  # the dtypes of weights and moments, every rounding
         if not cfg.allow_config_change:
             keep = f"--precision {was}" if was else "--dtype float64"
             raise ConfigError(f"precision {now or 'float64'} differs from the checkpoint's {was or 'float64'} "
