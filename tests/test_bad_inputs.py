@@ -287,6 +287,10 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     (["--zero=3", "--dp=2", "--micro-batch=2", "--zeropp=hpz,qgz"], 2, "--zeropp hpz,qgz splits the dp ranks by node, "
      "and this run has one node"),
     (["--model=tiny-moe", "--dp=2", "--micro-batch=4", "--ep=4"], 2, "--ep 4"),
+    # every count has a bound that says why (a config file's steps = 1e20 ran until killed)
+    (["--steps=100000000000000000000"], 1, ": give 1 or more, at most 2**38 (steps x --global-batch"),
+    (["--save-every=100000000000000000000"], 1, ": give 0 or more steps, at most 2**38"),
+    (["--log-every=100000000000000000000"], 1, ": give 1 or more steps, at most 2**38"),
     # a flag that would change nothing here is refused, as --sp without --tp is
     (["--cp-attention=ulysses"], 1, "--cp-attention ulysses acts only with --cp 2 or more, which this run has not"),
     (["--schedule=zbv"], 1, "--schedule zbv acts only with --pp 2 or more"),

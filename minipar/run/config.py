@@ -46,6 +46,7 @@ SHAPE_MAX = {"dim": 2**20, "n_layers": 1024, "n_heads": 2**14, "n_kv_heads": 2**
              "vocab_size": 2**32, "max_seq_len": 2**24}
 MAX_BATCH = 2**24  # sequences in one step: far beyond any run, and its indices stay far inside int64
 MAX_TIMEOUT = 1e7  # seconds (115 days): a timedelta, and torch's milliseconds, hold it
+MAX_STEPS = 2**38  # steps (or a count of them): the samples consumed, steps x global batch, stay in int64
 
 
 @dataclass
@@ -135,20 +136,22 @@ class TrainConfig:
     def check_ranges(self, max_seq_len: int) -> None:
         """Every number in its range, every path flag not empty: one line naming the flag."""
         rules = (  # (setting, whether its value is fine, what to give instead)
-            ("steps", self.steps >= 1, "1 or more"),
+            ("steps", 1 <= self.steps <= MAX_STEPS, "1 or more, at most 2**38 (steps x --global-batch "
+             "counts samples in int64)"),
+            *((name, 0 <= getattr(self, name) <= MAX_STEPS, "0 or more steps, at most 2**38")
+              for name in ("warmup", "save_every", "eval_every")),
             ("seq_len", 1 <= self.seq_len <= max_seq_len, f"1 to --model {self.model}'s max_seq_len, {max_seq_len}"),
             *((dim, getattr(self, dim) >= 1, "1 or more") for dim in ("dp", "tp", "pp", "cp", "ep")),
             ("ranks_per_node", self.ranks_per_node is None or self.ranks_per_node >= 1, "1 or more"),
             ("global_batch", 1 <= self.global_batch <= MAX_BATCH, f"1 to {MAX_BATCH} sequences"),
             ("micro_batch", 1 <= self.micro_batch <= MAX_BATCH, f"1 to {MAX_BATCH} sequences"),
-            ("max_bad_steps", self.max_bad_steps >= 1, "1 or more"),
+            ("max_bad_steps", 1 <= self.max_bad_steps <= MAX_STEPS, "1 or more, at most 2**38"),
             *((name, getattr(self, name) is None or 1 <= getattr(self, name) <= SHAPE_MAX[name],
                f"1 to {SHAPE_MAX[name]}") for name in SHAPE_FLAGS),
             ("bpe_vocab", self.bpe_vocab is None or 257 <= self.bpe_vocab < 2**32,
              "257 (the 256 bytes and <|endoftext|>) to 2**32 - 1"),
             ("lr", 0 < self.lr < math.inf, "a learning rate above 0"),
             ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "a fraction of --lr from 0 to 1"),
-            ("warmup", self.warmup >= 0, "0 or more steps"),
             ("weight_decay", 0 <= self.weight_decay < math.inf, "0 or more"),
             ("grad_clip", 0 <= self.grad_clip < math.inf, "0 (off) or more"),
             ("bucket_mb", 0 < self.bucket_mb < math.inf, "a size above 0"),
@@ -157,12 +160,11 @@ class TrainConfig:
             ("timeout", 1 <= self.timeout <= MAX_TIMEOUT, f"the seconds an operation may wait, 1 to {MAX_TIMEOUT:g} "
              f"(below 1 s a healthy step's collectives time out)"),
             ("seed", 0 <= self.seed < 2**32, "0 to 2**32 - 1"),
-            ("save_every", self.save_every >= 0, "0 (only at the end) or more steps"),
-            ("log_every", self.log_every >= 1, "1 or more steps"),
+            ("log_every", 1 <= self.log_every <= MAX_STEPS, "1 or more steps, at most 2**38"),
             ("val_fraction", 0 <= self.val_fraction < 1, "a fraction of the documents, from 0 to below 1"),
-            ("eval_every", self.eval_every >= 0 and (self.val_fraction > 0 or self.eval_every == 0),
+            ("eval_every", self.val_fraction > 0 or self.eval_every == 0,
              "0 (at the end) or more steps, with --val-fraction above 0"),
-            ("eval_batches", self.eval_batches >= 1, "1 or more global batches"),
+            ("eval_batches", 1 <= self.eval_batches <= MAX_BATCH, f"1 or more global batches, at most {MAX_BATCH}"),
             ("virtual_stages", self.virtual_stages == 1 or self.virtual_stages > 1 and self.pp > 1,
              "1, or more with --pp > 1"),
         )
