@@ -9,9 +9,13 @@ A checker never raises for a wrong answer: it returns the problems, as lines a s
 from __future__ import annotations
 
 import contextlib
+import getpass
 import importlib
 import importlib.util
+import random
 import types
+import zlib
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
@@ -220,3 +224,48 @@ def choice_problems(answer, truth, choices: dict, how: str) -> list[str]:
     if key not in choices:
         return [f"ANSWER = {answer!r}: write one of {', '.join(map(repr, choices))}"]
     return [] if key == truth else [f"ANSWER = {answer!r}: not {choices[key]} ({how})"]
+
+
+# -- Predict: the question's numbers drawn from a seed, so that the answer is no look-up -----------
+
+def seed_of(student, override: int | None = None) -> tuple[int, str]:
+    """(the seed, where it came from): `override` (the tests), the file's SEED, or the user's name."""
+    if override is not None:
+        return override, "given"
+    if getattr(student, "SEED", None) is not None:
+        return int(student.SEED), "SEED in your file"
+    user = getpass.getuser()
+    return zlib.crc32(user.encode()) % 1000, f"from your user name {user!r}; set SEED in the file to change it"
+
+
+class Predict:
+    """A predict exercise. `space`: every variant (a dict of the question's numbers), none of them a
+    case the chapter prints; the seed picks one. `question(v)`: the question with v's numbers.
+    `problems(answer, v)`: the answer against the library's key for v. `keys(v)`: the key as the
+    chapters would print it (tests/test_exercises.py greps docs/ for each: none may appear).
+
+    ANSWER in the student's file is a value, or a function of the variant (ANSWER(v), v.p, v.m, ...):
+    the reference answers in tests/exercises/answers/ are functions, so they pass for every seed."""
+
+    def __init__(self, space: list[dict], question: Callable[[dict], str], problems: Callable, keys: Callable):
+        self.space, self.question, self.problems, self.keys = space, question, problems, keys
+
+    def variant(self, seed: int) -> dict:
+        return self.space[random.Random(seed).randrange(len(self.space))]
+
+    def asked(self, path, seed: int | None = None) -> str:
+        """The line `make exercise` prints first: which variant, and its question."""
+        student = load(path)
+        seed, source = seed_of(student, seed)
+        return f"your variant: seed {seed} ({source}): {self.question(self.variant(seed))}"
+
+    def __call__(self, path, run_ranks=None, seed: int | None = None) -> list[str]:
+        student = load(path)
+        v = self.variant(seed_of(student, seed)[0])
+        try:
+            answer = answer_of(student)
+            if callable(answer):
+                answer = answer(types.SimpleNamespace(**v))
+        except NotImplementedYet as e:
+            return [f"{e}: {self.question(v)}"]
+        return self.problems(answer, v)
