@@ -13,6 +13,9 @@ The checker compares your count with the estimator (planning/estimate.py's `acti
 which works it out from the shapes alone, on the tiny model at two shapes (within 1%: it leaves
 out a few small tensors).
 
+The estimator's `activation_bytes` is switched off while the checker runs your code: count, don't
+look up.
+
 The library's own, after you tried: `kept_for_backward` in scripts/step_00_one_device.py.
 
 Check: make exercise N=0.1 (one process, a few seconds)

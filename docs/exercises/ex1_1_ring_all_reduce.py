@@ -18,6 +18,10 @@ while the checker runs.
 Then predict, in `bytes_sent_per_rank`, how many bytes each rank sends for a tensor of S bytes on
 N ranks when N divides it; the checker compares your formula with what your ring sent.
 
+What the checker reads: the ledger must show only sends and receives, 2(N-1) messages of one
+chunk each and 2(N-1)/N * S bytes per rank; the library's `ring_all_reduce` and every collective
+that would do it in one call (all-reduce, reduce-scatter, all-gather) are switched off.
+
 The library's own, after you tried: `ring_all_reduce` in minipar/collectives.py.
 
 Check: make exercise N=1.1 (2, 3 and 4 ranks, a few seconds)

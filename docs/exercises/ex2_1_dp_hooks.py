@@ -10,6 +10,10 @@ is what lets a real DDP overlap the communication with the rest of backward).
 Useful: `p.register_post_accumulate_grad_hook(fn)` (fn(p) is called once p.grad is complete),
 `minipar.collectives.all_reduce(tensor, group)` (in place, sum) and `group.size`.
 
+What the checker reads: the ledger must show each gradient all-reduced once on `group`. It also
+runs your hooks on two groups of two inside four ranks: average over the group, not the world.
+The library's `DataParallel` is switched off.
+
 The library's own, after you tried: `DataParallel` in minipar/data_parallel.py (with buckets).
 
 Check: make exercise N=2.1 (2 and 4 ranks, a few seconds)

@@ -17,6 +17,12 @@ The checker runs it on 2 and 4 gloo ranks: after finish() every gradient must eq
 on the whole batch, and the ledger must show one all-reduce per bucket, of that bucket's bytes,
 the first ones started before backward ended.
 
+What the checker reads: the ledger (one all-reduce per bucket, of its bytes), and the order of
+events: each gradient becoming ready, each torch.distributed.all_reduce posted (blocking or not),
+each wait on a handle. Every bucket's all-reduce must be asynchronous, the first started before
+backward's last gradient is ready, none waited for before backward ends. The library's
+`bucket_params`, `GradBucket` and `DataParallel` are switched off.
+
 The library's own, after you tried: `bucket_params` and `GradBucket` in minipar/data_parallel.py.
 
 Check: make exercise N=2.2 (2 and 4 ranks, a few seconds)

@@ -18,6 +18,12 @@ Useful: `minipar.collectives.reduce_scatter(t, group)` (sum, then this rank's 1/
 torch.optim.Adam over one tensor that is this rank's slice (its defaults: betas 0.9, 0.999,
 eps 1e-8), or Adam written out by hand.
 
+What it must send and hold, as the checker reads them: per step one reduce-scatter and one
+all-gather of the P-vector, 2(N-1)/N * P bytes per rank by the ledger (no all-reduce: with the
+all-gather after it, 3(N-1)/N * P), and Adam's state for this rank's slice alone: the checker
+counts the tensors your object holds (besides flat_param: about 3 P/N numbers, the slice and its
+m and v, and none of all P), whatever `state_numel` says.
+
 The library's own, after you tried: `ZeroDataParallel` in minipar/zero.py (with buckets).
 
 Check: make exercise N=3.1 (2 and 4 ranks, a few seconds)

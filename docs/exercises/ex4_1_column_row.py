@@ -13,6 +13,11 @@ backward) where the parallel region starts, g (all-reduce forward, identity back
 ends. `minipar.autograd_ops` has both (`copy_to_parallel`, `reduce_from_parallel`); writing them
 yourself as torch.autograd.Function with `minipar.collectives.all_reduce` is the longer exercise.
 
+What the checker reads: the ledger must show one all-reduce of [b, d] in forward (g) and one in
+backward (f's, of x's gradient), nothing else. The library's `ColumnParallelLinear`,
+`RowParallelLinear` and `ParallelMLP` are switched off; `copy_to_parallel` and
+`reduce_from_parallel` are yours to use.
+
 The library's own, after you tried: `ColumnParallelLinear` and `RowParallelLinear` in
 minipar/tensor_parallel.py, put together in `ParallelMLP` (minipar/parallelize.py).
 

@@ -7,6 +7,8 @@ each in micro-batch order. Stage s can only run F(i) after stage s-1 did, and B(
 did; the checker simulates your schedule (minipar.pipeline.timeline.simulate) to see that it
 finishes, with GPipe's bubble.
 
+The library's `gpipe` (and so `build("gpipe", ...)`) is switched off while the checker runs.
+
 The library's own, after you tried: `gpipe` in minipar/pipeline/schedules.py.
 
 Check: make exercise N=6.1 (no ranks needed, a second)

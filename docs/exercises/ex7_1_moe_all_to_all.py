@@ -21,6 +21,11 @@ minipar/collectives.py for the counts). The checker compares y, x's gradient, th
 gradient (summed over ranks) and each local expert's gradient with one device's, on 2 and 4
 ranks of 8 experts, top-2.
 
+What the checker reads: the ledger on `group` must show, forward, the all-to-all of the counts
+(a few bytes), the one of this rank's T*top_k rows and the one of the rows it received (sent
+back); backward, the same two reversed. The library's `expert_parallel_dispatch`,
+`parallelize_experts` and `MoE` are switched off.
+
 The library's own, after you tried: `MoE.forward` in minipar/moe.py and
 `expert_parallel_dispatch` in minipar/expert_parallel.py.
 

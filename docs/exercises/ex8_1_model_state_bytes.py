@@ -8,6 +8,8 @@ state by n; stage 2 the gradients too; stage 3 the weights too. Return the bytes
 
 The checker compares with the library on a grid of psi, n, stages and widths.
 
+The library's `model_state_bytes` is switched off while the checker runs.
+
 The library's own, after you tried: `model_state_bytes` in minipar/zero.py.
 
 Check: make exercise N=8.1 (one process, a second)

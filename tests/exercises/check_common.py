@@ -1,13 +1,21 @@
 """What every exercise checker shares: loading a student's file, turning a skeleton's
 NotImplementedError (or an `ANSWER = None`) into one line, running a check on gloo ranks without
-letting a wrong answer kill the pool, and comparing an answer with the library's own figure.
+letting a wrong answer kill the pool, switching off the library's own answer while the student's
+code runs, counting the tensors an object holds, and comparing an answer with the library's figure.
 
 A checker never raises for a wrong answer: it returns the problems, as lines a student can act on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import getpass
+import importlib
 import importlib.util
+import random
+import types
+import zlib
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
@@ -43,11 +51,34 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"max abs diff {(a.double() - b.double()).abs().max().item():.3g}"
 
 
-def guarded(rank_fn):
-    """Run one rank's check; report a skeleton or a crash as a line, not a traceback."""
+@contextlib.contextmanager
+def switched_off(names: tuple[str, ...], why: str = "it is the library's own answer; write it yourself"):
+    """While the student's file is loaded and run, each "module:attribute" of `names` (the library's
+    own answer to the exercise) is a function that raises, saying `why`: an answer must not delegate
+    to it. The checker keeps the originals it imported; library code that calls one refuses too."""
+    saved = []
+    try:
+        for name in names:
+            module_name, attr = name.split(":")
+            module = importlib.import_module(module_name)
+            saved.append((module, attr, getattr(module, attr)))
+
+            def refuse(*args, _name=f"{module_name}.{attr}", **kwargs):
+                raise RuntimeError(f"{_name} is off in this exercise: {why}")
+            setattr(module, attr, refuse)
+        yield
+    finally:
+        for module, attr, original in reversed(saved):
+            setattr(module, attr, original)
+
+
+def guarded(rank_fn, off: tuple[str, ...] = (), why: str | None = None):
+    """Run one rank's check; report a skeleton or a crash as a line, not a traceback. `off`: the
+    library's functions switched off (switched_off, saying `why`) while the student's file loads and runs."""
     def run(rank, world, path, *args):
         try:
-            return rank_fn(rank, world, load(path), *args)
+            with switched_off(off, *([why] if why else [])):
+                return rank_fn(rank, world, load(path), *args)
         except NotImplementedYet as e:
             return {"problems": [str(e)]}
         except Exception as e:  # noqa: BLE001 - the student's error, reported on one line
@@ -62,20 +93,77 @@ def collect(results: list[dict]) -> list[str]:
     return list(dict.fromkeys(p for r in results for p in r["problems"]))
 
 
-def on_ranks(rank_fn_guarded, path, run_ranks, worlds=(2, 4), *args) -> list[str]:
-    """The problems of the first world size (of `worlds`) at which some rank found one."""
-    for world in worlds:
-        problems = collect(run_ranks(world, rank_fn_guarded, str(path), *args))
+# The layouts an implement exercise runs on: (world size, group size). (4, 2) is two groups of two
+# ranks, {0, 1} and {2, 3}: an answer that uses the world, or divides by its size, fails there.
+LAYOUTS = ((2, 2), (4, 4), (4, 2))
+
+
+def on_ranks(rank_fn_guarded, path, run_ranks, layouts=LAYOUTS, *args) -> list[str]:
+    """The problems of the first layout (of `layouts`) at which some rank found one."""
+    for world, group_size in layouts:
+        problems = collect(run_ranks(world, rank_fn_guarded, str(path), group_size, *args))
         if problems:
             return problems
     return []
 
 
-def world_group(name: str):
+def world_group(name: str, size: int | None = None):
+    """A minipar Group with its own ledger: the whole world, or (size) this rank's group of `size`
+    consecutive ranks (every rank makes every group, as torch.distributed requires)."""
     import torch.distributed as dist
 
     from minipar.collectives import Group, Ledger
-    return Group(name, dist.group.WORLD, list(range(dist.get_world_size())), Ledger())
+    world = dist.get_world_size()
+    if size is None or size == world:
+        return Group(name, dist.group.WORLD, list(range(world)), Ledger())
+    mine = None
+    for first in range(0, world, size):
+        ranks = list(range(first, first + size))
+        pg = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = Group(name, pg, ranks, Ledger())
+    return mine
+
+
+def where(rank: int, world: int, group, dim: str) -> str:
+    """How a problem line names the rank and its layout: "rank 1: dp=2" or "rank 3: dp=2 (ranks [2, 3] of 4)"."""
+    if group.size == world:
+        return f"rank {rank}: {dim}={world}"
+    return f"rank {rank}: {dim}={group.size} (its group: ranks {group.ranks} of {world}; the group, not the world)"
+
+
+def held_tensors(obj, skip: tuple[torch.Tensor, ...] = ()) -> list[torch.Tensor]:
+    """The tensors an object holds, one per storage, found through its attributes, containers and any
+    torch optimizer's state; the storages of `skip` (tensors the caller owns) left out."""
+    seen, found = set(), {}
+    skipped = {t.untyped_storage().data_ptr() for t in skip}
+    todo = [obj]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen or isinstance(x, (type, str, bytes, int, float, bool)) or x is None:
+            continue
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            ptr = x.untyped_storage().data_ptr()
+            if ptr not in skipped and x.numel() > 1:  # a scalar (Adam's step) is not state worth counting
+                found.setdefault(ptr, x)
+            if x.grad is not None:
+                todo.append(x.grad)
+        elif isinstance(x, torch.optim.Optimizer):
+            todo += [x.state, x.param_groups]
+        elif isinstance(x, dict):
+            todo += [*x.keys(), *x.values()]
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            todo += list(x)
+        elif isinstance(x, torch.nn.Module):
+            todo += [*x.parameters(), *x.buffers()]
+        elif hasattr(x, "__dict__") and not isinstance(x, (types.FunctionType, types.MethodType, types.ModuleType)):
+            todo += list(vars(x).values())
+    return list(found.values())
+
+
+def storage_numel(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes() // t.element_size()
 
 
 def in_process(check_fn):
@@ -136,3 +224,48 @@ def choice_problems(answer, truth, choices: dict, how: str) -> list[str]:
     if key not in choices:
         return [f"ANSWER = {answer!r}: write one of {', '.join(map(repr, choices))}"]
     return [] if key == truth else [f"ANSWER = {answer!r}: not {choices[key]} ({how})"]
+
+
+# -- Predict: the question's numbers drawn from a seed, so that the answer is no look-up -----------
+
+def seed_of(student, override: int | None = None) -> tuple[int, str]:
+    """(the seed, where it came from): `override` (the tests), the file's SEED, or the user's name."""
+    if override is not None:
+        return override, "given"
+    if getattr(student, "SEED", None) is not None:
+        return int(student.SEED), "SEED in your file"
+    user = getpass.getuser()
+    return zlib.crc32(user.encode()) % 1000, f"from your user name {user!r}; set SEED in the file to change it"
+
+
+class Predict:
+    """A predict exercise. `space`: every variant (a dict of the question's numbers), none of them a
+    case the chapter prints; the seed picks one. `question(v)`: the question with v's numbers.
+    `problems(answer, v)`: the answer against the library's key for v. `keys(v)`: the key as the
+    chapters would print it (tests/test_exercises.py greps docs/ for each: none may appear).
+
+    ANSWER in the student's file is a value, or a function of the variant (ANSWER(v), v.p, v.m, ...):
+    the reference answers in tests/exercises/answers/ are functions, so they pass for every seed."""
+
+    def __init__(self, space: list[dict], question: Callable[[dict], str], problems: Callable, keys: Callable):
+        self.space, self.question, self.problems, self.keys = space, question, problems, keys
+
+    def variant(self, seed: int) -> dict:
+        return self.space[random.Random(seed).randrange(len(self.space))]
+
+    def asked(self, path, seed: int | None = None) -> str:
+        """The line `make exercise` prints first: which variant, and its question."""
+        student = load(path)
+        seed, source = seed_of(student, seed)
+        return f"your variant: seed {seed} ({source}): {self.question(self.variant(seed))}"
+
+    def __call__(self, path, run_ranks=None, seed: int | None = None) -> list[str]:
+        student = load(path)
+        v = self.variant(seed_of(student, seed)[0])
+        try:
+            answer = answer_of(student)
+            if callable(answer):
+                answer = answer(types.SimpleNamespace(**v))
+        except NotImplementedYet as e:
+            return [f"{e}: {self.question(v)}"]
+        return self.problems(answer, v)

@@ -2,13 +2,16 @@
 student writes ANSWER (a number, a few numbers, or a choice); the key is the library's own
 computation (the estimator, the schedules' simulation, the mesh, the ledger's byte formulas),
 recomputed here, never a number copied in. Each `truth_*` is cached: a test asks for it twice.
+
+A predict exercise asks about a variant the chapter does not print, drawn from a seed
+(check_common.Predict): `make exercise` prints the student's; each `*_SPACE` lists them all.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 
-from check_common import answer_of, in_process, number_problems, numbers_problems
+from check_common import Predict, answer_of, in_process, number_problems, numbers_problems
 
 MiB = 2**20
 
@@ -36,16 +39,29 @@ def _sent(model: str, group: str, **kw) -> int:
 # -- Chapter 0 -----------------------------------------------------------------------------------
 
 @lru_cache
-def truth_activations_small() -> float:
+def truth_activations_small(micro_batch: int, seq_len: int) -> float:
     from minipar.planning.estimate import activation_bytes
-    return activation_bytes(*_cfg("small", seq_len=256, micro_batch=8, global_batch=8)) / MiB
+    return activation_bytes(*_cfg("small", seq_len=seq_len, micro_batch=micro_batch,
+                                  global_batch=micro_batch)) / MiB
 
 
-@in_process
-def check_predict_small_activations(student) -> list[str]:
-    return number_problems(answer_of(student), truth_activations_small(), 0.03,
-                           "the small model's activations at 8 x 256 tokens, in MiB",
+# Chapter 0 prints 4 x 128 (30.93 MiB); 2 x 64's figure appears in docs/ as another quantity
+ACTIVATIONS_SPACE = [dict(b=b, s=s) for b in (2, 3, 6, 8, 16) for s in (64, 192, 256, 512, 768) if (b, s) != (2, 64)]
+
+
+def _activations_problems(answer, v) -> list[str]:
+    return number_problems(answer, truth_activations_small(v["b"], v["s"]), 0.03,
+                           f"the small model's activations at {v['b']} x {v['s']} tokens, in MiB",
                            "the estimator's activation_bytes; chapter 0 shows 4 x 128")
+
+
+check_predict_small_activations = Predict(
+    ACTIVATIONS_SPACE,
+    lambda v: f"the small model in float32 at a micro-batch of {v['b']} x {v['s']} tokens: how many MiB of "
+              f"activations?",
+    _activations_problems,
+    lambda v: [f"{truth_activations_small(v['b'], v['s']):.2f} MiB",
+               f"{truth_activations_small(v['b'], v['s']):.1f} MiB"])
 
 
 SEQ_LENS = (64, 128, 256, 512, 1024, 2048)
@@ -72,12 +88,24 @@ def check_explore_seq_len(student) -> list[str]:
 
 # -- Chapter 1 -----------------------------------------------------------------------------------
 
-@in_process
-def check_predict_ring_bytes(student) -> list[str]:
+def truth_ring_bytes(elements: int, n: int) -> tuple[int, ...]:
     from minipar.collectives import ring_bytes_sent
-    truths = tuple(ring_bytes_sent(op, 4 * MiB, 4) for op in ("all_reduce", "reduce_scatter", "all_gather"))
-    return numbers_problems(answer_of(student), truths, 0, ("all_reduce", "reduce_scatter", "all_gather"),
-                            "bytes one rank sends by the ring, collectives.ring_bytes_sent")
+    return tuple(ring_bytes_sent(op, elements * 4, n) for op in ("all_reduce", "reduce_scatter", "all_gather"))
+
+
+# Chapter 1 works N = 4 and 4 MiB
+# (element counts that 3, 5, 6 and 8 divide, so that every answer is a whole number of bytes)
+RING_SPACE = [dict(n=n, elements=e) for n in (3, 5, 6, 8) for e in (360_000, 1_200_000, 2_520_000, 6_000_000)]
+
+check_predict_ring_bytes = Predict(
+    RING_SPACE,
+    lambda v: f"{v['n']} ranks each hold a float32 tensor of {v['elements']:,} elements: how many bytes does one "
+              f"rank send, by the ring, in an all-reduce of it, a reduce-scatter of it, an all-gather whose result "
+              f"it is?",
+    lambda answer, v: numbers_problems(answer, truth_ring_bytes(v["elements"], v["n"]), 0,
+                                       ("all_reduce", "reduce_scatter", "all_gather"),
+                                       "bytes one rank sends by the ring, collectives.ring_bytes_sent"),
+    lambda v: [f"{b:,}" for b in truth_ring_bytes(v["elements"], v["n"])])
 
 
 ALPHA, BETA = 500e-6, 0.7e-9  # chapter 1's fit on gloo, rounded: s per call step, s per byte
@@ -128,15 +156,24 @@ def check_explore_bucket_size(student) -> list[str]:
 # -- Chapter 3 -----------------------------------------------------------------------------------
 
 @lru_cache
-def truth_zero3_sent() -> float:
-    return _sent("small", "dp", dp=4, zero=3, seq_len=128) / MiB
+def truth_zero3_sent(model: str, dp: int) -> int:
+    """Bytes one rank sends on dp per step under ZeRO-3 (float32, one micro-batch of 64 tokens)."""
+    return _sent(model, "dp", dp=dp, zero=3, seq_len=64)
 
 
-@in_process
-def check_predict_zero3_bytes(student) -> list[str]:
-    return number_problems(answer_of(student), truth_zero3_sent(), 0.02,
-                           "what a rank sends on dp per step under ZeRO-3, in MiB",
-                           "the estimator's bytes_sent, equal to the ledger's")
+# Chapter 3 prints the small model at dp 4 (16,525,446 bytes)
+# (and a training log at dp 2); 14.01 MiB, dp 3's, appears as another quantity
+ZERO3_SPACE = [dict(model=m, dp=dp) for m in ("small", "125m") for dp in (2, 3, 5, 6, 8)
+               if (m, dp) not in (("small", 2), ("small", 3))]
+
+check_predict_zero3_bytes = Predict(
+    ZERO3_SPACE,
+    lambda v: f"the {v['model']} model in float32, data-parallel over {v['dp']} ranks with ZeRO-3, one micro-batch "
+              f"per step: how many MiB does one rank send on the dp group per step?",
+    lambda answer, v: number_problems(answer, truth_zero3_sent(v["model"], v["dp"]) / MiB, 0.02,
+                                      f"what a rank sends on dp per step under ZeRO-3, in MiB (the {v['model']} "
+                                      f"model, dp {v['dp']})", "the estimator's bytes_sent, equal to the ledger's"),
+    lambda v: [f"{truth_zero3_sent(v['model'], v['dp']):,}", f"{truth_zero3_sent(v['model'], v['dp']) / MiB:.2f} MiB"])
 
 
 DPS = (1, 2, 4, 8, 16, 32)

@@ -1,11 +1,12 @@
 """Checkers of the predict and explore exercises of chapters 4-9 (as checks_answers_0_3.py: ANSWER
-against the library's own computation, recomputed here; each truth cached)."""
+against the library's own computation, recomputed here; each truth cached; each predict exercise a
+variant the chapter does not print, drawn from a seed)."""
 
 from __future__ import annotations
 
 from functools import lru_cache
 
-from check_common import answer_of, choice_problems, in_process, number_problems, numbers_problems
+from check_common import Predict, answer_of, choice_problems, in_process, number_problems, numbers_problems
 from checks_answers_0_3 import MiB, _cfg, _sent
 
 # -- Chapter 4 -----------------------------------------------------------------------------------
@@ -24,16 +25,23 @@ def check_explore_tp_bytes(student) -> list[str]:
 
 
 @lru_cache
-def truth_tp_weights() -> float:
+def truth_tp_weights(model: str, tp: int) -> float:
     from minipar.planning.estimate import held_bytes
-    return held_bytes(*_cfg("small", tp=2))["params"] / MiB
+    return held_bytes(*_cfg(model, tp=tp, seq_len=128))["params"] / MiB
 
 
-@in_process
-def check_predict_tp_weights(student) -> list[str]:
-    return number_problems(answer_of(student), truth_tp_weights(), 0.02,
-                           "the small model's float32 weights on one rank at tp 2, in MiB",
-                           "the estimator's held_bytes: what parallelize leaves on the rank")
+# Chapter 4 works the small model at tp 2
+TP_WEIGHTS_SPACE = [dict(model=m, tp=tp) for m in ("125m", "1b", "8b") for tp in (2, 4, 8) if (m, tp) != ("125m", 8)]
+
+check_predict_tp_weights = Predict(
+    TP_WEIGHTS_SPACE,
+    lambda v: f"the {v['model']} model (minipar/model.py's CONFIGS) in float32 at tp = {v['tp']}: how many MiB of "
+              f"weights does one rank hold?",
+    lambda answer, v: number_problems(answer, truth_tp_weights(v["model"], v["tp"]), 0.02,
+                                      f"the {v['model']} model's float32 weights on one rank at tp {v['tp']}, in MiB",
+                                      "the estimator's held_bytes: what parallelize leaves on the rank"),
+    lambda v: [f"{truth_tp_weights(v['model'], v['tp']):.2f} MiB",
+               f"{truth_tp_weights(v['model'], v['tp']) * MiB:,.0f}"])
 
 
 # -- Chapter 5 -----------------------------------------------------------------------------------
@@ -50,11 +58,18 @@ def truth_contiguous_imbalance(cp: int = 4, seq_len: int = 1024) -> float:
     return causal_work(chunks[-1]) / causal_work(chunks[0])
 
 
-@in_process
-def check_predict_causal_work(student) -> list[str]:
-    return number_problems(answer_of(student), truth_contiguous_imbalance(), 0.02,
-                           "the last rank's causal work over the first's, contiguous cut, cp 4, 1,024 tokens",
-                           "sum over a rank's tokens of t + 1")
+# Chapter 5 draws cp 4 (and 1,024 tokens in the exercise as first written)
+CAUSAL_SPACE = [dict(cp=cp, seq_len=n) for cp in (2, 3, 5, 6, 8) for n in (240, 960, 1920)]
+
+check_predict_causal_work = Predict(
+    CAUSAL_SPACE,
+    lambda v: f"{v['seq_len']:,} tokens cut contiguously over cp = {v['cp']} ranks: how many times rank 0's causal "
+              f"work does the last rank, {v['cp'] - 1}, do?",
+    lambda answer, v: number_problems(answer, truth_contiguous_imbalance(v["cp"], v["seq_len"]), 0.02,
+                                      f"the last rank's causal work over the first's, contiguous cut, cp {v['cp']}, "
+                                      f"{v['seq_len']:,} tokens", "sum over a rank's tokens of t + 1"),
+    lambda v: [f"{truth_contiguous_imbalance(v['cp'], v['seq_len']):.2f} x",
+               f"{truth_contiguous_imbalance(v['cp'], v['seq_len']):.3f}"])
 
 
 @lru_cache
@@ -71,21 +86,47 @@ def check_explore_cp_bytes(student) -> list[str]:
 
 # -- Chapter 6 -----------------------------------------------------------------------------------
 
-@in_process
-def check_predict_bubble(student) -> list[str]:
+@lru_cache
+def truth_bubble(p: int, m: int) -> float:
     from minipar.pipeline.schedules import build
     from minipar.pipeline.timeline import simulate
-    return number_problems(answer_of(student), simulate(build("gpipe", 4, 8)).idle_fraction(), 0.01,
-                           "the idle fraction of the simulated GPipe timeline (p=4, m=8, F=1, B=2)",
-                           "run scripts/step_06_pipeline.py, then think again")
+    return simulate(build("gpipe", p, m)).idle_fraction()
 
 
-@in_process
-def check_predict_activations(student) -> list[str]:
+# Chapter 6 draws p 4, m 8, and prints many bubbles in percent: the (p, m) whose bubble it prints,
+# even as another quantity, are left out
+BUBBLE_SPACE = [dict(p=p, m=m) for p, m in ((2, 6), (2, 10), (3, 3), (3, 10), (3, 12), (5, 6), (5, 10), (6, 3),
+                                            (6, 6), (6, 10), (6, 16), (4, 6))]
+
+check_predict_bubble = Predict(
+    BUBBLE_SPACE,
+    lambda v: f"GPipe on p = {v['p']} stages with m = {v['m']} micro-batches, a forward taking one unit of time and "
+              f"a backward two: what fraction of the ranks' time is idle?",
+    lambda answer, v: number_problems(answer, truth_bubble(v["p"], v["m"]), 0.01,
+                                      f"the idle fraction of the simulated GPipe timeline (p={v['p']}, m={v['m']}, "
+                                      f"F=1, B=2)", "run scripts/step_06_pipeline.py, then think again"),
+    lambda v: [f"{truth_bubble(v['p'], v['m']):.3f}", f"{100 * truth_bubble(v['p'], v['m']):.1f}%"])
+
+
+@lru_cache
+def truth_peak_activations(p: int, m: int, rank: int) -> tuple[int, int]:
     from minipar.pipeline.schedules import build, peak_activations
-    truths = tuple(peak_activations(build(name, 4, 8).actions[0]) for name in ("gpipe", "1f1b"))
-    return numbers_problems(answer_of(student), truths, 0, ("under GPipe", "under 1F1B"),
-                            "micro-batches whose activations rank 0 holds at its worst moment")
+    return tuple(peak_activations(build(name, p, m).actions[rank]) for name in ("gpipe", "1f1b"))
+
+
+# Chapter 6 draws rank 0 of p 4, m 8; the last rank (one micro-batch either way) is left out
+# ((6, 3) and (10, 4) appear in docs/ as other things: those variants are left out too)
+ACTIVATIONS_PP_SPACE = [dict(p=p, m=m, rank=r) for p in (3, 5, 6) for m in (2 * p, 3 * p + 1) for r in range(p - 1)
+                        if (p, m, r) not in ((3, 6, 0), (5, 10, 1))]
+
+check_predict_activations = Predict(
+    ACTIVATIONS_PP_SPACE,
+    lambda v: f"p = {v['p']} stages, m = {v['m']} micro-batches: at its worst moment, how many micro-batches' "
+              f"activations does rank {v['rank']} hold under GPipe, and how many under 1F1B?",
+    lambda answer, v: numbers_problems(answer, truth_peak_activations(v["p"], v["m"], v["rank"]), 0,
+                                       ("under GPipe", "under 1F1B"),
+                                       f"micro-batches whose activations rank {v['rank']} holds at its worst moment"),
+    lambda v: [str(truth_peak_activations(v["p"], v["m"], v["rank"]))])
 
 
 @lru_cache
@@ -104,15 +145,22 @@ def check_explore_microbatches(student) -> list[str]:
 # -- Chapter 7 -----------------------------------------------------------------------------------
 
 @lru_cache
-def truth_ep_sent() -> float:
-    return _sent("small-moe", "ep", dp=4, ep=4) / MiB
+def truth_ep_sent(ep: int, seq_len: int) -> int:
+    return _sent("small-moe", "ep", dp=ep, ep=ep, seq_len=seq_len)
 
 
-@in_process
-def check_predict_all_to_all(student) -> list[str]:
-    return number_problems(answer_of(student), truth_ep_sent(), 0.02,
-                           "what a rank sends on ep per step, in MiB",
-                           "the estimator's bytes_sent (uniform routing), equal to the ledger's")
+# Chapter 7 works ep 4 at 256 tokens
+EP_SPACE = [dict(ep=ep, seq_len=n) for ep in (4, 8) for n in (320, 448, 640, 896)]  # ep 2: round MiB, printed
+
+check_predict_all_to_all = Predict(
+    EP_SPACE,
+    lambda v: f"the small-moe model (4 MoE blocks, dim 128, 8 experts, top-2) in float32 on {v['ep']} ranks with "
+              f"ep = {v['ep']}, one sequence of {v['seq_len']} tokens per rank and step, uniform routing: how many "
+              f"MiB does one rank send on the ep group per step?",
+    lambda answer, v: number_problems(answer, truth_ep_sent(v["ep"], v["seq_len"]) / MiB, 0.02,
+                                      f"what a rank sends on ep per step, in MiB (ep {v['ep']}, {v['seq_len']} "
+                                      f"tokens)", "the estimator's bytes_sent (uniform routing) = the ledger's"),
+    lambda v: [f"{truth_ep_sent(v['ep'], v['seq_len']):,}", f"{truth_ep_sent(v['ep'], v['seq_len']) / MiB:.2f} MiB"])
 
 
 @lru_cache
@@ -157,33 +205,88 @@ def check_explore_plan(student) -> list[str]:
 
 
 @lru_cache
-def truth_compute_seconds() -> float:
+def truth_compute_seconds(gpus: int, seq_len: int, global_batch: int) -> float:
     from minipar.planning.planner import Cluster, step_time
-    c, cfg = _cfg("8b", dp=8, zero=3, seq_len=8192, global_batch=1024, dtype="bfloat16")
-    return step_time(c, cfg, Cluster(8))["compute"]
+    c, cfg = _cfg("8b", dp=gpus, zero=3, seq_len=seq_len, global_batch=global_batch, dtype="bfloat16")
+    return step_time(c, cfg, Cluster(gpus))["compute"]
 
 
-@in_process
-def check_predict_compute_time(student) -> list[str]:
-    return number_problems(answer_of(student), truth_compute_seconds(), 0.05,
-                           "the planner's compute seconds per step",
-                           "planner.step_time: FLOPs per token x tokens / (GPUs x peak x MFU)")
+# Chapter 8 works 8 GPUs, 1,024 sequences of 8,192 tokens
+COMPUTE_SPACE = [dict(gpus=g, seq_len=n, global_batch=b) for g in (16, 32, 64) for n in (4096, 16384)
+                 for b in (512, 2048)]
+
+check_predict_compute_time = Predict(
+    COMPUTE_SPACE,
+    lambda v: f"Llama-3.1-8B (8.03 B parameters, 32 layers, dim 4,096) on {v['gpus']} H100s at 989 TFLOP/s and "
+              f"45% MFU, one step of {v['global_batch']:,} sequences of {v['seq_len']:,} tokens: about how many "
+              f"seconds of compute?",
+    lambda answer, v: number_problems(answer, truth_compute_seconds(v["gpus"], v["seq_len"], v["global_batch"]),
+                                      0.05, "the planner's compute seconds per step",
+                                      "planner.step_time: FLOPs per token x tokens / (GPUs x peak x MFU)"),
+    lambda v: [f"{truth_compute_seconds(v['gpus'], v['seq_len'], v['global_batch']):.1f} s",
+               f"{truth_compute_seconds(v['gpus'], v['seq_len'], v['global_batch']):.2f} s"])
 
 
 # -- Chapter 9 -----------------------------------------------------------------------------------
 
-MESH_4D = dict(world_size=16, dp=2, tp=2, pp=2, cp=2)
+# Chapter 9 prints every rank's groups of the 16-rank dp 2 x tp 2 x pp 2 x cp 2 mesh: 32 ranks here
+MESHES = (dict(dp=2, tp=4, pp=2, cp=2), dict(dp=4, tp=2, pp=2, cp=2), dict(dp=2, tp=2, pp=4, cp=2),
+          dict(dp=2, tp=2, pp=2, cp=4))
+DIMS = ("tp", "cp", "dp", "pp")
 
 
-@in_process
-def check_predict_mesh_groups(student) -> list[str]:
+def mesh_groups(mesh: dict, rank: int) -> dict[str, list[int]]:
     from minipar.mesh import MeshLayout
-    layout, answer = MeshLayout(**MESH_4D), answer_of(student)
-    truth = {d: next(g for g in layout.groups(d) if 5 in g) for d in ("tp", "cp", "dp", "pp")}
+    layout = MeshLayout(world_size=32, **mesh)
+    return {d: next(g for g in layout.groups(d) if rank in g) for d in DIMS}
+
+
+def _mesh_words(mesh: dict) -> str:
+    return " x ".join(f"{d} {mesh[d]}" for d in ("dp", "tp", "pp", "cp"))
+
+
+MESH_SPACE = [dict(mesh=m, rank=r) for m in MESHES for r in range(32)]
+
+
+def _mesh_problems(answer, v) -> list[str]:
+    truth = mesh_groups(v["mesh"], v["rank"])
     if not isinstance(answer, dict) or set(answer) != set(truth):
         return [f"ANSWER = {answer!r}: write a dict with the keys 'tp', 'cp', 'dp', 'pp'"]
     wrong = [f"{d}: {sorted(answer[d])} is not it" for d in truth if sorted(answer[d]) != truth[d]]
-    return ["rank 5's groups: " + "; ".join(wrong) + " (mesh.py: tp varies fastest, then cp, dp, pp)"] if wrong else []
+    return [f"rank {v['rank']}'s groups: " + "; ".join(wrong) + " (mesh.py: tp varies fastest, then cp, dp, pp)"] \
+        if wrong else []
+
+
+check_predict_mesh_groups = Predict(
+    MESH_SPACE,
+    lambda v: f"32 ranks as {_mesh_words(v['mesh'])}, tp varying fastest, then cp, dp, pp: which ranks share each "
+              f"kind of group with rank {v['rank']}?",
+    _mesh_problems,
+    lambda v: ["  ".join(f"{d} {g}" for d, g in mesh_groups(v["mesh"], v["rank"]).items())])
+
+
+def cross_node_dims(mesh: dict, ranks_per_node: int) -> list[str]:
+    from minipar.mesh import MeshLayout
+    layout = MeshLayout(world_size=32, **mesh, ranks_per_node=ranks_per_node)
+    return sorted(d for d in DIMS if any(len({layout.node(r) for r in g}) > 1 for g in layout.groups(d)))
+
+
+def _cross_node_problems(answer, v) -> list[str]:
+    if isinstance(answer, (list, tuple, set)) and sorted(answer) == cross_node_dims(v["mesh"], v["ranks_per_node"]):
+        return []
+    return [f"ANSWER = {answer!r}: not the dimensions whose groups span two nodes (mesh.py: tp varies fastest, then "
+            f"cp, dp, pp; ranks 0-{v['ranks_per_node'] - 1} are node 0)"]
+
+
+CROSS_SPACE = [dict(mesh=m, ranks_per_node=n) for m in MESHES for n in (4, 8, 16)]
+
+check_predict_cross_node = Predict(
+    CROSS_SPACE,
+    lambda v: f"32 ranks as {_mesh_words(v['mesh'])} (tp varying fastest, then cp, dp, pp) on nodes of "
+              f"{v['ranks_per_node']} GPUs (ranks 0-{v['ranks_per_node'] - 1} on node 0): which kinds of group have "
+              f"members on two nodes?",
+    _cross_node_problems,
+    lambda v: [str(cross_node_dims(v["mesh"], v["ranks_per_node"]))])
 
 
 LAYOUTS_16 = {"A": dict(dp=16), "B": dict(dp=16, zero=3), "C": dict(dp=8, tp=2, sp=True),
@@ -205,16 +308,3 @@ def check_explore_16_ranks(student) -> list[str]:
              for k, v in LAYOUTS_16.items()}
     return choice_problems(answer_of(student), truth_smallest_layout(), flags,
                            "run the file: python docs/exercises/ex9_2_explore_16_ranks.py")
-
-
-@in_process
-def check_predict_cross_node(student) -> list[str]:
-    from minipar.mesh import MeshLayout
-    layout = MeshLayout(**MESH_4D, ranks_per_node=8)
-    truth = sorted(d for d in ("tp", "cp", "dp", "pp") if any(len({layout.node(r) for r in g}) > 1
-                                                              for g in layout.groups(d)))
-    answer = answer_of(student)
-    if not isinstance(answer, (list, tuple, set)) or sorted(answer) != truth:
-        return [f"ANSWER = {answer!r}: not the dimensions whose groups span two nodes (mesh.py: tp varies "
-                f"fastest, then cp, dp, pp; ranks 0-7 are node 0)"]
-    return []

@@ -1,16 +1,30 @@
-"""Exercise 1.1, the library's answer: minipar.collectives.ring_all_reduce, on a copy padded with
-zeros to a multiple of N (the library's ring takes only lengths that N divides)."""
+"""Exercise 1.1, an answer: the ring from send_recv, with uneven chunks where N does not divide the
+length (tensor_split), 2(N-1) hops of one chunk each."""
 
 import torch
 
-from minipar.collectives import ring_all_reduce as library_ring_all_reduce
-from minipar.collectives import ring_bytes_sent
+from minipar.collectives import send_recv
+
+
+def _hop(send_t, recv_shape_like, group):
+    n, r = group.size, group.rank
+    incoming = torch.empty_like(recv_shape_like)
+    for handle in send_recv(send_t, (r + 1) % n, incoming, (r - 1) % n, group):
+        handle.wait()
+    return incoming
 
 
 def ring_all_reduce(t, group):
-    padded = torch.cat([t, t.new_zeros(-len(t) % group.size)])
-    return library_ring_all_reduce(padded, group)[: len(t)]
+    n, r = group.size, group.rank
+    chunks = list(t.clone().tensor_split(n))
+    for k in range(n - 1):  # reduce-scatter
+        dst = (r - k - 1) % n
+        chunks[dst] = chunks[dst] + _hop(chunks[(r - k) % n], chunks[dst], group)
+    for k in range(n - 1):  # all-gather
+        dst = (r - k) % n
+        chunks[dst] = _hop(chunks[(r + 1 - k) % n], chunks[dst], group)
+    return torch.cat(chunks)
 
 
 def bytes_sent_per_rank(S, N):
-    return ring_bytes_sent("all_reduce", S, N)
+    return 2 * (N - 1) * S / N

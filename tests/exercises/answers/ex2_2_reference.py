@@ -1,24 +1,39 @@
-"""Exercise 2.2, built from the library's pieces: data_parallel.bucket_params and GradBucket,
-launched from the hooks as each bucket fills (as DataParallel does)."""
+"""Exercise 2.2, an answer: buckets in backward order, a hook per parameter, each bucket's all-reduce
+started asynchronously from the hook of its last gradient, waited for in finish()."""
 
-from minipar.data_parallel import GradBucket, bucket_params
+import torch
+
+from minipar.collectives import all_reduce
 
 
 class BucketedGradSync:
     def __init__(self, model, group, bucket_bytes):
-        params = list(reversed(list(model.parameters())))
-        chunks = bucket_params(params, bucket_bytes / 2**20)
-        self.buckets = [GradBucket(i, chunk, group) for i, chunk in enumerate(chunks)]
-        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        for p in params:
+        self.group, self.buckets, current, size = group, [], [], 0
+        for p in reversed(list(model.parameters())):  # the order backward finishes them
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= bucket_bytes:
+                self.buckets.append(current)
+                current, size = [], 0
+        if current:
+            self.buckets.append(current)
+        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.ready = [set() for _ in self.buckets]
+        self.launched = []  # (bucket, its flat buffer, the all-reduce's handle)
+        for p in model.parameters():
             p.register_post_accumulate_grad_hook(self._ready)
 
     def _ready(self, p):
-        bucket = self.bucket_of[id(p)]
-        bucket.ready.add(id(p))
-        if len(bucket.ready) == len(bucket.params):
-            bucket.launch()
+        i = self.bucket_of[id(p)]
+        self.ready[i].add(id(p))
+        if len(self.ready[i]) == len(self.buckets[i]):
+            buffer = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]]).div_(self.group.size)
+            self.launched.append((i, buffer, all_reduce(buffer, self.group, async_op=True)))
 
     def finish(self):
-        for bucket in self.buckets:
-            bucket.finish()
+        for i, buffer, handle in self.launched:
+            handle.wait()
+            for p, averaged in zip(self.buckets[i], buffer.split([q.numel() for q in self.buckets[i]])):
+                p.grad.copy_(averaged.view_as(p))
+            self.ready[i].clear()
+        self.launched = []

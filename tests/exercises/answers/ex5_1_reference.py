@@ -1,3 +1,9 @@
-"""Exercise 5.1, the library's answer."""
+"""Exercise 5.1, an answer: chunk rank and chunk 2cp-1-rank of 2cp equal chunks."""
 
-from minipar.context_parallel import zigzag_positions  # noqa: F401 - the checker calls it
+import torch
+
+
+def zigzag_positions(rank, cp, seq_len):
+    c = seq_len // (2 * cp)
+    early, late = torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)
+    return torch.cat([early, late])

@@ -1,3 +1,6 @@
-"""Exercise 5.2, a plausible wrong answer: rank 3 thought to do 4 times rank 0's work (its last token's)."""
+"""Exercise 5.2, wrong: the imbalance taken to be cp (the last rank's positions are about cp times
+rank 0's... on average, but its work is the sum over them, rank 0's starting at 1)."""
 
-ANSWER = 4
+
+def ANSWER(v):  # noqa: N802
+    return v.cp

@@ -1,3 +1,5 @@
-"""Exercise 6.2, a plausible wrong answer: (p-1)/m, forgetting that the fill makes the step longer."""
+"""Exercise 6.2, wrong: the bubble over the work, (p - 1) / m, not over the whole time."""
 
-ANSWER = "3/8"
+
+def ANSWER(v):  # noqa: N802
+    return (v.p - 1) / v.m

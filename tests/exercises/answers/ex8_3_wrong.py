@@ -1,3 +1,5 @@
-"""Exercise 8.3, a plausible wrong answer: 6 FLOPs per parameter and token, attention forgotten."""
+"""Exercise 8.3, wrong: 6 Psi per token alone (attention's FLOPs forgotten)."""
 
-ANSWER = 6 * 8.03e9 * 1024 * 8192 / (8 * 989e12 * 0.45)
+
+def ANSWER(v):  # noqa: N802
+    return 6 * 8.03e9 * v.global_batch * v.seq_len / (v.gpus * 989e12 * 0.45)

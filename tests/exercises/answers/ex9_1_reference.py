@@ -1,6 +1,28 @@
-"""Exercise 9.1, the mesh's answer."""
+"""Exercise 9.1, an answer: rank 5's coordinates from the numbering, then every rank that differs in
+one coordinate alone."""
 
-from minipar.mesh import MeshLayout
+ORDER = ("tp", "cp", "dp", "pp")  # fastest first: rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i
 
-_layout = MeshLayout(16, dp=2, tp=2, pp=2, cp=2)
-ANSWER = {d: next(g for g in _layout.groups(d) if 5 in g) for d in ("tp", "cp", "dp", "pp")}
+
+def coordinates(rank, sizes):
+    out = {}
+    for d in ORDER:
+        out[d], rank = rank % sizes[d], rank // sizes[d]
+    return out
+
+
+def rank_of(coords, sizes):
+    rank = 0
+    for d in reversed(ORDER):
+        rank = rank * sizes[d] + coords[d]
+    return rank
+
+
+def group(rank, dim, sizes):
+    """The ranks that differ from `rank` in `dim` alone."""
+    c = coordinates(rank, sizes)
+    return [rank_of({**c, dim: i}, sizes) for i in range(sizes[dim])]
+
+
+def ANSWER(v):  # noqa: N802 - a function of the variant (v.mesh, v.rank)
+    return {d: group(v.rank, d, v.mesh) for d in ORDER}

@@ -1,3 +1,29 @@
-"""Exercise 9.1, a plausible wrong answer: cp and dp swapped (dp thought to vary just after tp)."""
+"""Exercise 9.1, wrong: cp taken to vary fastest, then tp (the two swapped)."""
 
-ANSWER = {"tp": [4, 5], "cp": [5, 9], "dp": [5, 7], "pp": [5, 13]}
+ORDER = ("tp", "cp", "dp", "pp")  # fastest first: rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i
+
+
+def coordinates(rank, sizes):
+    out = {}
+    for d in ORDER:
+        out[d], rank = rank % sizes[d], rank // sizes[d]
+    return out
+
+
+def rank_of(coords, sizes):
+    rank = 0
+    for d in reversed(ORDER):
+        rank = rank * sizes[d] + coords[d]
+    return rank
+
+
+def group(rank, dim, sizes):
+    """The ranks that differ from `rank` in `dim` alone."""
+    c = coordinates(rank, sizes)
+    return [rank_of({**c, dim: i}, sizes) for i in range(sizes[dim])]
+
+
+def ANSWER(v):  # noqa: N802
+    swapped = {**v.mesh, "tp": v.mesh["cp"], "cp": v.mesh["tp"]}
+    groups = {d: group(v.rank, d, swapped) for d in ORDER}
+    return {**groups, "tp": groups["cp"], "cp": groups["tp"]}

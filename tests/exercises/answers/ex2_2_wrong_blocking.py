@@ -1,0 +1,41 @@
+"""Exercise 2.2, wrong: the right buckets, each all-reduced from the hook, but blocking: backward
+stands still until the bucket's message has arrived, so nothing overlaps (the point of buckets)."""
+
+import torch
+
+from minipar.collectives import all_reduce
+
+
+class BucketedGradSync:
+    def __init__(self, model, group, bucket_bytes):
+        self.group, self.buckets, current, size = group, [], [], 0
+        for p in reversed(list(model.parameters())):  # the order backward finishes them
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= bucket_bytes:
+                self.buckets.append(current)
+                current, size = [], 0
+        if current:
+            self.buckets.append(current)
+        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.ready = [set() for _ in self.buckets]
+        self.launched = []  # (bucket, its flat buffer, the all-reduce's handle)
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self._ready)
+
+    def _ready(self, p):
+        i = self.bucket_of[id(p)]
+        self.ready[i].add(id(p))
+        if len(self.ready[i]) == len(self.buckets[i]):
+            buffer = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]]).div_(self.group.size)
+            all_reduce(buffer, self.group)
+            self.launched.append((i, buffer, None))
+
+    def finish(self):
+        for i, buffer, handle in self.launched:
+            if handle is not None:
+                handle.wait()
+            for p, averaged in zip(self.buckets[i], buffer.split([q.numel() for q in self.buckets[i]])):
+                p.grad.copy_(averaged.view_as(p))
+            self.ready[i].clear()
+        self.launched = []

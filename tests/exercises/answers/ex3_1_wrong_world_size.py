@@ -1,0 +1,28 @@
+"""Exercise 3.1, wrong: the reduce-scattered gradient divided by the world's size, not the group's:
+right when the group is the world, wrong when it is two ranks of four."""
+
+import sys
+from pathlib import Path
+
+import torch.distributed as dist  # noqa: F401
+
+from minipar.collectives import all_gather, all_reduce, reduce_scatter  # noqa: F401
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from checks_collectives import adam_by_hand  # noqa: E402
+
+
+class Zero1Adam:
+    def __init__(self, flat_param, group, lr):
+        self.flat, self.group, self.lr = flat_param, group, lr
+        self.shard = flat_param.chunk(group.size)[group.rank].clone()
+        self.state, self.steps = {}, 0
+
+    def step(self, flat_grad):
+        self.steps += 1
+        grad = reduce_scatter(flat_grad, self.group) / dist.get_world_size()
+        adam_by_hand(self.shard, grad, self.state, self.steps, self.lr)
+        self.flat.copy_(all_gather(self.shard, self.group))
+
+    def state_numel(self):
+        return sum(t.numel() for t in self.state.values())
