@@ -169,6 +169,12 @@ def test_make_exercise_lists_the_exercises_and_prints_pass_or_fail(capsys, monke
     out = capsys.readouterr().out
     assert "FAIL" in out and "cp=1, seq_len=6: the ranks do not hold every position exactly once" in out
     assert run.main(["6"]) == 2  # a chapter alone is not an exercise: the list, and exit 2
+    assert "run.py: no exercise '6'" in capsys.readouterr().err
+    assert run.main(["1.1", "missing.py"]) == 2  # one line, not an AttributeError
+    assert capsys.readouterr().err.startswith("run.py: no such file: missing.py (python tests/exercises/run.py 1.1")
+    assert run.main(["6.1 5.1"]) == 1  # make exercise N='6.1 5.1': each in turn; 5.1's skeleton fails
+    out = capsys.readouterr().out
+    assert "exercise 6.1" in out and "exercise 5.1" in out
 
 
 def test_the_zero1_checkers_adam_is_torchs_adam():

@@ -18,7 +18,12 @@ import harness  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
+    argv = [word for arg in argv for word in arg.split()]  # make exercise N='1.1 2.1': several, in turn
+    if len(argv) > 1 and all(a in checks.EXERCISES for a in argv):
+        return max(main([number]) for number in argv)
     if not argv or argv[0] not in checks.EXERCISES:
+        if argv:
+            print(f"run.py: no exercise {argv[0]!r}: give one of those below", file=sys.stderr)
         print("usage: make exercise N=<chapter.exercise>, e.g. N=3.1   (or: python tests/exercises/run.py 3.1 "
               "[your_file.py])")
         for n, (name, kind, title, _, minutes) in checks.EXERCISES.items():
@@ -26,6 +31,10 @@ def main(argv: list[str]) -> int:
         return 0 if not argv else 2
     number = argv[0]
     path = Path(argv[1]) if len(argv) > 1 else checks.EXERCISES_DIR / checks.EXERCISES[number][0]
+    if len(argv) > 2 or not path.is_file():
+        print(f"run.py: {'give one file after the exercise number' if len(argv) > 2 else f'no such file: {path}'} "
+              f"(python tests/exercises/run.py {number} [your_file.py])", file=sys.stderr)
+        return 2
     question = checks.asked(number, path)
     if question:  # a predict exercise: the numbers of the student's variant
         print(f"exercise {number}, {question}")
