@@ -123,6 +123,7 @@ CASES = [  # (script, argv, a fragment of the one line)
     ("plan", ["--gpu-memory", "80"], "argument --gpu-memory: 80 has no unit: give e.g. 80GB or 80GiB"),
     ("plan", ["--gpu-memory", "lotsGB"], "argument --gpu-memory: 'lotsGB' is not a size"),
     ("plan", ["--gpus", "0"], "argument --gpus: 0 is out of range: give 1 or more"),
+    ("plan", ["--gpu-memory", "-80GB"], "argument --gpu-memory: -80GB is out of range"),  # a value, not a flag
     ("plan", ["--mfu", "0"], "argument --mfu: 0 is out of range: give a fraction above 0"),
     ("plan", ["--global-batch", "0"], "argument --global-batch: 0 is out of range"),
     ("plan", ["--gpus-per-node", "0"], "argument --gpus-per-node: 0 is out of range"),

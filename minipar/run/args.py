@@ -38,7 +38,12 @@ class InputError(ValueError):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a flag it cannot parse is one line like every other refusal, not a usage block."""
+    """argparse, but a flag it cannot parse is one line like every other refusal, not a usage block;
+    and "-80GB" after a flag is its value (which the flag's type refuses), not an unknown flag."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")  # what argparse reads as a value, not a flag
 
     def error(self, message):
         raise InputError(f"{message} ({self.prog} --help lists every flag)")
