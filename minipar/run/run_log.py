@@ -76,7 +76,7 @@ class RunLog:
                      f"{batches} batch(es) of them every {cfg.eval_every or cfg.steps} steps and at the end")
         if self.is_main:
             self.wandb = start_wandb(cfg) if cfg.wandb else None
-            self.file = open(cfg.log_json, "a") if cfg.log_json else None
+            self.file = open_json_log(cfg.log_json, start) if cfg.log_json else None
             self.bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
 
     def tick(self) -> None:
@@ -214,6 +214,22 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((f for key, f in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def open_json_log(path: str, start: int):
+    """The JSON log, to append to. A run resumed at step `start` first drops the records of the
+    steps after it (a restart runs them again) and marks where it resumed, {"step", "resumed": true}:
+    a reader sees one value per step."""
+    log = Path(path).expanduser()
+    if start and log.exists():
+        kept = [line for line in log.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= start]
+        tmp = log.with_name(f".tmp-{os.getpid()}-{log.name}")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, log)  # this run's own log (a new run never appends to a file: preflight.py)
+    file = open(log, "a")
+    if start:
+        file.write(json.dumps({"step": start, "resumed": True}) + "\n")
+    return file
 
 
 def start_wandb(cfg: TrainConfig):
