@@ -65,6 +65,10 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_exactly_as_an_uninterrupt
     # the run gone on before the kill landed); the first attempt started fresh (--out was empty).
     resumed = re.findall(r"resumed from (\S+) at step (\d+)", killed.stdout)
     assert len(resumed) == 1, killed.stdout[-3000:]
+    # The survivor says in one line which rank it lost (if torchrun has not ended it first), never a traceback.
+    assert "[rank0]: Traceback" not in killed.stderr and "[rank0]:   File" not in killed.stderr, killed.stderr[-3000:]
+    said = [line for line in killed.stderr.splitlines() if line.startswith("minipar: error: rank 0: a peer closed")]
+    assert all("ranks [1] did not say" in line for line in said), said
     start = int(resumed[0][1])
     assert resumed[0][0] == str(tmp / "auto" / f"step_{start:06d}") and start % ARGS["save_every"] == 0
     records = [json.loads(line) for line in (tmp / "auto.jsonl").read_text().splitlines()]

@@ -43,17 +43,24 @@ class HangWatch:
         self.last = (group, op, ranks, peer)
 
 
+# What gloo and NCCL say when the other end of a connection is gone (a rank killed, its machine lost).
+LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
+
+
 def hang_report(timeout: float, watch: HangWatch, error: Exception, wait: float = 2.0) -> str:
-    """One line: which rank gave up, after how long, the last operation it had asked of others, and
-    (for a collective) which ranks of its group reached it: see `arrivals`."""
-    rank, last = dist.get_rank(), watch.last
+    """One line: which rank gave up, why (no answer within the timeout, or a peer's connection
+    lost), the last operation it had asked of others, and (for a collective) which ranks of its
+    group reached it: see `arrivals`."""
+    rank, last, lost = dist.get_rank(), watch.last, any(w in str(error).lower() for w in LOST)
     if last is None:
         return f"rank {rank}: a collective failed ({str(error).splitlines()[0][:200]})"
     group, op, ranks, peer = last
+    wait = 0.2 if lost else wait  # a dead rank never says: torchrun is about to end this one too
     waits = f", from rank {peer}" if peer is not None else \
         f" #{watch.posted[group]} with ranks {list(ranks)}{arrivals(group, ranks, dict(watch.posted), wait)}"
-    return (f"rank {rank}: no answer within --timeout {timeout:g} s; the last operation it asked of others "
-            f"was {group}/{op}{waits} (a rank there stopped, died or runs a different step); the job stops")
+    why = "a peer closed its connection" if lost else f"no answer within --timeout {timeout:g} s"
+    return (f"rank {rank}: {why}; the last operation it asked of others was {group}/{op}{waits} (a rank there "
+            f"stopped, died or runs a different step); the job stops")
 
 
 def arrivals(group: str, ranks: tuple, posted: dict[str, int], wait: float) -> str:

@@ -40,7 +40,7 @@ from minipar.run import checkpoint, train
 from minipar.run.batches import TokenData
 from minipar.run.config import ConfigError, TrainConfig, effective, parse_args
 from minipar.run.data import DataError, find_files, prepare
-from minipar.run.hang import HangWatch, RankTimeout, hang_report
+from minipar.run.hang import LOST, HangWatch, RankTimeout, hang_report
 from minipar.run.preflight import check_files
 from minipar.run.run_log import RunLog
 from minipar.run.saving import TrainingStopped
@@ -245,8 +245,8 @@ def launch(cfg: TrainConfig, resume: Path | None) -> None:
     log.measure_memory_from_here()  # the run's own memory: not the tokenizer's peak
     try:
         train.run(cfg, resume, mesh, data, log, device)
-    except RuntimeError as e:  # DistBackendError too: a rank stopped answering? name what we waited for
-        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+    except RuntimeError as e:  # DistBackendError too: a rank stopped answering or died? name what we waited for
+        if not any(w in str(e).lower() for w in ("timed out", "timeout", *LOST)):
             raise
         raise RankTimeout(hang_report(cfg.timeout, watch, e)) from None
     log.close()
