@@ -34,7 +34,7 @@ With every degree 1 the model is returned as it came.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from functools import partial
 
 import torch
@@ -62,7 +62,6 @@ from minipar.model import (
     rope_cos_sin,
     sequence_positions,
 )
-from minipar.moe import MoE
 from minipar.tensor_parallel import (
     ColumnParallelLinear,
     ReplicatedRowsLinear,
@@ -255,16 +254,25 @@ def _token_weighted_loss(logits, targets, divisor=None, *, loss_fn, group: Group
 
 def recompute_layers(model: Llama) -> None:
     for layer in model.layers.values():
-        layer.forward = partial(_recomputed, layer.forward, getattr(layer, "moe", None))
+        layer.forward = partial(_recomputed, layer.forward, layer)
 
 
-def _recomputed(forward, moe: MoE | None, x):
+def _recomputed(forward, layer: nn.Module, x):
     if not torch.is_grad_enabled():
         return forward(x)
-    return torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False, context_fn=partial(_run_contexts, moe))
+    return torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False, context_fn=partial(_run_contexts, layer))
 
 
-def _run_contexts(moe: MoE | None):
-    """Around the layer's forward, and around its replay in backward that rebuilds what was not
-    kept: an MoE block has counted its tokens in the forward, and the replay counts none."""
-    return nullcontext(), moe.replaying() if moe is not None else nullcontext()
+def _run_contexts(layer: nn.Module):
+    """Around the layer's forward nothing; around its replay in backward, which rebuilds what was not
+    kept, each module's `replaying()` that has one (chapter 7's router: its count of tokens stays)."""
+    return nullcontext(), _replaying(layer)
+
+
+@contextmanager
+def _replaying(layer: nn.Module):
+    with ExitStack() as stack:
+        for m in layer.modules():
+            if hasattr(m, "replaying"):
+                stack.enter_context(m.replaying())
+        yield

@@ -173,7 +173,6 @@ def inversions(graph: dict[str, set[str]]) -> list[str]:
 WORK_LIST = {
     "minipar.data_parallel (2) -> minipar.precision (3)",
     "minipar.data_parallel (2) -> minipar.tensor_parallel (4)",
-    "minipar.model (0) -> minipar.moe (7)",
     "minipar.planning.estimate (8) -> minipar.run.config (10)",
     "minipar.planning.estimate_moe (8) -> minipar.run.config (10)",
     "minipar.planning.planner (8) -> minipar.run.config (10)",
