@@ -239,7 +239,7 @@ def _token_weighted_loss(logits, targets, divisor=None, *, loss_fn, group: Group
     """The mean over the whole sequence, not a mean of the cp ranks' means: this rank's mean
     weighed by its share of the tokens, times cp, so that averaging over cp (dp x cp data
     parallelism does) gives the token mean. Training passes a divisor counted over the global
-    batch (train.loss_divisor): then the sum / divisor is already right on every rank."""
+    batch (run/step.loss_divisor): then the sum / divisor is already right on every rank."""
     if divisor is not None:
         return loss_fn(logits, targets, divisor)
     loss = loss_fn(logits, targets)

@@ -46,7 +46,6 @@ from minipar.data_parallel import GradSync, bucket_params, by_grad_mean, clip_gr
 from minipar.mesh import Groups
 from minipar.placement import DENSE, placement_of
 from minipar.precision import FULL, Precision
-from minipar.tensor_parallel import sync_partial_grads
 
 
 def bucket_plan(param_groups: list[dict], chunks) -> list[tuple[int, tuple[str, ...], list[nn.Parameter]]]:
@@ -194,7 +193,7 @@ class ZeroDataParallel(GradSync):
         bucket = self._bucket_of[id(p)]
         bucket.ready.add(id(p))
         if len(bucket.ready) == len(bucket.params):  # stage 2: reduce-scatter now, free the full grads
-            sync_partial_grads(bucket.params, self.groups.tp)  # tp partial sums first
+            self.sum_partial_grads(bucket.params)  # tp partial sums first
             bucket.reduce_scatter_grads()
             self._bucket_done(bucket)
 
@@ -205,7 +204,7 @@ class ZeroDataParallel(GradSync):
         """Reduce-scatter whatever backward has not (all of it in stage 1)."""
         for bucket in self.buckets:
             if any(p.grad is not None for p in bucket.params):
-                sync_partial_grads(bucket.params, self.groups.tp)  # tp partial sums first
+                self.sum_partial_grads(bucket.params)  # tp partial sums first
                 bucket.reduce_scatter_grads()
 
     def clip_and_step(self, max_norm: float, pp_group: Group | None = None) -> float:
