@@ -131,7 +131,11 @@ class ZeroBucket:
         self.ready.clear()
 
     def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
-        return reduce_scatter(flat, self.group)  # ZeRO++'s qgZ sends it its own way (zero3.py)
+        return reduce_scatter(flat, self.group)  # ZeRO-3's buckets: as their transport sends it (zero3.py)
+
+    def held(self) -> list[torch.Tensor]:
+        """What the bucket keeps beside the model's parameters: this rank's master slice."""
+        return [self.master]
 
     def all_gather_params(self) -> None:
         """Every rank's updated slice, gathered straight into the parameters' flat vector.
@@ -277,10 +281,9 @@ class ZeroDataParallel(GradSync):
 
     # -- what each rank holds, measured on the real tensors ----------------------------------------
     def param_bytes(self) -> int:
-        """Full weights held now, plus this rank's master slices (and ZeRO-3's bf16 shards under bf16-mixed,
-        ZeRO++'s hpZ secondary shards)."""
-        extra = [(b.master, getattr(b, "shard", None), getattr(b, "secondary", None)) for b in self.buckets]
-        held = [*self.module.parameters(), *(t for ts in extra for t in ts if t is not None)]
+        """Full weights held now, plus what each bucket keeps (its master slice; ZeRO-3: its shard, and
+        what its transport keeps)."""
+        held = [*self.module.parameters(), *(t for b in self.buckets for t in b.held())]
         # By storage: a bucket's parameters share one buffer (ZeRO-3: of 0 bytes once freed), a shard may be its master.
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
         return sum(storages.values())
