@@ -260,17 +260,14 @@ def recompute_layers(model: Llama) -> None:
 def _recomputed(forward, layer: nn.Module, x):
     if not torch.is_grad_enabled():
         return forward(x)
-    return torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False, context_fn=partial(_run_contexts, layer))
-
-
-def _run_contexts(layer: nn.Module):
-    """Around the layer's forward nothing; around its replay in backward, which rebuilds what was not
-    kept, each module's `replaying()` that has one (chapter 7's router: its count of tokens stays)."""
-    return nullcontext(), _replaying(layer)
+    return torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False,
+                                             context_fn=lambda: (nullcontext(), _replaying(layer)))
 
 
 @contextmanager
 def _replaying(layer: nn.Module):
+    """Around a layer's replay in backward, which rebuilds what its forward did not keep: each module's
+    `replaying()` that has one (chapter 7's router: the tokens it counted in forward stay counted once)."""
     with ExitStack() as stack:
         for m in layer.modules():
             if hasattr(m, "replaying"):

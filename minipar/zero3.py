@@ -70,24 +70,22 @@ def unit_chunks(units: list[nn.Module], params: list[nn.Parameter]) -> list[list
 
 
 class Transport:
-    """How a ZeRO-3 bucket's weights and gradients travel: here the plain all-gather of every rank's
-    shard and reduce-scatter of the gradients, over the bucket's group, whatever the phase."""
+    """How a bucket's messages travel: here plainly, an all-gather of every rank's shard and a reduce-
+    scatter of the gradients over its group, whatever the phase of the gather."""
 
-    def prepare(self, bucket: ShardedBucket) -> None:
-        """Called once, when the bucket is made."""
+    def prepare(self, bucket: ShardedBucket) -> None:  # once, when the bucket is made
+        pass
 
-    def start_gather(self, bucket: ShardedBucket, phase: str) -> Any:
-        """Start filling bucket.full with every rank's shard; returns the message in flight (wait() ends it)."""
+    def start_gather(self, bucket: ShardedBucket, phase: str) -> Any:  # into bucket.full; wait() ends it
         return all_gather_into(bucket.full.data, bucket.shard, bucket.group, async_op=True)  # N x [padded // N]
 
-    def gathered(self, bucket: ShardedBucket, phase: str) -> None:
-        """Called once a gather of `phase` has arrived in bucket.full."""
+    def gathered(self, bucket: ShardedBucket, phase: str) -> None:  # once a gather of `phase` has arrived
+        pass
 
     def reduce_scatter(self, bucket: ShardedBucket, flat: torch.Tensor) -> torch.Tensor:
         return reduce_scatter(flat, bucket.group)  # [padded] -> [padded // N]
 
-    def held(self, bucket: ShardedBucket) -> list[torch.Tensor]:
-        """What it keeps for the bucket beyond the shard, for the wrapper's param_bytes."""
+    def held(self, bucket: ShardedBucket) -> list[torch.Tensor]:  # what it keeps beyond the shard
         return []
 
 
