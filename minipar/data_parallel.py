@@ -54,15 +54,26 @@ from __future__ import annotations
 import math
 import weakref
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from minipar.collectives import Group, all_reduce, broadcast
 from minipar.mesh import Groups
-from minipar.placement import DENSE, placement_of
-from minipar.precision import FULL, Precision
-from minipar.tensor_parallel import sync_partial_grads
+from minipar.placement import DENSE, placement_of, sync_partial_grads
+
+
+class Precision(Protocol):
+    """What a wrapper asks of the precision policy it is handed (chapter 3's precision.Precision): are the
+    weights a `working` copy of masters it keeps (`mixed`), gradients sent in `reduce`? None: one dtype."""
+
+    @property
+    def mixed(self) -> bool: ...
+    @property
+    def working(self) -> torch.dtype: ...
+    @property
+    def reduce(self) -> torch.dtype: ...
 
 
 def param_groups(model: nn.Module, cfg) -> list[dict]:
@@ -91,19 +102,6 @@ def by_grad_mean(params: list[nn.Parameter]) -> dict[tuple[str, ...], list[nn.Pa
     for p in params:
         out.setdefault(placement_of(p).grad_mean, []).append(p)
     return out
-
-
-def loss_divisor(micro_batches, group) -> float:
-    """The global batch's count of real targets / the replicas that average the gradients.
-
-    `group` is the dense parameters' reduction group (dp x cp): summed over it, the count covers
-    the global batch once; the wrappers then divide the summed gradient by group.size, so dividing
-    each token loss by count / size here makes the whole a single division by the count. An
-    all-ignored batch divides by 1: its loss and gradients are 0, not NaN.
-    """
-    count = sum((y != -100).sum() for _, y in micro_batches).to(torch.float64).reshape(1)
-    all_reduce(count, group)  # 8 bytes, once per step
-    return max(float(count.item()), 1.0) / group.size
 
 
 def clip_grads(grads: list[torch.Tensor], spread: list[tuple[Group, ...]], max_norm: float,
@@ -205,10 +203,10 @@ def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, stat
             optimizer.state[(master or {}).get(params[name], params[name])][slot] = value
 
 
-def master_copies(params: list[nn.Parameter], precision: Precision) -> dict[nn.Parameter, nn.Parameter]:
+def master_copies(params: list[nn.Parameter], precision: Precision | None) -> dict[nn.Parameter, nn.Parameter]:
     """bf16-mixed: each parameter's fp32 master, a copy, and the parameter itself becomes its bf16
     working copy (the model computes with it). Otherwise each parameter is its own master."""
-    if not precision.mixed:
+    if precision is None or not precision.mixed:
         return {p: p for p in params}
     masters = {p: nn.Parameter(p.detach().clone()) for p in params}
     for p in params:
@@ -219,7 +217,7 @@ def master_copies(params: list[nn.Parameter], precision: Precision) -> dict[nn.P
 class GradSync(nn.Module):
     """What every gradient-sync wrapper shares (the protocol is in the module docstring): it holds
     `module`, `optimizer` and the mesh's `groups`; `group` is the dense parameters' reduction group
-    (dp, or dp x cp), over which each rank's share of the batch is counted (loss_divisor)."""
+    (dp, or dp x cp), over which each rank's share of the batch is counted (run/step.py)."""
 
     module: nn.Module
     optimizer: torch.optim.Optimizer
@@ -241,6 +239,11 @@ class GradSync(nn.Module):
     def spread_of(self, p: nn.Parameter) -> tuple[Group, ...]:
         """The groups whose ranks hold p's other pieces (its Placement.shards: tp, ep)."""
         return self.groups.shards(placement_of(p))
+
+    def sum_partial_grads(self, params: list[nn.Parameter]) -> None:
+        """Add up, over its group, each gradient that its Placement says is a partial sum (chapter 4)."""
+        for dim in sorted({d for p in params for d in placement_of(p).partial}):
+            sync_partial_grads(params, self.groups[dim])
 
     @contextmanager
     def _holding(self, weights: dict[nn.Parameter, torch.Tensor]):
@@ -273,9 +276,11 @@ class DataParallel(GradSync):
     """
 
     def __init__(self, module: nn.Module, groups: Groups, bucket_mb: float = 25.0,
-                 optimizer: torch.optim.Optimizer | None = None, precision: Precision = FULL):
+                 optimizer: torch.optim.Optimizer | None = None, precision: Precision | None = None):
         super().__init__()
-        self.module, self.groups, self.optimizer, self.precision = module, groups, optimizer, precision
+        self.module, self.groups, self.optimizer = module, groups, optimizer
+        self.mixed = precision is not None and precision.mixed  # bf16-mixed: the policy grad_sync hands in
+        self.reduce = precision.reduce if precision is not None and precision.mixed else None  # None: the grads'
         self.group = groups.reduction(DENSE)
         self.sync = True
         self.buckets = self._make_buckets([p for p in module.parameters() if p.requires_grad], bucket_mb)
@@ -288,7 +293,7 @@ class DataParallel(GradSync):
                 broadcast(t.data, self.group, src=0)
         # bf16-mixed: the optimizer, built on the model's fp32 parameters, steps their fp32 masters.
         self.master = master_copies(list(module.parameters()), precision)
-        if optimizer is not None and precision.mixed:
+        if optimizer is not None and self.mixed:
             for g in optimizer.param_groups:
                 g["params"] = [self.master[p] for p in g["params"]]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -302,8 +307,7 @@ class DataParallel(GradSync):
         # Backward meets the last layers first; a bucket never mixes reduction groups.
         chunks = [(chunk, self.groups.reduction(dims)) for dims, ps in by_grad_mean(list(reversed(params))).items()
                   for chunk in bucket_params(ps, bucket_mb)]
-        reduce = self.precision.reduce if self.precision.mixed else None
-        return [GradBucket(i, chunk, group, reduce) for i, (chunk, group) in enumerate(chunks)]
+        return [GradBucket(i, chunk, group, self.reduce) for i, (chunk, group) in enumerate(chunks)]
 
     @contextmanager
     def no_sync(self):
@@ -356,7 +360,7 @@ class DataParallel(GradSync):
         """Sum the tp partial gradients, clip by the global norm (over tp and pp), step. bf16-mixed:
         the masters take fp32 copies of the gradients (the norm is an fp32 sum), and after the step
         the working weights take bf16 copies of the masters."""
-        sync_partial_grads(self.module, self.groups.tp)
+        self.sum_partial_grads(list(self.module.parameters()))
         params = [p for p in self.module.parameters() if p.grad is not None]
         for p in params:
             self.master[p].grad = p.grad.to(self.master[p].dtype)  # the same tensor unless bf16-mixed
@@ -364,7 +368,7 @@ class DataParallel(GradSync):
         norm = clip_grads(grads, [self.spread_of(p) for p in params], max_norm, [pp_group])
         if math.isfinite(norm):  # every rank has the same norm, so every rank skips a bad step alike
             self.optimizer.step()
-            if self.precision.mixed:
+            if self.mixed:
                 for p, master in self.master.items():
                     p.data.copy_(master.detach())  # rounded to bf16
         self.optimizer.zero_grad(set_to_none=True)
@@ -382,7 +386,7 @@ class DataParallel(GradSync):
     @contextmanager
     def gathered(self):
         """The weights are whole here; bf16-mixed shows the fp32 masters (what a checkpoint saves)."""
-        with self._holding({p: m.detach() for p, m in self.master.items()} if self.precision.mixed else {}):
+        with self._holding({p: m.detach() for p, m in self.master.items()} if self.mixed else {}):
             yield
 
     def param_bytes(self) -> int:

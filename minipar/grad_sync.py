@@ -11,7 +11,7 @@ loop, the benchmarks and the course scripts build them alike:
     zero 1   ZeroDataParallel     the wrapper builds it on its slices (make_optimizer), stage 1
     zero 2   ZeroDataParallel     stage 2: the gradients sharded too
     zero 3   Zero3DataParallel    the weights too; each layer is a bucket (bucket_mb unused);
-                                  `zeropp` (any of qwz, hpz, qgz: zeropp.py) changes how it sends
+                                  `zeropp` (any of qwz, hpz, qgz) hands it ZeRO++'s transport
 
 `precision` (precision.py) is the same choice for all four: bf16-mixed keeps fp32 master weights
 in whichever wrapper runs, whole in DataParallel, this rank's slices under ZeRO.
@@ -31,6 +31,7 @@ from minipar.mesh import Groups
 from minipar.precision import FULL, Precision
 from minipar.zero import ZeroDataParallel
 from minipar.zero3 import Zero3DataParallel
+from minipar.zeropp import ZeroPP
 
 BETAS = (0.9, 0.95)  # a shorter memory for the second moment than Adam's 0.999: steadier large-model runs
 EPS = 1e-8
@@ -57,7 +58,8 @@ def build_grad_sync(model: nn.Module, groups: Groups, param_groups: list[dict],
     if zeropp and zero != 3:
         raise ValueError(f"ZeRO++ ({','.join(zeropp)}) needs ZeRO stage 3, not {zero}")
     if zero == 3:
-        return Zero3DataParallel(model, groups, make_optimizer, param_groups, precision=precision, zeropp=zeropp)
+        transport = ZeroPP.over(groups, zeropp) if zeropp else None  # zeropp.py; None: the plain messages
+        return Zero3DataParallel(model, groups, make_optimizer, param_groups, precision=precision, transport=transport)
     if zero:
         return ZeroDataParallel(model, groups, zero, make_optimizer, param_groups, bucket_mb, offload, precision)
     return DataParallel(model, groups, bucket_mb, optimizer=make_optimizer(param_groups), precision=precision)

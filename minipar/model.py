@@ -22,7 +22,8 @@ parallel version, the embedding, the head) and the loss function, and the tests 
 model equal to this one. The seams it leaves are plain attributes: `Llama.loss_fn` (the loss from
 the logits: vocabulary-parallel under tensor parallelism), and `Attention.attend` and
 `Attention.positions` (the attention function and the tokens' positions: generation's KV cache
-swaps them, run/generate.py).
+swaps them, run/generate.py). Nor does it know experts: a block's feed-forward part is the kind its
+config names, built from FEED_FORWARD, where chapter 7 (moe.py) adds its mixture of experts.
 """
 
 from __future__ import annotations
@@ -35,8 +36,6 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
-
-from minipar.moe import MoE
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ class ModelConfig:
     rope_original_max_len: int = 8192
     norm_eps: float = 1e-5
     tie_embeddings: bool = False  # the LM head reads the embedding table (one [V, d] weight, not two)
-    # Mixture of experts (moe.py): n_experts > 0 makes every block after the first `dense_layers` an MoE block.
+    # Experts (chapter 7, moe.py): n_experts > 0 gives every block after the first `dense_layers` a mixture of experts.
     n_experts: int = 0
     top_k: int = 2
     expert_ffn_dim: int = 0
@@ -87,8 +86,9 @@ class ModelConfig:
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top-k {self.top_k} must be between 1 and the {self.n_experts} experts")
 
-    def is_moe(self, layer: int) -> bool:
-        return self.n_experts > 0 and layer >= self.dense_layers
+    def feed_forward(self, layer: int) -> str:
+        """The kind of feed-forward block layer `layer` has, and its name in the block: "mlp", or "moe"."""
+        return "moe" if self.n_experts > 0 and layer >= self.dense_layers else "mlp"
 
     def num_params(self, active: bool = False) -> int:
         """Parameter count, computed from the shapes (no model is built: works for 8B too).
@@ -96,8 +96,8 @@ class ModelConfig:
         d, kv, fe = self.dim, self.n_kv_heads * self.head_dim, self.expert_ffn_dim
         attn_and_norms = 2 * d * d + 2 * d * kv + 2 * d
         experts = (self.top_k if active else self.n_experts) + self.n_shared_experts
-        moe = self.n_experts * d + 3 * d * fe * experts
-        layers = sum(attn_and_norms + (moe if self.is_moe(i) else 3 * d * self.ffn_dim) for i in range(self.n_layers))
+        ffn = {"moe": self.n_experts * d + 3 * d * fe * experts, "mlp": 3 * d * self.ffn_dim}
+        layers = sum(attn_and_norms + ffn[self.feed_forward(i)] for i in range(self.n_layers))
         return (1 if self.tie_embeddings else 2) * self.vocab_size * d + layers + d
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -287,23 +287,28 @@ class MLP(nn.Module):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
+# Each kind of feed-forward block (ModelConfig.feed_forward) by name. The model builds what is here and
+# knows nothing else: chapter 7 adds its mixture of experts, "moe" (moe.py), when it is imported.
+FEED_FORWARD: dict[str, type[nn.Module]] = {"mlp": MLP}
+
+
 class Block(nn.Module):
-    """Attention then a feed-forward part: the dense MLP (`mlp`), or a mixture of experts (`moe`)."""
+    """Attention then the feed-forward block of the kind the config gives this layer, under its name."""
 
     def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(config.dim, config.norm_eps)
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
-        if config.is_moe(layer):
-            self.moe = MoE(config)
-        else:
-            self.mlp = MLP(config)
+        self.kind = config.feed_forward(layer)
+        if self.kind not in FEED_FORWARD:
+            raise ValueError(f"layer {layer} takes a {self.kind!r} block, which its module adds to FEED_FORWARD "
+                             f"when imported: import minipar.{self.kind}")
+        self.add_module(self.kind, FEED_FORWARD[self.kind](config))
 
     def forward(self, x):
         x = x + self.attn(self.attn_norm(x))
-        feed_forward = self.moe if hasattr(self, "moe") else self.mlp
-        return x + feed_forward(self.mlp_norm(x))
+        return x + getattr(self, self.kind)(self.mlp_norm(x))
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, divisor: float | None = None) -> torch.Tensor:

@@ -7,7 +7,10 @@ the experts, and a router that picks k of them for each token:
     chosen  = the k most probable experts        and their probabilities, renormalised to sum to 1
     y_t     = sum over t's k experts e of weight_te * expert_e(x_t)   (+ shared_expert(x_t))
 
-Parameters grow with E, the work per token only with k: that is the point of experts.
+Parameters grow with E, the work per token only with k: that is the point of experts. The plain
+model (model.py) knows none of this: this module adds its block to the model's FEED_FORWARD, and a
+config with experts (n_experts > 0) then builds one in place of the MLP of each layer after its
+first `dense_layers`.
 
 How the work is laid out. The T*k (token, expert) assignments are sorted by expert (a stable
 sort: an expert's tokens stay in token order), so each expert's tokens are one contiguous run;
@@ -39,6 +42,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from minipar.model import FEED_FORWARD
 
 
 class Experts(nn.Module):
@@ -149,6 +154,9 @@ class MoE(nn.Module):
         p_sum = (probs / probs.sum(-1, keepdim=True)).sum(0)  # sigmoid scores normalised too
         p_sum, counts, tokens = self.pool_tokens(p_sum, counts.to(probs.dtype), len(probs))
         return self.n_experts * ((counts / (tokens * self.top_k)) * (p_sum / tokens)).sum()
+
+
+FEED_FORWARD["moe"] = MoE  # the plain model builds one in each layer its config gives experts (model.Block)
 
 
 def whole_batch(p_sum: torch.Tensor, counts: torch.Tensor, tokens: int):

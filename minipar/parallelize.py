@@ -34,7 +34,7 @@ With every degree 1 the model is returned as it came.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from functools import partial
 
 import torch
@@ -62,7 +62,6 @@ from minipar.model import (
     rope_cos_sin,
     sequence_positions,
 )
-from minipar.moe import MoE
 from minipar.tensor_parallel import (
     ColumnParallelLinear,
     ReplicatedRowsLinear,
@@ -240,7 +239,7 @@ def _token_weighted_loss(logits, targets, divisor=None, *, loss_fn, group: Group
     """The mean over the whole sequence, not a mean of the cp ranks' means: this rank's mean
     weighed by its share of the tokens, times cp, so that averaging over cp (dp x cp data
     parallelism does) gives the token mean. Training passes a divisor counted over the global
-    batch (train.loss_divisor): then the sum / divisor is already right on every rank."""
+    batch (run/step.loss_divisor): then the sum / divisor is already right on every rank."""
     if divisor is not None:
         return loss_fn(logits, targets, divisor)
     loss = loss_fn(logits, targets)
@@ -255,16 +254,22 @@ def _token_weighted_loss(logits, targets, divisor=None, *, loss_fn, group: Group
 
 def recompute_layers(model: Llama) -> None:
     for layer in model.layers.values():
-        layer.forward = partial(_recomputed, layer.forward, getattr(layer, "moe", None))
+        layer.forward = partial(_recomputed, layer.forward, layer)
 
 
-def _recomputed(forward, moe: MoE | None, x):
+def _recomputed(forward, layer: nn.Module, x):
     if not torch.is_grad_enabled():
         return forward(x)
-    return torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False, context_fn=partial(_run_contexts, moe))
+    return torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False,
+                                             context_fn=lambda: (nullcontext(), _replaying(layer)))
 
 
-def _run_contexts(moe: MoE | None):
-    """Around the layer's forward, and around its replay in backward that rebuilds what was not
-    kept: an MoE block has counted its tokens in the forward, and the replay counts none."""
-    return nullcontext(), moe.replaying() if moe is not None else nullcontext()
+@contextmanager
+def _replaying(layer: nn.Module):
+    """Around a layer's replay in backward, which rebuilds what its forward did not keep: each module's
+    `replaying()` that has one (chapter 7's router: the tokens it counted in forward stay counted once)."""
+    with ExitStack() as stack:
+        for m in layer.modules():
+            if hasattr(m, "replaying"):
+                stack.enter_context(m.replaying())
+        yield

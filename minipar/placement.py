@@ -14,7 +14,8 @@ copy. Parallelism changes that in three ways, and each is a fact about one param
 `Placement` holds these with the single-device shape. `parallelize` (and the tensor-parallel
 layers it installs) writes it; initialisation, gradient clipping, checkpoints, ZeRO's bucketing
 and the gradient-sync wrappers (each bucket reduced over the group of its parameters'
-grad_mean) read it, through `placement_of(p)`. A parameter no one placed is whole and dense.
+grad_mean, its partial sums added first: `sync_partial_grads`) read it, through `placement_of(p)`.
+A parameter no one placed is whole and dense.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from minipar.collectives import Group, all_reduce
 
 DENSE = ("dp", "cp")  # what a dense parameter's gradient is averaged over
 
@@ -46,3 +49,19 @@ def placement_of(p: torch.Tensor) -> Placement:
 def place(p: torch.nn.Parameter, placement: Placement) -> torch.nn.Parameter:
     p.placement = placement
     return p
+
+
+def sync_partial_grads(params, group: Group) -> None:
+    """All-reduce, in one flat message, the gradients that are partial sums over `group`'s dimension
+    (its name in Placement.partial: tp, for the norms under sequence parallelism, chapter 4).
+    `params`: a module's, or any list of parameters (a ZeRO bucket's)."""
+    params = params.parameters() if isinstance(params, torch.nn.Module) else params
+    params = [p for p in params if group.name in placement_of(p).partial and p.grad is not None]
+    if group.size == 1 or not params:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    all_reduce(flat, group)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()

@@ -61,6 +61,7 @@ from minipar.autograd_ops import (
 from minipar.collectives import Group, all_gather, all_reduce
 from minipar.mesh import Groups
 from minipar.placement import Placement, place, placement_of
+from minipar.placement import sync_partial_grads as sync_partial_grads  # its home: where a gradient says it is partial
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
 
@@ -130,21 +131,6 @@ def unshard(local: torch.Tensor, p: nn.Parameter, groups: Groups | Group) -> tor
     for mesh_dim, dim in reversed(placement.shards):
         local = all_gather(local.contiguous(), groups[mesh_dim], dim=dim).narrow(dim, 0, placement.full_shape[dim])
     return local
-
-
-def sync_partial_grads(params, group: Group) -> None:
-    """All-reduce, in one flat message, the gradients that each tp rank holds only part of.
-    `params`: a module's, or any list of parameters (a ZeRO bucket's)."""
-    params = params.parameters() if isinstance(params, nn.Module) else params
-    params = [p for p in params if "tp" in placement_of(p).partial and p.grad is not None]
-    if group.size == 1 or not params:
-        return
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    all_reduce(flat, group)
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-        offset += p.numel()
 
 
 def enter_parallel_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:

@@ -46,7 +46,6 @@ from minipar.data_parallel import GradSync, bucket_params, by_grad_mean, clip_gr
 from minipar.mesh import Groups
 from minipar.placement import DENSE, placement_of
 from minipar.precision import FULL, Precision
-from minipar.tensor_parallel import sync_partial_grads
 
 
 def bucket_plan(param_groups: list[dict], chunks) -> list[tuple[int, tuple[str, ...], list[nn.Parameter]]]:
@@ -132,7 +131,11 @@ class ZeroBucket:
         self.ready.clear()
 
     def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
-        return reduce_scatter(flat, self.group)  # ZeRO++'s qgZ sends it its own way (zero3.py)
+        return reduce_scatter(flat, self.group)  # ZeRO-3's buckets: as their transport sends it (zero3.py)
+
+    def held(self) -> list[torch.Tensor]:
+        """What the bucket keeps beside the model's parameters: this rank's master slice."""
+        return [self.master]
 
     def all_gather_params(self) -> None:
         """Every rank's updated slice, gathered straight into the parameters' flat vector.
@@ -194,7 +197,7 @@ class ZeroDataParallel(GradSync):
         bucket = self._bucket_of[id(p)]
         bucket.ready.add(id(p))
         if len(bucket.ready) == len(bucket.params):  # stage 2: reduce-scatter now, free the full grads
-            sync_partial_grads(bucket.params, self.groups.tp)  # tp partial sums first
+            self.sum_partial_grads(bucket.params)  # tp partial sums first
             bucket.reduce_scatter_grads()
             self._bucket_done(bucket)
 
@@ -205,7 +208,7 @@ class ZeroDataParallel(GradSync):
         """Reduce-scatter whatever backward has not (all of it in stage 1)."""
         for bucket in self.buckets:
             if any(p.grad is not None for p in bucket.params):
-                sync_partial_grads(bucket.params, self.groups.tp)  # tp partial sums first
+                self.sum_partial_grads(bucket.params)  # tp partial sums first
                 bucket.reduce_scatter_grads()
 
     def clip_and_step(self, max_norm: float, pp_group: Group | None = None) -> float:
@@ -278,10 +281,9 @@ class ZeroDataParallel(GradSync):
 
     # -- what each rank holds, measured on the real tensors ----------------------------------------
     def param_bytes(self) -> int:
-        """Full weights held now, plus this rank's master slices (and ZeRO-3's bf16 shards under bf16-mixed,
-        ZeRO++'s hpZ secondary shards)."""
-        extra = [(b.master, getattr(b, "shard", None), getattr(b, "secondary", None)) for b in self.buckets]
-        held = [*self.module.parameters(), *(t for ts in extra for t in ts if t is not None)]
+        """Full weights held now, plus what each bucket keeps (its master slice; ZeRO-3: its shard, and
+        what its transport keeps)."""
+        held = [*self.module.parameters(), *(t for b in self.buckets for t in b.held())]
         # By storage: a bucket's parameters share one buffer (ZeRO-3: of 0 bytes once freed), a shard may be its master.
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
         return sum(storages.values())

@@ -29,9 +29,9 @@ once per micro-batch, interleaved, so the layers would be gathered 2m times per 
 twice. minipar refuses the combination (as it refuses stage 3 with --recompute, whose second
 forward during backward these hooks do not follow).
 
-ZeRO++ (zeropp.py, `zeropp=`) changes only how a bucket's messages travel: the forward gather in
-int8 (qwZ), the backward gather from a second shard inside the node (hpZ), the gradients through
-two quantized all-to-alls (qgZ). Without it, every message is the plain one above.
+How a bucket's messages travel is its `Transport`'s business: the one here sends the plain
+all-gather and reduce-scatter above, and the wrapper may be handed another (ZeRO++, zeropp.py, the
+chapter's last section) that sends them its own way. Nothing else here changes with it.
 """
 
 from __future__ import annotations
@@ -42,11 +42,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from minipar.collectives import Group, all_gather_into
+from minipar.collectives import Group, all_gather_into, reduce_scatter
 from minipar.mesh import Groups
 from minipar.precision import FULL, Precision
 from minipar.zero import ZeroBucket, ZeroDataParallel
-from minipar.zeropp import QuantizedGather, ZeroPP, quantized_reduce_scatter
 
 
 def units_of(model: nn.Module) -> list[nn.Module]:
@@ -70,67 +69,76 @@ def unit_chunks(units: list[nn.Module], params: list[nn.Parameter]) -> list[list
     return [c for c in chunks if c]
 
 
+class Transport:
+    """How a bucket's messages travel: here plainly, an all-gather of every rank's shard and a reduce-
+    scatter of the gradients over its group, whatever the phase of the gather."""
+
+    def prepare(self, bucket: ShardedBucket) -> None:  # once, when the bucket is made
+        pass
+
+    def start_gather(self, bucket: ShardedBucket, phase: str) -> Any:  # into bucket.full; wait() ends it
+        return all_gather_into(bucket.full.data, bucket.shard, bucket.group, async_op=True)  # N x [padded // N]
+
+    def gathered(self, bucket: ShardedBucket, phase: str) -> None:  # once a gather of `phase` has arrived
+        pass
+
+    def reduce_scatter(self, bucket: ShardedBucket, flat: torch.Tensor) -> torch.Tensor:
+        return reduce_scatter(flat, bucket.group)  # [padded] -> [padded // N]
+
+    def held(self, bucket: ShardedBucket) -> list[torch.Tensor]:  # what it keeps beyond the shard
+        return []
+
+
 class ShardedBucket(ZeroBucket):
     """A ZeRO bucket whose parameters are views into a flat buffer that exists only when gathered.
     `shard`: the slice it gathers from: the master itself, or under bf16-mixed its bf16 copy (so the
-    all-gather sends bf16, and the copy is made once per step, not once per gather).
-    `plus` (ZeRO++): hpZ adds `secondary`, this rank's 1/K of the whole bucket inside its node."""
+    all-gather sends bf16, and the copy is made once per step, not once per gather). `transport`
+    sends its messages (plain: a Transport)."""
 
     def __init__(self, params: list[nn.Parameter], group: Group, spread: tuple[Group, ...],
-                 precision: Precision = FULL, plus: ZeroPP | None = None):
+                 precision: Precision = FULL, transport: Transport | None = None):
         super().__init__(params, group, spread, precision=precision)  # parameters: views into self.full [padded]
         self.shard = self.master.detach().to(self.full.dtype)  # [padded / N]; the master when of one dtype
-        self.plus, self.secondary, self.refresh = plus or ZeroPP(), None, False
-        if self.plus.hpz:  # place j of K on the node keeps elements [j P/K, (j+1) P/K) of the bucket
-            k, j = self.plus.intra.size, self.plus.intra.rank
-            self.node_slice = slice(j * self.padded // k, (j + 1) * self.padded // k)
-            self.secondary = torch.zeros(self.padded // k, dtype=self.full.dtype, device=self.full.device)  # [P/K]
-        self.work: Any = None  # the gather in flight: a torch work handle, or qwZ's QuantizedGather
+        self.transport = transport or Transport()
+        self.work: Any = None  # the gather in flight, and its phase
+        self.phase = ""
+        self.transport.prepare(self)
         self.free()
 
     def free(self) -> None:
         self.full.untyped_storage().resize_(0)  # still shaped [padded], now 0 bytes behind it
 
     def start_gather(self, phase: str = "exact") -> None:
-        """phase: "forward", "backward" (ZeRO++ sends these its own ways) or "exact" (the masters' weights)."""
+        """phase: "forward", "backward" (a transport may send these its own ways) or "exact" (the masters')."""
         if self.full.untyped_storage().nbytes() > 0:
             return  # gathered, or on its way
         self.full.untyped_storage().resize_(self.padded * self.full.element_size())  # [padded] again
-        if phase == "backward" and self.secondary is not None:  # hpZ: from the node's copy, over the node
-            self.work = all_gather_into(self.full.data, self.secondary, self.plus.intra, async_op=True)  # K x [P/K]
-        elif phase == "forward" and self.plus.qwz:  # qwZ: int8 codes and scales, dequantized on arrival
-            self.work = QuantizedGather(self.full.data, self.shard, self.group, self.plus.weight_bits, self.plus.block)
-        else:
-            self.work = all_gather_into(self.full.data, self.shard, self.group, async_op=True)  # N x [padded // N]
-        self.refresh = phase == "forward" and self.secondary is not None
+        self.work, self.phase = self.transport.start_gather(self, phase), phase
 
     def gather(self, phase: str = "exact") -> None:
         self.start_gather(phase)
         if self.work is not None:
             self.work.wait()
             self.work = None
-        if self.refresh:  # hpZ: a forward gather of this step's weights fills the node's copy (no bytes)
-            self.secondary.copy_(self.full.data[self.node_slice])
-            self.refresh = False
+            self.transport.gathered(self, self.phase)
 
     def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
-        if not self.plus.qgz:
-            return super()._reduce_scatter(flat)
-        return quantized_reduce_scatter(flat, self.plus.intra, self.plus.cross, self.plus.grad_bits, self.plus.block)
+        return self.transport.reduce_scatter(self, flat)
+
+    def held(self) -> list[torch.Tensor]:
+        return [self.master, self.shard, *self.transport.held(self)]
 
 
 class Zero3DataParallel(ZeroDataParallel):
-    """ZeRO-3 over the dp group. `units`: the modules gathered as a whole (default: units_of)."""
+    """ZeRO-3 over the dp group. `units`: the modules gathered as a whole (default: units_of);
+    `transport`: how every bucket's messages travel (default: the plain Transport)."""
 
     STAGES = (3,)
 
     def __init__(self, module: nn.Module, groups: Groups, make_optimizer, param_groups, units=None,
-                 precision: Precision = FULL, zeropp: tuple[str, ...] = ()):
+                 precision: Precision = FULL, transport: Transport | None = None):
         self._units = units if units is not None else units_of(module)  # plain list: set before Module init
-        if {"hpz", "qgz"} & set(zeropp) and groups.dp_intra.size * groups.dp_cross.size != groups.dp.size:
-            raise ValueError(f"ZeRO++ {','.join(zeropp)}: hpz and qgz need the dp group split by node "
-                             "(mesh.split_dp_by_node() before mesh.groups())")
-        self._plus = ZeroPP(tuple(zeropp), groups.dp_intra, groups.dp_cross)  # plain object: before Module init
+        self._transport = transport or Transport()  # plain object: before Module init
         super().__init__(module, groups, 3, make_optimizer, param_groups, 0.0, precision=precision)
         self._unit_buckets = [[b for b in self.buckets if id(b.params[0]) in {id(p) for p in u.parameters()}]
                               for u in self._units]
@@ -140,10 +148,7 @@ class Zero3DataParallel(ZeroDataParallel):
 
     # Buckets: one per unit and kind of parameter, never spanning two units.
     def _new_bucket(self, params, group: Group, spread: tuple[Group, ...]) -> ShardedBucket:
-        if group is not self.groups.dp and {"hpz", "qgz"} & set(self._plus.options):
-            raise ValueError(f"ZeRO++ hpz and qgz split the dp group by node; these parameters are reduced over "
-                             f"{group.name} (cp or experts): use qwz alone")
-        return ShardedBucket(params, group, spread, self.precision, self._plus)
+        return ShardedBucket(params, group, spread, self.precision, self._transport)
 
     def _chunks(self, params, bucket_mb):
         return unit_chunks(self._units, params)

@@ -40,6 +40,8 @@ Summed over the dp group, the bytes that cross: plain M * 3 (N-1) s w, about 6 M
 (Psi = N s numbers); ZeRO++ M (N-1) q_8(s) + N (M-1) q_4(s), about M Psi + M Psi / 2: four times
 less, the paper's claim, as N grows. minipar's test layout, N = 4 on M = 2 nodes of K = 2: plain
 9 Psi, ZeRO++ 2 Psi (plus the scales): 4.5x (tests/test_zeropp.py counts it to the byte).
+
+ZeRO-3 knows none of this: `ZeroPP` is a zero3.Transport, which build_grad_sync hands the wrapper.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ from dataclasses import dataclass
 import torch
 
 from minipar.collectives import Group, all_gather_into, all_to_all
+from minipar.mesh import Groups
 from minipar.quantize import dequantize, quantize
+from minipar.zero3 import ShardedBucket, Transport
 
 OPTIONS = ("qwz", "hpz", "qgz")
 BLOCK = 256  # numbers per scale: 4 scale bytes per 256 codes, 1.6% more than the codes alone
@@ -86,12 +90,14 @@ def check(text: str, zero: int, layout, cp: int = 1, experts: int = 0) -> tuple[
 
 
 @dataclass(frozen=True)
-class ZeroPP:
-    """Which of the three a ZeRO-3 run uses, and the groups hpZ and qgZ talk over."""
+class ZeroPP(Transport):
+    """ZeRO-3's messages sent ZeRO++'s ways (a zero3.Transport, handed to Zero3DataParallel): the
+    options it uses, and the groups hpZ and qgZ talk over (`over` takes them from the mesh's)."""
 
     options: tuple[str, ...] = ()
     intra: Group | None = None  # the dp ranks on this rank's node
     cross: Group | None = None  # the dp ranks at this rank's place on each node
+    dp: Group | None = None  # the group they split; a bucket reduced over another takes qwZ alone
     weight_bits: int = 8
     grad_bits: int = 4
     block: int = BLOCK
@@ -99,6 +105,42 @@ class ZeroPP:
     qwz = property(lambda self: "qwz" in self.options)
     hpz = property(lambda self: "hpz" in self.options)
     qgz = property(lambda self: "qgz" in self.options)
+
+    @classmethod
+    def over(cls, groups: Groups, options: tuple[str, ...]) -> ZeroPP:
+        if {"hpz", "qgz"} & set(options) and groups.dp_intra.size * groups.dp_cross.size != groups.dp.size:
+            raise ValueError(f"ZeRO++ {','.join(options)}: hpz and qgz need the dp group split by node "
+                             "(mesh.split_dp_by_node() before mesh.groups())")
+        return cls(tuple(options), groups.dp_intra, groups.dp_cross, groups.dp)
+
+    def prepare(self, bucket) -> None:  # bucket: a ShardedBucket, given hpZ's attributes
+        """hpZ: the bucket's second shard, place j of K on the node keeping elements [j P/K, (j+1) P/K)."""
+        if bucket.group is not self.dp and (self.hpz or self.qgz):
+            raise ValueError(f"ZeRO++ hpz and qgz split the dp group by node; these parameters are reduced over "
+                             f"{bucket.group.name} (cp or experts): use qwz alone")
+        if self.hpz:
+            k, j = self.intra.size, self.intra.rank
+            bucket.node_slice = slice(j * bucket.padded // k, (j + 1) * bucket.padded // k)
+            bucket.secondary = torch.zeros(bucket.padded // k, dtype=bucket.full.dtype, device=bucket.full.device)
+
+    def start_gather(self, bucket, phase: str):
+        if phase == "backward" and self.hpz:  # hpZ: from the node's copy, over the node: K x [P/K]
+            return all_gather_into(bucket.full.data, bucket.secondary, self.intra, async_op=True)
+        if phase == "forward" and self.qwz:  # qwZ: int8 codes and scales, dequantized on arrival
+            return QuantizedGather(bucket.full.data, bucket.shard, bucket.group, self.weight_bits, self.block)
+        return super().start_gather(bucket, phase)
+
+    def gathered(self, bucket, phase: str) -> None:
+        if phase == "forward" and self.hpz:  # a forward gather of this step's weights fills the node's copy
+            bucket.secondary.copy_(bucket.full.data[bucket.node_slice])
+
+    def reduce_scatter(self, bucket: ShardedBucket, flat: torch.Tensor) -> torch.Tensor:
+        if not self.qgz:
+            return super().reduce_scatter(bucket, flat)
+        return quantized_reduce_scatter(flat, self.intra, self.cross, self.grad_bits, self.block)
+
+    def held(self, bucket) -> list[torch.Tensor]:
+        return [bucket.secondary] if self.hpz else []
 
 
 # -- The wire format: codes, then scales, as one byte tensor --------------------------------------

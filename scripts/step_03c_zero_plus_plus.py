@@ -59,7 +59,7 @@ def train(mesh: Mesh, options: tuple[str, ...]) -> dict:
     sent = mesh.ledger.snapshot()
     moved = [e for k, e in sent.items() if not k.endswith("all_reduce")]  # the norm's scalars aside
     losses = to_rank0(loss)
-    secondary = sum(b.secondary.numel() * 2 for b in z.buckets if b.secondary is not None)
+    secondary = sum(t.numel() * 2 for b in z.buckets for t in b.transport.held(b))  # hpZ's node-local copies
     return dict(intra=sum(e["intra"] for e in moved), cross=sum(e["cross"] for e in moved),
                 loss=None if losses is None else sum(losses) / len(losses), params=z.param_bytes(),
                 secondary=secondary, padded=sum(b.padded for b in z.buckets), z=z, first=first)

@@ -125,26 +125,68 @@ def test_no_module_of_the_package_imports_itself_through_others():
     assert cycles == []
 
 
-# Imports from the run's plumbing (minipar.run) that the layering still allows, each with why.
-# The course (minipar's top level) and the machinery (pipeline/, planning/) import nothing else
-# from it.
-LAYERING_EXCEPTIONS = {
-    # The planner searches layouts as TrainConfigs, so that each is checked by the run's own
-    # TrainConfig.validate, and the estimator reads a layout from the object a run is given (every
-    # field of it: the degrees, ZeRO, recompute, dtype, batch and schedule); a planning copy of
-    # that object would restate every field and its checks.
-    ("minipar.planning.estimate", "minipar.run.config"),
-    ("minipar.planning.estimate_moe", "minipar.run.config"),
-    ("minipar.planning.planner", "minipar.run.config"),
+# The course's order is the import order: each module belongs to a chapter (docs/NN_*.md) and imports
+# only modules of its own chapter or earlier ones, so a student who opens chapter n's code meets
+# nothing of a later chapter. The base comes first, and every module may use it: the plain model (0),
+# the collectives, the mesh and the parameters' placement (1). A folder's modules share its chapter.
+CHAPTERS = {
+    0: ("minipar", "minipar.model"),
+    1: ("minipar.collectives", "minipar.autograd_ops", "minipar.placement", "minipar.mesh",
+        "minipar.pipeline.order_check"),
+    2: ("minipar.data_parallel",),
+    # grad_sync: the one builder that picks chapter 2's wrapper or one of chapter 3's (ZeRO 1-3, with
+    # a precision policy and ZeRO++'s transport): it is read once all of them exist.
+    3: ("minipar.precision", "minipar.zero", "minipar.zero3", "minipar.quantize", "minipar.zeropp",
+        "minipar.grad_sync"),
+    4: ("minipar.tensor_parallel",),
+    5: ("minipar.context_parallel",),
+    6: ("minipar.pipeline",),
+    # parallelize: where chapters 4 to 7 meet. It applies each of them to the plain model in one
+    # documented order, so it imports them all and is whole only once chapter 7's experts exist
+    # (chapter 4 reads its tensor-parallel step); chapter 8 cuts its models on paper with it.
+    7: ("minipar.moe", "minipar.expert_parallel", "minipar.parallelize"),
+    8: ("minipar.planning",),
+    # The appendix: the run's plumbing (run/) assembles every chapter into train.py.
+    10: ("minipar.run",),
 }
 
 
-def test_the_course_and_its_machinery_never_import_the_runs_plumbing():
-    graph = import_graph()
-    upward = {(m, dep) for m, deps in graph.items() for dep in deps
-              if dep.split(".")[:2] == ["minipar", "run"] and m.split(".")[:2] != ["minipar", "run"]}
-    assert upward - LAYERING_EXCEPTIONS == set()
-    assert LAYERING_EXCEPTIONS - upward == set()  # an exception nobody needs any more is removed
+def chapter_of(module: str) -> int:
+    """The chapter that names `module`, or the folder that holds it; KeyError for a module no chapter has."""
+    folder = module.rpartition(".")[0] if module.count(".") > 1 else None  # minipar.run.train -> minipar.run
+    for name in (module, folder):
+        found = [n for n, modules in CHAPTERS.items() if name in modules]
+        if found:
+            return found[0]
+    raise KeyError(f"{module} belongs to no chapter: add it to CHAPTERS")
+
+
+def inversions(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a later chapter's module (the base's, chapters 0 and 1, are for everyone), as
+    'importer (chapter) -> imported (chapter)'."""
+    return [f"{m} ({chapter_of(m)}) -> {dep} ({chapter_of(dep)})" for m, deps in sorted(graph.items())
+            for dep in sorted(deps) if chapter_of(dep) > max(chapter_of(m), 1)]
+
+
+def test_every_module_belongs_to_one_chapter_and_the_table_names_only_modules_that_exist():
+    modules = set(import_graph())
+    assert {m: chapter_of(m) for m in modules}  # KeyError names a module no chapter has
+    named = {m for ms in CHAPTERS.values() for m in ms}
+    assert named - modules == set()
+    assert len(named) == sum(len(ms) for ms in CHAPTERS.values())  # no module in two chapters
+
+
+def test_no_module_imports_a_later_chapter():
+    assert inversions(import_graph()) == []
+
+
+def test_an_import_of_a_later_chapter_is_found_wherever_it_is():  # the check above could not fail otherwise
+    planted = {"minipar.model": {"minipar.collectives"}, "minipar.zero3": {"minipar.moe", "minipar.zero"},
+               "minipar.pipeline.executor": {"minipar.run.train"}, "minipar.run.train": {"minipar.parallelize"}}
+    assert inversions(planted) == ["minipar.pipeline.executor (6) -> minipar.run.train (10)",
+                                   "minipar.zero3 (3) -> minipar.moe (7)"]
+    with pytest.raises(KeyError, match="minipar.nowhere belongs to no chapter"):
+        inversions({"minipar.nowhere": {"minipar.model"}})
 
 
 # Calls the type checker must refuse: each passes a function or a dict where a signature asks for a

@@ -51,9 +51,9 @@ from minipar.pipeline.schedules import build as build_schedule
 from minipar.pipeline.schedules import messages_of
 from minipar.placement import DENSE, placement_of
 from minipar.planning.estimate_moe import moe_block_bytes, moe_bytes_sent
+from minipar.planning.layout import Layout
 from minipar.planning.zeropp import bucket_sent, secondary_bytes
 from minipar.precision import of_config, widths
-from minipar.run.config import TrainConfig
 from minipar.zero import bucket_plan
 from minipar.zero3 import unit_chunks, units_of
 
@@ -74,7 +74,7 @@ def paper_group(name: str, size: int, index: int = 0) -> PaperGroup:
     return PaperGroup(name, None, list(range(size)), index=index)
 
 
-def rank_model(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> Llama:
+def rank_model(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> Llama:
     """The part of the model that pp rank `pp_rank` holds under cfg's layout, on the meta device.
     Every tp (and ep) rank holds pieces of the same shapes, so their index does not matter."""
     layers, first, last = list(range(model_cfg.n_layers)), True, True
@@ -95,7 +95,7 @@ def _model_on_paper(model_cfg: ModelConfig, layers: tuple, first: bool, last: bo
     return model.to(dtype)  # as train.build_model (bf16-mixed: fp32 too): buckets are cut by bytes
 
 
-def held_bytes(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> dict[str, int]:
+def held_bytes(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[str, int]:
     """{params, grads, optimizer}: the bytes pp rank `pp_rank` holds once gradients are synced.
     bf16-mixed (precision.py): bf16 weights and gradients, fp32 masters (counted with the params)."""
     model = rank_model(model_cfg, cfg, pp_rank)
@@ -114,12 +114,12 @@ def held_bytes(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
     return {"params": weights + slices * master, "grads": slices * width, "optimizer": 2 * slices * master}
 
 
-def _replicas(grad_mean: tuple[str, ...], cfg: TrainConfig) -> int:
+def _replicas(grad_mean: tuple[str, ...], cfg: Layout) -> int:
     """The size of the group a gradient is averaged over: dp x cp, or edp = dp x cp / ep."""
     return cfg.dp * cfg.cp if tuple(grad_mean) == DENSE else cfg.dp * cfg.cp // cfg.ep
 
 
-def dp_bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> dict[str, int]:
+def dp_bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[str, int]:
     """What pp rank `pp_rank` sends in one step over its data-parallel groups (dp, or dp x cp; edp
     for experts' gradients), by the ledger's "group/op" keys and ring volumes: train_step's 8-byte
     count of real targets; the gradient all-reduce, bucket by bucket; under ZeRO instead a reduce-
@@ -152,11 +152,11 @@ def dp_bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) ->
     return {k: v for k, v in sent.items() if v}
 
 
-def _dp_name(grad_mean: tuple[str, ...], cfg: TrainConfig) -> str:
+def _dp_name(grad_mean: tuple[str, ...], cfg: Layout) -> str:
     return "edp" if tuple(grad_mean) != DENSE else "dp" if cfg.cp == 1 else "dp_cp"
 
 
-def _norm_sums(model, cfg: TrainConfig) -> dict[str, tuple[int, int]]:
+def _norm_sums(model, cfg: Layout) -> dict[str, tuple[int, int]]:
     """{group: (its size, how many all-reduces)}: clip_grads sums the squares of each kind of
     gradient (those whose other pieces lie on the same groups: tp, ep, ZeRO's) over those groups."""
     sizes = {"tp": cfg.tp, "ep": cfg.ep}
@@ -169,7 +169,7 @@ def _norm_sums(model, cfg: TrainConfig) -> dict[str, tuple[int, int]]:
     return {name: (size, k) for (name, size), k in times.items()}
 
 
-def bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> dict[str, int]:
+def bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[str, int]:
     """Everything pp rank `pp_rank` sends in one step, by the ledger's "group/op" keys: the data-
     parallel group's (dp_bytes_sent) and, per micro-batch, tensor parallelism's four messages per
     layer (sp: all-gathers and reduce-scatters instead of all-reduces) with the embedding's, the
@@ -230,13 +230,13 @@ def bytes_sent(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> di
     return {k: v for k, v in sent.items() if v}
 
 
-def _grad_width(cfg: TrainConfig) -> int:
+def _grad_width(cfg: Layout) -> int:
     """The width of the gradients the norm is taken of: the masters' (ZeRO's slices, bf16-mixed's), or the weights'."""
     prec = of_config(cfg)
     return torch.promote_types(prec.built, torch.float32).itemsize if cfg.zero or prec.mixed else prec.built.itemsize
 
 
-def _pipeline_bytes(sent: Counter, model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int, act: int) -> None:
+def _pipeline_bytes(sent: Counter, model_cfg: ModelConfig, cfg: Layout, pp_rank: int, act: int) -> None:
     """What this rank's actions send (schedules.messages_of, as the executor posts them): each
     stage's output on (pp) and its input's gradient back (pp_grad), once per micro-batch, unless
     the neighbouring stage is on this rank too (zbv's turn)."""
@@ -247,7 +247,7 @@ def _pipeline_bytes(sent: Counter, model_cfg: ModelConfig, cfg: TrainConfig, pp_
             sent[f"{outgoing.channel}/send"] += act
 
 
-def temporary_bytes(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) -> dict[str, int]:
+def temporary_bytes(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[str, int]:
     """ZeRO's buffers that come and go within a step, at their largest, beyond held_bytes (data
     parallelism's flat buffers stay: they are counted with the gradients):
 
@@ -270,7 +270,7 @@ def temporary_bytes(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int = 0) 
     return {"flattened": max(padded), "gathered": max(units[i] + units[i + 1] for i in range(len(units)))}
 
 
-def _zero_plan(model, cfg: TrainConfig):
+def _zero_plan(model, cfg: Layout):
     units = units_of(model)
     return bucket_plan(param_groups(model, cfg), (lambda ps: unit_chunks(units, ps)) if cfg.zero == 3
                        else (lambda ps: bucket_params(ps, cfg.bucket_mb)))
@@ -281,7 +281,7 @@ def _zero_plan(model, cfg: TrainConfig):
 # ----------------------------------------------------------------------------------------------
 
 
-def layer_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
+def layer_activation_bytes(c: ModelConfig, cfg: Layout) -> int:
     """The tensors one dense transformer layer keeps for backward, for one micro-batch: exactly what
     autograd saves in minipar's layer (tests/test_estimate.py counts them), Korthikanti et al.'s
     sbh(34 + 5as/h) worked out again for a Llama layer with attention that keeps no s x s matrix.
@@ -321,7 +321,7 @@ def layer_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
     return w * (norms + attention + mlp + small) + orders + lse  # lse: SDPA keeps its log-sum-exp in fp32 at least
 
 
-def weight_casts(c: ModelConfig, cfg: TrainConfig) -> int:
+def weight_casts(c: ModelConfig, cfg: Layout) -> int:
     """Under bf16 autocast, the bf16 copy of each weight matrix of a layer that backward keeps:
     made once per autocast region, so once per layer however many micro-batches are in flight."""
     if of_config(cfg).autocast is None:  # bf16-mixed: the weights are bf16 already, no copies
@@ -330,7 +330,7 @@ def weight_casts(c: ModelConfig, cfg: TrainConfig) -> int:
     return 2 * ((2 * d * d + 3 * d * c.ffn_dim) // t + 2 * d * kv // (t if c.n_kv_heads % t == 0 else 1))
 
 
-def head_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
+def head_activation_bytes(c: ModelConfig, cfg: Layout) -> int:
     """The final norm, the LM head's logits (kept by the loss in at least fp32) and the targets."""
     w, t, tokens = of_config(cfg).activation_width, cfg.tp, cfg.micro_batch * cfg.seq_len // cfg.cp
     sp = t if cfg.sp else 1
@@ -341,7 +341,7 @@ def head_activation_bytes(c: ModelConfig, cfg: TrainConfig) -> int:
     return w * (tokens * c.dim + 2 * tokens * c.dim // sp + tokens // sp) + logits
 
 
-def moe_layer_activation_bytes(c: ModelConfig, cfg: TrainConfig, worst: bool = False) -> int:
+def moe_layer_activation_bytes(c: ModelConfig, cfg: Layout, worst: bool = False) -> int:
     """A mixture-of-experts layer's activations for one micro-batch: a dense layer's without its
     MLP (and its normed input is the rank's own share under sp: experts are not entered through
     tp), plus the MoE block's own (estimate_moe.moe_block_bytes; worst: dropless routing's bound)."""
@@ -352,7 +352,7 @@ def moe_layer_activation_bytes(c: ModelConfig, cfg: TrainConfig, worst: bool = F
     return layer_activation_bytes(replace(c, ffn_dim=0), cfg) - shared_input + moe_block_bytes(c, cfg, worst)
 
 
-def activation_bytes(c: ModelConfig, cfg: TrainConfig, pp_rank: int = 0, worst: bool = False) -> int:
+def activation_bytes(c: ModelConfig, cfg: Layout, pp_rank: int = 0, worst: bool = False) -> int:
     """The most activation bytes pp rank `pp_rank` holds during a step: its layers' activations times
     the micro-batches in flight, read off the pipeline schedule itself (1F1B keeps at most pp - rank,
     GPipe all of them), plus the head's on the last stage. Mixture-of-experts layers: dropless
@@ -393,7 +393,7 @@ def _alive(schedule: str, pp: int, m: int, virtual: int, n_layers: int, first_mo
 _schedule = lru_cache(maxsize=64)(build_schedule)  # the planner asks for one schedule under many layouts
 
 
-def peak_bytes(model_cfg: ModelConfig, cfg: TrainConfig) -> int:
+def peak_bytes(model_cfg: ModelConfig, cfg: Layout) -> int:
     """The most any rank holds: model states, activations at their peak and ZeRO's temporary
     buffers at theirs, added as if all three peaks fell at one moment (they need not: a bound)."""
     return max(sum(held_bytes(model_cfg, cfg, r).values()) + activation_bytes(model_cfg, cfg, r)

@@ -41,25 +41,25 @@ import math
 
 from minipar.collectives import ring_bytes_sent
 from minipar.model import ModelConfig
+from minipar.planning.layout import Layout
 from minipar.precision import of_config
-from minipar.run.config import TrainConfig
 
 INDEX = 8  # int64 indices
 
 
-def widths(cfg: TrainConfig) -> tuple[int, int]:
+def widths(cfg: Layout) -> tuple[int, int]:
     """(the weights' and the residual stream's width, the matmul products' width): bf16 autocast
     keeps fp32 weights and makes bf16 products; bf16-mixed has both in bf16."""
     p = of_config(cfg)  # bf16-mixed: bf16 weights and products
     return p.working.itemsize, p.activation_width
 
 
-def routed_tokens(c: ModelConfig, cfg: TrainConfig) -> int:
+def routed_tokens(c: ModelConfig, cfg: Layout) -> int:
     """T: the tokens of one micro-batch that this rank routes (its cp share; its tp share under sp)."""
     return cfg.micro_batch * cfg.seq_len // cfg.cp // (cfg.tp if cfg.sp else 1)
 
 
-def expert_rows(c: ModelConfig, cfg: TrainConfig, worst: bool = False) -> tuple[int, int, int, int]:
+def expert_rows(c: ModelConfig, cfg: Layout, worst: bool = False) -> tuple[int, int, int, int]:
     """(A kept assignments, rows sent to other ep ranks, rows received from them, R rows this
     rank's experts run) per MoE block and micro-batch: the module docstring's formulas."""
     t, k, e, ep = routed_tokens(c, cfg), c.top_k, c.n_experts, cfg.ep
@@ -71,7 +71,7 @@ def expert_rows(c: ModelConfig, cfg: TrainConfig, worst: bool = False) -> tuple[
     return t * k, t * k * (ep - 1) // ep, t * k * (ep - 1) // ep, t * k
 
 
-def moe_block_bytes(c: ModelConfig, cfg: TrainConfig, worst: bool = False) -> int:
+def moe_block_bytes(c: ModelConfig, cfg: Layout, worst: bool = False) -> int:
     """The MoE part of a block's activations for one micro-batch (module docstring), in bytes."""
     p, w = widths(cfg)  # the router works in at least fp32: the weights' width
     t, k, e, d = routed_tokens(c, cfg), c.top_k, c.n_experts, c.dim
@@ -84,7 +84,7 @@ def moe_block_bytes(c: ModelConfig, cfg: TrainConfig, worst: bool = False) -> in
     return router + dispatch + experts + combine + aux
 
 
-def moe_bytes_sent(c: ModelConfig, cfg: TrainConfig, n_blocks: int, worst: bool = False) -> dict[str, int]:
+def moe_bytes_sent(c: ModelConfig, cfg: Layout, n_blocks: int, worst: bool = False) -> dict[str, int]:
     """What a rank holding `n_blocks` MoE blocks sends in one step for them, by the ledger's keys:
     the ep all-to-alls (module docstring) and the load-balancing loss's all-reduces over cp, and
     over tp under sp. Dropless: the expectation under uniform routing (worst: its bound)."""

@@ -50,8 +50,8 @@ from minipar.planning.estimate import (
     peak_bytes,
     temporary_bytes,
 )
+from minipar.planning.layout import Layout
 from minipar.precision import of_config
-from minipar.run.config import TrainConfig
 
 PRECISION_NOTE = {"float64": "float64 throughout", "fp32": "fp32 throughout",
                   "bf16-autocast": "bf16-autocast (fp32 weights; backward keeps a bf16 copy of each layer's weights)",
@@ -80,7 +80,7 @@ def layouts(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro
                     continue
                 for zero in (0, 1, 2, 3):
                     for recompute in (False, True):
-                        cfg = TrainConfig(model=model, dp=g // (tp * pp * cp), tp=tp, pp=pp, cp=cp, sp=tp > 1,
+                        cfg = Layout(model=model, dp=g // (tp * pp * cp), tp=tp, pp=pp, cp=cp, sp=tp > 1,
                                           zero=zero, recompute=recompute, seq_len=seq_len,
                                           global_batch=global_batch, micro_batch=micro_batch, dtype="bfloat16",
                                           vocab_size=c.vocab_size)
@@ -91,7 +91,7 @@ def layouts(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro
                         yield cfg
 
 
-def step_time(c: ModelConfig, cfg: TrainConfig, cluster: Cluster) -> dict[str, float]:
+def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]:
     """Seconds of one optimizer step under the clock of the module docstring, by part."""
     compute = cfg.global_batch * cfg.seq_len * c.flops_per_token(cfg.seq_len) * (8 / 6 if cfg.recompute else 1) / (
         cluster.gpus * cluster.flops * cluster.mfu)
@@ -119,7 +119,7 @@ def _bandwidth(cluster: Cluster, span: int) -> float:
 
 @dataclass
 class Choice:
-    cfg: TrainConfig
+    cfg: Layout
     time: dict[str, float]
     memory: int  # bytes on the fullest rank
 
@@ -160,7 +160,7 @@ def device_memory() -> tuple[int, str]:
     return available // ranks, f"available memory / {ranks} local ranks"
 
 
-def check_memory(cfg: TrainConfig, limit: int | None = None) -> None:
+def check_memory(cfg: Layout, limit: int | None = None) -> None:
     """Raises ValueError (one line) when a rank would hold more than its memory, naming up to
     three layouts of the same ranks that would fit."""
     model_cfg = cfg.model_config()
@@ -178,7 +178,7 @@ def check_memory(cfg: TrainConfig, limit: int | None = None) -> None:
                                                        "--model, --micro-batch or --seq-len"))
 
 
-def _alternatives(cfg: TrainConfig, model_cfg: ModelConfig):
+def _alternatives(cfg: Layout, model_cfg: ModelConfig):
     """Other layouts of the same ranks that pass every check, fewest model cuts first: tp x pp
     (dp takes the rest), then the ZeRO stage, then recompute."""
     world = cfg.dp * cfg.tp * cfg.pp * cfg.cp
@@ -197,12 +197,12 @@ def _alternatives(cfg: TrainConfig, model_cfg: ModelConfig):
                 yield alt
 
 
-def _flags(cfg: TrainConfig) -> str:
+def _flags(cfg: Layout) -> str:
     return " ".join(f"--{k} {v}" for k, v in (("dp", cfg.dp), ("tp", cfg.tp), ("pp", cfg.pp), ("zero", cfg.zero))
                     if v > 1 or k == "zero") + " --recompute" * cfg.recompute
 
 
-def report(cfg: TrainConfig) -> str:
+def report(cfg: Layout) -> str:
     """`train.py --plan`: what each pipeline rank will hold under cfg, and whether it fits."""
     c = cfg.model_config()
     limit, what = device_memory()

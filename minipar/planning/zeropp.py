@@ -21,7 +21,7 @@ from minipar.zeropp import ZeroPP, parse, wire_bytes
 
 
 def _split(cfg) -> tuple[ZeroPP, int, int]:
-    """(the options, K: dp ranks a node, M: nodes a dp group spans) of a TrainConfig."""
+    """(the options, K: dp ranks a node, M: nodes a dp group spans) of a Layout (layout.py)."""
     plus = ZeroPP(parse(cfg.zeropp) if cfg.zeropp else ())
     layout = MeshLayout(cfg.dp * cfg.tp * cfg.pp * cfg.cp, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp,
                         ranks_per_node=cfg.ranks_per_node)

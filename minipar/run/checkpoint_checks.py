@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from minipar import moe  # noqa: F401 - a checkpoint may hold experts: moe.py adds their block to the model
 from minipar.model import Llama, ModelConfig
 
 

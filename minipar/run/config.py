@@ -8,8 +8,9 @@ must fit in the model's; embedding rows beyond it are never used (a `--tokenizer
 files' ids, must fit too: preflight.py checks them). `parse_args` returns the
 effective config, every setting explicit: each run prints it and saves it with each checkpoint.
 
-Every check here runs on every rank *before* torch.distributed starts, so a layout that cannot
-work is refused with one line instead of eight ranks waiting forever for each other.
+Every check here (and the layout's own, planning/layout.py's Layout.validate) runs on every rank
+*before* torch.distributed starts, so a layout that cannot work is refused with one line instead of
+eight ranks waiting forever for each other.
 """
 
 from __future__ import annotations
@@ -19,21 +20,12 @@ import math
 import os
 from dataclasses import asdict, dataclass, fields, replace
 
-from minipar.context_parallel import check_cp_layout
-from minipar.expert_parallel import check_expert_layout
-from minipar.mesh import MeshLayout
-from minipar.model import ModelConfig, config_from
-from minipar.pipeline.executor import stage_layers
-from minipar.pipeline.schedules import ScheduleError
-from minipar.pipeline.schedules import build as build_schedule
-from minipar.pipeline.schedules import placement as schedule_placement
-from minipar.precision import resolve as resolve_precision
+from minipar.model import ModelConfig
+from minipar.planning.layout import Layout
 from minipar.run import checkpoint, flags
 from minipar.run.args import InputError
 from minipar.run.config_file import as_toml, read_config_file
 from minipar.run.flags import ACTS_WITH, BPE_VOCAB, SHAPE_FLAGS
-from minipar.tensor_parallel import check_tensor_layout
-from minipar.zeropp import check as check_zeropp
 
 
 class ConfigError(InputError):
@@ -50,33 +42,12 @@ MAX_STEPS = 2**38  # steps (or a count of them): the samples consumed, steps x g
 
 
 @dataclass
-class TrainConfig:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1  # expert parallelism, carved out of dp x cp (mixture-of-experts models)
-    sp: bool = False  # Megatron sequence parallelism inside the tp group
-    schedule: str = "1f1b"  # pipeline schedule, used when pp > 1
-    virtual_stages: int = 1
-    cp_attention: str = "ring"  # ring (K/V blocks round the cp ring) or ulysses (all-to-all to whole heads)
-    zero: int = 0  # ZeRO stage over the dp group: 0 (plain data parallelism), 1, 2, 3
-    zeropp: str | None = None  # ZeRO++ on ZeRO-3: any of qwz,hpz,qgz (zeropp.py)
-    offload: bool = False  # ZeRO 1-2: optimizer state and step on the CPU
-    recompute: bool = False  # activation checkpointing per transformer layer
-    ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE, else the world (parse_args fills it in)
-    model: str = "small"
-    # Shape flags (SHAPE_FLAGS): None takes the preset's value; parse_args fills them in.
-    dim: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    ffn_dim: int | None = None
-    vocab_size: int | None = None
-    max_seq_len: int | None = None
-    tie_embeddings: bool | None = None  # the LM head shares the embedding table
-    aux_loss_coef: float = 0.01  # MoE load-balancing loss weight
-    capacity_factor: float = 0.0  # MoE: 0 is dropless
+class TrainConfig(Layout):
+    """A run: its layout, model and batch (planning/layout.py: what the estimator reads and
+    Layout.validate checks), then its data, optimisation, checkpoints and logs."""
+
+    error = ConfigError  # Layout.validate's refusals are the command line's
+
     data: str | None = None
     bpe_vocab: int | None = None  # the BPE trained on --data; None: bpe_size()
     tokenizer: str | None = None  # a Hugging Face tokenizer.json; None: a BPE trained on the data
@@ -86,21 +57,13 @@ class TrainConfig:
     eval_batches: int = 4  # global batches of held-out windows per validation
     cache_dir: str = "~/.cache/minipar"
     steps: int = 300
-    seq_len: int = 128
-    global_batch: int = 16
-    micro_batch: int = 8
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup: int = 30
-    weight_decay: float = 0.1
     grad_clip: float = 1.0
     max_bad_steps: int = 3  # consecutive steps with a non-finite gradient norm before the run stops
     timeout: float = 300.0  # seconds a collective or message may wait before the run stops, naming it
     seed: int = 0
-    dtype: str | None = None  # float64 for proofs; float32; bfloat16 = --precision bf16-autocast
-    precision: str | None = None  # fp32 | bf16-autocast | bf16-mixed; None: fp32 on CPU, bf16-autocast on CUDA
-    grad_reduce: str | None = None  # bf16-mixed: bf16 (default) or fp32 gradients on the wire
-    bucket_mb: float = 25.0
     out: str | None = None  # None: runs/run_NNN, the first unused number
     save_every: int = 0
     resume: str | None = None
@@ -111,15 +74,6 @@ class TrainConfig:
     allow_config_change: bool = False  # --resume: accept a changed data, batch, seed or learning-rate schedule
     plan: bool = False  # print what each rank will hold (estimate.py) and exit
     config: str | None = None  # the TOML file the settings came from, if any
-
-    @property
-    def accum_steps(self) -> int:
-        """Micro-batches per optimizer step on each rank (gradient accumulation)."""
-        return self.global_batch // (self.dp * self.micro_batch)
-
-    def model_config(self) -> ModelConfig:
-        """--model's preset with every model setting this config gives (not None) in its place."""
-        return config_from(asdict(self))
 
     def bpe_size(self) -> int:
         """The vocabulary of the BPE trained on --data: --bpe-vocab, else the model's, at most 4096
@@ -176,65 +130,13 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} is empty: give a path, or leave the flag out")
 
     def validate(self, world_size: int) -> None:
-        """Ranges first, then what the model and data can take, then whether the world has the right size."""
+        """Ranges first, then the layout (Layout.validate), what the data can take, where the weights come from."""
         m = self.model_config()
         self.check_ranges(m.max_seq_len)
-        try:
-            m.validate()
-            check_tensor_layout(m.n_heads, m.n_kv_heads, m.dim, m.ffn_dim, self.tp, self.sp, self.seq_len)
-        except ValueError as e:
-            raise ConfigError(f"{e} (--model {self.model})") from None
-        if self.global_batch % (self.dp * self.micro_batch):
-            raise ConfigError(
-                f"--global-batch {self.global_batch} is not divisible by --dp {self.dp} x --micro-batch "
-                f"{self.micro_batch}: every rank must run whole micro-batches"
-            )
-        try:
-            check_cp_layout(self.seq_len, self.cp, self.cp_attention, m.n_heads, m.n_kv_heads, self.tp)
-            check_expert_layout(m.n_experts, m.top_k, self.ep, self.dp * self.cp)
-        except ValueError as e:
-            raise ConfigError(f"{e} (--model {self.model})" if "expert" in str(e) or "heads" in str(e)
-                              else str(e)) from None
-        if self.sp and (self.seq_len // self.cp) % self.tp:
-            raise ConfigError(f"--sp with --cp {self.cp}: each rank's {self.seq_len // self.cp} tokens do not "
-                              f"split over --tp {self.tp}")
-        if self.pp > 1:
-            try:
-                stages = len(schedule_placement(self.schedule, self.pp, self.virtual_stages))  # zbv: 2 per rank
-                stage_layers(m.n_layers, stages)  # raises: more stages than layers
-                build_schedule(self.schedule, self.pp, self.accum_steps, self.virtual_stages)
-            except ScheduleError as e:
-                raise ConfigError(
-                    f"{e} (micro-batches per step = --global-batch / (--dp x --micro-batch) = {self.accum_steps})"
-                ) from None
+        super().validate(world_size)
         self.check_vocab(m)
-        if self.pp > 1 and m.tie_embeddings:
-            raise ConfigError(f"--pp {self.pp} with tied embeddings (--model {self.model}"
-                              f"{' --tie-embeddings' if self.tie_embeddings else ''}): the embedding and the LM "
-                              f"head share one weight, and pipeline stages would split them; use --pp 1 or "
-                              f"--no-tie-embeddings")
         if self.init_from and self.resume:
             raise ConfigError("--init-from and --resume: choose one (--resume continues a run, --init-from starts one)")
-        if self.zero not in (0, 1, 2, 3):
-            raise ConfigError(f"--zero {self.zero}: choose 0, 1, 2 or 3")
-        if self.zero == 3 and self.pp > 1:
-            raise ConfigError("--zero 3 with --pp: every micro-batch would gather each layer twice; "
-                              "use --zero 1 or 2 with pipeline parallelism")
-        if self.zero == 3 and self.recompute:
-            raise ConfigError("--zero 3 with --recompute is not supported: choose one")
-        if self.offload and self.zero not in (1, 2):
-            raise ConfigError("--offload needs --zero 1 or 2: it moves ZeRO's optimizer slices to the CPU")
-        try:
-            resolve_precision(self.precision, self.dtype, self.grad_reduce)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        layout = MeshLayout(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp,
-                            ranks_per_node=self.ranks_per_node)  # raises LayoutError
-        if self.zeropp is not None:
-            try:
-                check_zeropp(self.zeropp, self.zero, layout, self.cp, m.n_experts)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
 
     def check_vocab(self, m: ModelConfig) -> None:
         """The trained BPE's tokens are rows of the model's embedding: it must fit. (A --tokenizer

@@ -5,7 +5,7 @@ experts change a step. The training loop (train.py) and validation (validation.p
       cp: its zigzag share    [b, s/cp]      (context_parallel.split_sequence)
       on the device, cut into micro-batches of --micro-batch rows
     each micro-batch's loss = its sum of token losses / divisor,
-      divisor = the global batch's real targets / |dp x cp|   (data_parallel.loss_divisor: the
+      divisor = the global batch's real targets / |dp x cp|   (loss_divisor: the
       wrappers average gradients over dp x cp, each cp rank having seen part of every sequence)
     experts: each micro-batch's load-balancing loss weighs 1/micro-batches (the step's mean), and
       the tokens each expert was given are counted in forward, taken for the log after a step
@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from minipar.collectives import all_reduce
 from minipar.context_parallel import split_sequence
-from minipar.data_parallel import GradSync, loss_divisor
+from minipar.data_parallel import GradSync
 from minipar.mesh import Mesh
 from minipar.moe import set_aux_scale, take_load
 
@@ -30,6 +31,19 @@ def micro_batches_of(rows: tuple[torch.Tensor, torch.Tensor], mesh: Mesh, micro_
     micro-batches of `micro_batch` rows."""
     x, y = (split_sequence(t, mesh.cp_group).to(device) for t in rows)  # [b, s/cp] zigzag share (cp)
     return list(zip(x.split(micro_batch), y.split(micro_batch)))
+
+
+def loss_divisor(micro_batches, group) -> float:
+    """The global batch's count of real targets / the replicas that average the gradients.
+
+    `group` is the dense parameters' reduction group (dp x cp): summed over it, the count covers
+    the global batch once; the wrappers then divide the summed gradient by group.size, so dividing
+    each token loss by count / size here makes the whole a single division by the count. An
+    all-ignored batch divides by 1: its loss and gradients are 0, not NaN.
+    """
+    count = sum((y != -100).sum() for _, y in micro_batches).to(torch.float64).reshape(1)
+    all_reduce(count, group)  # 8 bytes, once per step
+    return max(float(count.item()), 1.0) / group.size
 
 
 def begin_step(model: GradSync, micro: list) -> float:

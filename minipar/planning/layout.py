@@ -1,0 +1,135 @@
+"""A layout on paper: how a run cuts its model, its batch and its numbers over the ranks.
+
+Chapter 8 of the course. The estimator (estimate.py) and the planner (planner.py) read a layout,
+never the run: the parallel degrees, ZeRO, recompute, the model (--model's preset and the shape
+settings that override it), the batch and the precision. `validate` refuses, in one line, a
+layout that cannot work, before anything is built: the planner asks it of every layout it weighs,
+and the run's configuration (run/config.TrainConfig, a Layout with the run's data, optimisation,
+checkpoint and log settings added) asks it of every run, raising its own error (`error`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+from minipar.context_parallel import check_cp_layout
+from minipar.expert_parallel import check_expert_layout
+from minipar.mesh import MeshLayout
+from minipar.model import ModelConfig, config_from
+from minipar.pipeline.executor import stage_layers
+from minipar.pipeline.schedules import ScheduleError
+from minipar.pipeline.schedules import build as build_schedule
+from minipar.pipeline.schedules import placement as schedule_placement
+from minipar.precision import resolve as resolve_precision
+from minipar.tensor_parallel import check_tensor_layout
+from minipar.zeropp import check as check_zeropp
+
+
+@dataclass
+class Layout:
+    """A run's parallel layout, its model, batch and precision; `validate` refuses one that cannot work."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1  # expert parallelism, carved out of dp x cp (mixture-of-experts models)
+    sp: bool = False  # Megatron sequence parallelism inside the tp group
+    schedule: str = "1f1b"  # pipeline schedule, used when pp > 1
+    virtual_stages: int = 1
+    cp_attention: str = "ring"  # ring (K/V blocks round the cp ring) or ulysses (all-to-all to whole heads)
+    zero: int = 0  # ZeRO stage over the dp group: 0 (plain data parallelism), 1, 2, 3
+    zeropp: str | None = None  # ZeRO++ on ZeRO-3: any of qwz,hpz,qgz (zeropp.py)
+    offload: bool = False  # ZeRO 1-2: optimizer state and step on the CPU
+    recompute: bool = False  # activation checkpointing per transformer layer
+    ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE, else the world (parse_args fills it in)
+    model: str = "small"
+    # The model's shape (run/config's SHAPE_FLAGS): None takes the preset's value; parse_args fills them in.
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+    vocab_size: int | None = None
+    max_seq_len: int | None = None
+    tie_embeddings: bool | None = None  # the LM head shares the embedding table
+    aux_loss_coef: float = 0.01  # MoE load-balancing loss weight
+    capacity_factor: float = 0.0  # MoE: 0 is dropless
+    seq_len: int = 128
+    global_batch: int = 16
+    micro_batch: int = 8
+    weight_decay: float = 0.1
+    dtype: str | None = None  # float64 for proofs; float32; bfloat16 = --precision bf16-autocast
+    precision: str | None = None  # fp32 | bf16-autocast | bf16-mixed; None: fp32 on CPU, bf16-autocast on CUDA
+    grad_reduce: str | None = None  # bf16-mixed: bf16 (default) or fp32 gradients on the wire
+    bucket_mb: float = 25.0
+
+    error: ClassVar[type[ValueError]] = ValueError  # what validate raises (TrainConfig: ConfigError)
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches per optimizer step on each rank (gradient accumulation)."""
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    def model_config(self) -> ModelConfig:
+        """--model's preset with every model setting this config gives (not None) in its place."""
+        return config_from(asdict(self))
+
+    def validate(self, world_size: int) -> None:
+        """What the model can take, the batch, each parallelism, then whether the world has the right size."""
+        m = self.model_config()
+        try:
+            m.validate()
+            check_tensor_layout(m.n_heads, m.n_kv_heads, m.dim, m.ffn_dim, self.tp, self.sp, self.seq_len)
+        except ValueError as e:
+            raise self.error(f"{e} (--model {self.model})") from None
+        if self.global_batch % (self.dp * self.micro_batch):
+            raise self.error(
+                f"--global-batch {self.global_batch} is not divisible by --dp {self.dp} x --micro-batch "
+                f"{self.micro_batch}: every rank must run whole micro-batches"
+            )
+        try:
+            check_cp_layout(self.seq_len, self.cp, self.cp_attention, m.n_heads, m.n_kv_heads, self.tp)
+            check_expert_layout(m.n_experts, m.top_k, self.ep, self.dp * self.cp)
+        except ValueError as e:
+            raise self.error(f"{e} (--model {self.model})" if "expert" in str(e) or "heads" in str(e)
+                              else str(e)) from None
+        if self.sp and (self.seq_len // self.cp) % self.tp:
+            raise self.error(f"--sp with --cp {self.cp}: each rank's {self.seq_len // self.cp} tokens do not "
+                              f"split over --tp {self.tp}")
+        if self.pp > 1:
+            try:
+                stages = len(schedule_placement(self.schedule, self.pp, self.virtual_stages))  # zbv: 2 per rank
+                stage_layers(m.n_layers, stages)  # raises: more stages than layers
+                build_schedule(self.schedule, self.pp, self.accum_steps, self.virtual_stages)
+            except ScheduleError as e:
+                raise self.error(
+                    f"{e} (micro-batches per step = --global-batch / (--dp x --micro-batch) = {self.accum_steps})"
+                ) from None
+        if self.pp > 1 and m.tie_embeddings:
+            raise self.error(f"--pp {self.pp} with tied embeddings (--model {self.model}"
+                              f"{' --tie-embeddings' if self.tie_embeddings else ''}): the embedding and the LM "
+                              f"head share one weight, and pipeline stages would split them; use --pp 1 or "
+                              f"--no-tie-embeddings")
+        if self.zero not in (0, 1, 2, 3):
+            raise self.error(f"--zero {self.zero}: choose 0, 1, 2 or 3")
+        if self.zero == 3 and self.pp > 1:
+            raise self.error("--zero 3 with --pp: every micro-batch would gather each layer twice; "
+                              "use --zero 1 or 2 with pipeline parallelism")
+        if self.zero == 3 and self.recompute:
+            raise self.error("--zero 3 with --recompute is not supported: choose one")
+        if self.offload and self.zero not in (1, 2):
+            raise self.error("--offload needs --zero 1 or 2: it moves ZeRO's optimizer slices to the CPU")
+        try:
+            resolve_precision(self.precision, self.dtype, self.grad_reduce)
+        except ValueError as e:
+            raise self.error(str(e)) from None
+        layout = MeshLayout(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp,
+                            ranks_per_node=self.ranks_per_node)  # raises LayoutError
+        if self.zeropp is not None:
+            try:
+                check_zeropp(self.zeropp, self.zero, layout, self.cp, m.n_experts)
+            except ValueError as e:
+                raise self.error(str(e)) from None
+
