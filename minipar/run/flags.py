@@ -96,8 +96,7 @@ def parser(d) -> argparse.ArgumentParser:
                    f"cp; default: {d.cp_attention})")
     g.add_argument("--sp", action=switch, default=False, help="sequence parallelism in the norm/residual regions "
                    "(tp > 1)")
-    g.add_argument("--schedule", default=d.schedule, choices=SCHEDULES, help=f"pipeline schedule (pp > 1; default: "
-                   f"{d.schedule})")
+    g.add_argument("--schedule", default=d.schedule, choices=SCHEDULES, help=f"pipeline schedule ({d.schedule})")
     g.add_argument("--virtual-stages", type=int, default=1, help="chunks per pipeline rank (interleaved)")
     g.add_argument("--ranks-per-node", type=int, help="ranks that share a node (its fast links): the ledger counts "
                    "what crosses between nodes; less than the world simulates several nodes on one machine "
