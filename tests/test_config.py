@@ -71,6 +71,12 @@ def test_shape_flags_override_the_preset_and_every_field_is_written_in():
         64, 2, 4, 4, 384, 4096, 1024)  # the rest: small's
 
 
+@pytest.mark.parametrize("typed", ["qwz,qwz", "qwz,", " qwz", "qwz, qwz"])
+def test_zeropp_is_stored_as_read_not_as_typed(typed):
+    cfg = parse_args(["--dp=2", "--micro-batch=8", "--zero=3", f"--zeropp={typed}", "--plan"])
+    assert cfg.zeropp == "qwz"  # the effective config and the checkpoint keep the names, each once
+
+
 def test_a_preset_keeps_its_own_vocabulary_and_the_bpe_fits_inside_it():
     big = parse_args(["--model=8b"])
     assert big.model_config() == get_config("8b") and big.vocab_size == 128256  # not the BPE's 4096

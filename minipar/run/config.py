@@ -26,6 +26,7 @@ from minipar.run import checkpoint, flags
 from minipar.run.args import InputError
 from minipar.run.config_file import as_toml, read_config_file
 from minipar.run.flags import ACTS_WITH, BPE_VOCAB, SHAPE_FLAGS
+from minipar.zeropp import parse as parse_zeropp
 
 
 class ConfigError(InputError):
@@ -81,11 +82,13 @@ class TrainConfig(Layout):
         return self.bpe_vocab if self.bpe_vocab is not None else min(BPE_VOCAB, self.model_config().vocab_size)
 
     def resolved(self) -> TrainConfig:
-        """The effective config: what the preset and the BPE rule chose, written in."""
+        """The effective config: what the preset and the BPE rule chose, written in (--zeropp as read:
+        ' qwz,qwz,' is qwz)."""
         model = self.model_config()
         chosen = {f.name: getattr(model, f.name) for f in fields(ModelConfig)
                   if hasattr(self, f.name) and getattr(self, f.name) is None}
-        return replace(self, **chosen, bpe_vocab=self.bpe_size())
+        zeropp = ",".join(parse_zeropp(self.zeropp)) if self.zeropp else None
+        return replace(self, **chosen, bpe_vocab=self.bpe_size(), zeropp=zeropp)
 
     def check_ranges(self, max_seq_len: int) -> None:
         """Every number in its range, every path flag not empty: one line naming the flag."""
