@@ -40,7 +40,7 @@ WRONG_SAYS = {
             "wrong_gather_index": "N=2, length 12: the result is not the sum over ranks",
             "wrong_formula": "bytes_sent_per_rank(1200, 2) = 600.0: not what the ring sends"},
     "1.2": {"wrong": "is not it, the library's is more"},
-    "1.3": {"wrong": "N for 64 MiB: 32 is not it, the library's is less"},
+    "1.3": {"wrong": "N for 64 MiB: 17 is not it, the library's is more"},
     "2.1": {"wrong": "(it is 2 times the right one: summed, not averaged?)",
             "wrong_world_size": "(it is 0.5 times the right one: divided by the world's size, not the group's?)",
             "wrong_unledgered": "the ledger shows no all_reduce on the group",
