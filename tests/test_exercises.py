@@ -84,7 +84,7 @@ WRONG_SAYS = {
             "wrong_stage": "expected each of F0..F0 and B0..B0 of stage 1 once",
             "wrong_delegates": "minipar.pipeline.schedules.gpipe " + OFF,
             "wrong_build": "minipar.pipeline.schedules.gpipe " + OFF},
-    "6.2": {"wrong": "the library's is less (run scripts/step_06_pipeline.py"},
+    "6.2": {"wrong": "is the bubble ratio (p - 1)/m, idle time over the work alone"},
     "6.3": {"wrong": "under 1F1B: 1 is not it"},
     "6.4": {"wrong": "the library's is less"},
     "7.1": {"wrong": "the output differs from the plain MoE layer's on one device: max abs diff",
