@@ -4,7 +4,7 @@
     python scripts/bench_gpu.py --models 125m --strategies dp zero3 tp --steps 5
     python scripts/bench_gpu.py --compile --fused-adamw --strategies pp --pp-schedule gpipe
 
-For each model (default 125m and 1b, seq 2048, bfloat16 autocast over float32 master weights, as
+For each model (default 125m and 1b, seq 2048, bfloat16 autocast over float32 weights (no master copy), as
 train.py runs on CUDA) and each strategy the GPU count allows, two sides train the same model on
 the same random token batches with the same AdamW, clipping and gradient accumulation, every GPU
 one rank of the strategy's dimension (dp = world, or tp = world, ...):

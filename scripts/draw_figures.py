@@ -6,8 +6,9 @@
 --out is a new folder (one that holds anything is refused, docs/img included: nothing is drawn
 over); copy the PNGs into docs/img/ to update the course's. The loss runs take a minute or two.
 
-    zero      who holds what under ZeRO 0-3 at dp 4 (planning/estimate.held_bytes: equal to what the
-              ranks hold, tests/test_mixed_precision.py)                     chapter 3
+    zero      who holds what under ZeRO 0-3 at dp 4, at the end of backward and after the gradients'
+              reduce-scatter (planning/estimate.held_bytes: equal to what the ranks hold,
+              tests/test_mixed_precision.py)                                               chapter 3
     tp        the column/row split of the MLP at tp 2 (the shard shapes parallelize cuts)   chapter 4
     zigzag    which cp rank holds each query row of causal attention, contiguous against zigzag
               (context_parallel.zigzag_positions), and the work each rank does          chapter 5
@@ -45,26 +46,45 @@ ROOT = Path(__file__).resolve().parents[1]
 COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]  # one per rank
 
 
+def zero_held(stage: int) -> dict[str, dict[str, int]]:
+    """What each of 4 dp ranks holds under `stage` (small model, bf16-mixed), in bytes by kind, at the
+    two moments of a step: the end of backward, and after the gradients' reduce-scatter (the step).
+    They differ only at stage 1, which the paper defines by the first: its optimizer state is sharded
+    but every rank still holds every gradient (P_os). minipar's stage 1 accumulates whole .grad
+    tensors during backward and keeps only its slice once they are reduce-scattered."""
+    c = get_config("small")
+    after = held_bytes(c, TrainConfig(model="small", dp=4, zero=stage, precision="bf16-mixed"))
+    if stage != 1:
+        return {"end of backward": after, "after reduce-scatter": after}
+    whole = held_bytes(c, TrainConfig(model="small", dp=1, precision="bf16-mixed"))["grads"]  # every bf16 grad
+    return {"end of backward": {**after, "grads": whole}, "after reduce-scatter": after}
+
+
 def zero(out: Path) -> None:
-    c, kinds = get_config("small"), ("params", "grads", "optimizer")
+    kinds = ("params", "grads", "optimizer")
     labels = ("weights (bf16) + fp32 masters", "gradients (bf16)", "AdamW momentum, variance (fp32)")
-    held = [held_bytes(c, TrainConfig(model="small", dp=4, zero=stage, precision="bf16-mixed")) for stage in range(4)]
-    fig, ax = plt.subplots(figsize=(7, 4.4))
-    bottom = [0.0] * 4
-    for kind, label, color in zip(kinds, labels, COLORS):
-        mib = [h[kind] / 2**20 for h in held]
-        ax.bar(range(4), mib, bottom=bottom, label=label, color=color)
-        bottom = [b + m for b, m in zip(bottom, mib)]
-    for stage, total in enumerate(bottom):
-        ax.text(stage, total, f"{total:.1f} MiB", ha="center", va="bottom")
-    ax.set_xticks(range(4), ["no ZeRO", "stage 1\n(optimizer)*", "stage 2\n(+ gradients)", "stage 3\n(+ weights)"])
-    fig.text(0.01, 0.01, "No ZeRO: the gradients' bar includes DataParallel's flat all-reduce buffers (2 Psi).\n"
-             "* after the gradient reduce-scatter, the moment shown; minipar's stage 1 holds whole gradients during "
-             "backward", fontsize=7)
+    held = [zero_held(stage) for stage in range(4)]
+    fig, ax = plt.subplots(figsize=(7.6, 4.8))
+    for m, (moment, hatch) in enumerate((("end of backward", ""), ("after reduce-scatter", "//"))):
+        x = [stage + (m - 0.5) * 0.4 for stage in range(4)]
+        bottom = [0.0] * 4
+        for kind, label, color in zip(kinds, labels, COLORS):
+            mib = [h[moment][kind] / 2**20 for h in held]
+            ax.bar(x, mib, width=0.38, bottom=bottom, color=color, hatch=hatch, edgecolor="white",
+                   label=label if m == 0 else None)
+            bottom = [b + v for b, v in zip(bottom, mib)]
+        for xi, total in zip(x, bottom):
+            ax.text(xi, total, f"{total:.1f}", ha="center", va="bottom", fontsize=8)
+    ax.bar([0], [0], color="white", edgecolor="grey", hatch="//", label="hatched: after the reduce-scatter")
+    ax.set_xticks(range(4), ["no ZeRO", "stage 1\n(optimizer)", "stage 2\n(+ gradients)", "stage 3\n(+ weights)"])
+    fig.text(0.01, 0.01, "Left bar of each pair: the end of backward; right (hatched): after the gradients' "
+             "reduce-scatter, at the step.\nStage 1 still holds every gradient at the end of backward (the paper's "
+             "P_os); stage 2 never does.\nNo ZeRO: the gradients' bar includes DataParallel's flat all-reduce "
+             "buffers (2 Psi).", fontsize=7)
     ax.set_ylabel("MiB held by each of 4 dp ranks")
     ax.set_title("small model in bf16-mixed, dp 4: (2 + 2 + 12) Psi, split stage by stage")
-    ax.legend()
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    ax.legend(fontsize=8)
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
     fig.savefig(out / "03_zero_stages.png", dpi=110)
 
 

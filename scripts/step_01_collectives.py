@@ -14,10 +14,12 @@ rank next to the textbook ring formula, 2(N-1)/N * S or (N-1)/N * S. Then it run
 that its result is the all-reduce's.
 
 Part 3 times an all-reduce of 4 bytes to 4 MiB on this machine (each size 20 times after a
-warm-up; the fastest run of each rank, then the slowest rank) and fits the classic time model
-t = alpha + beta * (bytes each rank sends): alpha the latency of one call, beta the time per byte.
-The fit weighs every size by 1/t^2 (it minimises the relative error), so the small sizes, which
-only alpha explains, count as much as the large ones. The times are this machine's and vary from
+warm-up; the fastest run of each rank, then the slowest rank) and fits the classic time model of
+a ring all-reduce, t = 2(N-1) * alpha + beta * (bytes each rank sends): alpha the latency of one
+ring step (a message to the next rank), beta the time per byte. On N ranks every size pays the
+same 2(N-1) steps, so the fit finds their sum, one call's latency, and divides it by 2(N-1). The
+fit weighs every size by 1/t^2 (it minimises the relative error), so the small sizes, which only
+the latency explains, count as much as the large ones. The times are this machine's and vary from
 run to run; the sizes and the formula do not.
 
 Chapter: docs/01_collectives.md.
@@ -154,12 +156,14 @@ def part3_alpha_beta(group: C.Group) -> None:
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group.pg)  # the op ends when its last rank does
         measured.append(slowest.item())
     sent = [C.ring_bytes_sent("all_reduce", b, n) for b in sizes]
-    # Weighted least squares for t = alpha + beta * sent, weights 1/t^2: the 2x2 normal equations.
+    # Weighted least squares for t = latency + beta * sent, weights 1/t^2: the 2x2 normal equations.
     w = [1 / t**2 for t in measured]
     sw, sx, sxx = sum(w), sum(wi * x for wi, x in zip(w, sent)), sum(wi * x * x for wi, x in zip(w, sent))
     sy, sxy = sum(wi * t for wi, t in zip(w, measured)), sum(wi * x * t for wi, x, t in zip(w, sent, measured))
     beta = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
-    alpha = (sy - beta * sx) / sw
+    latency = (sy - beta * sx) / sw  # one call's: the ring's 2(N-1) steps, each an alpha
+    steps = 2 * (n - 1)
+    alpha = latency / steps
     barrier = float("inf")
     for _ in range(repeats):  # the fastest barrier, as for the all-reduces
         start = time.perf_counter()
@@ -168,9 +172,10 @@ def part3_alpha_beta(group: C.Group) -> None:
     say(f"\n\nTime of one all_reduce on {n} ranks (gloo, float32), fastest of {repeats}, slowest rank")
     say(f"  {'S bytes':>12}{'sent bytes':>13}{'measured':>12}{'model':>12}")
     for nbytes, x, t in zip(sizes, sent, measured):
-        say(f"  {nbytes:>12,}{x:>13,}{t * 1e6:>9.1f} µs{(alpha + beta * x) * 1e6:>9.1f} µs")
-    say(f"  fitted t = alpha + beta * sent: alpha {alpha * 1e6:.1f} µs, beta {beta * 1e9:.3f} ns per byte "
-        f"({1 / beta / 1e9:.2f} GB/s)")
+        say(f"  {nbytes:>12,}{x:>13,}{t * 1e6:>9.1f} µs{(steps * alpha + beta * x) * 1e6:>9.1f} µs")
+    say(f"  fitted t = 2(N-1) alpha + beta * sent, with 2(N-1) = {steps} ring steps on {n} ranks:")
+    say(f"    alpha {alpha * 1e6:.1f} µs per step ({latency * 1e6:.1f} µs per call), "
+        f"beta {beta * 1e9:.3f} ns per byte ({1 / beta / 1e9:.2f} GB/s)")
     say(f"  barrier (no bytes, one round of messages), fastest of {repeats} on rank 0: {barrier * 1e6:.1f} µs")
 
 

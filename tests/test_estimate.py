@@ -381,9 +381,10 @@ GPT_SHAPE = (32, 2, 64, 4)  # s, b, h, a: 5as/h = 10, next to the 34
                          ids=["one", "tp2", "tp2-sp", "tp2-selective", "tp2-sp-selective", "full-recompute"])
 def test_korthikantis_gpt_layer_activation_figures(tp, sp, recompute):
     # Korthikanti et al. (2022), "Reducing activation recomputation in large transformer models",
-    # section 4 and table 2: a GPT layer in 16-bit keeps sbh(34 + 5as/h) bytes for backward, 5as/h
-    # being the s x s attention scores, softmax, its dropout mask and its output. Measured on a GPT
-    # layer written above with minipar's tensor-parallel layers, on `tp` gloo ranks.
+    # section 4.1 and table 2: a GPT layer in 16-bit keeps sbh(34 + 5as/h) bytes for backward, 5as/h
+    # being three s x s tensors per head: the softmax's output (2 bytes), the dropout's mask (1) and
+    # the dropout's output (2). Measured on a GPT layer written above with minipar's tensor-parallel
+    # layers, on `tp` gloo ranks.
     s, b, h, a = GPT_SHAPE
     t, sbh = tp, s * b * h
     paper = {(1, False, None): sbh * (34 + 5 * a * s / h),

@@ -8,9 +8,7 @@ from pathlib import Path
 import torch
 
 from minipar.context_parallel import zigzag_positions
-from minipar.model import get_config
-from minipar.planning.estimate import held_bytes
-from minipar.run.config import TrainConfig
+from minipar.model import Llama, get_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -33,15 +31,29 @@ def test_the_diagrams_are_drawn_as_pngs_under_the_names_the_chapters_link(tmp_pa
     assert "(img/09_loss_parity.png)" in (ROOT / "docs" / "09_4d.md").read_text()
 
 
-def test_what_the_zero_figure_shows_is_the_16_psi_split_stage_by_stage():
+def test_the_zero_figure_shows_stage_1_holding_every_gradient_at_the_end_of_backward_and_stage_2_not():
     c = get_config("small")
-    psi = sum(p.numel() for p in __import__("minipar.model", fromlist=["Llama"]).Llama(c, 0).parameters())
-    held = [held_bytes(c, TrainConfig(model="small", dp=4, zero=s, precision="bf16-mixed")) for s in range(4)]
+    psi = sum(p.numel() for p in Llama(c, 0).parameters())
+    held = [_script().zero_held(s) for s in range(4)]  # what the figure draws: {moment: {kind: bytes}}
+    end, after = "end of backward", "after reduce-scatter"
+
+    def shard(nbytes_per_param):  # a 1/4 slice of every bucket, each padded to a multiple of 4
+        return range(nbytes_per_param * psi // 4, nbytes_per_param * psi // 4 + nbytes_per_param * 4 * 64)
+
     # no ZeRO: 2 + 2 + 12 bytes a parameter (6 = the bf16 weight and its fp32 master), and DataParallel's flat
-    # all-reduce buffers, 2 more (the footnote says so)
-    assert held[0] == {"params": 6 * psi, "grads": 2 * psi + 2 * psi, "optimizer": 8 * psi}
-    # stage 3 holds 1/4 of everything, up to the padding of each bucket to a multiple of 4
-    assert 16 * psi / 4 <= sum(held[3].values()) < 16 * psi / 4 + 16 * 4 * 64
+    # all-reduce buffers, 2 more (the footnote says so); the same at both moments
+    for moment in (end, after):
+        assert held[0][moment] == {"params": 6 * psi, "grads": 2 * psi + 2 * psi, "optimizer": 8 * psi}
+    # stage 1 (the paper's P_os): every bf16 gradient at the end of backward, its slice after the reduce-scatter
+    assert held[1][end]["grads"] == 2 * psi and held[1][after]["grads"] in shard(2)
+    assert held[1][end]["params"] - 2 * psi in shard(4) and held[1][end]["optimizer"] in shard(8)
+    # stage 2 (P_os+g) never holds every gradient: its slice at both moments, so at the end of backward it
+    # holds 3/4 of 2 Psi less than stage 1 (what the earlier figure, drawn after the reduce-scatter, hid)
+    assert held[2][end] == held[2][after] and held[2][end]["grads"] in shard(2)
+    saved = sum(held[1][end].values()) - sum(held[2][end].values())
+    assert 2 * psi * 3 // 4 - 2 * 4 * 64 < saved <= 2 * psi * 3 // 4
+    # stage 3 (P_os+g+p) holds 1/4 of everything
+    assert held[3][end] == held[3][after] and sum(held[3][end].values()) in shard(16)
 
 
 def test_zigzag_gives_every_rank_the_same_causal_work_and_contiguous_does_not():

@@ -98,13 +98,22 @@ def truth_bubble(p: int, m: int) -> float:
 BUBBLE_SPACE = [dict(p=p, m=m) for p, m in ((2, 6), (2, 10), (3, 3), (3, 10), (3, 12), (5, 6), (5, 10), (6, 3),
                                             (6, 6), (6, 10), (6, 16), (4, 6))]
 
+def bubble_problems(answer, v: dict) -> list[str]:
+    """The idle fraction; an answer equal to the bubble ratio (p - 1)/m is told which one it is."""
+    p, m = v["p"], v["m"]
+    how = "run .venv/bin/torchrun --standalone --nproc-per-node 4 scripts/step_06_pipeline.py, then think again"
+    if not number_problems(answer, (p - 1) / m, 0.01, "", ""):
+        how = f"{answer} is the bubble ratio (p - 1)/m, idle time over the work alone: the question asks over the " \
+              "whole step, work and idle time together (chapter 6, \"The bubble\")"
+    return number_problems(answer, truth_bubble(p, m), 0.01,
+                           f"the idle fraction of the simulated GPipe timeline (p={p}, m={m}, F=1, B=2)", how)
+
+
 check_predict_bubble = Predict(
     BUBBLE_SPACE,
     lambda v: f"GPipe on p = {v['p']} stages with m = {v['m']} micro-batches, a forward taking one unit of time and "
               f"a backward two: what fraction of the ranks' time is idle?",
-    lambda answer, v: number_problems(answer, truth_bubble(v["p"], v["m"]), 0.01,
-                                      f"the idle fraction of the simulated GPipe timeline (p={v['p']}, m={v['m']}, "
-                                      f"F=1, B=2)", "run scripts/step_06_pipeline.py, then think again"),
+    bubble_problems,
     lambda v: [f"{truth_bubble(v['p'], v['m']):.3f}", f"{100 * truth_bubble(v['p'], v['m']):.1f}%"])
 
 
