@@ -20,11 +20,12 @@ The clock (`step_time`) is arithmetic, stated here so that its answer can be arg
     cp        ring attention's K/V blocks, forward and backward; counted as not overlapped
     dp        the gradients' all-reduce (ZeRO: reduce-scatter + all-gather, ZeRO-3 per micro-batch);
               overlapped with backward (2/3 of compute), only what is left over counts
-    bubble    the pipeline schedule's idle fraction of the compute, from its own simulation
-              (pipeline.timeline.simulate: F = 1, B = 2, or F = B = W = 1 when B is split), so
-              1F1B's and GPipe's (pp-1)/(m+pp-1), interleaved's (pp-1)/(v·m+pp-1), ZB-H1's
-              (pp-1)/(3m+pp-1); the activations sent between stages are small beside the above
-              and not counted
+    bubble    the time the pipeline's ranks wait: its schedule's idle fraction f of the step, from
+              its own simulation (pipeline.timeline.simulate: F = 1, B = 2, or F = B = W = 1 when
+              B is split), so 1F1B's and GPipe's (pp-1)/(m+pp-1), interleaved's
+              (pp-1)/(v·m+pp-1), ZB-H1's (pp-1)/(3m+pp-1); of the compute, that is f / (1 - f),
+              the bubble ratio ((pp-1)/m for 1F1B); the activations sent between stages are small
+              beside the above and not counted
 
 It scales to any number of GPUs instantly: nothing is built but one meta-device model per layout.
 The same figures answer a single run's question first: `check_memory` refuses, before anything is
@@ -99,9 +100,10 @@ def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]
 
     def over(prefix: str, span: int) -> float:
         return sum(v for k, v in sent.items() if k.split("/")[0] == prefix) / _bandwidth(cluster, span)
+    idle = pipeline_idle(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages)  # of the whole step
     parts = {"compute": compute, "tp": over("tp", cfg.tp), "cp": over("cp", cfg.tp * cfg.cp),
              "dp": max(0.0, over("dp_cp" if cfg.cp > 1 else "dp", cfg.tp * cfg.cp * cfg.dp) - 2 / 3 * compute),
-             "bubble": pipeline_idle(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages) * compute}
+             "bubble": idle / (1 - idle) * compute}  # idle f of the step is f / (1 - f) of its compute
     return {**parts, "total": sum(parts.values())}
 
 
