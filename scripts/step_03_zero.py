@@ -1,4 +1,4 @@
-"""Step 5: ZeRO, seen from every rank: what each one holds, what it sends, and that it changes nothing.
+"""Step 3: ZeRO, seen from every rank: what each one holds, what it sends, and that it changes nothing.
 
     .venv/bin/torchrun --standalone --nproc-per-node 4 scripts/step_03_zero.py    (2 works too)
 

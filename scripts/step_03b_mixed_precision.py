@@ -1,4 +1,4 @@
-"""Step 5b: mixed precision under ZeRO: the paper's (2 + 2 + 12) Psi, held byte for byte, and what
+"""Step 3b: mixed precision under ZeRO: the paper's (2 + 2 + 12) Psi, held byte for byte, and what
 fp32 gradients on the wire cost.
 
     .venv/bin/torchrun --standalone --nproc-per-node 4 scripts/step_03b_mixed_precision.py   (2 works too)

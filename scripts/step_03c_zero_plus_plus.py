@@ -1,4 +1,4 @@
-"""Step 5c: ZeRO++ on ZeRO-3: one quantized message, the bytes each link carries, hpZ's memory.
+"""Step 3c: ZeRO++ on ZeRO-3: one quantized message, the bytes each link carries, hpZ's memory.
 
     .venv/bin/torchrun --standalone --nproc-per-node 4 scripts/step_03c_zero_plus_plus.py   (--ranks-per-node 2)
 

@@ -1,4 +1,4 @@
-"""Step 3: tensor parallelism, seen from every rank: who holds which slice, and what it costs.
+"""Step 4: tensor parallelism, seen from every rank: who holds which slice, and what it costs.
 
     .venv/bin/torchrun --standalone --nproc-per-node 2 scripts/step_04_tensor_parallel.py    (4 works too)
 

@@ -1,4 +1,4 @@
-"""Step 3b: what each tensor-parallel message could hide behind, measured on one training step.
+"""Step 4b: what each tensor-parallel message could hide behind, measured on one training step.
 
     .venv/bin/torchrun --standalone --nproc-per-node 2 scripts/step_04b_tp_overlap.py
 

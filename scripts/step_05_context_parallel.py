@@ -1,4 +1,4 @@
-"""Step 6: context parallelism, seen from every rank: which tokens it holds, what passes round the ring.
+"""Step 5: context parallelism, seen from every rank: which tokens it holds, what passes round the ring.
 
     .venv/bin/torchrun --standalone --nproc-per-node 2 scripts/step_05_context_parallel.py    (4 works too)
 

@@ -1,4 +1,4 @@
-"""Step 6b: Ulysses context parallelism, seen from every rank: two all-to-alls instead of a ring.
+"""Step 5b: Ulysses context parallelism, seen from every rank: two all-to-alls instead of a ring.
 
     .venv/bin/torchrun --standalone --nproc-per-node 2 scripts/step_05b_ulysses.py    (4 works too)
 

@@ -1,4 +1,4 @@
-"""Step 4: pipeline parallelism, six schedules on paper and on real ranks.
+"""Step 6: pipeline parallelism, six schedules on paper and on real ranks.
 
     .venv/bin/torchrun --standalone --nproc-per-node 4 scripts/step_06_pipeline.py    (2 works too)
     options: --micro-batches 8 (m; must divide the 16 rows), --out runs/step_06 (the PNGs), --repeats 5

@@ -1,4 +1,4 @@
-"""Step 4b: ZB-V on paper: where its stages live, the order its builder produces, and what it costs.
+"""Step 6b: ZB-V on paper: where its stages live, the order its builder produces, and what it costs.
 
     .venv/bin/python scripts/step_06b_zero_bubble_v.py
 
