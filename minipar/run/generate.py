@@ -153,8 +153,10 @@ def checkpoint_tokenizer(state: dict, folder: Path, vocab_size: int, given: Path
     path = given or tokenizer_path(state, folder)
     if given is None and not os.path.lexists(path):
         data = run_config(state, folder).get("data") or "the standard library"
-        raise checkpoint.CheckpointError(f"no tokenizer at {path}: train.py builds it from the run's --data "
-                                         f"({data}); give --tokenizer PATH")
+        raise checkpoint.CheckpointError(
+            f"checkpoint {folder} keeps no tokenizer (its run read token ids, --data {data}, without --tokenizer): "
+            f"give --tokenizer PATH, the one those ids were made with" if str(data).endswith(".bin") else
+            f"no tokenizer at {path}: train.py builds it from the run's --data ({data}); give --tokenizer PATH")
     tok = read_tokenizer(path, separator)
     own = folder / "tokenizer.json"  # what the weights were trained on: another one's ids mean other tokens
     if given is not None and own.exists() and read_tokenizer(own, separator).to_str() != tok.to_str():
