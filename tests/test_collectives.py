@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_ranks, tiers
+from harness import run_ranks, run_ranks_once, tiers
 
 from minipar import autograd_ops as A
 from minipar import collectives as C
@@ -71,13 +71,13 @@ def _on_one_node(expect: dict) -> dict:
 
 @pytest.mark.parametrize("world", tiers([2, 4], fast=1))
 def test_collectives_equal_local_computation_and_ledger_counts_tensor_sizes(world):
-    for r in run_ranks(world, _every_collective):
+    for r in run_ranks_once(world, _every_collective):
         assert r["ledger"] == _on_one_node(r["expect"])
 
 
 def test_ring_all_reduce_sends_two_n_minus_one_over_n_of_the_tensor():
     # The formula in ring_bytes_sent matches what the hand-written ring really sends (4 ranks).
-    out = run_ranks(4, _every_collective)
+    out = run_ranks_once(4, _every_collective)
     for r in out:
         assert r["ledger"]["dp/send"]["sent"] == C.ring_bytes_sent("all_reduce", r["nbytes"], 4)
 

@@ -258,7 +258,7 @@ def layout_id(case):
     return "x".join(f"{k}{v}" for k, v in degrees.items()) + f"-zero{zero}-sp{int(sp)}"
 
 
-@pytest.mark.parametrize("world,degrees,zero,sp", tiers(LAYOUTS, fast=4), ids=[layout_id(c) for c in LAYOUTS])
+@pytest.mark.parametrize("world,degrees,zero,sp", tiers(LAYOUTS, fast=1), ids=[layout_id(c) for c in LAYOUTS])
 def test_cp2_training_composed_with_dp_tp_pp_and_zero_equals_single_device(world, degrees, zero, sp):
     ref = single_device_training(4)
     params = {}

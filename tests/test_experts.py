@@ -249,7 +249,7 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("world,layout", tiers(LAYOUTS, fast=10),  # make test: all at once, on 8 ranks
+@pytest.mark.parametrize("world,layout", tiers(LAYOUTS, fast=3),
                          ids=["-".join(f"{k}{v}" for k, v in c[1].items()) for c in LAYOUTS])
 def test_moe_model_trained_at_ep_equals_one_device(world, layout):
     ref = single_device()

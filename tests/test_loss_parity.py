@@ -88,7 +88,7 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("world,layout,micro", tiers(LAYOUTS, fast=[5, 8]),  # make test: 8 ranks; tied
+@pytest.mark.parametrize("world,layout,micro", tiers(LAYOUTS, fast=[6, 8]),  # make test: ZeRO-3 x cp; tied
                          ids=["-".join(f"{k}{v}" for k, v in c[1].items()) or "accum4" for c in LAYOUTS])
 def test_the_loss_and_gradients_are_the_one_device_token_mean_under_every_layout(world, layout, micro):
     ref_loss, ref_grads = one_device(layout.get("tie_embeddings", False))

@@ -113,7 +113,7 @@ def test_each_options_intra_and_cross_node_bytes_equal_the_closed_form(options):
         plain_norms = norms
 
 
-@pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(o) or "plain")
+@pytest.mark.parametrize("options", tiers(OPTION_SETS, fast=4, tuple_values=True), ids=lambda o: ",".join(o) or "plain")
 def test_the_estimate_of_each_options_bytes_equals_the_ledger(options):
     cfg = TrainConfig(model="tiny", dp=N, zero=3, precision="bf16-mixed", ranks_per_node=K, seq_len=SEQ,
                       zeropp=",".join(options) or None, global_batch=GLOBAL_BATCH, micro_batch=GLOBAL_BATCH // N,
