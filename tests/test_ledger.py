@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_ranks, tiers
+from harness import run_ranks
 
 from minipar.data_parallel import param_groups
 from minipar.grad_sync import adamw, build_grad_sync
@@ -126,7 +126,7 @@ def _step_and_save(rank, world, layout, out):
     return counted, sent
 
 
-@pytest.mark.parametrize("layout", tiers([dict(dp=2, pp=2, zero=1), dict(tp=2, cp=2, sp=True, zero=3)], fast=1),
+@pytest.mark.parametrize("layout", [dict(dp=2, pp=2, zero=1), dict(tp=2, cp=2, sp=True, zero=3)],
                          ids=["dp2-pp2-zero1", "tp2-cp2-sp-zero3"])
 def test_a_step_and_a_save_send_exactly_what_the_ledgers_hold(layout, tmp_path):
     for rank, (ledgers, sent) in enumerate(run_ranks(4, _step_and_save, layout, tmp_path, timeout=300)):
