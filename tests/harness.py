@@ -12,7 +12,9 @@ gets one pool of workers that lives for the whole pytest session and runs test a
 whose test failed or hung is killed and rebuilt, so one broken test cannot poison the next. The
 workers are forked from a server process that imported torch once (multiprocessing's forkserver),
 not started afresh each importing it: a pool of 8 starts in a second, not in 10 to 30 on 2 busy
-cores. The server only imports torch and runs nothing, so no thread or CUDA state is copied.
+cores. The server only imports torch and runs nothing, so no thread or CUDA state is copied. Its
+workers see the environment and sys.path of the moment the first pool started (under spawn a
+pool's did, of the moment it started): a test cannot hand workers a variable through os.environ.
 """
 
 from __future__ import annotations
