@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import run_ranks, tiers
 
 ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = ["dp", "zero1", "zero2", "zero3", "tp", "pp", "cp"]
@@ -85,7 +85,7 @@ LOSS_TOL = dict(rel=1e-5, abs=0)
 
 
 @pytest.mark.float32
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", tiers(STRATEGIES, fast=3))  # make test: zero3 (FSDP2)
 def test_both_sides_of_each_bench_gpu_strategy_train_as_one_device(strategy):
     results = run_ranks(2, _both_sides, strategy, timeout=300)
     assert results[0]["minipar"]["losses"] == results[1]["minipar"]["losses"]  # reduced over the ranks

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from test_train import ROOT, TORCHRUN, common, losses, run
 
+# Several torchrun jobs at once, through train.py: make test-integration.
+pytestmark = pytest.mark.integration
 TRAIN = str(ROOT / "scripts" / "train.py")
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
 

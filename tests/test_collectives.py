@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_ranks
+from harness import run_ranks, run_ranks_once, tiers
 
 from minipar import autograd_ops as A
 from minipar import collectives as C
@@ -69,15 +69,15 @@ def _on_one_node(expect: dict) -> dict:
     return {key: {**e, "intra": e["sent"], "cross": 0} for key, e in expect.items()}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", tiers([2, 4], fast=1))
 def test_collectives_equal_local_computation_and_ledger_counts_tensor_sizes(world):
-    for r in run_ranks(world, _every_collective):
+    for r in run_ranks_once(world, _every_collective):
         assert r["ledger"] == _on_one_node(r["expect"])
 
 
 def test_ring_all_reduce_sends_two_n_minus_one_over_n_of_the_tensor():
     # The formula in ring_bytes_sent matches what the hand-written ring really sends (4 ranks).
-    out = run_ranks(4, _every_collective)
+    out = run_ranks_once(4, _every_collective)
     for r in out:
         assert r["ledger"]["dp/send"]["sent"] == C.ring_bytes_sent("all_reduce", r["nbytes"], 4)
 
@@ -151,7 +151,7 @@ def _uneven_all_to_all(rank, world):
         return entry.calls, entry.sent, (sum(send) - send[rank]) * row + (sum(recv) - recv[rank]) * row
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", tiers([2, 3], fast=0))
 def test_all_to_all_with_uneven_splits_and_its_backward(world):
     for calls, sent, expected in run_ranks(world, _uneven_all_to_all):
         assert calls == 2 and sent == expected  # forward and backward, each counting what it sent away
@@ -182,6 +182,6 @@ def _rooted_collectives(rank, world):
         return True
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", tiers([2, 4], fast=1))
 def test_reduce_gather_scatter_and_barrier_equal_local_computation_on_their_root(world):
     assert all(run_ranks(world, _rooted_collectives))

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from einops import repeat
-from harness import parallel_llama, run_ranks
+from harness import parallel_llama, run_ranks, tiers
 
 from minipar import context_parallel as C
 from minipar.data_parallel import param_groups
@@ -67,7 +67,7 @@ def _ring(rank, world):
         return dict(sent=mesh.ledger.get("cp", "send").bytes, kv_bytes=kv_bytes)
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", tiers([2, 4], fast=1))
 def test_ring_attention_forward_and_backward_equal_sdpa_causal_gqa(cp):
     for r in run_ranks(cp, _ring):
         # forward: cp-1 hops of this rank's K/V; backward: cp hops of K, V, dK, dV
@@ -89,7 +89,8 @@ def _ulysses(rank, world, h, h_kv):
         return dict(calls=entry.calls, sent=entry.sent, ring=mesh.ledger.get("cp", "send").sent)
 
 
-@pytest.mark.parametrize("cp,h,h_kv", [(2, 4, 2), (4, 8, 4), (2, 4, 4)], ids=["cp2-gqa", "cp4-gqa", "cp2-mha"])
+@pytest.mark.parametrize("cp,h,h_kv", tiers([(2, 4, 2), (4, 8, 4), (2, 4, 4)], fast=1),
+                         ids=["cp2-gqa", "cp4-gqa", "cp2-mha"])
 def test_ulysses_attention_forward_and_backward_equal_sdpa_and_send_the_closed_form(cp, h, h_kv):
     tokens, d, w = 2 * S // cp, 8, 8  # b s/cp, head dim, float64
     for r in run_ranks(cp, _ulysses, h, h_kv):
@@ -166,7 +167,7 @@ ULYSSES_MODELS = [(2, dict(cp=2), CFG),  # 4 query heads, 2 kv heads: 2 and 1 pe
                   (4, dict(tp=2, cp=2), get_config("tiny", n_layers=2, vocab_size=250, n_heads=8, n_kv_heads=4))]
 
 
-@pytest.mark.parametrize("world,degrees,cfg", ULYSSES_MODELS, ids=["cp2-gqa", "tp2xcp2-gqa"])
+@pytest.mark.parametrize("world,degrees,cfg", tiers(ULYSSES_MODELS, fast=1), ids=["cp2-gqa", "tp2xcp2-gqa"])
 def test_model_loss_and_every_gradient_under_ulysses_equal_single_device(world, degrees, cfg):
     model = Llama(cfg, seed=2).double()
     loss = model(*batch())
@@ -257,7 +258,7 @@ def layout_id(case):
     return "x".join(f"{k}{v}" for k, v in degrees.items()) + f"-zero{zero}-sp{int(sp)}"
 
 
-@pytest.mark.parametrize("world,degrees,zero,sp", LAYOUTS, ids=[layout_id(c) for c in LAYOUTS])
+@pytest.mark.parametrize("world,degrees,zero,sp", tiers(LAYOUTS, fast=1), ids=[layout_id(c) for c in LAYOUTS])
 def test_cp2_training_composed_with_dp_tp_pp_and_zero_equals_single_device(world, degrees, zero, sp):
     ref = single_device_training(4)
     params = {}

@@ -5,7 +5,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import run_ranks, tiers
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from minipar.data_parallel import DataParallel, param_groups
@@ -82,7 +82,7 @@ def _dp_run(rank, world, accum):
         )
 
 
-@pytest.mark.parametrize("world,accum", [(2, 1), (2, 2), (4, 1), (4, 2)])
+@pytest.mark.parametrize("world,accum", tiers([(2, 1), (2, 2), (4, 1), (4, 2)], fast=3))
 def test_dp_params_after_adamw_steps_equal_single_device_and_ddp(world, accum):
     reference = single_device_params()
     for r in run_ranks(world, _dp_run, accum):

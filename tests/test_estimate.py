@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import run_ranks, tiers
 
 from minipar.model import get_config
 from minipar.planning.estimate import held_bytes
@@ -119,8 +119,8 @@ def _measure(rank, world, layout):
         return wrapper.held_bytes(), held_bytes(model_cfg, cfg, pp_rank)
 
 
-@pytest.mark.parametrize("world,layout", LAYOUTS, ids=["-".join(f"{k}{v}" for k, v in c[1].items()) or "one"
-                                                       for c in LAYOUTS])
+@pytest.mark.parametrize("world,layout", tiers(LAYOUTS, fast=8),
+                         ids=["-".join(f"{k}{v}" for k, v in c[1].items()) or "one" for c in LAYOUTS])
 def test_the_estimate_equals_what_every_rank_holds(world, layout):
     for measured, estimated in run_ranks(world, _measure, layout, timeout=300):
         assert measured == estimated
@@ -163,8 +163,9 @@ def _temporaries(rank, world, layout):
         return dict(measured), temporary_bytes(c, cfg)
 
 
-@pytest.mark.parametrize("world,layout", [(2, dict(dp=2, zero=1)), (2, dict(dp=2, zero=2)), (2, dict(dp=2, zero=3)),
-                                          (4, dict(dp=2, tp=2, sp=True, zero=3))],
+@pytest.mark.parametrize("world,layout", tiers([(2, dict(dp=2, zero=1)), (2, dict(dp=2, zero=2)),
+                                                (2, dict(dp=2, zero=3)), (4, dict(dp=2, tp=2, sp=True, zero=3))],
+                                               fast=3),
                          ids=["zero1", "zero2", "zero3", "tp2-sp-zero3"])
 def test_zeros_temporary_buffers_are_what_the_buckets_allocate_in_a_step(world, layout):
     # Read off the real buckets during two steps: the largest flat gradient handed to a
@@ -297,15 +298,16 @@ ACTIVATION_LAYOUTS += [(1, MIXED), (2, dict(tp=2, **MIXED)), (2, dict(tp=2, sp=T
                        (2, dict(cp=2, **MIXED)), (2, dict(cp=2, cp_attention="ulysses", **MIXED))]
 
 
-@pytest.mark.parametrize("world,layout", ACTIVATION_LAYOUTS,
+@pytest.mark.parametrize("world,layout", tiers(ACTIVATION_LAYOUTS, fast=9),
                          ids=["-".join(f"{k}{v}" for k, v in c[1].items()) or "one" for c in ACTIVATION_LAYOUTS])
 def test_a_layers_activation_estimate_is_exactly_what_autograd_keeps(world, layout):
     for measured, estimated in run_ranks(world, _activations, layout, False):
         assert measured == estimated
 
 
-@pytest.mark.parametrize("world,layout", [(1, dict()), (2, dict(tp=2, sp=True)), (1, dict(recompute=True)),
-                                          (1, dict(dtype="bfloat16")), (2, dict(tp=2, sp=True, dtype="bfloat16"))],
+@pytest.mark.parametrize("world,layout", tiers([(1, dict()), (2, dict(tp=2, sp=True)), (1, dict(recompute=True)),
+                                                (1, dict(dtype="bfloat16")),
+                                                (2, dict(tp=2, sp=True, dtype="bfloat16"))], fast=4),
                          ids=["one", "tp2-sp", "recompute", "bf16", "tp2-sp-bf16"])
 def test_the_whole_models_activation_estimate_is_within_one_percent(world, layout):
     for measured, estimated in run_ranks(world, _activations, layout, True):
@@ -445,7 +447,7 @@ def _pipeline_peak(rank, world, schedule):
         return peak, activation_bytes(c, cfg, pipeline.group.rank)
 
 
-@pytest.mark.parametrize("world,schedule", [(2, "gpipe"), (2, "1f1b"), (4, "gpipe"), (4, "1f1b")],
+@pytest.mark.parametrize("world,schedule", tiers([(2, "gpipe"), (2, "1f1b"), (4, "gpipe"), (4, "1f1b")], fast=3),
                          ids=["pp2-gpipe", "pp2-1f1b", "pp4-gpipe", "pp4-1f1b"])
 def test_a_pipeline_ranks_activation_estimate_is_its_peak_in_a_real_step(world, schedule):
     # The step's peak of what autograd holds, measured while train_step runs the schedule: GPipe
@@ -510,7 +512,7 @@ TRAFFIC_LAYOUTS = [(2, dict(dp=2)), (4, dict(dp=4)), (2, dict(dp=2, zero=1)), (2
                    (2, dict(cp=2, cp_attention="ulysses", recompute=True))]
 
 
-@pytest.mark.parametrize("world,layout", TRAFFIC_LAYOUTS,
+@pytest.mark.parametrize("world,layout", tiers(TRAFFIC_LAYOUTS, fast=9),
                          ids=["-".join(f"{k}{v}" for k, v in c[1].items()) for c in TRAFFIC_LAYOUTS])
 def test_the_traffic_estimate_equals_the_ledger_group_by_group(world, layout):
     for measured, estimated in run_ranks(world, _dp_traffic, layout, timeout=300):
@@ -551,9 +553,10 @@ def _moe_layer(rank, world, layout, capacity):
         return measured, moe_layer_activation_bytes(c, cfg), moe_layer_activation_bytes(c, cfg, worst=True)
 
 
-@pytest.mark.parametrize("world,layout,capacity", [(1, {}, {}), (1, {}, CAPACITY), (2, dict(tp=2), {}),
-                                                   (2, dict(tp=2, sp=True), {}), (2, dict(cp=2), {}),
-                                                   (2, dict(dp=2, ep=2), CAPACITY), (2, dict(dp=2, ep=2), {})],
+@pytest.mark.parametrize("world,layout,capacity", tiers([(1, {}, {}), (1, {}, CAPACITY), (2, dict(tp=2), {}),
+                                                         (2, dict(tp=2, sp=True), {}), (2, dict(cp=2), {}),
+                                                         (2, dict(dp=2, ep=2), CAPACITY), (2, dict(dp=2, ep=2), {})],
+                                                        fast=5),
                          ids=["one-dropless", "one-capacity", "tp2", "tp2-sp", "cp2", "dp2-ep2-capacity",
                               "dp2-ep2-dropless"])
 def test_an_moe_layers_activation_estimate_is_what_autograd_keeps(world, layout, capacity):
@@ -589,8 +592,8 @@ def _moe_step_peak(rank, world, layout, capacity):
         return peak, activation_bytes(c, cfg, r), activation_bytes(c, cfg, r, worst=True)
 
 
-@pytest.mark.parametrize("world,layout,capacity", [(1, {}, {}), (2, dict(dp=2, ep=2), CAPACITY),
-                                                   (2, dict(pp=2), {}), (2, dict(dp=2, ep=2), {})],
+@pytest.mark.parametrize("world,layout,capacity", tiers([(1, {}, {}), (2, dict(dp=2, ep=2), CAPACITY),
+                                                         (2, dict(pp=2), {}), (2, dict(dp=2, ep=2), {})], fast=1),
                          ids=["one-dropless", "dp2-ep2-capacity", "pp2-dropless", "dp2-ep2-dropless"])
 def test_an_moe_models_activation_estimate_is_its_peak_in_a_real_step(world, layout, capacity):
     # The peak of what autograd holds during train_step. Where routing cannot move the figure
@@ -610,7 +613,7 @@ MOE_TRAFFIC_LAYOUTS = [(2, dict(dp=2, ep=2)), (4, dict(dp=4, ep=2, zero=1)), (2,
                        (4, dict(dp=2, tp=2, sp=True, ep=2, recompute=True))]
 
 
-@pytest.mark.parametrize("world,layout", MOE_TRAFFIC_LAYOUTS,
+@pytest.mark.parametrize("world,layout", tiers(MOE_TRAFFIC_LAYOUTS, fast=4),
                          ids=["-".join(f"{k}{v}" for k, v in c[1].items()) for c in MOE_TRAFFIC_LAYOUTS])
 def test_an_moe_models_traffic_estimate_equals_the_ledger_with_a_capacity_factor(world, layout):
     # Dense gradients over dp x cp, experts' over edp, the all-to-alls over ep (replayed in
@@ -620,7 +623,7 @@ def test_an_moe_models_traffic_estimate_equals_the_ledger_with_a_capacity_factor
         assert measured == estimated
 
 
-@pytest.mark.parametrize("world,layout", [(2, dict(dp=2, ep=2)), (4, dict(dp=4, ep=2, zero=1))],
+@pytest.mark.parametrize("world,layout", tiers([(2, dict(dp=2, ep=2)), (4, dict(dp=4, ep=2, zero=1))], fast=0),
                          ids=["dp2-ep2", "dp4-ep2-zero1"])
 def test_a_dropless_moe_models_all_to_all_is_near_its_expectation_and_within_its_bound(world, layout):
     from minipar.planning.estimate_moe import moe_bytes_sent

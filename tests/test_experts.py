@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import run_ranks, tiers
 
 from minipar.collectives import Group
 from minipar.expert_parallel import check_expert_layout, parallelize_experts
@@ -62,7 +62,7 @@ def _layer(rank, world, config, starve):
         return y.detach(), x.grad, grads, take_load(moe)[0], (chosen, sent)
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", tiers([1, 2, 4], fast=2))
 @pytest.mark.parametrize("starve", [False, True], ids=["balanced", "starved"])
 def test_moe_layer_at_ep_equals_one_device_in_output_and_every_gradient(world, starve):
     config = moe_config()
@@ -249,7 +249,8 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("world,layout", LAYOUTS, ids=["-".join(f"{k}{v}" for k, v in c[1].items()) for c in LAYOUTS])
+@pytest.mark.parametrize("world,layout", tiers(LAYOUTS, fast=3),
+                         ids=["-".join(f"{k}{v}" for k, v in c[1].items()) for c in LAYOUTS])
 def test_moe_model_trained_at_ep_equals_one_device(world, layout):
     ref = single_device()
     params = {}
@@ -266,6 +267,7 @@ def test_moe_model_trained_at_ep_equals_one_device(world, layout):
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_train_py_at_ep4_logs_expert_load_and_its_checkpoint_resumes_at_ep2_and_ep1(tmp_path):
     import json
 

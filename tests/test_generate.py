@@ -64,6 +64,7 @@ def script(name: str):
     return module
 
 
+@pytest.mark.integration
 def test_sample_py_continues_a_prompt_from_a_checkpoint_trained_at_dp2(trained):
     sample = script("sample")
     argv = [str(trained), "--prompt", "def parse(", "--tokens", "12"]
@@ -73,6 +74,7 @@ def test_sample_py_continues_a_prompt_from_a_checkpoint_trained_at_dp2(trained):
     assert sample.main(argv + ["--temperature", "1.0", "--top-k", "5", "--seed", "3"]).startswith("def parse(")
 
 
+@pytest.mark.integration
 def test_eval_py_gives_the_mean_token_loss_of_held_out_text_and_its_perplexity(trained, tmp_path):
     import math
     import sysconfig

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import run_ranks
+from harness import run_ranks, tiers
 
 GPU_TESTS = Path(__file__).resolve().parent / "gpu"
 
@@ -23,7 +23,7 @@ def _on_gloo(rank, world, module, name, *args):
     return getattr(__import__(module), name)(rank, world, *args)
 
 
-@pytest.mark.parametrize("kind", ["zero3", "tp"])
+@pytest.mark.parametrize("kind", tiers(["zero3", "tp"], fast=0))
 def test_the_gpu_suites_wrapper_check_passes_on_gloo(kind):
     worst = run_ranks(2, _on_gloo, "test_gpu", "_wrapper_equals_one_device", kind, timeout=300)
     assert max(worst) < 1e-9
@@ -34,8 +34,9 @@ def test_the_gpu_suites_collectives_check_passes_on_gloo():
     assert ledgers[0]["dp/all_reduce"]["sent"] > 0
 
 
-@pytest.mark.parametrize("model,layout", [("tiny", dict(pp=2, schedule="zbv")), ("tiny", dict(cp=2)),
-                                          ("tiny-moe", dict(dp=2, ep=2))], ids=["pp2-zbv", "cp2", "moe-dp2-ep2"])
+@pytest.mark.parametrize("model,layout", tiers([("tiny", dict(pp=2, schedule="zbv")), ("tiny", dict(cp=2)),
+                                                ("tiny-moe", dict(dp=2, ep=2))], fast=0),
+                         ids=["pp2-zbv", "cp2", "moe-dp2-ep2"])
 def test_the_gpu_suites_layout_check_passes_on_gloo(model, layout):
     results = run_ranks(2, _on_gloo, "test_gpu_layouts", "_layout_equals_one_device", model, layout, timeout=300)
     assert max(w for w, _ in results) < 1e-9

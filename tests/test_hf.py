@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import parallel_llama, run_ranks
+from harness import parallel_llama, run_ranks, tiers
 from safetensors.torch import load_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local: never reach for the Hub
@@ -154,7 +154,7 @@ LAYOUTS = {"one": (1, {}), "tp2": (2, dict(tp=2)), "pp2": (2, dict(pp=2)), "cp2"
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.float32), torch.float64],
                          ids=["float32", "float64"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", tiers(list(LAYOUTS), fast=1))  # make test: tp2
 def test_imported_model_gives_transformers_logits_under_each_layout(imported, layout, dtype):
     hf, ckpt, name = imported
     if layout == "pp2" and "untied" not in name:
@@ -272,6 +272,7 @@ def test_train_py_refuses_init_from_another_model_in_one_line_before_any_process
     assert not dist.is_initialized()
 
 
+@pytest.mark.integration
 def test_import_train_20_steps_at_dp2_tp2_export_and_generate_with_transformers(tmp_path):
     """The tiny preset's shape, tied, with a RoPE base and norm epsilon of its own (no flag sets them:
     the run takes them from the weights); 20 steps at dp2 x tp2 from the imported weights; back to

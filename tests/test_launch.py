@@ -88,6 +88,7 @@ def test_the_launcher_as_a_program_refuses_a_static_rendezvous_with_restarts_in_
     assert lines[0].startswith(f"minipar: error: --max-restarts 2 {STATIC}"), lines[0]
 
 
+@pytest.mark.integration
 def test_plain_torchrun_with_a_static_rendezvous_and_restarts_is_refused_by_each_worker(tmp_path):
     # What the workers are told is real here (check_rendezvous reads torchrun's variables): under a
     # fixed --master-port the store is the agent's, whatever TORCH_DISABLE_SHARE_RDZV_TCP_STORE says.

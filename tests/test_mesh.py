@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_ranks
+from harness import run_ranks, tiers
 
 from minipar.collectives import Group, Ledger, all_reduce
 from minipar.mesh import DIMS, GROUP_DIMS, Groups, LayoutError, Mesh, MeshLayout
@@ -94,7 +94,7 @@ def _check_real_groups(rank, world, degrees):
 
 
 @pytest.mark.parametrize(
-    "degrees", [dict(dp=2, tp=2, pp=2), dict(tp=2, cp=2, pp=2), dict(dp=2, cp=2, tp=2), dict(dp=8)]
+    "degrees", tiers([dict(dp=2, tp=2, pp=2), dict(tp=2, cp=2, pp=2), dict(dp=2, cp=2, tp=2), dict(dp=8)], fast=0)
 )
 def test_real_process_groups_on_8_ranks(degrees):
     out = run_ranks(8, _check_real_groups, degrees)

@@ -4,7 +4,7 @@ one process to the tolerance bf16 sums allow."""
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import run_ranks, tiers
 
 from minipar.mesh import Mesh
 from minipar.model import get_config
@@ -90,7 +90,7 @@ def _held(rank, world, zero):
 HELD = [(1, 0), (1, 3), (2, 0), (2, 1), (2, 2), (2, 3), (4, 0), (4, 1), (4, 2), (4, 3)]
 
 
-@pytest.mark.parametrize("world,zero", HELD, ids=[f"dp{w}-zero{z}" for w, z in HELD])
+@pytest.mark.parametrize("world,zero", tiers(HELD, fast=[2, 3, 4, 5]), ids=[f"dp{w}-zero{z}" for w, z in HELD])
 def test_bf16_mixed_holds_2_2_12_psi_split_as_each_zero_stage_splits_it(world, zero):
     for r in run_ranks(world, _held, zero):
         psi, n = r["psi"], world
@@ -155,6 +155,7 @@ def test_bf16_mixed_follows_the_fp32_loss_curve_over_100_steps():
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_bf16_mixed_zero2_checkpoint_resumes_bit_for_bit_and_loads_into_an_fp32_run(tmp_path):
     from safetensors.torch import load_file
     from test_train import common, losses, run
@@ -241,7 +242,8 @@ PARITY = [(2, dict(dp=2)), (2, dict(dp=2, zero=1)), (2, dict(dp=2, zero=2)), (2,
 ONE_PROCESS: dict[str, dict] = {}  # the reference of each model, computed once per session
 
 
-@pytest.mark.parametrize("world,layout", PARITY, ids=["-".join(f"{k}{v}" for k, v in c[1].items()) for c in PARITY])
+@pytest.mark.parametrize("world,layout", tiers(PARITY, fast=4),
+                         ids=["-".join(f"{k}{v}" for k, v in c[1].items()) for c in PARITY])
 def test_bf16_mixed_gradients_equal_one_process_under_every_layout(world, layout):
     model = layout.get("model", "tiny")
     if model not in ONE_PROCESS:
@@ -308,7 +310,7 @@ def half_ulp_bf16(x: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(x), torch.frexp(x)[1] - 9)
 
 
-@pytest.mark.parametrize("zero", [0, 2], ids=["all-reduce", "reduce-scatter"])
+@pytest.mark.parametrize("zero", tiers([0, 2], fast=1), ids=["all-reduce", "reduce-scatter"])
 def test_grad_reduce_fp32_rounds_the_mean_once_and_bf16_within_its_three_roundings_dp4(zero):
     u = 2.0**-8
     results = {how: run_ranks(REDUCE_N, _reduced, how, zero) for how in ("fp32", "bf16")}

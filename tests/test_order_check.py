@@ -6,7 +6,7 @@ no send without its receive in the same order and size, and no rank out of step 
 
 import pytest
 import torch
-from harness import parallel_llama, run_ranks
+from harness import parallel_llama, run_ranks, tiers
 
 from minipar.data_parallel import param_groups
 from minipar.grad_sync import adamw, build_grad_sync
@@ -104,7 +104,7 @@ def _check(world, *args, **kwargs):
     return traces
 
 
-@pytest.mark.parametrize("degrees", PIPELINES, ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()))
+@pytest.mark.parametrize("degrees", tiers(PIPELINES, fast=1), ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()))
 @pytest.mark.parametrize("schedule,m,v", SCHEDULES, ids=[f"{s}-m{m}-v{v}" for s, m, v in SCHEDULES])
 def test_every_schedule_posts_receives_in_the_order_of_the_sends(degrees, schedule, m, v):
     world = 1
@@ -117,13 +117,13 @@ def test_every_schedule_posts_receives_in_the_order_of_the_sends(degrees, schedu
     assert p2p >= 2 * 2 * m  # the activations and gradients really crossed between stages (send + recv)
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", tiers([2, 4], fast=1))
 def test_context_parallel_ring_keeps_nccl_order(cp):
     traces = _check(cp, dict(cp=cp), m=1)
     assert sum(op == "send" for _, op, _, _ in traces[0]) >= 2 * (cp - 1)  # forward and backward hops
 
 
-@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("dp", tiers([2, 4], fast=0))
 def test_zero3_prefetch_keeps_nccl_order(dp):
     traces = _check(dp, dict(dp=dp), m=2, zero3=True)
     assert sum(op == "all_gather" for _, op, _, _ in traces[0]) > CFG.n_layers  # gathered per layer, prefetched

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from harness import parallel_llama, run_ranks
+from harness import parallel_llama, run_ranks, tiers
 
 from minipar.data_parallel import DataParallel, param_groups
 from minipar.grad_sync import adamw
@@ -58,8 +58,9 @@ SCHEDULES = [("naive", 1, 1), ("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 8, 1), (
              ("zb1", 4, 1), ("zb1", 8, 1), ("zbv", 4, 1), ("zbv", 8, 1)]
 
 
-@pytest.mark.parametrize("pp", [2, 4])
-@pytest.mark.parametrize("schedule,m,v", SCHEDULES, ids=[f"{s}-m{m}-v{v}" for s, m, v in SCHEDULES])
+@pytest.mark.parametrize("pp", tiers([2, 4], fast=1))
+@pytest.mark.parametrize("schedule,m,v", tiers(SCHEDULES, fast=[0, 1, 3, 4, 6, 8]),  # each schedule, m 8 if two
+                         ids=[f"{s}-m{m}-v{v}" for s, m, v in SCHEDULES])
 def test_every_schedule_gives_single_device_loss_and_gradients(pp, schedule, m, v):
     ref_loss, ref_grads = reference()
     out = run_ranks(pp, _one_step, schedule, m, v)
@@ -107,7 +108,7 @@ def _three_d(rank, world, schedule, sp):
         return {n: unshard(p.detach(), p, mesh.tp_group) for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("schedule,sp", [("1f1b", False), ("interleaved", True), ("zb1", True)])
+@pytest.mark.parametrize("schedule,sp", tiers([("1f1b", False), ("interleaved", True), ("zb1", True)], fast=1))
 def test_dp2_tp2_pp2_training_equals_single_device(schedule, sp):
     ref = single_device_training()
     params = {}

@@ -18,6 +18,8 @@ from test_train import ROOT, TORCHRUN, _worker_of, common, losses, one_line_erro
 
 from minipar.run import checkpoint
 
+# Restarts, kills and timeouts of whole torchrun jobs: minutes, in make test-integration.
+pytestmark = pytest.mark.integration
 TRAIN = str(ROOT / "scripts" / "train.py")
 ARGS = dict(dp=2, steps=12, save_every=3, timeout=60)
 

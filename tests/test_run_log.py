@@ -68,6 +68,7 @@ def test_wandb_gets_every_figure_of_the_json_log_and_a_resumed_run_keeps_its_id(
         assert figures["mfu"] > 0
 
 
+@pytest.mark.integration
 def test_a_resumed_run_continues_the_same_wandb_run_with_wandb_itself(tmp_path):
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     argv = [a for a in common(tmp_path, out=tmp_path / "out", save_every=2) if a != "--no-wandb"]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import parallel_llama, run_ranks
+from harness import parallel_llama, run_ranks, tiers
 
 from minipar import tensor_parallel as T
 from minipar.collectives import Group
@@ -85,7 +85,7 @@ def _layers(rank, world):
         return emb.weight.shape[0]
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", tiers([1, 2, 4], fast=2))
 def test_column_row_and_embedding_equal_single_device_outputs_and_grads(tp):
     rows = run_ranks(tp, _layers)
     assert rows == [-(-10 // tp)] * tp  # ceil(V / tp) rows each, padding included
@@ -114,7 +114,7 @@ def mark_vocab(vocab, tp):
     return T.mark(torch.nn.Parameter(torch.empty(-(-vocab // tp))), (vocab,), dim=0)
 
 
-@pytest.mark.parametrize("tp,vocab", [(1, 10), (2, 10), (4, 10), (4, 16)])
+@pytest.mark.parametrize("tp,vocab", tiers([(1, 10), (2, 10), (4, 10), (4, 16)], fast=2))
 def test_vocab_parallel_cross_entropy_equals_torch_with_ignore_index_and_padding(tp, vocab):
     assert run_ranks(tp, _cross_entropy, vocab) == [-(-vocab // tp)] * tp
 
@@ -172,7 +172,7 @@ def _whole_model(rank, world, sp):
                     largest_saved=max(saved), local_vocab=model.lm_head.weight.shape[0])
 
 
-@pytest.mark.parametrize("tp,sp", [(2, False), (4, False), (2, True), (4, True)])
+@pytest.mark.parametrize("tp,sp", tiers([(2, False), (4, False), (2, True), (4, True)], fast=3))
 def test_model_logits_loss_and_every_grad_equal_single_device(tp, sp):
     ref_logits, ref_loss, ref_grads = reference_model()
     for r in run_ranks(tp, _whole_model, sp):
@@ -183,7 +183,7 @@ def test_model_logits_loss_and_every_grad_equal_single_device(tp, sp):
             close(r["grads"][name], grad, name)
 
 
-@pytest.mark.parametrize("tp,sp", [(2, False), (4, False), (2, True), (4, True)])
+@pytest.mark.parametrize("tp,sp", tiers([(2, False), (4, False), (2, True), (4, True)], fast=3))
 def test_ledger_two_collectives_per_layer_each_way_and_no_full_logits(tp, sp):
     cfg = gqa_config()
     bsh = B * S * cfg.dim * 8  # bytes of one [b, s, h] float64 activation
@@ -225,7 +225,7 @@ def _tp_messages(rank, world, sp, n_layers):
 
 
 @pytest.mark.parametrize("sp", [False, True])
-@pytest.mark.parametrize("n_layers", [1, 3])
+@pytest.mark.parametrize("n_layers", tiers([1, 3], fast=1))
 def test_a_step_at_tp2_enters_and_leaves_each_region_once_each_way(sp, n_layers):
     # A layer has two regions, attention and MLP, each entered once (f: one message for q, k, v
     # and one for gate and up, not one per projection) and left once (g, in wo and w_down).
@@ -276,7 +276,7 @@ def _dp_tp_training(rank, world, sp):
         return {n: T.unshard(p.detach(), p, mesh.tp_group) for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("sp", tiers([False, True], fast=1))
 def test_dp2_tp2_training_steps_equal_single_device(sp):
     ref = single_device_training()
     for params in run_ranks(4, _dp_tp_training, sp):

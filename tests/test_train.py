@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import tiers
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,12 +56,14 @@ def test_dp2_run_lowers_the_loss(run_a):
     assert len(rec["peak_memory"]) == 2 and all(m > 0 for m in rec["peak_memory"])
 
 
+@pytest.mark.integration
 def test_same_seed_gives_the_same_losses(run_a):
     tmp = run_a
     run(common(tmp, dp=2, steps=20, out=tmp / "b", log_json=tmp / "b.jsonl"), nproc=2)
     assert losses(tmp / "b.jsonl") == losses(tmp / "a.jsonl")
 
 
+@pytest.mark.integration
 def test_resumed_run_continues_exactly_where_it_stopped(run_a):
     tmp = run_a
     ckpt = tmp / "a" / "step_000010"
@@ -147,6 +150,7 @@ def test_corrupt_checkpoint_is_one_line_and_earlier_checkpoints_are_kept(run_a, 
     assert {p: p.read_bytes() for p in sorted((run_a / "a").rglob("*")) if p.is_file()} == kept
 
 
+@pytest.mark.integration
 def test_torchrun_layout_error_prints_our_line_once_before_any_work(tmp_path):
     proc = run(common(tmp_path, dp=4, micro_batch=2), nproc=2, check=False)
     assert proc.returncode != 0, proc.stderr
@@ -155,6 +159,7 @@ def test_torchrun_layout_error_prints_our_line_once_before_any_work(tmp_path):
     assert "scripts/train.py\", line" not in proc.stderr, proc.stderr  # no traceback from our workers
 
 
+@pytest.mark.integration
 def test_dp2_tp2_sp_run_gives_the_losses_of_the_dp2_run(run_a):
     tmp = run_a
     run(common(tmp, dp=2, tp=2, steps=20, out=tmp / "tp", log_json=tmp / "tp.jsonl") + ["--sp"], nproc=4)
@@ -165,6 +170,7 @@ def test_dp2_tp2_sp_run_gives_the_losses_of_the_dp2_run(run_a):
     assert rec["comm"]["tp/all_gather"]["calls"] > 0 and rec["comm"]["tp/reduce_scatter"]["calls"] > 0
 
 
+@pytest.mark.integration
 def test_dp2_pp2_resumes_a_dp2_checkpoint_and_continues_its_losses(run_a):
     # A checkpoint holds single-device tensors, so a dp=2 checkpoint resumes at dp2 x pp2; the
     # pipeline (1F1B over 2 micro-batches) then gives the dp=2 run's losses, and its own final
@@ -183,6 +189,7 @@ def test_dp2_pp2_resumes_a_dp2_checkpoint_and_continues_its_losses(run_a):
     assert whole.keys() == load_file(tmp / "a" / "step_000020" / "model.safetensors").keys()
 
 
+@pytest.mark.integration
 def test_headline_dp2_tp2_pp2_on_8_ranks_matches_one_process_in_float32(tmp_path):
     # The README's headline layout, through train.py itself, in float32: the same losses as one
     # process on the same global batch, to float32 rounding.
@@ -198,6 +205,7 @@ def test_headline_dp2_tp2_pp2_on_8_ranks_matches_one_process_in_float32(tmp_path
         assert three_d[step] == pytest.approx(one[step], rel=1e-5, abs=0), step
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("zero,extra", [(2, ["--recompute"]), (3, [])])
 def test_zero_resumes_a_dp2_checkpoint_and_continues_its_losses(run_a, zero, extra):
     tmp = run_a
@@ -220,6 +228,7 @@ def test_zero_resumes_a_dp2_checkpoint_and_continues_its_losses(run_a, zero, ext
         assert mine[key].shape == theirs[key].shape
 
 
+@pytest.mark.integration
 def test_dp2_cp2_resumes_a_dp2_checkpoint_and_continues_its_losses(run_a):
     tmp = run_a
     run(common(tmp, dp=2, cp=2, steps=20, resume=tmp / "a" / "step_000010", out=tmp / "cp",
@@ -260,6 +269,7 @@ def _worker_of(parent: int, rank: int) -> int:
     raise AssertionError(f"no worker with RANK={rank} under {parent}")
 
 
+@pytest.mark.integration
 def test_a_stopped_rank_becomes_a_named_error_within_the_timeout(tmp_path):
     import signal
     import time
@@ -317,7 +327,7 @@ def _one_rank_skips_an_all_reduce(rank, world, skip):
     return "no timeout"
 
 
-@pytest.mark.parametrize("skip", ["tp", "stop"])
+@pytest.mark.parametrize("skip", tiers(["tp", "stop"], fast=0))
 def test_the_hang_report_names_the_rank_that_never_reached_the_collective(skip):
     import harness
 

@@ -59,6 +59,7 @@ def test_a_resume_encodes_with_the_checkpoints_tokenizer_when_the_cache_is_gone(
     assert b_val[10] == pytest.approx(a_val[10], rel=1e-12)
 
 
+@pytest.mark.integration
 def test_a_bin_token_file_drives_a_training_run(tmp_path):
     from tokenizers import Tokenizer
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import run_ranks, tiers
 
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
@@ -96,7 +96,7 @@ LAYOUTS = [  # (world, model, layout, micro-batch)
 ]
 
 
-@pytest.mark.parametrize("world,model,layout,micro", LAYOUTS,
+@pytest.mark.parametrize("world,model,layout,micro", tiers(LAYOUTS, fast=9),  # make test: dp2 x pp2, ZeRO-1
                          ids=[f"{c[1]}-" + ("-".join(f"{k}{v}" for k, v in c[2].items()) or "one") for c in LAYOUTS])
 def test_the_validation_loss_is_the_one_device_loss_and_leaves_the_model_untouched(folder, world, model, layout,
                                                                                     micro):

@@ -3,7 +3,7 @@ optimizer state (and, stage 2, of the gradients), and send 2 Psi (N-1)/N per ste
 
 import pytest
 import torch
-from harness import parallel_llama, run_ranks
+from harness import parallel_llama, run_ranks, run_ranks_once, tiers
 from test_data_parallel import GLOBAL_BATCH, OPT, STEPS, global_batch, new_model, single_device_params
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -66,25 +66,25 @@ def _zero_run(rank, world, stage, accum):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("world,accum", [(2, 1), (2, 2), (4, 1), (4, 2)])
+@pytest.mark.parametrize("world,accum", tiers([(2, 1), (2, 2), (4, 1), (4, 2)], fast=1))
 def test_zero_params_after_adamw_steps_equal_single_device(stage, world, accum):
     reference = single_device_params()
-    for r in run_ranks(world, _zero_run, stage, accum):
+    for r in run_ranks_once(world, _zero_run, stage, accum):
         for name, ref in reference.items():
             torch.testing.assert_close(r["params"][name], ref, **TIGHT, msg=name)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", tiers([2, 4], fast=0))  # make test: the run the test above read
 def test_zero1_equals_torch_zero_redundancy_optimizer(world):
-    for r in run_ranks(world, _zero_run, 1, 2):
+    for r in run_ranks_once(world, _zero_run, 1, 2):
         for name, p in r["params"].items():
             torch.testing.assert_close(p, r["zro"][name], **TIGHT, msg=name)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", tiers([2, 4], fast=1))
 def test_memory_and_communication_per_rank(stage, world):
-    for r in run_ranks(world, _zero_run, stage, 1):
+    for r in run_ranks_once(world, _zero_run, stage, 1):
         # Adam's two moments for this rank's slices only: 2 * Psi / N (plus padding to N).
         assert r["opt_bytes"] == 2 * r["padded"] * 8 // world
         # After backward no full gradient is left, only this rank's slice; between steps, nothing.
@@ -116,7 +116,7 @@ def _zero_tp(rank, world, stage):
         return {n: unshard(p.detach(), p, mesh.tp_group) for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", tiers([1, 2], fast=1))
 def test_zero_with_tp2_and_sequence_parallel_equals_single_device(stage):
     cfg = get_config("tiny", vocab_size=250)
     model = Llama(cfg, seed=5).double()
@@ -206,7 +206,7 @@ def _zero_pp(rank, world, stage):
         return {n: p.detach() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", tiers([1, 2], fast=0))
 def test_zero_with_pipeline_pp2_equals_single_device(stage):
     cfg = get_config("tiny", n_layers=4, vocab_size=250)
     model = Llama(cfg, seed=5).double()

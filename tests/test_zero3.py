@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from harness import parallel_llama, run_ranks
+from harness import parallel_llama, run_ranks, run_ranks_once, tiers
 from test_data_parallel import GLOBAL_BATCH, OPT, STEPS, global_batch, new_model, single_device_params
 
 from minipar.collectives import ring_bytes_sent
@@ -74,19 +74,19 @@ def fsdp_params(mesh, accum, world, rank):
     return {n: p.full_tensor().detach() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("world,accum", [(2, 1), (2, 2), (4, 1), (4, 2)])
+@pytest.mark.parametrize("world,accum", tiers([(2, 1), (2, 2), (4, 1), (4, 2)], fast=1))  # with FSDP2
 def test_zero3_params_after_adamw_steps_equal_single_device_and_fsdp2(world, accum):
     reference = single_device_params()
-    for r in run_ranks(world, _run, accum, accum == 2 and world == 2):
+    for r in run_ranks_once(world, _run, accum, accum == 2 and world == 2):
         for name, ref in reference.items():
             torch.testing.assert_close(r["params"][name], ref, **TIGHT, msg=name)
             if r["fsdp"] is not None:
                 torch.testing.assert_close(r["params"][name], r["fsdp"][name], **TIGHT, msg=name)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", tiers([2, 4], fast=1))
 def test_zero3_holds_a_slice_of_the_weights_and_sends_three_psi(world):
-    for r in run_ranks(world, _run, 1, False):
+    for r in run_ranks_once(world, _run, 1, False):
         # Between steps: no whole weights at all, only this rank's master slices (1/N of Psi).
         assert all(b == r["masters"] == r["full_bytes"] // world for b in r["between"])
         # During forward: at most the layer in use and the prefetched next one are whole.

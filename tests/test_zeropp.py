@@ -23,7 +23,7 @@ import re
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import run_ranks, tiers
 from test_data_parallel import GLOBAL_BATCH, OPT, SEQ, global_batch, new_model
 
 from minipar.collectives import all_gather
@@ -102,7 +102,7 @@ def bytes_of_a_step(options):
     return run_ranks(N, _bytes_of_a_step, options)
 
 
-@pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(o) or "plain")
+@pytest.mark.parametrize("options", tiers(OPTION_SETS, fast=4, tuple_values=True), ids=lambda o: ",".join(o) or "plain")
 def test_each_options_intra_and_cross_node_bytes_equal_the_closed_form(options):
     plain_norms = None
     for rank, (padded, ledger) in enumerate(bytes_of_a_step(options)):
@@ -113,7 +113,7 @@ def test_each_options_intra_and_cross_node_bytes_equal_the_closed_form(options):
         plain_norms = norms
 
 
-@pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(o) or "plain")
+@pytest.mark.parametrize("options", tiers(OPTION_SETS, fast=4, tuple_values=True), ids=lambda o: ",".join(o) or "plain")
 def test_the_estimate_of_each_options_bytes_equals_the_ledger(options):
     cfg = TrainConfig(model="tiny", dp=N, zero=3, precision="bf16-mixed", ranks_per_node=K, seq_len=SEQ,
                       zeropp=",".join(options) or None, global_batch=GLOBAL_BATCH, micro_batch=GLOBAL_BATCH // N,
@@ -167,7 +167,7 @@ def _reduce(rank, world, bits):
         return mine, every, groups.dp.rank
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", tiers([4, 8], fast=0))
 def test_two_hop_quantized_reduce_scatter_is_the_sum_within_the_rounding_of_both_hops(bits):
     # Hop 1 rounds each rank's input by at most A_r / (2 qmax) (A_r: its largest magnitude, over
     # any of its blocks); the node's sum, quantized again, by at most (its largest) / (2 qmax) <=
@@ -233,7 +233,8 @@ def test_hpz_alone_is_exact_and_plain_zero3_is_unchanged_bit_for_bit():
         torch.testing.assert_close(plain[0][1][n], ref, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("options", [("qwz",), ("qgz",), ("qwz", "hpz", "qgz")], ids=",".join)
+@pytest.mark.parametrize("options", tiers([("qwz",), ("qgz",), ("qwz", "hpz", "qgz")], fast=2, tuple_values=True),
+                         ids=",".join)
 def test_quantized_steps_stay_within_the_quantizations_reach_of_one_device(options):
     loss, grads, model = single_device_step()
     plain, got = stepped(())[0], stepped(options)
