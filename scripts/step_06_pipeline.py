@@ -58,7 +58,7 @@ def predicted(name: str, p: int, m: int, v: int, sim: Timeline) -> tuple[float, 
     if name == "interleaved":
         return (p - 1) / (v * m + p - 1), "(p-1)/(v*m+p-1)"
     if name == "zb1":  # F = B = W = 1: the W's fill 1F1B's idle slots (schedules.zero_bubble_h1)
-        return (p - 1) / (3 * m + p - 1), "(p-1)/(3m+p-1), the paper's"
+        return (p - 1) / (3 * m + p - 1), "(p-1)/(3m+p-1), the paper's (p-1)/(3m) as an idle fraction"
     if name == "zbv":  # a greedy construction (schedules.zero_bubble_v): no closed form to quote
         return sim.idle_fraction(), "the simulation's own (no closed form)"
     return bubble_formula(p, m), "(p-1)/(m+p-1)"

@@ -179,7 +179,8 @@ def zero_bubble_h1(p: int, m: int) -> list[list[Action]]:
     Built by simulating unit-time actions: a rank runs its next F or B when its inputs have
     arrived; when it would idle, it runs the oldest pending W instead. Activations are freed by W,
     and a rank holds at most p micro-batches between F and W: the peak of 1F1B (its first stage),
-    now on every stage. With F = B = W the idle fraction is then (p-1) / (3m + p-1), the paper's.
+    now on every stage. With F = B = W the idle fraction is then (p-1) / (3m + p-1): the paper's
+    bubble rate (p-1)/(3m), as a share of the whole step.
     """
     def next_in_plan(r, todo, ready, held):  # 1F1B's order; a new F waits while p are held
         nxt = todo[0] if todo else None
