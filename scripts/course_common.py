@@ -10,11 +10,21 @@ Not a script: the course scripts import it (`scripts/` is on sys.path when one o
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
 
 def start_gloo() -> None:
+    if "RANK" not in os.environ:  # run with plain python: no ranks to meet, and torch's error is a traceback
+        doc = sys.modules["__main__"].__doc__ or ""
+        how = next((line.split("(")[0].strip() for line in doc.splitlines() if "torchrun" in line),
+                   f".venv/bin/torchrun --standalone --nproc-per-node 2 {sys.argv[0]}")
+        print(f"{Path(sys.argv[0]).name} runs on several ranks: launch it with torchrun, e.g. {how}", file=sys.stderr)
+        raise SystemExit(2)
     torch.set_num_threads(1)  # several ranks share a few CPU cores
     dist.init_process_group("gloo")  # rank and world size come from torchrun's environment
 

@@ -257,3 +257,16 @@ def test_a_parser_error_is_one_line_naming_the_program():
     p.add_argument("--n", type=checks.positive_int)
     with pytest.raises(checks.InputError, match=r"^argument --n: 0 is out of range: give 1 or more \(tool.py --help"):
         p.parse_args(["--n", "0"])
+
+
+def test_a_step_script_run_without_torchrun_names_the_command_in_one_line(tmp_path):
+    """`python scripts/step_06_pipeline.py` (exercise 6.2's old hint) once ended in torch's env://
+    traceback; every multi-rank course script starts through course_common.start_gloo, which says
+    how to launch it, from the script's own docstring."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "step_06_pipeline.py")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    command = ".venv/bin/torchrun --standalone --nproc-per-node 4 scripts/step_06_pipeline.py"
+    said = "step_06_pipeline.py runs on several ranks: launch it with torchrun, e.g. "
+    assert proc.stderr.splitlines() == [said + command]
