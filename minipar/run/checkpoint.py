@@ -306,15 +306,14 @@ def load(path: Path, model: nn.Module, groups: Groups | None = None) -> tuple[di
     return state, states
 
 
-def saved_model(path: str | Path) -> tuple[str, ModelConfig] | None:
-    """The model of the checkpoint `path` (or of an --out folder's newest), read without verifying
-    it: (its preset: the run's --model, else "small" for an imported one, whose shape says all;
-    its ModelConfig). None if it cannot be read: resolving it later says why, in one line."""
+def saved_model(path: str | Path) -> tuple[str | None, ModelConfig] | None:
+    """(preset, ModelConfig) of the checkpoint `path` (or an --out folder's newest), unverified; the
+    preset None if imported. None if unreadable: resolving it later says why, in one line."""
     found = checkpoints(path) or [Path(path).expanduser()]
     try:
         state = json.loads((found[-1] / "train_state.json").read_text())
         preset = state["config"]["model"]
-        return (preset if preset in CONFIGS else "small"), model_config_of(found[-1], state)
+        return (preset if preset in CONFIGS else None), model_config_of(found[-1], state)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -177,8 +177,7 @@ def parse_args(argv=None) -> TrainConfig:
         args = p.parse_args(argv)
     saved = checkpoint.saved_model(args.init_from) if args.init_from and not (args.model or args.resume) else None
     if saved is not None:  # the weights state their model, as from_pretrained reads it; a flag given must agree
-        preset, model = saved
-        args.model = preset
+        args.model, model = saved  # an imported model's preset: the default (its shape says all)
         for name in (*SHAPE_FLAGS, "tie_embeddings"):
             setattr(args, name, getattr(model, name) if getattr(args, name) is None else getattr(args, name))
     d = TrainConfig()  # a setting named at its default asks for nothing (the effective config names them all)

@@ -47,11 +47,16 @@ class HangWatch:
 LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
 
 
+def stopped_answering(error: Exception, why: tuple = ("timed out", "timeout", *LOST)) -> bool:
+    """Whether a collective's error says another rank stopped answering (why=LOST: its end is gone)."""
+    return any(w in str(error).lower() for w in why)
+
+
 def hang_report(timeout: float, watch: HangWatch, error: Exception, wait: float = 2.0) -> str:
     """One line: which rank gave up, why (no answer within the timeout, or a peer's connection
     lost), the last operation it had asked of others, and (for a collective) which ranks of its
     group reached it: see `arrivals`."""
-    rank, last, lost = dist.get_rank(), watch.last, any(w in str(error).lower() for w in LOST)
+    rank, last, lost = dist.get_rank(), watch.last, stopped_answering(error, LOST)
     if last is None:
         return f"rank {rank}: a collective failed ({str(error).splitlines()[0][:200]})"
     group, op, ranks, peer = last

@@ -40,7 +40,7 @@ from minipar.run import checkpoint, train
 from minipar.run.batches import TokenData
 from minipar.run.config import ConfigError, TrainConfig, effective, parse_args
 from minipar.run.data import DataError, find_files, prepare
-from minipar.run.hang import LOST, HangWatch, RankTimeout, hang_report
+from minipar.run.hang import HangWatch, RankTimeout, hang_report, stopped_answering
 from minipar.run.preflight import check_files
 from minipar.run.run_log import RunLog
 from minipar.run.saving import TrainingStopped
@@ -114,12 +114,11 @@ def check_paths(cfg: TrainConfig, lock: bool = True) -> Path | None:
     # Newer checkpoints of --out that do not verify are set aside (below), not in the way of this run's saves.
     ours = [p for p in corrupt if p.parent.resolve() == Path(cfg.out).expanduser().resolve()]
     start = json.loads((resume / "train_state.json").read_text())["step"] if resume else 0
-    log = Path(cfg.log_json or "").expanduser()  # this run's JSON log may live in --out
-    foreign = [n for n in checkpoint.not_a_runs(cfg.out) if Path(cfg.out).expanduser().resolve() / n != log.resolve()]
+    log = Path(cfg.log_json).expanduser().resolve() if cfg.log_json else None  # this run's log may live in --out
+    foreign = [n for n in checkpoint.not_a_runs(cfg.out) if Path(cfg.out).expanduser().resolve() / n != log]
     if foreign:  # a user's folder (a model, a home): a run never mixes its files into it
         raise ConfigError(f"--out {cfg.out} holds files that are not a minipar run's ({', '.join(foreign[:3])}"
-                          f"{' ...' if len(foreign) > 3 else ''}): give a new or empty folder (nothing is written "
-                          f"into a folder you own)")
+                          f"{' ...' if len(foreign) > 3 else ''}): give a new or empty folder")
     later = [p.name for p in checkpoint.checkpoints(cfg.out)
              if int(p.name[5:]) > start and p.name not in {q.name for q in ours}]
     if later:  # this run would save over them: refuse, whether they are another run's or this one's future
@@ -246,7 +245,7 @@ def launch(cfg: TrainConfig, resume: Path | None) -> None:
     try:
         train.run(cfg, resume, mesh, data, log, device)
     except RuntimeError as e:  # DistBackendError too: a rank stopped answering or died? name what we waited for
-        if not any(w in str(e).lower() for w in ("timed out", "timeout", *LOST)):
+        if not stopped_answering(e):
             raise
         raise RankTimeout(hang_report(cfg.timeout, watch, e)) from None
     log.close()

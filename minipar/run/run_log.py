@@ -221,15 +221,13 @@ def open_json_log(path: str, start: int):
     steps after it (a restart runs them again) and marks where it resumed, {"step", "resumed": true}:
     a reader sees one value per step."""
     log = Path(path).expanduser()
-    if start and log.exists():
-        kept = [line for line in log.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= start]
+    if start:  # this run's own log (a new run never appends to a file: preflight.py)
+        lines = log.read_text().splitlines() if log.exists() else []
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= start]
         tmp = log.with_name(f".tmp-{os.getpid()}-{log.name}")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, log)  # this run's own log (a new run never appends to a file: preflight.py)
-    file = open(log, "a")
-    if start:
-        file.write(json.dumps({"step": start, "resumed": True}) + "\n")
-    return file
+        tmp.write_text("".join(line + "\n" for line in [*kept, json.dumps({"step": start, "resumed": True})]))
+        os.replace(tmp, log)
+    return open(log, "a")
 
 
 def start_wandb(cfg: TrainConfig):
