@@ -326,10 +326,8 @@ class DataParallel(GradSync):
         if bucket.index < self._next_to_launch:
             # Its all-reduce is already in flight with the previous backward's gradient: averaging
             # now would silently drop this one. DDP allows it; we refuse it, loudly.
-            raise RuntimeError(
-                "backward ran twice with gradient sync on before finish_grad_sync(): with gradient "
-                "accumulation, run all but the last micro-batch inside model.no_sync()"
-            )
+            raise RuntimeError("backward ran twice with gradient sync on before finish_grad_sync(): with "
+                               "gradient accumulation, run all but the last micro-batch inside model.no_sync()")
         bucket.ready.add(id(p))
         # Launch in index order only, so every rank issues the same all-reduces in the same order.
         while (

@@ -416,6 +416,18 @@ def test_an_error_of_another_rank_alone_is_printed_by_it_with_its_rank(t, monkey
     assert pauses == [2.0] and not dist.is_initialized()
 
 
+def test_an_error_every_rank_finds_is_left_to_rank_0(t, monkeypatch, capsys):
+    # Rank 1 exiting at once would get rank 0 stopped by torchrun before its line is out (CI saw
+    # it): rank 1 says nothing and waits for torchrun to end it.
+    pauses = []
+    monkeypatch.setattr(launch.time, "sleep", pauses.append)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.chdir(t)
+    assert launch.main(base(t) + ["--dp=4"]) == 2
+    assert capsys.readouterr().err == "" and pauses == [30.0]
+
+
 GOOD = [  # edge cases that are fine
     (["--lr=1e-9"], 1),
     (["--min-lr-ratio=0"], 1),

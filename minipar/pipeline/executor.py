@@ -59,10 +59,8 @@ from minipar.pipeline.timeline import Timeline
 def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
     """Contiguous, balanced blocks of layer ids, one per (virtual) stage."""
     if n_stages > n_layers:
-        raise ValueError(
-            f"{n_stages} pipeline stages (--pp x chunks per rank) but the model has {n_layers} layers: "
-            "every stage needs at least one layer"
-        )
+        raise ValueError(f"{n_stages} pipeline stages (--pp x chunks per rank) but the model has {n_layers} "
+                         "layers: every stage needs at least one layer")
     base, extra = divmod(n_layers, n_stages)
     sizes = [base + (1 if k < extra else 0) for k in range(n_stages)]
     starts = [sum(sizes[:k]) for k in range(n_stages)]

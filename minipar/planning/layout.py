@@ -85,10 +85,8 @@ class Layout:
         except ValueError as e:
             raise self.error(f"{e} (--model {self.model})") from None
         if self.global_batch % (self.dp * self.micro_batch):
-            raise self.error(
-                f"--global-batch {self.global_batch} is not divisible by --dp {self.dp} x --micro-batch "
-                f"{self.micro_batch}: every rank must run whole micro-batches"
-            )
+            raise self.error(f"--global-batch {self.global_batch} is not divisible by --dp {self.dp} x "
+                             f"--micro-batch {self.micro_batch}: every rank must run whole micro-batches")
         try:
             check_cp_layout(self.seq_len, self.cp, self.cp_attention, m.n_heads, m.n_kv_heads, self.tp)
             check_expert_layout(m.n_experts, m.top_k, self.ep, self.dp * self.cp)

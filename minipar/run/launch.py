@@ -69,21 +69,19 @@ def main(argv=None) -> int:
     except ValueError as e:  # ConfigError, LayoutError, DataError, CheckpointError
         if not is_main:  # rank 0 says what every rank found; a node's own problem its ranks say, after it
             if not local:
-                return 2
+                return after_rank0(2)
             time.sleep(2.0)  # if rank 0 failed too, torchrun has ended this rank by now
         where = "" if is_main else f"rank {os.environ['RANK']}: "
         print(f"minipar: error: {where}{e}", file=sys.stderr, flush=True)
         return 2
     try:
         launch(cfg, resume)
-    except TrainingStopped as e:
-        if is_main:
-            print(f"minipar: error: {e}", file=sys.stderr)
-        return 3
-    except DataError as e:  # found while tokenising, alike on every rank (too little held out)
-        if is_main:
-            print(f"minipar: error: {e}", file=sys.stderr)
-        return 2
+    except (TrainingStopped, DataError) as e:  # alike on every rank: diverged; too little text held out
+        code = 3 if isinstance(e, TrainingStopped) else 2
+        if not is_main:
+            return after_rank0(code)
+        print(f"minipar: error: {e}", file=sys.stderr, flush=True)
+        return code
     except RankTimeout as e:  # printed by every rank that gave up: the others may be the stopped ones
         print(f"minipar: error: {e}", file=sys.stderr)
         return 4
@@ -146,6 +144,12 @@ def set_aside_note(folder: Path, why: str) -> str:
 # torchrun's options that train.py takes itself: `python scripts/train.py --nproc-per-node 2 --dp 2`.
 TORCHRUN_OPTIONS = ("--nproc-per-node", "--nnodes", "--node-rank", "--max-restarts", "--master-addr",
                     "--master-port", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--standalone")
+
+
+def after_rank0(code: int) -> int:
+    """Rank 0 prints this error: exiting first gets it SIGTERMed by torchrun before its line is out."""
+    time.sleep(30.0)  # torchrun ends this rank once rank 0 has exited; bounded, if rank 0 is elsewhere
+    return code
 
 
 def torchrun_options(argv: list[str]) -> tuple[list[str], list[str]]:
