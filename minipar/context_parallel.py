@@ -47,16 +47,29 @@ global positions): after the first all-to-all the rank orders the s tokens by po
 the causal mask is the plain triangle, and puts them back in the received order before returning
 them. No load balancing is needed (every rank attends the whole sequence for its heads). The
 heads and the kv heads of a tp rank must both divide by cp (check_cp_layout).
+
+`ParallelAttention`, at the end, is one rank's attention layer: its heads (tensor parallelism,
+chapter 4) over its share of the sequence, by the ring or by Ulysses; parallelize.py puts it in.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from einops import rearrange, repeat
+from torch import nn
 
 from minipar.autograd_ops import all_to_all_with_grad
 from minipar.collectives import Group, all_reduce, send_recv
-from minipar.model import causal_attention
+from minipar.model import Attention, ModelConfig, apply_rope, causal_attention, rope_cos_sin, sequence_positions
+from minipar.tensor_parallel import (
+    ColumnParallelLinear,
+    ReplicatedRowsLinear,
+    RowParallelLinear,
+    cut,
+    enter_parallel_region,
+)
 
 CP_ATTENTION = ("ring", "ulysses")
 
@@ -196,6 +209,63 @@ def ulysses_attention(q, k, v, group: Group, seq_len: int) -> torch.Tensor:
     out = causal_attention(*(all_tokens_of_my_heads(t) for t in (q, k, v)))  # [b, h/cp, s, d]
     back = rearrange(out[:, :, received], "b h (c s) d -> c b h s d", c=cp)  # piece i: rank i's tokens
     return rearrange(all_to_all_with_grad(back, group), "c b h s d -> b (c h) s d")  # [b, h, s/cp, d]
+
+
+class ParallelAttention(nn.Module):
+    """model.Attention on one rank: its heads (tp) over its share of the sequence (cp).
+
+    tp: wq, wk, wv column-parallel by whole heads (with fewer kv heads than tp ranks, each rank
+    keeps the whole wk and wv and uses the kv head its query heads read), wo row-parallel.
+    cp: this rank's tokens are two zigzag chunks of the sequence; the K/V go around the ring, or
+    (cp_attention "ulysses") two all-to-alls give this rank all the tokens of h/cp of its heads.
+    tp or cp None: not split that way (the plain layers; causal attention on the whole sequence).
+    """
+
+    def __init__(self, plain: Attention, config: ModelConfig, tp: Group | None, sp: bool, cp: Group | None,
+                 cp_attention: str = "ring"):
+        super().__init__()
+        self.head_dim, self.rope_freqs, self.tp, self.sp, self.cp = plain.head_dim, plain.rope_freqs, tp, sp, cp
+        if cp_attention not in CP_ATTENTION:
+            raise ValueError(f"cp_attention {cp_attention!r}: choose one of {', '.join(CP_ATTENTION)}")
+        self.cp_attention = cp_attention
+        if tp is None:
+            self.wq, self.wk, self.wv, self.wo = plain.wq, plain.wk, plain.wv, plain.wo
+            return
+        dim, q_features = config.dim, config.n_heads * config.head_dim
+        self.wq = cut(plain.wq, ColumnParallelLinear(dim, q_features, tp, enter_region=False), tp)
+        self.wk = cut(plain.wk, _kv_projection(config, tp), tp)
+        self.wv = cut(plain.wv, _kv_projection(config, tp), tp)
+        self.wo = cut(plain.wo, RowParallelLinear(q_features, dim, tp, sequence_parallel=sp), tp)
+
+    def forward(self, x):  # [b, s/cp, d], with sp [b, s/(cp tp), d]
+        if self.tp is not None:
+            x = enter_parallel_region(x, self.tp, self.sp)  # f, once for q, k and v: [b, s/cp, d]
+        q = rearrange(self.wq(x), "b s (h d) -> b h s d", d=self.head_dim)  # [b, h/tp, s/cp, hd]
+        k = rearrange(self.wk(x), "b s (h d) -> b h s d", d=self.head_dim)  # [b, h_kv/tp (or 1), s/cp, hd]
+        v = rearrange(self.wv(x), "b s (h d) -> b h s d", d=self.head_dim)
+        local_len = x.shape[1]
+        if self.cp is None:
+            positions, attend = sequence_positions(local_len, x.device), causal_attention
+        else:  # two zigzag chunks of the sequence, RoPE'd at their global positions
+            seq_len = local_len * self.cp.size
+            positions = zigzag_positions(self.cp.rank, self.cp.size, seq_len, x.device)
+            if self.cp_attention == "ulysses":  # all-to-all: all s tokens of h/cp heads, and back
+                attend = partial(ulysses_attention, group=self.cp, seq_len=seq_len)
+            else:  # every rank's K/V pass by on the cp ring
+                attend = partial(ring_attention, group=self.cp, seq_len=seq_len)
+        cos, sin = rope_cos_sin(positions, self.rope_freqs, x.dtype)
+        out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)  # [b, h/tp, s/cp, hd]
+        return self.wo(rearrange(out, "b h s d -> b s (h d)"))  # tp: wo sums the heads' parts (g)
+
+
+def _kv_projection(config: ModelConfig, tp: Group) -> nn.Module:
+    """wk or wv for one tp rank: column-parallel when tp divides the kv heads, else the whole
+    weight, of which this rank uses the one head its query heads read."""
+    features = config.n_kv_heads * config.head_dim
+    if config.n_kv_heads % tp.size == 0:
+        return ColumnParallelLinear(config.dim, features, tp, enter_region=False)
+    head = tp.rank * config.n_kv_heads // tp.size
+    return ReplicatedRowsLinear(config.dim, features, tp, slice(head * config.head_dim, (head + 1) * config.head_dim))
 
 
 def attention_bytes_sent(attention: str, tokens: int, heads: int, kv_heads: int, head_dim: int, cp: int,

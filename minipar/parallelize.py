@@ -7,13 +7,13 @@ the part of a parallel model that one rank holds, in five steps, always in this 
                   head, if another stage has them) are deleted before anything else is done
                   to them
     2. tensor     the embedding becomes a VocabParallelEmbedding, the LM head a
-                  ColumnParallelLinear over the vocabulary and each MLP a ParallelMLP, each
+                  ColumnParallelLinear over the vocabulary and each MLP a ParallelMLP (tensor_parallel.py), each
                   shard cut from the plain layer's own weight (tied embeddings: the head's shard
                   is the embedding's, as both cut the vocabulary into the same blocks); the loss
                   becomes the vocabulary-parallel one; with sequence parallelism the norms'
                   gradients become partial sums over tp
     3. context    the loss is weighed by this rank's share of the tokens
-                  (with 2 or 3, each attention becomes a ParallelAttention: this rank's heads
+                  (with 2 or 3, each attention becomes a ParallelAttention, context_parallel.py: its heads
                   over its share of the sequence)
     4. experts    mixture-of-experts blocks: each rank keeps its E/ep experts and tokens reach
                   them by all-to-all (expert_parallel.py); the load-balancing loss pools its
@@ -38,38 +38,19 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
-from einops import rearrange
 from torch import nn
 
 from minipar.collectives import Group
-from minipar.context_parallel import (
-    CP_ATTENTION,
-    global_token_count,
-    ring_attention,
-    ulysses_attention,
-    zigzag_positions,
-)
+from minipar.context_parallel import ParallelAttention, global_token_count
 from minipar.expert_parallel import parallelize_experts
-from minipar.model import (
-    MLP,
-    Attention,
-    Llama,
-    ModelConfig,
-    apply_rope,
-    causal_attention,
-    rope_cos_sin,
-    sequence_positions,
-)
+from minipar.model import Llama
 from minipar.tensor_parallel import (
     ColumnParallelLinear,
-    ReplicatedRowsLinear,
-    RowParallelLinear,
+    ParallelMLP,
     VocabParallelEmbedding,
-    enter_parallel_region,
+    cut,
     mark,
-    shard,
     vocab_parallel_cross_entropy,
 )
 
@@ -116,7 +97,7 @@ def keep_stage(model: Llama, layer_ids, embed: bool, head: bool) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# 2. Tensor (and sequence) parallelism; the attention of this rank (tensor and context)
+# 2. Tensor (and sequence) parallelism (ParallelMLP: tensor_parallel.py)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -139,95 +120,13 @@ def tensor_parallel(model: Llama, tp: Group, sp: bool) -> None:
     model.loss_fn = partial(_vocab_parallel_loss, group=tp, vocab_size=config.vocab_size)
 
 
-def cut(plain: nn.Module, layer: nn.Module, tp: Group) -> nn.Module:
-    """`layer`, a parallel layer, on plain's device and dtype, holding this rank's shard of plain's weight."""
-    layer = layer.to(device=plain.weight.device, dtype=plain.weight.dtype)
-    with torch.no_grad():
-        layer.weight.copy_(shard(plain.weight.detach(), layer.weight, tp))
-    return layer
-
-
-class ParallelMLP(nn.Module):
-    """model.MLP on one tp rank: w_gate and w_up column-parallel (ffn/tp features each), w_down
-    row-parallel. One f for the two layers that read x; g in w_down."""
-
-    def __init__(self, plain: MLP, tp: Group, sp: bool):
-        super().__init__()
-        ffn, dim = plain.w_gate.weight.shape
-        self.w_gate = cut(plain.w_gate, ColumnParallelLinear(dim, ffn, tp, enter_region=False), tp)
-        self.w_up = cut(plain.w_up, ColumnParallelLinear(dim, ffn, tp, enter_region=False), tp)
-        self.w_down = cut(plain.w_down, RowParallelLinear(ffn, dim, tp, sequence_parallel=sp), tp)
-        self.tp, self.sp = tp, sp
-
-    def forward(self, x):  # [b, s, d], with sp [b, s/tp, d]
-        x = enter_parallel_region(x, self.tp, self.sp)  # f: [b, s, d] on every tp rank
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))  # [b, s, ffn/tp] -> w_down sums (g) -> [b, s, d]
-
-
-class ParallelAttention(nn.Module):
-    """model.Attention on one rank: its heads (tp) over its share of the sequence (cp).
-
-    tp: wq, wk, wv column-parallel by whole heads (with fewer kv heads than tp ranks, each rank
-    keeps the whole wk and wv and uses the kv head its query heads read), wo row-parallel.
-    cp: this rank's tokens are two zigzag chunks of the sequence; the K/V go around the ring, or
-    (cp_attention "ulysses") two all-to-alls give this rank all the tokens of h/cp of its heads.
-    tp or cp None: not split that way (the plain layers; causal attention on the whole sequence).
-    """
-
-    def __init__(self, plain: Attention, config: ModelConfig, tp: Group | None, sp: bool, cp: Group | None,
-                 cp_attention: str = "ring"):
-        super().__init__()
-        self.head_dim, self.rope_freqs, self.tp, self.sp, self.cp = plain.head_dim, plain.rope_freqs, tp, sp, cp
-        if cp_attention not in CP_ATTENTION:
-            raise ValueError(f"cp_attention {cp_attention!r}: choose one of {', '.join(CP_ATTENTION)}")
-        self.cp_attention = cp_attention
-        if tp is None:
-            self.wq, self.wk, self.wv, self.wo = plain.wq, plain.wk, plain.wv, plain.wo
-            return
-        dim, q_features = config.dim, config.n_heads * config.head_dim
-        self.wq = cut(plain.wq, ColumnParallelLinear(dim, q_features, tp, enter_region=False), tp)
-        self.wk = cut(plain.wk, _kv_projection(config, tp), tp)
-        self.wv = cut(plain.wv, _kv_projection(config, tp), tp)
-        self.wo = cut(plain.wo, RowParallelLinear(q_features, dim, tp, sequence_parallel=sp), tp)
-
-    def forward(self, x):  # [b, s/cp, d], with sp [b, s/(cp tp), d]
-        if self.tp is not None:
-            x = enter_parallel_region(x, self.tp, self.sp)  # f, once for q, k and v: [b, s/cp, d]
-        q = rearrange(self.wq(x), "b s (h d) -> b h s d", d=self.head_dim)  # [b, h/tp, s/cp, hd]
-        k = rearrange(self.wk(x), "b s (h d) -> b h s d", d=self.head_dim)  # [b, h_kv/tp (or 1), s/cp, hd]
-        v = rearrange(self.wv(x), "b s (h d) -> b h s d", d=self.head_dim)
-        local_len = x.shape[1]
-        if self.cp is None:
-            positions, attend = sequence_positions(local_len, x.device), causal_attention
-        else:  # two zigzag chunks of the sequence, RoPE'd at their global positions
-            seq_len = local_len * self.cp.size
-            positions = zigzag_positions(self.cp.rank, self.cp.size, seq_len, x.device)
-            if self.cp_attention == "ulysses":  # all-to-all: all s tokens of h/cp heads, and back
-                attend = partial(ulysses_attention, group=self.cp, seq_len=seq_len)
-            else:  # every rank's K/V pass by on the cp ring
-                attend = partial(ring_attention, group=self.cp, seq_len=seq_len)
-        cos, sin = rope_cos_sin(positions, self.rope_freqs, x.dtype)
-        out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)  # [b, h/tp, s/cp, hd]
-        return self.wo(rearrange(out, "b h s d -> b s (h d)"))  # tp: wo sums the heads' parts (g)
-
-
-def _kv_projection(config: ModelConfig, tp: Group) -> nn.Module:
-    """wk or wv for one tp rank: column-parallel when tp divides the kv heads, else the whole
-    weight, of which this rank uses the one head its query heads read."""
-    features = config.n_kv_heads * config.head_dim
-    if config.n_kv_heads % tp.size == 0:
-        return ColumnParallelLinear(config.dim, features, tp, enter_region=False)
-    head = tp.rank * config.n_kv_heads // tp.size
-    return ReplicatedRowsLinear(config.dim, features, tp, slice(head * config.head_dim, (head + 1) * config.head_dim))
-
-
 def _vocab_parallel_loss(logits, targets, divisor=None, *, group: Group, vocab_size: int):
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # the loss in at least float32
     return vocab_parallel_cross_entropy(logits, targets, group, vocab_size, divisor=divisor)
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. Context parallelism (the attention: ParallelAttention above)
+# 3. Context parallelism (each attention's heads and tokens: context_parallel.ParallelAttention)
 # ----------------------------------------------------------------------------------------------
 
 

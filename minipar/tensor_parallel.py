@@ -20,7 +20,7 @@ so per transformer layer: 2 all-reduces of [b, s, h] forward and 2 backward. f i
 not one per column layer: attention's q, k and v read one input, and so do the MLP's gate and up
 (Megatron fuses each group into one column-parallel layer). ColumnParallelLinear calls f itself
 (the LM head); with `enter_region=False` its caller has called f once for the layers that share
-the input (parallelize.py's ParallelAttention and ParallelMLP).
+the input (ParallelMLP below; context_parallel.py's ParallelAttention).
 
 Sequence parallelism (`sequence_parallel=True`) notices that between the regions (norms,
 residual adds) every tp rank does the same work on the same [b, s, h]. Shard those along the
@@ -226,6 +226,36 @@ class VocabParallelEmbedding(nn.Module):
         x = F.embedding((ids - self.first).masked_fill(outside, 0), self.weight)
         x = x.masked_fill(outside.unsqueeze(-1), 0.0)  # [b, s, d], zeros where another rank owns the id
         return leave_parallel_region(x, self.group, self.sequence_parallel)
+
+
+# ----------------------------------------------------------------------------------------------
+# The MLP of one tp rank, cut from the plain one
+# ----------------------------------------------------------------------------------------------
+
+
+def cut(plain: nn.Module, layer: nn.Module, tp: Group) -> nn.Module:
+    """`layer`, a parallel layer, on plain's device and dtype, holding this rank's shard of plain's weight."""
+    layer = layer.to(device=plain.weight.device, dtype=plain.weight.dtype)
+    with torch.no_grad():
+        layer.weight.copy_(shard(plain.weight.detach(), layer.weight, tp))
+    return layer
+
+
+class ParallelMLP(nn.Module):
+    """model.MLP on one tp rank: w_gate and w_up column-parallel (ffn/tp features each), w_down
+    row-parallel. One f for the two layers that read x; g in w_down."""
+
+    def __init__(self, plain: nn.Module, tp: Group, sp: bool):
+        super().__init__()
+        ffn, dim = plain.w_gate.weight.shape
+        self.w_gate = cut(plain.w_gate, ColumnParallelLinear(dim, ffn, tp, enter_region=False), tp)
+        self.w_up = cut(plain.w_up, ColumnParallelLinear(dim, ffn, tp, enter_region=False), tp)
+        self.w_down = cut(plain.w_down, RowParallelLinear(ffn, dim, tp, sequence_parallel=sp), tp)
+        self.tp, self.sp = tp, sp
+
+    def forward(self, x):  # [b, s, d], with sp [b, s/tp, d]
+        x = enter_parallel_region(x, self.tp, self.sp)  # f: [b, s, d] on every tp rank
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))  # [b, s, ffn/tp] -> w_down sums (g) -> [b, s, d]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import get_config, init_weights
 from minipar.moe import MoE, take_load
-from minipar.pipeline.order_check import order_problems
+from minipar.order_check import order_problems
 from minipar.run.config import TrainConfig
 from minipar.run.train import build_model, train_step
 

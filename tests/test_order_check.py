@@ -12,8 +12,8 @@ from minipar.data_parallel import param_groups
 from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import get_config
+from minipar.order_check import order_problems
 from minipar.pipeline.executor import Pipeline
-from minipar.pipeline.order_check import order_problems
 from minipar.run.config import TrainConfig
 from minipar.run.train import train_step
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from minipar.pipeline.order_check import order_problems
+from minipar.order_check import order_problems
 from minipar.pipeline.schedules import (
     Action,
     Schedule,

@@ -30,7 +30,7 @@ LIBRARY = sorted((ROOT / "minipar").rglob("*.py"))
 # worked examples (+100); issue 20's mixed precision (precision.py, fp32 masters and bf16 working
 # copies in the one wrapper family, the estimator's widths: +300) and ZeRO++'s groundwork (nodes in
 # the mesh and the ledger, block-wise quantization in quantize.py: +200). ZeRO++ itself (zeropp.py's
-# qwZ, hpZ and qgZ, the mesh's per-node dp groups, planning/zeropp.py's bytes and memory: +330) and
+# qwZ, hpZ and qgZ, the mesh's per-node dp groups, planning/estimate_zeropp.py's bytes and memory: +330) and
 # issue 21's Ulysses attention beside the ring, with its estimate (+90). Then issue 28's seams, which
 # cost lines where a branch was before: ZeRO++ as a transport ZeRO-3 is handed, planning's Layout,
 # the feed-forward table experts plug into, the hang watch as a ledger listener, one shard reader;
@@ -138,7 +138,7 @@ def test_no_module_of_the_package_imports_itself_through_others():
 CHAPTERS = {
     0: ("minipar", "minipar.model"),
     1: ("minipar.collectives", "minipar.autograd_ops", "minipar.placement", "minipar.mesh",
-        "minipar.pipeline.order_check"),
+        "minipar.order_check"),
     2: ("minipar.data_parallel",),
     # grad_sync: the one builder that picks chapter 2's wrapper or one of chapter 3's (ZeRO 1-3, with
     # a precision policy and ZeRO++'s transport): it is read once all of them exist.

@@ -19,7 +19,7 @@ backward (f's, of x's gradient), nothing else. The library's `ColumnParallelLine
 `reduce_from_parallel` are yours to use.
 
 The library's own, after you tried: `ColumnParallelLinear` and `RowParallelLinear` in
-minipar/tensor_parallel.py, put together in `ParallelMLP` (minipar/parallelize.py).
+minipar/tensor_parallel.py, put together in `ParallelMLP` (minipar/tensor_parallel.py).
 
 Check: make exercise N=4.1 (tp 2 and 4, a few seconds)
 """

@@ -2,6 +2,6 @@
 
 Read in this order: `schedules` (each schedule as data: a list of F/B/W actions per rank, with no
 processes and no model), `timeline` (those actions simulated on a clock, drawn and measured),
-`executor` (the one `Pipeline` that runs any schedule's actions with real sends and receives) and
-`order_check` (the proof that every rank's sends meet the receives of its neighbours in order).
+and `executor` (the one `Pipeline` that runs any schedule's actions with real sends and receives);
+chapter 1's order_check.py proves that every rank's sends meet its neighbours' receives in order.
 """

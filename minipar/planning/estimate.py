@@ -51,8 +51,8 @@ from minipar.pipeline.schedules import build as build_schedule
 from minipar.pipeline.schedules import messages_of
 from minipar.placement import DENSE, placement_of
 from minipar.planning.estimate_moe import moe_block_bytes, moe_bytes_sent
+from minipar.planning.estimate_zeropp import bucket_sent, secondary_bytes
 from minipar.planning.layout import Layout
-from minipar.planning.zeropp import bucket_sent, secondary_bytes
 from minipar.precision import of_config, widths
 from minipar.zero import bucket_plan
 from minipar.zero3 import unit_chunks, units_of
@@ -110,7 +110,7 @@ def held_bytes(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[st
     plan = _zero_plan(model, cfg)
     slices = sum(-(-sum(p.numel() for p in chunk) // _replicas(dims, cfg)) for _, dims, chunk in plan)
     weights = numel * width if cfg.zero < 3 else slices * width * prec.mixed  # ZeRO-3: the bf16 shard it gathers
-    weights += secondary_bytes(plan, cfg, width) if cfg.zero == 3 else 0  # ZeRO++'s hpZ (planning/zeropp.py)
+    weights += secondary_bytes(plan, cfg, width) if cfg.zero == 3 else 0  # ZeRO++'s hpZ (planning/estimate_zeropp.py)
     return {"params": weights + slices * master, "grads": slices * width, "optimizer": 2 * slices * master}
 
 
@@ -140,7 +140,7 @@ def dp_bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict
     for _, dims, chunk in _zero_plan(model, cfg):
         r, group = _replicas(dims, cfg), _dp_name(dims, cfg)
         padded = -(-sum(p.numel() for p in chunk) // r) * r
-        if cfg.zero == 3 and cfg.zeropp:  # ZeRO++ sends its own messages (planning/zeropp.py)
+        if cfg.zero == 3 and cfg.zeropp:  # ZeRO++ sends its own messages (planning/estimate_zeropp.py)
             sent += bucket_sent(padded, cfg, width, wire)
             continue
         scatters, gathers = (m if cfg.zero >= 2 else 1), (2 * m if cfg.zero == 3 else 1)

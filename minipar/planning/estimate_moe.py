@@ -47,7 +47,7 @@ from minipar.precision import of_config
 INDEX = 8  # int64 indices
 
 
-def widths(cfg: Layout) -> tuple[int, int]:
+def stream_and_product_widths(cfg: Layout) -> tuple[int, int]:
     """(the weights' and the residual stream's width, the matmul products' width): bf16 autocast
     keeps fp32 weights and makes bf16 products; bf16-mixed has both in bf16."""
     p = of_config(cfg)  # bf16-mixed: bf16 weights and products
@@ -73,7 +73,7 @@ def expert_rows(c: ModelConfig, cfg: Layout, worst: bool = False) -> tuple[int, 
 
 def moe_block_bytes(c: ModelConfig, cfg: Layout, worst: bool = False) -> int:
     """The MoE part of a block's activations for one micro-batch (module docstring), in bytes."""
-    p, w = widths(cfg)  # the router works in at least fp32: the weights' width
+    p, w = stream_and_product_widths(cfg)  # the router works in at least fp32: the weights' width
     t, k, e, d = routed_tokens(c, cfg), c.top_k, c.n_experts, c.dim
     kept, _, _, rows = expert_rows(c, cfg, worst)
     router = t * e * p + t * k * INDEX + t * k * p + t * p + t * k * w
@@ -91,7 +91,7 @@ def moe_bytes_sent(c: ModelConfig, cfg: Layout, n_blocks: int, worst: bool = Fal
     sent: dict[str, int] = {}
     forwards = cfg.accum_steps * n_blocks * (2 if cfg.recompute else 1)
     backwards = cfg.accum_steps * n_blocks
-    stream, product = widths(cfg)
+    stream, product = stream_and_product_widths(cfg)
     if cfg.ep > 1:
         _, out, back, _ = expert_rows(c, cfg, worst)
         counts = (c.n_experts - c.n_experts // cfg.ep) * INDEX

@@ -222,7 +222,7 @@ def report(cfg: Layout) -> str:
     if cfg.zero:
         lines.append("ZeRO's buffers of a moment in the step (pp rank 0), in the total: " + ", ".join(
             f"{k} {v / 2**20:,.1f} MiB" for k, v in temporary_bytes(c, cfg).items()))
-    if cfg.zero == 3 and cfg.zeropp:  # ZeRO++ (planning/zeropp.py): hpZ's copy is what it adds to the weights
+    if cfg.zero == 3 and cfg.zeropp:  # ZeRO++ (planning/estimate_zeropp.py): hpZ's copy is what it adds to the weights
         copy = held_bytes(c, cfg)["params"] - held_bytes(c, replace(cfg, zeropp=None))["params"]
         lines.append(f"ZeRO++ {cfg.zeropp}: hpZ's node-local copy, in the weights: {copy / 2**20:,.1f} MiB; "
                      "dp_intra's bytes stay inside a node, dp_cross's cross")
