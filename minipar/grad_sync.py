@@ -42,6 +42,18 @@ def adamw(param_groups: list[dict], lr: float, **options) -> torch.optim.AdamW:
     return torch.optim.AdamW(param_groups, lr=lr, betas=BETAS, eps=EPS, **options)
 
 
+def check_zero(zero: int, offload: bool = False, zeropp: tuple[str, ...] = ()) -> None:
+    """The ZeRO options that go together, stated once: build_grad_sync and the run's checks (planning's
+    Layout.validate) both ask here. ValueError, one line, named by the flags train.py gives them."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"--zero {zero}: choose 0, 1, 2 or 3")
+    if offload and zero not in (1, 2):
+        raise ValueError("--offload needs --zero 1 or 2: it moves ZeRO's optimizer slices to the CPU")
+    if zeropp and zero != 3:
+        raise ValueError(f"--zeropp {','.join(zeropp)} needs --zero 3: ZeRO++ changes how ZeRO-3 gathers weights "
+                         "and reduces gradients")
+
+
 def build_grad_sync(model: nn.Module, groups: Groups, param_groups: list[dict],
                     make_optimizer: Callable[[list[dict]], torch.optim.Optimizer], *, zero: int = 0,
                     bucket_mb: float = 25.0, offload: bool = False, precision: Precision = FULL,
@@ -51,12 +63,7 @@ def build_grad_sync(model: nn.Module, groups: Groups, param_groups: list[dict],
     `make_optimizer(param_groups)` builds the optimizer (ZeRO: on the wrapper's slices of them).
     `precision` bf16-mixed (precision.py): `model` comes in fp32; the wrapper keeps fp32 masters
     (ZeRO: its slices) for the optimizer and turns the model's own weights into bf16 copies."""
-    if zero not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage {zero}: choose 0, 1, 2 or 3")
-    if offload and zero not in (1, 2):
-        raise ValueError(f"offload needs ZeRO stage 1 or 2, not {zero}: it moves ZeRO's optimizer slices to the CPU")
-    if zeropp and zero != 3:
-        raise ValueError(f"ZeRO++ ({','.join(zeropp)}) needs ZeRO stage 3, not {zero}")
+    check_zero(zero, offload, zeropp)
     if zero == 3:
         transport = ZeroPP.over(groups, zeropp) if zeropp else None  # zeropp.py; None: the plain messages
         return Zero3DataParallel(model, groups, make_optimizer, param_groups, precision=precision, transport=transport)

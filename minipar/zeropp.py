@@ -69,14 +69,11 @@ def parse(text: str) -> tuple[str, ...]:
     return names
 
 
-def check(text: str, zero: int, layout, cp: int = 1, experts: int = 0) -> tuple[str, ...]:
-    """--zeropp's names for a run of ZeRO stage `zero` on `layout` (a MeshLayout); ValueError, one
-    line, where they cannot apply. hpz and qgz need several nodes: on one node there is no slow link
-    to spare, and their node split would be the whole dp group (hpZ's copy the primary again)."""
+def check(text: str, layout, cp: int = 1, experts: int = 0) -> tuple[str, ...]:
+    """--zeropp's names for a ZeRO-3 run on `layout` (a MeshLayout); ValueError, one line, where they
+    cannot apply (the stage they need: grad_sync.check_zero). hpz and qgz need several nodes: on one
+    node there is no slow link to spare, and their node split would be the whole dp group."""
     names = parse(text)
-    if zero != 3:
-        raise ValueError(f"--zeropp {text} needs --zero 3: ZeRO++ changes how ZeRO-3 gathers weights and reduces "
-                         "gradients")
     split = ",".join(n for n in names if n in ("hpz", "qgz"))
     if split and layout.nodes == 1:
         raise ValueError(f"--zeropp {split} splits the dp ranks by node, and this run has one node: give "

@@ -28,7 +28,7 @@ from test_data_parallel import GLOBAL_BATCH, OPT, SEQ, global_batch, new_model
 
 from minipar.collectives import all_gather
 from minipar.data_parallel import param_groups
-from minipar.grad_sync import adamw, build_grad_sync
+from minipar.grad_sync import adamw, build_grad_sync, check_zero
 from minipar.mesh import Mesh, MeshLayout
 from minipar.model import get_config
 from minipar.planning.estimate import bytes_sent, held_bytes
@@ -287,16 +287,17 @@ def test_hpz_holds_one_kth_of_the_weights_in_bf16_as_the_estimate_says():
 
 def test_zeropp_that_cannot_apply_is_refused_in_one_line():
     two_nodes = MeshLayout(4, dp=4, ranks_per_node=2)
-    assert check("qwz, hpz", 3, two_nodes) == ("qwz", "hpz") and check("qwz", 3, MeshLayout(4, dp=4)) == ("qwz",)
-    refusals = [(("hpz", 2, two_nodes), "--zeropp hpz needs --zero 3"),
-                (("qgz", 3, MeshLayout(4, dp=4)), "--zeropp qgz splits the dp ranks by node, and this run has one"),
-                (("hpz", 3, MeshLayout(4, dp=2, cp=2, ranks_per_node=2), 2), "but --cp reduce gradients"),
-                (("qgz", 3, two_nodes, 1, 8), "but the experts reduce gradients"),
-                (("", 3, two_nodes), "--zeropp : choose any of qwz, hpz, qgz"),
+    assert check("qwz, hpz", two_nodes) == ("qwz", "hpz") and check("qwz", MeshLayout(4, dp=4)) == ("qwz",)
+    refusals = [(("qgz", MeshLayout(4, dp=4)), "--zeropp qgz splits the dp ranks by node, and this run has one"),
+                (("hpz", MeshLayout(4, dp=2, cp=2, ranks_per_node=2), 2), "but --cp reduce gradients"),
+                (("qgz", two_nodes, 1, 8), "but the experts reduce gradients"),
+                (("", two_nodes), "--zeropp : choose any of qwz, hpz, qgz"),
                 # tp 3 on nodes of 4: a node holds 4/3 of a dp rank's ranks
-                (("hpz", 3, MeshLayout(12, dp=4, tp=3, ranks_per_node=4)), "4 ranks per node hold 1.33333 ranks")]
+                (("hpz", MeshLayout(12, dp=4, tp=3, ranks_per_node=4)), "4 ranks per node hold 1.33333 ranks")]
     for args, line in refusals:
         with pytest.raises(ValueError, match=re.escape(line)):
             check(*args)
+    with pytest.raises(ValueError, match=re.escape("--zeropp hpz needs --zero 3")):  # the stage: stated in grad_sync
+        check_zero(2, zeropp=("hpz",))
     assert MeshLayout(8, dp=4, tp=2, ranks_per_node=4).dp_per_node() == 2  # dp ranks {0,1} and {2,3} share nodes
     assert MeshLayout(8, dp=2, tp=4, ranks_per_node=2).dp_per_node() == 1  # tp spans nodes: one dp rank each

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from minipar.context_parallel import check_cp_layout
 from minipar.expert_parallel import check_expert_layout
+from minipar.grad_sync import check_zero
 from minipar.mesh import MeshLayout
 from minipar.model import ModelConfig, config_from
 from minipar.pipeline.executor import stage_layers
@@ -24,6 +25,7 @@ from minipar.pipeline.schedules import placement as schedule_placement
 from minipar.precision import resolve as resolve_precision
 from minipar.tensor_parallel import check_tensor_layout
 from minipar.zeropp import check as check_zeropp
+from minipar.zeropp import parse as parse_zeropp
 
 
 @dataclass
@@ -106,20 +108,16 @@ class Layout:
                     f"{e} (micro-batches per step = --global-batch / (--dp x --micro-batch) = {self.accum_steps})"
                 ) from None
         if self.pp > 1 and m.tie_embeddings:
-            raise self.error(f"--pp {self.pp} with tied embeddings (--model {self.model}"
-                              f"{' --tie-embeddings' if self.tie_embeddings else ''}): the embedding and the LM "
-                              f"head share one weight, and pipeline stages would split them; use --pp 1 or "
-                              f"--no-tie-embeddings")
-        if self.zero not in (0, 1, 2, 3):
-            raise self.error(f"--zero {self.zero}: choose 0, 1, 2 or 3")
+            given = f"--model {self.model}" + " --tie-embeddings" * bool(self.tie_embeddings)
+            raise self.error(f"--pp {self.pp} with tied embeddings ({given}): the embedding and the LM head share one "
+                             "weight, and pipeline stages would split them; use --pp 1 or --no-tie-embeddings")
         if self.zero == 3 and self.pp > 1:
             raise self.error("--zero 3 with --pp: every micro-batch would gather each layer twice; "
                               "use --zero 1 or 2 with pipeline parallelism")
         if self.zero == 3 and self.recompute:
             raise self.error("--zero 3 with --recompute is not supported: choose one")
-        if self.offload and self.zero not in (1, 2):
-            raise self.error("--offload needs --zero 1 or 2: it moves ZeRO's optimizer slices to the CPU")
         try:
+            check_zero(self.zero, self.offload, parse_zeropp(self.zeropp) if self.zeropp is not None else ())
             resolve_precision(self.precision, self.dtype, self.grad_reduce)
         except ValueError as e:
             raise self.error(str(e)) from None
@@ -127,7 +125,7 @@ class Layout:
                             ranks_per_node=self.ranks_per_node)  # raises LayoutError
         if self.zeropp is not None:
             try:
-                check_zeropp(self.zeropp, self.zero, layout, self.cp, m.n_experts)
+                check_zeropp(self.zeropp, layout, self.cp, m.n_experts)
             except ValueError as e:
                 raise self.error(str(e)) from None
 
