@@ -99,18 +99,6 @@ class MeshLayout:
         """The node global rank `rank` lives on (torchrun numbers each node's ranks consecutively)."""
         return rank // (self.ranks_per_node or self.world_size)
 
-    def dp_per_node(self) -> int:
-        """How many ranks of each dp group share a node (ZeRO++'s hpZ and qgZ split dp by node):
-        K / (cp x tp) when cp x tp divides K and that divides dp, 1 when cp x tp is a multiple of K."""
-        k, inner = self.ranks_per_node or self.world_size, self.cp * self.tp
-        if inner % k == 0:
-            return 1  # each dp rank's cp x tp block fills whole nodes
-        if k % inner or self.dp % (k // inner):
-            raise LayoutError(f"{k} ranks per node hold {k / inner:g} ranks of each dp group of {self.dp} (cp "
-                              f"{self.cp} x tp {self.tp} = {inner} per dp rank): give a --ranks-per-node that "
-                              "splits dp evenly")
-        return k // inner
-
     def coords(self, rank: int) -> dict[str, int]:
         """Rank -> {"pp": i, "dp": j, "cp": k, "tp": l}."""
         out = {}
@@ -198,15 +186,14 @@ class Groups:
     dp_cp: Group = _solo("dp_cp")  # dense gradients are averaged over data *and* context replicas
     ep: Group = _solo("ep")  # experts: carved out of dp x cp by Mesh.unflatten
     edp: Group = _solo("edp")
-    dp_intra: Group = _solo("dp_intra")  # ZeRO++: the dp ranks on this rank's node (Mesh.split_dp_by_node)
-    dp_cross: Group = _solo("dp_cross")  # and those at this rank's place on every node
+    more: dict[str, Group] = field(default_factory=dict)  # what Mesh.unflatten carved out for a feature
 
-    NAMES: ClassVar = ("dp", "tp", "pp", "cp", "dp_cp", "ep", "edp", "dp_intra", "dp_cross")
+    NAMES: ClassVar = ("dp", "tp", "pp", "cp", "dp_cp", "ep", "edp")
 
     def __getitem__(self, name: str) -> Group:
-        if name not in self.NAMES:
-            raise KeyError(f"no {name} group: the groups are {', '.join(self.NAMES)}")
-        return getattr(self, name)
+        if name not in self.NAMES and name not in self.more:
+            raise KeyError(f"no {name} group: the groups are {', '.join((*self.NAMES, *self.more))}")
+        return getattr(self, name) if name in self.NAMES else self.more[name]
 
     def reduction(self, dims: tuple[str, ...]) -> Group:
         """Where a gradient averaged over `dims` (its Placement.grad_mean) is reduced: ("dp", "cp")
@@ -282,7 +269,8 @@ class Mesh:
     def groups(self) -> Groups:
         """The groups a module needs, by name, in one typed object (ep and edp once `unflatten`
         has carved them out, else groups of one)."""
-        return Groups(**{name: self._groups[name] for name in Groups.NAMES if name in self._groups})
+        return Groups(**{name: self._groups[name] for name in Groups.NAMES if name in self._groups},
+                      more={name: g for name, g in self._groups.items() if name not in Groups.NAMES})
 
     # The usual ones, by name.
     tp_group = property(lambda self: self.group("tp"))
@@ -306,13 +294,6 @@ class Mesh:
                 pg = dist.new_group(ranks) if len(ranks) < self.layout.world_size else dist.group.WORLD
                 if self.rank in ranks:
                     self._groups[name] = Group(name, pg, ranks, self.ledger, self.layout.ranks_per_node)
-
-    def split_dp_by_node(self) -> None:
-        """ZeRO++ (zeropp.py): cut each dp group into its ranks on one node (dp_intra, K of them) and
-        the ranks at the same place on each node (dp_cross, one per node): dp = dp_cross x dp_intra.
-        Every rank must call it at the same time."""
-        per_node = self.layout.dp_per_node()  # raises LayoutError
-        self.unflatten(("dp",), dp_cross=self.layout.dp // per_node, dp_intra=per_node)
 
     def destroy(self) -> None:
         """Free this mesh's process groups (tests build many meshes in one world)."""

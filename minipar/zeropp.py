@@ -20,7 +20,7 @@ those bytes ride NVLink; between nodes a network ten times slower or more. ZeRO+
 
     dp ranks  d = node * K + j              hop 1 (inside each node)       hop 2 (across)
       node 0: [d0 d1]  node 1: [d2 d3]      d0 <-> d1,  d2 <-> d3          d0 <-> d2,  d1 <-> d3
-    dp_intra groups {d0 d1} {d2 d3}; dp_cross groups {d0 d2} {d1 d3} (Mesh.split_dp_by_node)
+    dp_intra groups {d0 d1} {d2 d3}; dp_cross groups {d0 d2} {d1 d3} (split_dp_by_node(mesh))
 
 Why int4 for gradients, int8 for weights: a gradient is an average that the optimizer smooths over
 steps (Adam's moments), and qgZ reduces in full precision between hops, so each number is rounded
@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from minipar.collectives import Group, all_gather_into, all_to_all
-from minipar.mesh import Groups
+from minipar.mesh import Groups, LayoutError, Mesh, MeshLayout
 from minipar.quantize import dequantize, quantize
 from minipar.zero3 import ShardedBucket, Transport
 
@@ -82,8 +82,27 @@ def check(text: str, layout, cp: int = 1, experts: int = 0) -> tuple[str, ...]:
         raise ValueError(f"--zeropp {split} splits the dp group by node, but {'--cp' if cp > 1 else 'the experts'} "
                          "reduce gradients over other groups: use qwz alone")
     if split:
-        layout.dp_per_node()  # raises LayoutError (a ValueError) unless each node holds an equal run of dp
+        dp_per_node(layout)  # raises LayoutError (a ValueError) unless each node holds an equal run of dp
     return names
+
+
+def dp_per_node(layout: MeshLayout) -> int:
+    """How many ranks of each dp group share a node: K / (cp x tp) if cp x tp divides K and that dp."""
+    k, inner = layout.ranks_per_node or layout.world_size, layout.cp * layout.tp
+    if inner % k == 0:  # each dp rank's cp x tp block fills whole nodes
+        return 1
+    if k % inner or layout.dp % (k // inner):
+        raise LayoutError(f"{k} ranks per node hold {k / inner:g} ranks of each dp group of {layout.dp} (cp "
+                          f"{layout.cp} x tp {layout.tp} = {inner} per dp rank): give a --ranks-per-node that "
+                          "splits dp evenly")
+    return k // inner
+
+
+def split_dp_by_node(mesh: Mesh) -> None:
+    """Cut each dp group into its ranks on one node (dp_intra, K of them) and the ranks at the same
+    place on each node (dp_cross, one per node): dp = dp_cross x dp_intra. Every rank calls it at once."""
+    per_node = dp_per_node(mesh.layout)
+    mesh.unflatten(("dp",), dp_cross=mesh.layout.dp // per_node, dp_intra=per_node)
 
 
 @dataclass(frozen=True)
@@ -105,10 +124,10 @@ class ZeroPP(Transport):
 
     @classmethod
     def over(cls, groups: Groups, options: tuple[str, ...]) -> ZeroPP:
-        if {"hpz", "qgz"} & set(options) and groups.dp_intra.size * groups.dp_cross.size != groups.dp.size:
+        if {"hpz", "qgz"} & set(options) and "dp_intra" not in groups.more:
             raise ValueError(f"ZeRO++ {','.join(options)}: hpz and qgz need the dp group split by node "
-                             "(mesh.split_dp_by_node() before mesh.groups())")
-        return cls(tuple(options), groups.dp_intra, groups.dp_cross, groups.dp)
+                             "(zeropp.split_dp_by_node(mesh) before mesh.groups())")
+        return cls(tuple(options), groups.more.get("dp_intra"), groups.more.get("dp_cross"), groups.dp)
 
     def prepare(self, bucket) -> None:  # bucket: a ShardedBucket, given hpZ's attributes
         """hpZ: the bucket's second shard, place j of K on the node keeping elements [j P/K, (j+1) P/K)."""

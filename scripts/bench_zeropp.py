@@ -42,6 +42,7 @@ from minipar.precision import resolve
 from minipar.run.config import TrainConfig
 from minipar.run.launch import start_distributed
 from minipar.run.train import train_step
+from minipar.zeropp import split_dp_by_node
 
 SIDES = {"plain ZeRO-3": (), "qwz": ("qwz",), "hpz": ("hpz",), "qgz": ("qgz",), "qwz,hpz,qgz": ("qwz", "hpz", "qgz")}
 
@@ -55,7 +56,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(threads_per_rank())
     device = start_distributed(timeout=600.0)
     mesh = Mesh.build(dp=world, ranks_per_node=args.ranks_per_node)
-    mesh.split_dp_by_node()
+    split_dp_by_node(mesh)
     config = get_config(args.model)
     cfg = TrainConfig(model=args.model, dp=world, seq_len=args.seq_len, micro_batch=args.micro_batch,
                       global_batch=world * args.micro_batch, seed=args.seed)

@@ -34,7 +34,7 @@ from minipar.precision import resolve
 from minipar.quantize import dequantize, quantize
 from minipar.run.config import TrainConfig
 from minipar.run.train import train_step
-from minipar.zeropp import BLOCK, wire_bytes
+from minipar.zeropp import BLOCK, split_dp_by_node, wire_bytes
 
 CFG = get_config("small")
 OPT = TrainConfig()  # lr 3e-3, weight decay 0.1 on matrices, as scripts/train.py
@@ -89,7 +89,7 @@ def main() -> None:
     k = p.parse_args().ranks_per_node
     start_gloo()
     mesh = Mesh.build(dp=dist.get_world_size(), ranks_per_node=k)
-    mesh.split_dp_by_node()  # dp_intra {0,1} {2,3}, dp_cross {0,2} {1,3}
+    split_dp_by_node(mesh)  # dp_intra {0,1} {2,3}, dp_cross {0,2} {1,3}
     say(mesh.layout.table())
     runs = {options: train(mesh, options) for options in OPTION_SETS}
     show_message(runs[()]["z"], runs[()]["first"])

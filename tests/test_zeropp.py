@@ -37,7 +37,7 @@ from minipar.quantize import qmax
 from minipar.run.config import TrainConfig
 from minipar.run.step import begin_step
 from minipar.run.train import train_step
-from minipar.zeropp import check, pack, quantized_reduce_scatter, unpack
+from minipar.zeropp import check, dp_per_node, pack, quantized_reduce_scatter, split_dp_by_node, unpack
 
 N, K, M = 4, 2, 2
 BLOCK = 256
@@ -51,7 +51,7 @@ def q(n: int, bits: int) -> int:
 
 def _wrapper(mesh, options, precision=FULL):
     if {"hpz", "qgz"} & set(options):
-        mesh.split_dp_by_node()
+        split_dp_by_node(mesh)
     model = new_model().float() if precision.mixed else new_model()
     z = build_grad_sync(model, mesh.groups(), param_groups(model, OPT), lambda pgs: adamw(pgs, OPT.lr), zero=3,
                         precision=precision, zeropp=options)
@@ -160,9 +160,9 @@ def _reduce(rank, world, bits):
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(N * 300, generator=g, dtype=torch.float64) * 2.0 ** torch.randint(-4, 4, (N * 300,), generator=g)
     with Mesh.build(dp=world, ranks_per_node=K) as mesh:
-        mesh.split_dp_by_node()
+        split_dp_by_node(mesh)
         groups = mesh.groups()
-        mine = quantized_reduce_scatter(x, groups.dp_intra, groups.dp_cross, bits)
+        mine = quantized_reduce_scatter(x, groups["dp_intra"], groups["dp_cross"], bits)
         every = all_gather(x[None], groups.dp)  # [N, P]: every rank's input
         return mine, every, groups.dp.rank
 
@@ -299,5 +299,5 @@ def test_zeropp_that_cannot_apply_is_refused_in_one_line():
             check(*args)
     with pytest.raises(ValueError, match=re.escape("--zeropp hpz needs --zero 3")):  # the stage: stated in grad_sync
         check_zero(2, zeropp=("hpz",))
-    assert MeshLayout(8, dp=4, tp=2, ranks_per_node=4).dp_per_node() == 2  # dp ranks {0,1} and {2,3} share nodes
-    assert MeshLayout(8, dp=2, tp=4, ranks_per_node=2).dp_per_node() == 1  # tp spans nodes: one dp rank each
+    assert dp_per_node(MeshLayout(8, dp=4, tp=2, ranks_per_node=4)) == 2  # dp ranks {0,1} and {2,3} share nodes
+    assert dp_per_node(MeshLayout(8, dp=2, tp=4, ranks_per_node=2)) == 1  # tp spans nodes: one dp rank each

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter
 
 from minipar.mesh import MeshLayout
-from minipar.zeropp import ZeroPP, parse, wire_bytes
+from minipar.zeropp import ZeroPP, dp_per_node, parse, wire_bytes
 
 
 def _split(cfg) -> tuple[ZeroPP, int, int]:
@@ -25,7 +25,7 @@ def _split(cfg) -> tuple[ZeroPP, int, int]:
     plus = ZeroPP(parse(cfg.zeropp) if cfg.zeropp else ())
     layout = MeshLayout(cfg.dp * cfg.tp * cfg.pp * cfg.cp, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp,
                         ranks_per_node=cfg.ranks_per_node)
-    k = layout.dp_per_node() if plus.hpz or plus.qgz else cfg.dp
+    k = dp_per_node(layout) if plus.hpz or plus.qgz else cfg.dp
     return plus, k, cfg.dp // k
 
 

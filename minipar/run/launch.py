@@ -237,7 +237,7 @@ def launch(cfg: TrainConfig, resume: Path | None) -> None:
     if cfg.ep > 1:  # experts: the dp x cp ranks reshaped to edp x ep
         mesh.unflatten(("dp", "cp"), edp=cfg.dp * cfg.cp // cfg.ep, ep=cfg.ep)
     if cfg.zeropp and {"hpz", "qgz"} & set(zeropp.parse(cfg.zeropp)):  # ZeRO++: dp = dp_cross x dp_intra
-        mesh.split_dp_by_node()
+        zeropp.split_dp_by_node(mesh)
     log = RunLog(cfg, mesh, device)
     log.say(effective(cfg))
     log.say(mesh.layout.table())
