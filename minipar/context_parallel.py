@@ -32,7 +32,7 @@ Every hop is one batched send-and-receive (collectives.send_recv).
 
 Gradients of everything outside attention are partial too (each cp rank saw only its tokens), so
 replicated parameters are reduced over cp as well as dp: data parallelism runs over the dp x cp
-group (mesh.dp_cp_group), and so does ZeRO.
+group (mesh.groups().dp_cp), and so does ZeRO.
 
 Ulysses (DeepSpeed-Ulysses, `--cp-attention ulysses`): the other way to attend over a split
 sequence. Attention is independent per head, so instead of moving K/V blocks past the queries,

@@ -272,18 +272,6 @@ class Mesh:
         return Groups(**{name: self._groups[name] for name in Groups.NAMES if name in self._groups},
                       more={name: g for name, g in self._groups.items() if name not in Groups.NAMES})
 
-    # The usual ones, by name.
-    tp_group = property(lambda self: self.group("tp"))
-    cp_group = property(lambda self: self.group("cp"))
-    dp_group = property(lambda self: self.group("dp"))
-    pp_group = property(lambda self: self.group("pp"))
-    pp_grad_group = property(lambda self: self.group("pp", channel="grad"))
-    dp_cp_group = property(lambda self: self.group("dp", "cp"))
-    tp_rank = property(lambda self: self.coord("tp"))
-    cp_rank = property(lambda self: self.coord("cp"))
-    dp_rank = property(lambda self: self.coord("dp"))
-    pp_rank = property(lambda self: self.coord("pp"))
-
     def unflatten(self, dims: tuple[str, ...], **sizes: int) -> None:
         """Carve new named dimensions out of a product of existing ones: the group along `dims`
         is reshaped to `sizes` (in order, the last varying fastest), and a group is built for each

@@ -208,7 +208,7 @@ def main() -> None:
     LIBC.mallopt(M_MMAP_THRESHOLD, 128 * 1024)  # large blocks come from mmap and go back on free
     dist.init_process_group("gloo")
     mesh = Mesh.build(cp=dist.get_world_size())
-    g = mesh.cp_group
+    g = mesh.groups().cp
     cp = g.size
     say(f"ring attention at cp = {cp} vs causal attention of the whole sequence on one device; float32, b = 1, "
         f"{args.heads} heads, {args.kv_heads} kv heads of {args.head_dim}; one thread per rank; "

@@ -65,7 +65,7 @@ def build_sides(cfg: TrainConfig, model_cfg, mesh: Mesh, device) -> dict:
     TrainConfig; {side: wrapper}."""
     mine, copy = (Llama(model_cfg, seed=cfg.seed).to(device) for _ in range(2))
     ours = DataParallel(mine, mesh.groups(), bucket_mb=cfg.bucket_mb, optimizer=adamw(param_groups(mine, cfg), cfg.lr))
-    theirs = bench.TorchDDP(copy, adamw(param_groups(copy, cfg), cfg.lr), mesh.dp_group, bucket_cap_mb=cfg.bucket_mb,
+    theirs = bench.TorchDDP(copy, adamw(param_groups(copy, cfg), cfg.lr), mesh.groups().dp, bucket_cap_mb=cfg.bucket_mb,
                             device_ids=[device.index] if device.type == "cuda" else None)
     return {"minipar": ours, "ddp": theirs}
 
@@ -81,7 +81,7 @@ def run_steps(sides: dict, args, cfg: TrainConfig, vocab: int, mesh: Mesh, devic
             traffic["ledger"] = mesh.ledger.snapshot()
 
     def batch(step: int) -> tuple:
-        return (bench.rank_micro_batches(step, cfg, vocab, mesh.dp_rank, device),)
+        return (bench.rank_micro_batches(step, cfg, vocab, mesh.coord("dp"), device),)
 
     steps = {name: partial(train_step, model, grad_clip=cfg.grad_clip) for name, model in sides.items()}
     times, losses = bench.take_turns(steps, batch, args.warmup, args.steps, device, mesh.ledger, note)
@@ -91,14 +91,14 @@ def run_steps(sides: dict, args, cfg: TrainConfig, vocab: int, mesh: Mesh, devic
 def summarise(run: dict, sides: dict, args, cfg: TrainConfig, mesh: Mesh, device) -> dict:
     """The results on every rank: the slowest rank's step times, and how far the two models ended apart."""
     ours, theirs = sides["minipar"], sides["ddp"]
-    step_times = bench.across_ranks([run["times"]["minipar"], run["times"]["ddp"]], mesh.dp_group, device)
+    step_times = bench.across_ranks([run["times"]["minipar"], run["times"]["ddp"]], mesh.groups().dp, device)
     with torch.no_grad():
         param_diff = max((p - q).abs().max().item()
                          for p, q in zip(ours.module.parameters(), theirs.module.parameters(), strict=True))
     loss_diff = max(abs(a - b) for a, b in zip(run["losses"]["minipar"], run["losses"]["ddp"], strict=True))
     tokens_per_step = cfg.global_batch * cfg.seq_len
     results = {
-        "model": cfg.model, "params": sum(p.numel() for p in ours.module.parameters()), "world": mesh.dp_group.size,
+        "model": cfg.model, "params": sum(p.numel() for p in ours.module.parameters()), "world": mesh.groups().dp.size,
         **bench.machine(device),
         "steps": args.steps, "warmup": args.warmup, "global_batch": cfg.global_batch,
         "micro_batch": cfg.micro_batch, "accum_steps": cfg.accum_steps, "seq_len": cfg.seq_len,

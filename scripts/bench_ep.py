@@ -94,7 +94,7 @@ def build_sides(cfg: TrainConfig, world: int, device, dtype) -> tuple[dict, dict
     for name in ("torch DDP ep=1", "torch DDP dense"):
         model = Llama(configs[name], seed=cfg.seed).to(device, dtype)
         ids = [device.index] if device.type == "cuda" else None
-        sides[name] = bench.TorchDDP(model, adamw(param_groups(model, cfg), cfg.lr), plain_mesh.dp_group,
+        sides[name] = bench.TorchDDP(model, adamw(param_groups(model, cfg), cfg.lr), plain_mesh.groups().dp,
                                      bucket_cap_mb=cfg.bucket_mb, device_ids=ids)
     return sides, configs, (ep_mesh, plain_mesh)
 
@@ -115,7 +115,7 @@ def held(model) -> dict:
 def run(sides: dict, args, cfg: TrainConfig, vocab: int, mesh: Mesh, device) -> dict:
     """All sides in turn on the same batches; this rank's step times, losses, bytes sent, ep's expert load."""
     traffic = {"sent": [], "ledger": [], "ep/1 sent": [], "imbalance": []}
-    world = mesh.dp_group.size
+    world = mesh.groups().dp.size
 
     def note(side: str, measured: bool) -> None:  # right after each step (outside its time)
         load = torch.tensor(take_load(sides[side].module)) if side != "torch DDP dense" else None
@@ -129,7 +129,7 @@ def run(sides: dict, args, cfg: TrainConfig, vocab: int, mesh: Mesh, device) -> 
             traffic["ep/1 sent"].append(mesh.ledger.total_sent())
 
     def batch(step: int) -> tuple:
-        return (bench.rank_micro_batches(step, cfg, vocab, mesh.dp_rank, device),)
+        return (bench.rank_micro_batches(step, cfg, vocab, mesh.coord("dp"), device),)
 
     steps = {name: partial(train_step, model, grad_clip=cfg.grad_clip) for name, model in sides.items()}
     times, losses = bench.take_turns(steps, batch, args.warmup, args.steps, device, mesh.ledger, note)
@@ -137,8 +137,8 @@ def run(sides: dict, args, cfg: TrainConfig, vocab: int, mesh: Mesh, device) -> 
 
 
 def summarise(out: dict, sides: dict, configs: dict, cfg: TrainConfig, mesh: Mesh, device) -> dict:
-    world = mesh.dp_group.size
-    step_times = bench.across_ranks([out["times"][s] for s in SIDES], mesh.dp_group, device)
+    world = mesh.groups().dp.size
+    step_times = bench.across_ranks([out["times"][s] for s in SIDES], mesh.groups().dp, device)
     tokens = cfg.global_batch * cfg.seq_len
     moe = out["losses"]["minipar ep"]
     imbalance = torch.tensor(out["imbalance"]).median(0).values  # [expert / rank, layers]: medians over steps

@@ -186,7 +186,7 @@ def build_data_parallel(strategy: str, side: str, s: Setup):
     from minipar.model import Llama
     from minipar.run.train import train_step
 
-    model, group = s.compiled(Llama(s.model_cfg, seed=0).to(s.device)), s.mesh.dp_group
+    model, group = s.compiled(Llama(s.model_cfg, seed=0).to(s.device)), s.mesh.groups().dp
     if side == "minipar":  # every wrapper holds its optimizer (minipar/data_parallel.py's protocol)
         stage = 0 if strategy == "dp" else int(strategy[-1])
         wrapped = build_grad_sync(model, s.mesh.groups(), s.groups_of(model), s.adamw, zero=stage)
@@ -240,10 +240,10 @@ def build_tensor_parallel(side: str, s: Setup):
     from minipar.run.train import train_step
 
     if side == "minipar":
-        model = s.compiled(parallelize(Llama(s.model_cfg, seed=0), tp=s.mesh.tp_group).to(s.device))
+        model = s.compiled(parallelize(Llama(s.model_cfg, seed=0), tp=s.mesh.groups().tp).to(s.device))
         wrapped = DataParallel(model, s.mesh.groups(), optimizer=s.adamw(s.groups_of(model)))
         return lambda micro: train_step(wrapped, micro, 1.0, s.autocast)[0]
-    device_mesh = init_device_mesh(s.device.type, (s.mesh.tp_group.size,), mesh_dim_names=("tp",))
+    device_mesh = init_device_mesh(s.device.type, (s.mesh.groups().tp.size,), mesh_dim_names=("tp",))
     model = s.compiled(bench.build_dtensor_model(s.model_cfg, 0, s.device, device_mesh))
     opt = s.adamw(s.groups_of(model))
     return lambda micro: bench.dtensor_train_step(model, opt, micro, 1.0, s.autocast)[0]
@@ -260,22 +260,22 @@ def build_pipeline(side: str, s: Setup):
     from minipar.run.train import train_step
 
     mesh, name = s.mesh, s.args.pp_schedule
-    pipeline = Pipeline(mesh.pp_group, name, s.model_cfg.n_layers, grad_group=mesh.pp_grad_group)
+    pipeline = Pipeline(mesh.groups().pp, name, s.model_cfg.n_layers, grad_group=mesh.group("pp", channel="grad"))
     stage = (pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last())
     llama = s.compiled(parallelize(Llama(s.model_cfg, seed=0), stage=stage).to(s.device))
     if side == "minipar":
         wrapped = DataParallel(llama, mesh.groups(), optimizer=s.adamw(s.groups_of(llama)))
         return lambda micro: train_step(wrapped, micro, 1.0, s.autocast, pipeline=pipeline)[0]
-    m = micro_batches_per_step("pp", s.args, mesh.pp_group.size)
+    m = micro_batches_per_step("pp", s.args, mesh.groups().pp.size)
     stage = PipelineStage(bench.StageModule(llama, pipeline), pipeline.group.rank, pipeline.n_stages, s.device,
-                          group=mesh.pp_group.pg)
+                          group=mesh.groups().pp.pg)
     schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[name](
         stage, m, loss_fn=bench.mean_over_micro_batches(m, "torch", llama), scale_grads=False)
     opt = s.adamw(s.groups_of(stage.submod))
 
     def step(micro):
         x, y = (torch.cat(t) for t in zip(*micro))  # the schedule cuts the batch in m itself
-        return bench.pipelining_train_step(schedule, stage, opt, x, y, 1.0, mesh.pp_group, s.autocast)[0]
+        return bench.pipelining_train_step(schedule, stage, opt, x, y, 1.0, mesh.groups().pp, s.autocast)[0]
     return step
 
 
@@ -288,7 +288,7 @@ def build_context_parallel(side: str, s: Setup):
     from minipar.parallelize import parallelize
     from minipar.run.train import train_step
 
-    cp = s.mesh.cp_group
+    cp = s.mesh.groups().cp
     if side == "minipar":
         model = s.compiled(parallelize(Llama(s.model_cfg, seed=0), cp=cp).to(s.device))
         wrapped = DataParallel(model, s.mesh.groups(), optimizer=s.adamw(s.groups_of(model)))

@@ -8,7 +8,7 @@ One launch, every rank one pipeline stage (pp = world, dp = tp = 1). For each sc
 1F1B, every rank builds its stage twice, from the same weights (parallelize(Llama(config, seed),
 stage=...): the plain Llama(config, seed) keeping only this stage's parts):
 
-    (a) minipar  Pipeline(mesh.pp_group, schedule, n_layers, grad_group=...) runs the stage Llama, wrapped in
+    (a) minipar  Pipeline(mesh.groups().pp, schedule, n_layers, grad_group=...) runs the stage Llama, wrapped in
                  DataParallel holding its AdamW (no traffic at dp = 1);
                  step: minipar.run.train.train_step(..., pipeline=...)
     (b) PyTorch  PipelineStage(StageModule(stage Llama)) run by ScheduleGPipe / Schedule1F1B;
@@ -109,7 +109,8 @@ def check_layout(args, world: int) -> None:
 def build_pair(name: str, mesh: Mesh, torch_pg, model_cfg, cfg: TrainConfig, m: int, cross_entropy: str,
                device) -> dict:
     """This rank's stage twice, minipar's and torch's, for schedule `name`, with their step functions."""
-    pipeline = Pipeline(mesh.pp_group, name, model_cfg.n_layers, grad_group=mesh.pp_grad_group)  # as train.py
+    # as train.py
+    pipeline = Pipeline(mesh.groups().pp, name, model_cfg.n_layers, grad_group=mesh.group("pp", channel="grad"))
 
     def stage_llama() -> Llama:
         stage = (pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last())
@@ -127,7 +128,7 @@ def build_pair(name: str, mesh: Mesh, torch_pg, model_cfg, cfg: TrainConfig, m: 
         "minipar": lambda x, y: train_step(ours, list(zip(x.chunk(m), y.chunk(m))), cfg.grad_clip,
                                            pipeline=pipeline),
         "torch": lambda x, y: bench.pipelining_train_step(schedule, stage, opt_theirs, x, y, cfg.grad_clip,
-                                                          mesh.pp_group),
+                                                          mesh.groups().pp),
     }
 
 
@@ -158,8 +159,8 @@ def first_batch_check(pairs: dict, args, vocab: int, mesh: Mesh, device) -> tupl
         return bench.random_batch(0, args.seed, args.batch, args.seq_len, vocab, device)
 
     check = [first_batch_difference(pairs[name], *first_batch(), args.micro_batches) for name in SCHEDULES]
-    losses = bench.across_ranks([c[:2] for c in check], mesh.pp_group, device, op="sum")
-    grads = bench.across_ranks([c[2:] for c in check], mesh.pp_group, device)
+    losses = bench.across_ranks([c[:2] for c in check], mesh.groups().pp, device, op="sum")
+    grads = bench.across_ranks([c[2:] for c in check], mesh.groups().pp, device)
     return losses, grads
 
 
@@ -185,7 +186,7 @@ def run_steps(pairs: dict, args, vocab: int, mesh: Mesh, device) -> dict:
 def over_stages(run: dict, pairs: dict, mesh: Mesh, device) -> dict:
     """This rank's figures combined over the pipeline's stages: a step takes as long as its slowest
     rank; the losses live on the last stage; the bubble is the mean over ranks."""
-    sides, group = list(run["times"]), mesh.pp_group
+    sides, group = list(run["times"]), mesh.groups().pp
     with torch.no_grad():
         param_diff = [max((p - q).abs().max().item() for p, q in zip(
             pairs[name]["ours"].module.parameters(), pairs[name]["stage"].submod.llama.parameters(), strict=True))
@@ -269,7 +270,7 @@ def main(argv=None) -> int:
     if not bench.valid("bench_pp", lambda: check_layout(args, world), lambda: cfg.validate(world)):
         return 2
     device, mesh = bench.start(pp=world)
-    torch_pg = dist.new_group(mesh.pp_group.ranks)  # torch's messages never share minipar's group
+    torch_pg = dist.new_group(mesh.groups().pp.ranks)  # torch's messages never share minipar's group
     model_cfg = get_config(cfg.model)
     pairs = {name: build_pair(name, mesh, torch_pg, model_cfg, cfg, m, args.torch_loss, device) for name in SCHEDULES}
     check = first_batch_check(pairs, args, model_cfg.vocab_size, mesh, device)

@@ -5,7 +5,7 @@
 
 One launch trains two copies of the same model side by side, every rank a tp rank (tp = world, dp = 1):
 
-    (a) minipar   parallelize(Llama(config, seed), tp=mesh.tp_group): the plain Llama(config, seed)
+    (a) minipar   parallelize(Llama(config, seed), tp=mesh.groups().tp): the plain Llama(config, seed)
                   with its layers swapped for minipar's tensor-parallel ones, each holding its shard;
                   DataParallel(model, mesh.groups(), optimizer=...) (no traffic at dp = 1);
                   step: minipar.run.train.train_step
@@ -175,8 +175,8 @@ def gradient_difference(ours: DataParallel, theirs: nn.Module, x, y, tp_group) -
 def build_sides(cfg: TrainConfig, model_cfg, mesh: Mesh, device) -> tuple:
     """Both models from the same weights, each with an AdamW of its own from the same TrainConfig.
     Returns (minipar's model, the DTensor model, {side: step function})."""
-    device_mesh = init_device_mesh(device.type, (mesh.tp_group.size,), mesh_dim_names=("tp",))
-    model = parallelize(Llama(model_cfg, seed=cfg.seed), tp=mesh.tp_group).to(device)
+    device_mesh = init_device_mesh(device.type, (mesh.groups().tp.size,), mesh_dim_names=("tp",))
+    model = parallelize(Llama(model_cfg, seed=cfg.seed), tp=mesh.groups().tp).to(device)
     ours = DataParallel(model, mesh.groups(), optimizer=adamw(param_groups(model, cfg), cfg.lr))
     theirs = bench.build_dtensor_model(model_cfg, cfg.seed, device, device_mesh)
     opt_theirs = adamw(param_groups(theirs, cfg), cfg.lr)
@@ -201,7 +201,7 @@ def counted_once(step_fn, counter: CollectiveCounter):
 def run_steps(steps: dict, args, vocab: int, mesh: Mesh, device) -> dict:
     """Both sides in turn on the same batches. Returns this rank's measured step times and the losses
     of every step, per side; minipar's bytes sent per step (the ledger); DTensor's counted collectives."""
-    counter = CollectiveCounter(mesh.tp_group.size)
+    counter = CollectiveCounter(mesh.groups().tp.size)
     steps = steps | {"dtensor": counted_once(steps["dtensor"], counter)}
     traffic = {"sent": [], "ledger": {}}
 
@@ -220,17 +220,17 @@ def run_steps(steps: dict, args, vocab: int, mesh: Mesh, device) -> dict:
 def summarise(run: dict, ours, theirs, grad_diff: float, args, mesh: Mesh, device) -> dict:
     """The results on every rank: the slowest rank's step times, and how far apart the sides' losses
     and parameters are."""
-    step_times = bench.across_ranks([run["times"]["minipar"], run["times"]["dtensor"]], mesh.tp_group, device)
+    step_times = bench.across_ranks([run["times"]["minipar"], run["times"]["dtensor"]], mesh.groups().tp, device)
     # The same computation? Every parameter, gathered whole on every rank, compared by name.
     with torch.no_grad():
         full_theirs = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in theirs.named_parameters()}
-        param_diff = max((unshard(p.detach(), p, mesh.tp_group) - full_theirs[n]).abs().max().item()
+        param_diff = max((unshard(p.detach(), p, mesh.groups().tp) - full_theirs[n]).abs().max().item()
                          for n, p in ours.module.named_parameters())
     losses = run["losses"]
     loss_rel = [abs(a - b) / abs(b) for a, b in zip(losses["minipar"], losses["dtensor"], strict=True)]
     dtensor_comm = run["dtensor_comm"]
     results = {
-        "model": args.model, "params": get_config(args.model).num_params(), "tp": mesh.tp_group.size,
+        "model": args.model, "params": get_config(args.model).num_params(), "tp": mesh.groups().tp.size,
         **bench.machine(device),
         "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq_len": args.seq_len,
         "minipar_bytes_sent_per_step": statistics.median(run["sent"]), "minipar_ledger": run["ledger"],
@@ -284,7 +284,7 @@ def main(argv=None) -> int:
     model_cfg = get_config(cfg.model)
     ours, theirs, steps = build_sides(cfg, model_cfg, mesh, device)
     first = bench.random_batch(0, args.seed, args.batch, args.seq_len, model_cfg.vocab_size, device)
-    grad_diff = gradient_difference(ours, theirs, *first, mesh.tp_group)
+    grad_diff = gradient_difference(ours, theirs, *first, mesh.groups().tp)
     run = run_steps(steps, args, model_cfg.vocab_size, mesh, device)
     results = summarise(run, ours, theirs, grad_diff, args, mesh, device)
     if dist.get_rank() == 0:

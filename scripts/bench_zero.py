@@ -185,10 +185,10 @@ class StepMemory:
 
 def torch_zero1(model, cfg: TrainConfig, mesh: Mesh, device):
     """DDP + ZeroRedundancyOptimizer holding AdamW with minipar's settings (grad_sync.adamw)."""
-    ddp = DistributedDataParallel(model, process_group=mesh.dp_group.pg, bucket_cap_mb=cfg.bucket_mb,
+    ddp = DistributedDataParallel(model, process_group=mesh.groups().dp.pg, bucket_cap_mb=cfg.bucket_mb,
                                   device_ids=[device.index] if device.type == "cuda" else None)
     opt = ZeroRedundancyOptimizer(param_groups(model, cfg), optimizer_class=torch.optim.AdamW,
-                                  process_group=mesh.dp_group.pg, lr=cfg.lr, betas=BETAS, eps=EPS)
+                                  process_group=mesh.groups().dp.pg, lr=cfg.lr, betas=BETAS, eps=EPS)
     reference = adamw(param_groups(model, cfg), cfg.lr)  # the settings must be grad_sync.adamw's
     for mine, ref in zip(opt.optim.param_groups, reference.param_groups, strict=True):
         assert {k: v for k, v in mine.items() if k != "params"} == {k: v for k, v in ref.items() if k != "params"}
@@ -197,7 +197,7 @@ def torch_zero1(model, cfg: TrainConfig, mesh: Mesh, device):
 
 def torch_fsdp2(model, cfg: TrainConfig, mesh: Mesh, device):
     """fully_shard on every transformer layer, then on the root (embedding, final norm, head)."""
-    device_mesh = DeviceMesh.from_group(mesh.dp_group.pg, device.type)
+    device_mesh = DeviceMesh.from_group(mesh.groups().dp.pg, device.type)
     for layer in model.layers.values():
         fully_shard(layer, mesh=device_mesh)
     fully_shard(model, mesh=device_mesh)
@@ -299,7 +299,7 @@ def run_steps(sides: dict, pairs: dict, args, cfg: TrainConfig, vocab: int, mesh
     for step, measure in enumerate(phases):
         if measure == "memory" and phases[step - 1] != "memory":
             memory.follow_tensors()
-        micro = bench.rank_micro_batches(step, cfg, vocab, mesh.dp_rank, device)  # bench_dp's batches
+        micro = bench.rank_micro_batches(step, cfg, vocab, mesh.coord("dp"), device)  # bench_dp's batches
         for pair in pairs.values():
             for name in bench.turns(pair, step):
                 run_step(sides[name], micro, measure, mesh, memory, device)
@@ -309,8 +309,8 @@ def run_steps(sides: dict, pairs: dict, args, cfg: TrainConfig, vocab: int, mesh
 def compare(a: str, b: str, sides: dict, initial: dict, mesh: Mesh, device) -> dict:
     """The results of one pair: time and memory per side, their ratios, and how far apart they ended."""
     # A step takes as long as its slowest rank; memory: the largest rank's.
-    times = bench.across_ranks([sides[a]["times"], sides[b]["times"]], mesh.dp_group, device)
-    rises = bench.across_ranks([sides[a]["rise"], sides[b]["rise"]], mesh.dp_group, device)
+    times = bench.across_ranks([sides[a]["times"], sides[b]["times"]], mesh.groups().dp, device)
+    rises = bench.across_ranks([sides[a]["rise"], sides[b]["rise"]], mesh.groups().dp, device)
     pa, pb = full_params(sides[a]), full_params(sides[b])
     param_diff = max((pa[n] - pb[n]).abs().max().item() for n in pa)
     moved = max((pa[n] - p0).abs().max().item() for n, p0 in initial.items())  # the check is not vacuous
@@ -318,7 +318,7 @@ def compare(a: str, b: str, sides: dict, initial: dict, mesh: Mesh, device) -> d
     out = {"max_abs_param_diff": param_diff, "max_abs_loss_diff": loss_diff, "max_abs_param_change": moved}
     for i, name in enumerate((a, b)):
         held = held_bytes(sides[name]["model"], sides[name]["optimizer"])
-        held_total = int(bench.across_ranks([sum(held.values())], mesh.dp_group, device).item())
+        held_total = int(bench.across_ranks([sum(held.values())], mesh.groups().dp, device).item())
         rise = statistics.median(rises[i].tolist())
         out[name] = bench.step_stats(times[i].tolist()) | {
             "held": held, "held_total_max_rank": held_total,

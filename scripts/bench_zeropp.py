@@ -75,9 +75,9 @@ def main(argv=None) -> None:
                                args.warmup, args.steps, device, mesh.ledger, after)
     rows = {}
     for side in SIDES:
-        slowest = across_ranks(times[side], mesh.dp_group, device).tolist()
-        intra, cross = across_ranks(bytes_of[side], mesh.dp_group, device, op="sum").tolist()
-        loss = float(across_ranks([losses[side][-1]], mesh.dp_group, device, op="sum")[0]) / world
+        slowest = across_ranks(times[side], mesh.groups().dp, device).tolist()
+        intra, cross = across_ranks(bytes_of[side], mesh.groups().dp, device, op="sum").tolist()
+        loss = float(across_ranks([losses[side][-1]], mesh.groups().dp, device, op="sum")[0]) / world
         rows[side] = {"intra_bytes": int(intra), "cross_bytes": int(cross), "loss": loss, **step_stats(slowest)}
     if mesh.rank == 0:
         plain = rows["plain ZeRO-3"]

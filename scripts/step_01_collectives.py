@@ -183,9 +183,9 @@ def main() -> None:
     start_gloo()
     mesh = Mesh.build(dp=dist.get_world_size())  # one group of every rank; its name in the ledger: "dp"
     say(mesh.layout.table())
-    part1_who_holds_what(mesh.dp_group)
-    part2_bytes(mesh.dp_group, mesh.ledger)
-    part3_alpha_beta(mesh.dp_group)
+    part1_who_holds_what(mesh.groups().dp)
+    part2_bytes(mesh.groups().dp, mesh.ledger)
+    part3_alpha_beta(mesh.groups().dp)
     finish(mesh)
 
 

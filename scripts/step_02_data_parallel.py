@@ -58,7 +58,7 @@ def my_rows(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def part_a(mesh: Mesh, dp_model: DataParallel, x, y) -> tuple[dict | None, int]:
     """(a) One backward on every rank's rows, then the average. Returns the single-device gradient
     (rank 0; None elsewhere) and how many all-reduces started during backward, for (b) and (c)."""
-    world, model = mesh.dp_group.size, dp_model.module
+    world, model = mesh.groups().dp.size, dp_model.module
     rows = GLOBAL_BATCH // world
     mesh.ledger.reset()
     dp_model(*my_rows(x, y)).backward()
@@ -114,7 +114,7 @@ def part_b(mesh: Mesh, dp_model: DataParallel, x, y, reference: dict | None) -> 
     e1 = mesh.ledger.get("dp", "all_reduce")
     without = one_step(mesh, dp_model, micro, use_no_sync=False)
     e4 = mesh.ledger.get("dp", "all_reduce")
-    world = mesh.dp_group.size
+    world = mesh.groups().dp.size
     S, nb = sum(p.numel() for p in dp_model.module.parameters()) * 8, len(dp_model.buckets)
     sent = 2 * (world - 1) / world * S
     say(f"\n(b) one optimizer step, {ACCUM} micro-batches per rank; ledger 'dp/all_reduce' on rank 0")

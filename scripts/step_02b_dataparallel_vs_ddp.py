@@ -81,14 +81,14 @@ def main() -> None:
         f"N = {n} devices; the logits [B, s, V] are {logits:,} B")
 
     ddp = DataParallel(Llama(CFG, seed=0).double(), mesh.groups())  # one process per rank, its rows
-    rows = slice(mesh.dp_rank * BATCH // n, (mesh.dp_rank + 1) * BATCH // n)
+    rows = slice(mesh.coord("dp") * BATCH // n, (mesh.coord("dp") + 1) * BATCH // n)
     mesh.ledger.reset()
     ddp(x[rows], y[rows]).backward()  # the all-reduces start in backward, bucket by bucket
     ddp.finish_grad_sync()
     sent = mesh.ledger.get("dp", "all_reduce").sent
     diffs = [None] * n
     dist.all_gather_object(diffs, max_diff(ddp.module, single))
-    if mesh.dp_rank == 0:
+    if mesh.coord("dp") == 0:
         simulated = Llama(CFG, seed=0).double()
         moves = data_parallel_step(simulated, x, y, n)
         print("\n(a) nn.DataParallel's pattern, simulated in one process: bytes through device 0 in one step")

@@ -55,9 +55,9 @@ def global_batch(step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def my_rows(mesh: Mesh, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    per = ROWS // mesh.dp_group.size
+    per = ROWS // mesh.groups().dp.size
     x, y = global_batch(step)
-    r = mesh.dp_group.rank
+    r = mesh.groups().dp.rank
     return x[r * per : (r + 1) * per], y[r * per : (r + 1) * per]  # [B/N, s]
 
 
@@ -162,7 +162,7 @@ def minipar_bytes(stage: int, psi: int, padded: int, n: int) -> tuple[int, int, 
 
 
 def part_a_b(mesh: Mesh) -> None:
-    n, psi = mesh.dp_group.size, CFG.num_params()
+    n, psi = mesh.groups().dp.size, CFG.num_params()
     say(f"small Llama, float32: Psi = {psi:,} parameters; dp = N = {n}; global batch {ROWS} x {SEQ} tokens, "
         f"{ROWS // n} rows per rank; stage 0-2 buckets of {BUCKET_MB} MiB")
     results = {stage: measure_stage(mesh, stage) for stage in STAGES}
@@ -237,7 +237,7 @@ def saved_for_backward(model: Llama, wrapper, x, y):
 
 
 def part_c(mesh: Mesh) -> None:
-    n = mesh.dp_group.size
+    n = mesh.groups().dp.size
     x, y = my_rows(mesh)
     say(f"\n(c) activations: bytes autograd saves for backward in one forward, {ROWS // n} x {SEQ} tokens per rank, "
         f"float32; ZeRO stage 2")
@@ -322,7 +322,7 @@ def part_d(mesh: Mesh) -> None:
     if dist.get_rank() == 0:
         reference = one_device()
         print(f"  for scale, max |stage 0 - one device on the whole batch|: {largest_difference(final[0], reference)}")
-    n, psi = mesh.dp_group.size, CFG.num_params()
+    n, psi = mesh.groups().dp.size, CFG.num_params()
     say(f"  bytes sent per step with 2 micro-batches (float64; one Psi (N-1)/N = {(n - 1) * psi * 8 // n:,} bytes):")
     for stage in STAGES:
         ratio = sent[stage][0] / ((n - 1) * psi * 8 / n)
@@ -332,8 +332,8 @@ def part_d(mesh: Mesh) -> None:
 def main() -> None:
     start_gloo()
     mesh = Mesh.build(dp=dist.get_world_size())
-    if ROWS % (2 * mesh.dp_group.size):
-        raise SystemExit(f"{ROWS} rows do not split into {mesh.dp_group.size} ranks x 2 micro-batches")
+    if ROWS % (2 * mesh.groups().dp.size):
+        raise SystemExit(f"{ROWS} rows do not split into {mesh.groups().dp.size} ranks x 2 micro-batches")
     part_a_b(mesh)
     part_c(mesh)
     part_d(mesh)

@@ -40,7 +40,7 @@ KINDS = ("bf16 weights", "bf16 grads", "fp32 master", "fp32 m + v")
 
 def my_rows(mesh: Mesh) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randint(0, CFG.vocab_size, (ROWS, SEQ), generator=torch.Generator().manual_seed(100))
-    per, r = ROWS // mesh.dp_group.size, mesh.dp_group.rank
+    per, r = ROWS // mesh.groups().dp.size, mesh.groups().dp.rank
     return x[r * per : (r + 1) * per], torch.roll(x, -1, dims=1)[r * per : (r + 1) * per]  # [B/N, s]
 
 
@@ -91,7 +91,7 @@ def measure(mesh: Mesh, stage: int, grad_reduce: str) -> dict:
 
 
 def part_a(mesh: Mesh, results: dict) -> None:
-    n, psi = mesh.dp_group.size, CFG.num_params()
+    n, psi = mesh.groups().dp.size, CFG.num_params()
     say(f"small Llama, bf16-mixed: Psi = {psi:,} parameters; dp = N = {n}; stage 0-2 buckets of {BUCKET_MB} MiB")
     say("\n(a) what each rank holds at the end of backward, bytes")
     say(f"  {'':<22}" + "".join(f"{k:>14}" for k in KINDS) + f"{'total':>14}")
@@ -109,7 +109,7 @@ def part_a(mesh: Mesh, results: dict) -> None:
 
 
 def part_b(mesh: Mesh, results: dict) -> None:
-    n = mesh.dp_group.size
+    n = mesh.groups().dp.size
     say("\n(b) bytes each rank sends in one step, by --grad-reduce")
     say(f"  {'stage':<8}{'bf16':>14}{'fp32':>14}{'fp32 / bf16':>14}")
     for stage in range(4):
@@ -122,8 +122,8 @@ def part_b(mesh: Mesh, results: dict) -> None:
 def main() -> None:
     start_gloo()
     mesh = Mesh.build(dp=dist.get_world_size())
-    if ROWS % mesh.dp_group.size:
-        raise SystemExit(f"{ROWS} rows do not split into {mesh.dp_group.size} ranks")
+    if ROWS % mesh.groups().dp.size:
+        raise SystemExit(f"{ROWS} rows do not split into {mesh.groups().dp.size} ranks")
     results = {(stage, how): measure(mesh, stage, how) for stage in range(4) for how in ("bf16", "fp32")}
     part_a(mesh, results)
     part_b(mesh, results)

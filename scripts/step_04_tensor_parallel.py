@@ -51,7 +51,7 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> str:
 
 
 def part_a(mesh: Mesh) -> None:
-    g, tp, r = mesh.tp_group, mesh.tp_group.size, mesh.tp_group.rank
+    g, tp, r = mesh.groups().tp, mesh.groups().tp.size, mesh.groups().tp.rank
     X = torch.arange(16, dtype=torch.float64).reshape(2, 8) % 5 - 2  # [2, 8]: 2 tokens, 8 features
     W = torch.arange(64, dtype=torch.float64).reshape(8, 8) * 7 % 5 - 2  # [out, in]: A = W^T
     say(f"(a) Y = X A, X {list(X.shape)}, A = W^T with W {list(W.shape)} [out, in] as nn.Linear keeps it; tp = {tp}")
@@ -85,7 +85,7 @@ def part_a(mesh: Mesh) -> None:
 
 
 def part_b(mesh: Mesh) -> None:
-    g = mesh.tp_group
+    g = mesh.groups().tp
     mlp = parallelize(Llama(get_config("tiny"), seed=0), tp=g).double().get_submodule("layers.0.mlp")
     ref = Llama(get_config("tiny"), seed=0).double().get_submodule("layers.0.mlp")  # the plain model: one device
     x0, dy = torch.randn(2, 2, 4, 32, generator=torch.Generator().manual_seed(3), dtype=torch.float64)  # [b, s, h]
@@ -107,7 +107,7 @@ def part_b(mesh: Mesh) -> None:
 
 
 def part_c(mesh: Mesh, vocab: int) -> None:
-    g, tp = mesh.tp_group, mesh.tp_group.size
+    g, tp = mesh.groups().tp, mesh.groups().tp.size
     gen = torch.Generator().manual_seed(4)
     x, y = torch.randint(0, vocab, (2, B, S), generator=gen)  # tokens and (random) targets
     logits = parallelize(Llama(get_config("tiny", vocab_size=vocab), seed=0), tp=g).double()(x)  # [b, s, V/tp]
@@ -137,7 +137,7 @@ def forward_backward(model: Llama, x: torch.Tensor, y: torch.Tensor) -> torch.Te
 
 
 def part_d(mesh: Mesh) -> None:
-    g, cfg = mesh.tp_group, get_config("tiny")
+    g, cfg = mesh.groups().tp, get_config("tiny")
     x = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(5))
     y = torch.roll(x, -1, dims=1)  # [b, s]: the next token
     ref = Llama(cfg, seed=0).double()

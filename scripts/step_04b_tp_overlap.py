@@ -89,7 +89,7 @@ def strip(regions: list[dict], overlapped: bool, cells: float) -> tuple[str, str
 def main() -> None:
     start_gloo()
     mesh = Mesh.build(tp=dist.get_world_size())
-    model = parallelize(Llama(CFG, seed=0), tp=mesh.tp_group)
+    model = parallelize(Llama(CFG, seed=0), tp=mesh.groups().tp)
     step(model, mesh)  # warm-up: one-off start-up costs
     model.zero_grad(set_to_none=True)
     dist.barrier()
@@ -108,7 +108,7 @@ def main() -> None:
     if dist.get_rank() != 0:
         return finish(mesh)
     regions = best
-    say(f"small Llama, {CFG.n_layers} layers, dim {CFG.dim}, float32; batch [{B}, {S}]; tp = {mesh.tp_group.size}; "
+    say(f"small Llama, {CFG.n_layers} layers, dim {CFG.dim}, float32; batch [{B}, {S}]; tp = {mesh.groups().tp.size}; "
         "rank 0's view")
     say("\n(a) the step's tp messages (ledger)")
     for half, trace in (("forward", forward), ("backward", backward)):

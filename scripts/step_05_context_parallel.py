@@ -68,7 +68,7 @@ def full_lse(q, k) -> torch.Tensor:
 
 
 def part_a(mesh: Mesh) -> None:
-    g = mesh.cp_group
+    g = mesh.groups().cp
     cp, r = g.size, g.rank
     split = {"contiguous": [contiguous_positions(i, cp, S) for i in range(cp)],
              "zigzag": [C.zigzag_positions(i, cp, S) for i in range(cp)]}
@@ -99,7 +99,7 @@ def part_a(mesh: Mesh) -> None:
 
 def ring_trace(mesh: Mesh, q, k, v, ref_out, ref_lse) -> None:
     """The forward loop of ring_attention written out, printing what arrives and the merge after each step."""
-    g = mesh.cp_group
+    g = mesh.groups().cp
     cp, r = g.size, g.rank
     scale = D ** -0.5
     q_pos = C.zigzag_positions(r, cp, S)
@@ -133,7 +133,7 @@ def ring_trace(mesh: Mesh, q, k, v, ref_out, ref_lse) -> None:
 
 
 def part_b(mesh: Mesh) -> None:
-    g = mesh.cp_group
+    g = mesh.groups().cp
     q, k, v = qkv(S, D)
     d_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -172,7 +172,7 @@ def held(tensors) -> tuple[int, str]:
 
 
 def part_c(mesh: Mesh) -> None:
-    g = mesh.cp_group
+    g = mesh.groups().cp
     cp = g.size
     q, k, v = (t.requires_grad_() for t in qkv(S_MEM, D_MEM))
     local = [C.split_sequence(t.detach(), g, dim=2).requires_grad_() for t in (q, k, v)]
@@ -198,7 +198,7 @@ def part_c(mesh: Mesh) -> None:
 
 
 def part_d(mesh: Mesh) -> None:
-    g = mesh.cp_group
+    g = mesh.groups().cp
     cp = g.size
     local = [C.split_sequence(t, g, dim=2).requires_grad_() for t in qkv(S, D)]
     kv_bytes = 2 * B * H_KV * (S // cp) * D * 8  # this rank's K and V

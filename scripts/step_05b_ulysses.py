@@ -57,7 +57,7 @@ def held(t: torch.Tensor) -> str:
 
 
 def part_a(mesh: Mesh) -> None:
-    g = mesh.cp_group
+    g = mesh.groups().cp
     cp, (h, _) = g.size, heads(g.size)
     head, pos = torch.arange(h)[:, None], torch.arange(S)[None, :]
     q = (100 * head + pos).to(torch.float64)[None, :, :, None].expand(B, h, S, D)  # [b, h, s, d], labelled
@@ -79,7 +79,7 @@ def part_a(mesh: Mesh) -> None:
 
 
 def part_b(mesh: Mesh) -> None:
-    g = mesh.cp_group
+    g = mesh.groups().cp
     q, k, v = qkv(g.size)
     d_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -106,7 +106,7 @@ def sent(mesh: Mesh, op: str, fn, *args) -> tuple[int, int]:
 
 
 def part_c(mesh: Mesh) -> None:
-    g = mesh.cp_group
+    g = mesh.groups().cp
     cp, (h, h_kv) = g.size, heads(g.size)
     local = [C.split_sequence(t, g, dim=2).requires_grad_() for t in qkv(cp)]
     tokens = B * S // cp

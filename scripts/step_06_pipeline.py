@@ -86,7 +86,7 @@ def on_paper(name: str, p: int, m: int, v: int, out: Path) -> tuple[Timeline, fl
 def on_ranks(name: str, m: int, v: int, mesh: Mesh, ref, sim: Timeline, theory: float, out: Path,
              repeats: int) -> None:
     # Activations on the pp group, gradients on a second group over the same ranks, as train.py does.
-    pipeline = Pipeline(mesh.pp_group, name, CFG.n_layers, v, grad_group=mesh.pp_grad_group)
+    pipeline = Pipeline(mesh.groups().pp, name, CFG.n_layers, v, grad_group=mesh.group("pp", channel="grad"))
     stage = (pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last())  # layers, embedding?, head?
     model = parallelize(Llama(CFG, seed=SEED), stage=stage).double()  # only this rank's stages
     x, y = the_batch()

@@ -108,7 +108,7 @@ def part_b(mesh: Mesh, ep, chosen: torch.Tensor) -> None:
 def train_layer(mesh: Mesh, ep, coef: float, steps: int, every: int) -> list[tuple]:
     """A layer from a skewed router, trained to imitate a random map; every `every` steps: the load
     per expert over those steps (all ranks), what a capacity factor of 1.25 would drop, the loss."""
-    dp, layer = mesh.dp_group, plain_layer()
+    dp, layer = mesh.groups().dp, plain_layer()
     layer.aux_loss_coef = coef
     with torch.no_grad():
         layer.router.weight[:K] += 0.2  # tokens share a mean along (1, ..., 1): experts 0 and 1 win
@@ -153,12 +153,12 @@ def part_c(mesh: Mesh, ep) -> None:
 
 def tiny_moe(mesh: Mesh, ep: int):
     """The tiny-moe model at dp = world and this ep, built and wrapped as train.py does, and this rank's batch."""
-    world = mesh.dp_group.size
+    world = mesh.groups().dp.size
     cfg = TrainConfig(model="tiny-moe", dp=world, ep=ep, seq_len=SEQ, global_batch=2 * world, micro_batch=1,
                       dtype="float64")
     model, _ = build_model(cfg, mesh, get_config("tiny-moe"), torch.device("cpu"), torch.float64)
     x = torch.randint(0, 256, (2 * world, SEQ + 1), generator=torch.Generator().manual_seed(5))
-    x = x[2 * mesh.dp_group.rank:2 * mesh.dp_group.rank + 2]
+    x = x[2 * mesh.groups().dp.rank:2 * mesh.groups().dp.rank + 2]
     wrapper = build_grad_sync(model, mesh.groups(), param_groups(model, cfg), partial(adamw, lr=cfg.lr))
     return model, wrapper, list(zip(x[:, :-1].split(1), x[:, 1:].split(1)))
 
@@ -174,7 +174,7 @@ def one_step(mesh: Mesh, ep: int) -> dict:
 
 
 def part_d(rep: Mesh, epm: Mesh) -> None:
-    world, cfg = rep.dp_group.size, get_config("tiny-moe")
+    world, cfg = rep.groups().dp.size, get_config("tiny-moe")
     e, d, f, layers, n = cfg.n_experts, cfg.dim, cfg.expert_ffn_dim, cfg.n_layers, cfg.n_experts // world
     a, b = one_step(rep, 1), one_step(epm, world)
     mine, everyone = slice(epm.group("ep").rank * n, (epm.group("ep").rank + 1) * n), b["load"].clone()

@@ -40,7 +40,7 @@ def held_after_sync(cfg: TrainConfig) -> tuple[dict, dict]:
         model, _ = build_model(cfg, mesh, c, torch.device("cpu"), torch.float64)
         wrapper = build_grad_sync(model, mesh.groups(), param_groups(model, cfg), partial(adamw, lr=cfg.lr),
                                   zero=cfg.zero, bucket_mb=cfg.bucket_mb, offload=cfg.offload)
-        x = torch.randint(0, 256, (ROWS // cfg.dp, SEQ), generator=torch.Generator().manual_seed(mesh.dp_rank))
+        x = torch.randint(0, 256, (ROWS // cfg.dp, SEQ), generator=torch.Generator().manual_seed(mesh.coord("dp")))
         micro = list(zip(x.split(1), x.split(1)))
         train_step(wrapper, micro, 1.0)  # the optimizer state exists from here on
         with wrapper.no_sync():

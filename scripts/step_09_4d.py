@@ -52,7 +52,7 @@ def part_b(mesh: Mesh):
                               zero=CFG.zero, bucket_mb=CFG.bucket_mb, offload=CFG.offload)
     x, y = batch()
     per = CFG.global_batch // CFG.dp
-    x, y = (split_sequence(t[mesh.dp_rank * per:(mesh.dp_rank + 1) * per], mesh.cp_group) for t in (x, y))
+    x, y = (split_sequence(t[mesh.coord("dp") * per:(mesh.coord("dp") + 1) * per], mesh.groups().cp) for t in (x, y))
     micro = list(zip(x.split(CFG.micro_batch), y.split(CFG.micro_batch)))
     mesh.ledger.reset()
     loss, norm = train_step(wrapper, micro, 1.0, pipeline=pipeline)
@@ -74,7 +74,7 @@ def part_c(mesh: Mesh, wrapper, pipeline, micro, sent) -> None:
     wrapper.finish_grad_sync()
     measured, estimated = wrapper.held_bytes(), held_bytes(MODEL, CFG, pipeline.group.rank)
     each_rank("\n(c) bytes held once a step's gradients are synced (weights, gradients, optimizer)",
-              f"pp{mesh.pp_rank} dp{mesh.dp_rank} cp{mesh.cp_rank} tp{mesh.tp_rank}  "
+              f"pp{mesh.coord('pp')} dp{mesh.coord('dp')} cp{mesh.coord('cp')} tp{mesh.coord('tp')}  "
               + " ".join(f"{k} {v:,}" for k, v in measured.items()) + f"   estimate equal: {measured == estimated}")
     each_rank("    bytes sent in the step, by group/op (ledger; estimate equal?)",
               ", ".join(f"{k} {v:,}" for k, v in sorted(sent.items()))

@@ -17,7 +17,7 @@ def _rank_tensor(rank, shape=(4, 6)):
 
 def _every_collective(rank, world):
     with Mesh.build(dp=world) as mesh:
-        group, ledger = mesh.dp_group, mesh.ledger
+        group, ledger = mesh.groups().dp, mesh.ledger
         inputs = [_rank_tensor(r) for r in range(world)]  # what every rank holds, known to all
         x = inputs[rank]
         nbytes = x.numel() * x.element_size()
@@ -85,7 +85,7 @@ def test_ring_all_reduce_sends_two_n_minus_one_over_n_of_the_tensor():
 def _autograd_ops(rank, world):
     """f/g and their sequence-parallel versions: forward and backward are the conjugate collectives."""
     with Mesh.build(tp=world) as mesh:
-        g = mesh.tp_group
+        g = mesh.groups().tp
         inputs = [_rank_tensor(r) for r in range(world)]
         grads = [_rank_tensor(r + 50) for r in range(world)]
 
@@ -135,7 +135,7 @@ def test_single_rank_ops_send_nothing():
 def _uneven_all_to_all(rank, world):
     """Rank r sends r + j + 1 rows to rank j; the backward sends each gradient row home."""
     with Mesh.build(dp=world) as mesh:
-        g = mesh.dp_group
+        g = mesh.groups().dp
         send = [rank + j + 1 for j in range(world)]
         recv = [r + rank + 1 for r in range(world)]  # what rank r sends to this one
         x = (torch.arange(sum(send), dtype=torch.float64) + 100 * rank).unsqueeze(1).repeat(1, 3).requires_grad_()
@@ -159,7 +159,7 @@ def test_all_to_all_with_uneven_splits_and_its_backward(world):
 
 def _rooted_collectives(rank, world):
     with Mesh.build(dp=world) as mesh:
-        group, ledger = mesh.dp_group, mesh.ledger
+        group, ledger = mesh.groups().dp, mesh.ledger
         inputs = [_rank_tensor(r) for r in range(world)]  # [4, 6] each, known to every rank
         root = world - 1  # not rank 0, so a root argument that is ignored shows
         got = C.reduce(inputs[rank].clone(), group, dst=root)

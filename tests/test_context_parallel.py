@@ -62,7 +62,7 @@ def _equal_to_sdpa(attend, g, h=None, h_kv=None):
 
 def _ring(rank, world):
     with Mesh.build(cp=world) as mesh:
-        _, _, k = _equal_to_sdpa(C.ring_attention, mesh.cp_group)
+        _, _, k = _equal_to_sdpa(C.ring_attention, mesh.groups().cp)
         kv_bytes = 2 * k.numel() // world * 8
         return dict(sent=mesh.ledger.get("cp", "send").bytes, kv_bytes=kv_bytes)
 
@@ -81,7 +81,7 @@ def test_ring_attention_forward_and_backward_equal_sdpa_causal_gqa(cp):
 
 def _ulysses(rank, world, h, h_kv):
     with Mesh.build(cp=world) as mesh:
-        g = mesh.cp_group
+        g = mesh.groups().cp
         local, d_out, _ = _equal_to_sdpa(C.ulysses_attention, g, h, h_kv)
         entry = mesh.ledger.get("cp", "all_to_all")
         # The same attention by the ring, on the same ranks: its K/V hops, next to its formula.
@@ -132,7 +132,7 @@ def batch(seed=0, rows=4, ignore=True):
 
 def _model_at_cp(rank, world):
     with Mesh.build(cp=world) as mesh:
-        g = mesh.cp_group
+        g = mesh.groups().cp
         model = parallel_llama(CFG, seed=2, cp_group=g).double()
         x, y = batch()
         loss = model(C.split_sequence(x, g), C.split_sequence(y, g))
@@ -154,7 +154,7 @@ def test_model_loss_and_every_gradient_at_cp2_equal_single_device():
 
 def _model_at_layout(rank, world, degrees, cfg, attention):
     with Mesh.build(**degrees) as mesh:
-        g, tp = mesh.cp_group, mesh.tp_group
+        g, tp = mesh.groups().cp, mesh.groups().tp
         model = parallel_llama(cfg, seed=2, tp_group=tp, cp_group=g, cp_attention=attention).double()
         x, y = batch()
         loss = model(C.split_sequence(x, g), C.split_sequence(y, g))
@@ -184,10 +184,10 @@ def test_model_loss_and_every_gradient_under_ulysses_equal_single_device(world, 
 def _attention_memory(rank, world):
     """Bytes ring attention keeps for backward on this rank (q, k, v, out, lse of its tokens)."""
     with Mesh.build(cp=world) as mesh:
-        local = [C.split_sequence(t, mesh.cp_group, dim=2).requires_grad_() for t in qkv()]
+        local = [C.split_sequence(t, mesh.groups().cp, dim=2).requires_grad_() for t in qkv()]
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            C.ring_attention(*local, mesh.cp_group, S)
+            C.ring_attention(*local, mesh.groups().cp, S)
         return dict(bytes=sum(t.numel() * t.element_size() for t in saved),
                     longest=max(t.shape[2] for t in saved))  # q, k, v, out [b, h, s, d]; lse [b, h, s]
 
@@ -222,9 +222,9 @@ def _train(rank, world, degrees, zero, sp):
 
     with Mesh.build(**degrees) as mesh:
         cfg = get_config("tiny", n_layers=4, vocab_size=250)
-        pipeline = (Pipeline(mesh.pp_group, "1f1b", cfg.n_layers, seq_shards=mesh.layout.tp if sp else 1)
+        pipeline = (Pipeline(mesh.groups().pp, "1f1b", cfg.n_layers, seq_shards=mesh.layout.tp if sp else 1)
                     if mesh.layout.pp > 1 else None)
-        model = parallel_llama(cfg, seed=2, tp_group=mesh.tp_group, sequence_parallel=sp, cp_group=mesh.cp_group,
+        model = parallel_llama(cfg, seed=2, tp_group=mesh.groups().tp, sequence_parallel=sp, cp_group=mesh.groups().cp,
                       layer_ids=pipeline.my_layers() if pipeline else None,
                       embed=pipeline.holds_first() if pipeline else True,
                       head=pipeline.holds_last() if pipeline else True).double()
@@ -236,11 +236,11 @@ def _train(rank, world, degrees, zero, sp):
         for step in range(STEPS):
             # No ignored targets here: across dp ranks (unlike cp) the mean is of equal-sized means.
             x, y = batch(step, ROWS, ignore=False)
-            rows = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
-            x, y = C.split_sequence(x[rows], mesh.cp_group), C.split_sequence(y[rows], mesh.cp_group)
+            rows = slice(mesh.coord("dp") * per, (mesh.coord("dp") + 1) * per)
+            x, y = C.split_sequence(x[rows], mesh.groups().cp), C.split_sequence(y[rows], mesh.groups().cp)
             micro = list(zip(x.chunk(2), y.chunk(2))) if pipeline else [(x, y)]
             train_step(wrapped, micro, 0.5, pipeline=pipeline)
-        return {n: unshard(p.detach(), p, mesh.tp_group) for n, p in model.named_parameters()}
+        return {n: unshard(p.detach(), p, mesh.groups().tp) for n, p in model.named_parameters()}
 
 
 LAYOUTS = [

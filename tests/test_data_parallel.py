@@ -45,7 +45,7 @@ def single_device_params():
 def _dp_run(rank, world, accum):
     with Mesh.build(dp=world) as mesh:
         model = new_model()
-        ddp_model = DDP(copy.deepcopy(model), process_group=mesh.dp_group.pg)
+        ddp_model = DDP(copy.deepcopy(model), process_group=mesh.groups().dp.pg)
         dp_model = DataParallel(model, mesh.groups(), bucket_mb=0.02, optimizer=adamw(param_groups(model, OPT), OPT.lr))
         ddp_opt = adamw(param_groups(ddp_model.module, OPT), OPT.lr)  # several buckets, above
         per_rank = GLOBAL_BATCH // world

@@ -275,11 +275,11 @@ def _activations(rank, world, layout, whole_model):
                                                                                                  nullcontext())
     dtype = torch.bfloat16 if cfg.precision == "bf16-mixed" else dtype  # bf16 weights, no autocast
     with Mesh.build(tp=cfg.tp, cp=cfg.cp) as mesh, autocast:
-        model = parallelize(Llama(c, 0), tp=mesh.tp_group, cp=mesh.cp_group, sp=cfg.sp,
+        model = parallelize(Llama(c, 0), tp=mesh.groups().tp, cp=mesh.groups().cp, sp=cfg.sp,
                             recompute=cfg.recompute, cp_attention=cfg.cp_attention).to(dtype)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         tokens = torch.randint(0, 250, (2, 33), generator=torch.Generator().manual_seed(0))
-        x, y = (split_sequence(t, mesh.cp_group) for t in (tokens[:, :-1], tokens[:, 1:]))
+        x, y = (split_sequence(t, mesh.groups().cp) for t in (tokens[:, :-1], tokens[:, 1:]))
         layer = layer_activation_bytes(c, cfg) + weight_casts(c, cfg)
         if whole_model:
             return kept_for_backward(model, x, y, skip=params), c.n_layers * layer + head_activation_bytes(c, cfg)
@@ -349,7 +349,7 @@ def _gpt_layer_saves(rank, world, tp, sp, recompute):
         return torch.bmm(probs, v)
 
     with Mesh.build(tp=tp) as mesh:
-        group = mesh.tp_group
+        group = mesh.groups().tp
         torch.manual_seed(rank)
         norm1, norm2 = torch.nn.LayerNorm(h, dtype=torch.bfloat16), torch.nn.LayerNorm(h, dtype=torch.bfloat16)
         qkv_proj, fc1 = (ColumnParallelLinear(h, n * h, group, bias=True, sequence_parallel=sp)  # each calls f
@@ -485,7 +485,7 @@ def _dp_traffic(rank, world, layout, model_settings=None, device: str = "cpu"):
         seed = mesh.group("ep").rank if cfg.ep > 1 else 0  # experts: ep ranks route different tokens
         x = torch.randint(0, 250, (cfg.global_batch // cfg.dp, cfg.seq_len),
                           generator=torch.Generator().manual_seed(seed))
-        x = split_sequence(x, mesh.cp_group).to(device)
+        x = split_sequence(x, mesh.groups().cp).to(device)
         micro = list(zip(x.split(cfg.micro_batch), x.split(cfg.micro_batch)))
         train_step(wrapper, micro, 1.0, autocast, pipeline=pipeline)
         mesh.ledger.reset()
@@ -545,7 +545,7 @@ def _moe_layer(rank, world, layout, capacity):
         if cfg.ep > 1:
             mesh.unflatten(("dp", "cp"), edp=cfg.dp // cfg.ep, ep=cfg.ep)
         ep = mesh.group("ep") if cfg.ep > 1 else None
-        model = parallelize(Llama(c, 0), tp=mesh.tp_group, cp=mesh.cp_group, sp=cfg.sp, ep=ep).to(torch.float64)
+        model = parallelize(Llama(c, 0), tp=mesh.groups().tp, cp=mesh.groups().cp, sp=cfg.sp, ep=ep).to(torch.float64)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         share = cfg.seq_len // cfg.cp // (cfg.tp if cfg.sp else 1)  # what a layer receives
         h = torch.randn(2, share, c.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)) * 1.0

@@ -227,8 +227,8 @@ def _train(rank, world, layout):
                                   zero=cfg.zero, bucket_mb=cfg.bucket_mb, offload=cfg.offload)
         per = ROWS // cfg.dp
         for step in range(STEPS):
-            x, y = (t[mesh.dp_rank * per:(mesh.dp_rank + 1) * per] for t in batch(step))
-            x, y = split_sequence(x, mesh.cp_group), split_sequence(y, mesh.cp_group)
+            x, y = (t[mesh.coord("dp") * per:(mesh.coord("dp") + 1) * per] for t in batch(step))
+            x, y = split_sequence(x, mesh.groups().cp), split_sequence(y, mesh.groups().cp)
             train_step(wrapper, list(zip(x.split(MICRO), y.split(MICRO))), cfg.grad_clip, pipeline=pipeline)
         with wrapper.gathered():
             return {n: unshard(p.detach(), p, mesh.groups()).clone() for n, p in model.named_parameters()}

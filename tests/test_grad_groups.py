@@ -73,7 +73,7 @@ def _nan_step(rank, world, kind):
     with Mesh.build(dp=world) as mesh:
         model = Llama(get_config("tiny"), seed=1).double()
         # One plain group for every parameter: Groups made of the dp group alone.
-        wrapper = build_grad_sync(model, Groups(dp=mesh.dp_group), param_groups(model, OPT), sgd, zero=ZERO[kind])
+        wrapper = build_grad_sync(model, Groups(dp=mesh.groups().dp), param_groups(model, OPT), sgd, zero=ZERO[kind])
         with wrapper.gathered():
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
         x, y = global_batch(0)

@@ -129,12 +129,12 @@ def _logits(rank, world, ckpt, degrees, dtype):
     with Mesh.build(**degrees) as mesh:
         path = checkpoint.resolve(ckpt)
         config = checkpoint.model_config_of(path, checkpoint.verify(path))
-        pipe = Pipeline(mesh.pp_group, "1f1b", config.n_layers) if mesh.layout.pp > 1 else None
-        model = parallel_llama(config, tp_group=mesh.tp_group, cp_group=mesh.cp_group,
+        pipe = Pipeline(mesh.groups().pp, "1f1b", config.n_layers) if mesh.layout.pp > 1 else None
+        model = parallel_llama(config, tp_group=mesh.groups().tp, cp_group=mesh.groups().cp,
                                layer_ids=pipe.my_layers() if pipe else None, embed=not pipe or pipe.holds_first(),
                                head=not pipe or pipe.holds_last()).to(dtype)
         checkpoint.load_weights(path, model, mesh.groups())  # each rank reads its shards only
-        x = split_sequence(tokens(config.vocab_size), mesh.cp_group)
+        x = split_sequence(tokens(config.vocab_size), mesh.groups().cp)
         with torch.no_grad():
             if pipe is None:
                 out = model(x)
@@ -145,8 +145,8 @@ def _logits(rank, world, ckpt, degrees, dtype):
                 h = torch.empty(*x.shape, config.dim, dtype=dtype)
                 dist.recv(h, 0)
                 out = model.forward_stage(h, pipe.my_layers(), first=False, last=True)
-        out = gather_logits(out, mesh.tp_group, config.vocab_size)
-        return out, zigzag_positions(mesh.cp_group.rank, mesh.cp_group.size, 16)
+        out = gather_logits(out, mesh.groups().tp, config.vocab_size)
+        return out, zigzag_positions(mesh.groups().cp.rank, mesh.groups().cp.size, 16)
 
 
 LAYOUTS = {"one": (1, {}), "tp2": (2, dict(tp=2)), "pp2": (2, dict(pp=2)), "cp2": (2, dict(cp=2))}

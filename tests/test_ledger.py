@@ -113,13 +113,13 @@ def _step_and_save(rank, world, layout, out):
                                   zero=cfg.zero, bucket_mb=0.01)
         x = torch.randint(0, 256, (cfg.global_batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
         per = cfg.global_batch // cfg.dp
-        x = x[mesh.dp_rank * per:(mesh.dp_rank + 1) * per]
-        x, y = split_sequence(x[:, :-1], mesh.cp_group), split_sequence(x[:, 1:], mesh.cp_group)
+        x = x[mesh.coord("dp") * per:(mesh.coord("dp") + 1) * per]
+        x, y = split_sequence(x[:, :-1], mesh.groups().cp), split_sequence(x[:, 1:], mesh.groups().cp)
         micro = list(zip(x.split(cfg.micro_batch), y.split(cfg.micro_batch)))
         train.train_step(wrapper, micro, cfg.grad_clip, nullcontext, pipeline)
         saving.save(cfg, 1, cfg.global_batch, wrapper, mesh, log, SimpleNamespace(fingerprint="test",
                                                                                   tokenizer_file=None))
-    groups = [mesh.group(d) for d in ("dp", "tp", "pp", "cp")] + [mesh.dp_cp_group, mesh.pp_grad_group]
+    groups = [mesh.group(d) for d in ("dp", "tp", "pp", "cp")] + [mesh.groups().dp_cp, mesh.group("pp", channel="grad")]
     sizes = {g.name: g.size for g in groups}
     counted = ledger_side_count([(mesh.ledger, sizes), (log.group.ledger, {"log": log.group.size})])
     mesh.destroy()

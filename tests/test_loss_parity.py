@@ -63,8 +63,8 @@ def _one_step(rank, world, layout, micro):
         with wrapper.gathered():
             before = {n: unshard(p.detach(), p, mesh.groups()).clone() for n, p in model.named_parameters()}
         per = ROWS // cfg.dp
-        x, y = (t[mesh.dp_rank * per:(mesh.dp_rank + 1) * per] for t in batch())
-        x, y = split_sequence(x, mesh.cp_group), split_sequence(y, mesh.cp_group)
+        x, y = (t[mesh.coord("dp") * per:(mesh.coord("dp") + 1) * per] for t in batch())
+        x, y = split_sequence(x, mesh.groups().cp), split_sequence(y, mesh.groups().cp)
         loss, norm = train.train_step(wrapper, list(zip(x.split(micro), y.split(micro))), 0.0, pipeline=pipeline)
         with wrapper.gathered():
             moved = {n: before[n] - unshard(p.detach(), p, mesh.groups()) for n, p in model.named_parameters()}

@@ -78,17 +78,18 @@ def _check_real_groups(rank, world, degrees):
         assert mesh.rank == rank
         for name, dims in GROUP_DIMS.items():
             group = mesh.group(*name.split("_")[:len(dims)], channel="grad" if name == "pp_grad" else "")
-            assert group is getattr(mesh, f"{name}_group")  # the named shorthand is the same group
+            if name != "pp_grad":  # the typed object hands out the same group
+                assert group is mesh.groups()[name]
             assert group.ranks == next(g for g in mesh.layout.groups(*dims) if rank in g)
             t = torch.tensor([float(rank)])
             all_reduce(t, group)
             assert t.item() == sum(group.ranks), (name, group.ranks, t)
         # Activations and gradients of the pipeline never share a communicator.
-        assert mesh.pp_grad_group.pg is not mesh.pp_group.pg
+        assert mesh.group("pp", channel="grad").pg is not mesh.groups().pp.pg
         groups = mesh.groups()  # the same groups, by name, in one typed object
         assert all(groups[name] is mesh.group(*name.split("_")) for name in ("dp", "tp", "pp", "cp", "dp_cp"))
         dense = groups.reduction(("dp", "cp"))  # dp x cp, or dp alone when cp is 1
-        assert dense is (mesh.dp_cp_group if mesh.layout.cp > 1 else mesh.dp_group)
+        assert dense is (mesh.groups().dp_cp if mesh.layout.cp > 1 else mesh.groups().dp)
         assert groups.ep.size == groups.edp.size == 1  # no experts carved out: groups of one
         return dict(coords=mesh.coords)
 

@@ -203,8 +203,8 @@ def _moved(rank, world, layout):
             before = {n: unshard(p.detach(), p, mesh.groups()).clone() for n, p in model.named_parameters()}
         x = torch.randint(0, 256, (ROWS, SEQ + 1), generator=torch.Generator().manual_seed(0))
         per = ROWS // cfg.dp
-        x = x[mesh.dp_rank * per:(mesh.dp_rank + 1) * per]
-        x, y = (split_sequence(t, mesh.cp_group) for t in (x[:, :-1], x[:, 1:]))
+        x = x[mesh.coord("dp") * per:(mesh.coord("dp") + 1) * per]
+        x, y = (split_sequence(t, mesh.groups().cp) for t in (x[:, :-1], x[:, 1:]))
         train_step(wrapper, list(zip(x.split(2), y.split(2))), 0.0, pipeline=pipeline)
         with wrapper.gathered():
             return {n: before[n] - unshard(p.detach(), p, mesh.groups()) for n, p in model.named_parameters()}

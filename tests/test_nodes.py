@@ -32,7 +32,7 @@ def _every_op(rank, world, dp, tp, k):
     """Each operation once over the dp and the tp group; the ledger's entries."""
     torch.manual_seed(rank)
     with Mesh.build(dp=dp, tp=tp, ranks_per_node=k) as mesh:
-        for g in (mesh.dp_group, mesh.tp_group):
+        for g in (mesh.groups().dp, mesh.groups().tp):
             n, i = g.size, g.rank
             x = torch.randn(E, dtype=torch.float64)
             C.all_gather(x, g)

@@ -76,17 +76,17 @@ def _traced_step(rank, world, degrees, schedule=None, m=4, v=1, sp=False, zero3=
     from minipar.context_parallel import split_sequence
 
     with Mesh.build(**degrees) as mesh:
-        pipeline = (Pipeline(mesh.pp_group, schedule, CFG.n_layers, v, grad_group=mesh.pp_grad_group,
+        pipeline = (Pipeline(mesh.groups().pp, schedule, CFG.n_layers, v, grad_group=mesh.group("pp", channel="grad"),
                              seq_shards=mesh.layout.tp if sp else 1) if mesh.layout.pp > 1 else None)
-        model = parallel_llama(CFG, seed=3, tp_group=mesh.tp_group, sequence_parallel=sp, cp_group=mesh.cp_group,
+        model = parallel_llama(CFG, seed=3, tp_group=mesh.groups().tp, sequence_parallel=sp, cp_group=mesh.groups().cp,
                       layer_ids=pipeline.my_layers() if pipeline else None,
                       embed=pipeline.holds_first() if pipeline else True,
                       head=pipeline.holds_last() if pipeline else True).double()
         wrapped = build_grad_sync(model, mesh.groups(), param_groups(model, OPT), lambda pgs: adamw(pgs, OPT.lr),
                                   zero=3 if zero3 else 0, bucket_mb=0.01)
         per = B // mesh.layout.dp
-        x, y = _batch(slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per))
-        x, y = split_sequence(x, mesh.cp_group), split_sequence(y, mesh.cp_group)
+        x, y = _batch(slice(mesh.coord("dp") * per, (mesh.coord("dp") + 1) * per))
+        x, y = split_sequence(x, mesh.groups().cp), split_sequence(y, mesh.groups().cp)
         mesh.ledger.trace = []
         train_step(wrapped, list(zip(x.chunk(m), y.chunk(m))), 1.0, pipeline=pipeline)
         return mesh.ledger.trace

@@ -37,7 +37,7 @@ def test_stage_layers_are_balanced_contiguous_and_refuse_too_many_stages():
 
 def _one_step(rank, world, schedule, m, v):
     with Mesh.build(pp=world) as mesh:
-        pipeline = Pipeline(mesh.pp_group, schedule, CFG.n_layers, v, grad_group=mesh.pp_grad_group)
+        pipeline = Pipeline(mesh.groups().pp, schedule, CFG.n_layers, v, grad_group=mesh.group("pp", channel="grad"))
         model = stage_model(pipeline)
         x, y = batch()
         loss = pipeline.run(model, list(zip(x.chunk(m), y.chunk(m))))
@@ -96,16 +96,17 @@ def single_device_training():
 
 def _three_d(rank, world, schedule, sp):
     with Mesh.build(dp=2, tp=2, pp=2) as mesh:
-        pipeline = Pipeline(mesh.pp_group, schedule, CFG.n_layers, 2 if schedule == "interleaved" else 1,
-                            grad_group=mesh.pp_grad_group, seq_shards=2 if sp else 1)
-        model = stage_model(pipeline, mesh.tp_group, sp)
+        pipeline = Pipeline(mesh.groups().pp, schedule, CFG.n_layers, 2 if schedule == "interleaved" else 1,
+                            grad_group=mesh.group("pp", channel="grad"), seq_shards=2 if sp else 1)
+        model = stage_model(pipeline, mesh.groups().tp, sp)
         dp_model = DataParallel(model, mesh.groups(), optimizer=adamw(param_groups(model, OPT), OPT.lr))
         per = B // 2
         for step in range(STEPS):
             x, y = batch(step)
-            x, y = x[mesh.dp_rank * per : (mesh.dp_rank + 1) * per], y[mesh.dp_rank * per : (mesh.dp_rank + 1) * per]
+            mine = slice(mesh.coord("dp") * per, (mesh.coord("dp") + 1) * per)
+            x, y = x[mine], y[mine]
             train_step(dp_model, list(zip(x.chunk(2), y.chunk(2))), 0.5, pipeline=pipeline)
-        return {n: unshard(p.detach(), p, mesh.tp_group) for n, p in model.named_parameters()}
+        return {n: unshard(p.detach(), p, mesh.groups().tp) for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("schedule,sp", tiers([("1f1b", False), ("interleaved", True), ("zb1", True)], fast=1))

@@ -207,7 +207,7 @@ from minipar.run import checkpoint
 mesh = Mesh.build()
 all_reduce(torch.zeros(1), mesh.groups().reduction)
 DataParallel(torch.nn.Linear(2, 2), mesh.group)
-checkpoint.load(None, torch.nn.Linear(2, 2), {"tp": mesh.tp_group})
+checkpoint.load(None, torch.nn.Linear(2, 2), {"tp": mesh.groups().tp})
 '''
 
 

@@ -33,7 +33,7 @@ def close(a, b, what):
 
 def _layers(rank, world):
     with Mesh.build(tp=world) as mesh:
-        g = mesh.tp_group
+        g = mesh.groups().tp
         x, dy = randn(2, 5, 8, seed=1), randn(2, 5, 12, seed=2)
 
         # Column-parallel: weight split by output features; input replicated (f, inside the layer).
@@ -93,7 +93,7 @@ def test_column_row_and_embedding_equal_single_device_outputs_and_grads(tp):
 
 def _cross_entropy(rank, world, vocab):
     with Mesh.build(tp=world) as mesh:
-        g = mesh.tp_group
+        g = mesh.groups().tp
         logits = randn(2, 6, vocab, seed=11) * 3
         targets = torch.randint(0, vocab, (2, 6), generator=torch.Generator().manual_seed(12))
         targets[0, 1] = targets[1, 4] = -100  # ignored positions
@@ -148,7 +148,7 @@ def reference_model():
 
 def _whole_model(rank, world, sp):
     with Mesh.build(tp=world) as mesh:
-        g = mesh.tp_group
+        g = mesh.groups().tp
         model = parallel_llama(gqa_config(), seed=5, tp_group=g, sequence_parallel=sp).double()
         x, y = batch(vocab=250)
         logits = T.gather_logits(model(x), g, 250)
@@ -217,10 +217,10 @@ def _tp_messages(rank, world, sp, n_layers):
     """The tp ledger's calls by op for one forward and backward, then the partial-gradient sync."""
     with Mesh.build(tp=world) as mesh:
         cfg = get_config("tiny", vocab_size=250, n_layers=n_layers)
-        model = parallel_llama(cfg, seed=5, tp_group=mesh.tp_group, sequence_parallel=sp).double()
+        model = parallel_llama(cfg, seed=5, tp_group=mesh.groups().tp, sequence_parallel=sp).double()
         mesh.ledger.reset()
         model(*batch(vocab=250)).backward()
-        T.sync_partial_grads(model, mesh.tp_group)
+        T.sync_partial_grads(model, mesh.groups().tp)
         return {op: e.calls for (group, op), e in mesh.ledger.entries.items() if group == "tp"}
 
 
@@ -266,14 +266,15 @@ def single_device_training():
 
 def _dp_tp_training(rank, world, sp):
     with Mesh.build(dp=2, tp=world // 2) as mesh:
-        model = parallel_llama(gqa_config(), seed=5, tp_group=mesh.tp_group, sequence_parallel=sp).double()
+        model = parallel_llama(gqa_config(), seed=5, tp_group=mesh.groups().tp, sequence_parallel=sp).double()
         dp_model = DataParallel(model, mesh.groups(), optimizer=adamw(param_groups(model, OPT), OPT.lr))
         per = GLOBAL_BATCH // 2
         for step in range(STEPS):
             x, y = global_batch(step)
-            x, y = x[mesh.dp_rank * per : (mesh.dp_rank + 1) * per], y[mesh.dp_rank * per : (mesh.dp_rank + 1) * per]
+            mine = slice(mesh.coord("dp") * per, (mesh.coord("dp") + 1) * per)
+            x, y = x[mine], y[mine]
             train_step(dp_model, list(zip(x.chunk(2), y.chunk(2))), 0.5)
-        return {n: T.unshard(p.detach(), p, mesh.tp_group) for n, p in model.named_parameters()}
+        return {n: T.unshard(p.detach(), p, mesh.groups().tp) for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("sp", tiers([False, True], fast=1))
@@ -286,11 +287,11 @@ def test_dp2_tp2_training_steps_equal_single_device(sp):
 
 def _clip(rank, world):
     with Mesh.build(tp=world) as mesh:
-        model = parallel_llama(gqa_config(), seed=5, tp_group=mesh.tp_group).double()
+        model = parallel_llama(gqa_config(), seed=5, tp_group=mesh.groups().tp).double()
         model(*batch(vocab=250)).backward()
-        T.sync_partial_grads(model, mesh.tp_group)
+        T.sync_partial_grads(model, mesh.groups().tp)
         params = list(model.parameters())
-        return clip_grads([p.grad for p in params], [(mesh.tp_group,) * (placement_of(p).dim_of("tp") is not None)
+        return clip_grads([p.grad for p in params], [(mesh.groups().tp,) * (placement_of(p).dim_of("tp") is not None)
                                                      for p in params], 0.0)
 
 
@@ -330,7 +331,7 @@ def _save_at_tp(rank, world, out):
     from minipar.run import checkpoint
 
     with Mesh.build(tp=world) as mesh:
-        model = parallel_llama(gqa_config(), seed=5, tp_group=mesh.tp_group).double()
+        model = parallel_llama(gqa_config(), seed=5, tp_group=mesh.groups().tp).double()
         opt = adamw(param_groups(model, OPT), OPT.lr)
         dp_model = DataParallel(model, mesh.groups(), optimizer=opt)
         train_step(dp_model, [batch(vocab=250)], 1.0)
@@ -338,7 +339,7 @@ def _save_at_tp(rank, world, out):
         if rank == 0:
             checkpoint.save(out, 1, *full, {"step": 1, "consumed": 0})
         # and load it back at this layout: every shard returns exactly
-        fresh = parallel_llama(gqa_config(), seed=9, tp_group=mesh.tp_group).double()
+        fresh = parallel_llama(gqa_config(), seed=9, tp_group=mesh.groups().tp).double()
         fresh_opt = adamw(param_groups(fresh, OPT), OPT.lr)
         torch.distributed.barrier()
         _, states = checkpoint.load(checkpoint.resolve(out), fresh, mesh.groups())
@@ -346,7 +347,7 @@ def _save_at_tp(rank, world, out):
         for p, q in zip(model.parameters(), fresh.parameters()):
             assert torch.equal(p, q)
             assert torch.equal(opt.state[p]["exp_avg"], fresh_opt.state[q]["exp_avg"])
-        return {n: T.unshard(p.detach(), p, mesh.tp_group) for n, p in model.named_parameters()}
+        return {n: T.unshard(p.detach(), p, mesh.groups().tp) for n, p in model.named_parameters()}
 
 
 def test_checkpoint_written_at_tp4_loads_at_tp1_and_back(tmp_path):

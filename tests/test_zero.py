@@ -30,7 +30,7 @@ def _zero_run(rank, world, stage, accum):
         # PyTorch's ZeRO-1 on a second copy, same data (stage 1 only).
         ref_model = new_model()
         ref_opt = ZeroRedundancyOptimizer(param_groups(ref_model, OPT), optimizer_class=torch.optim.AdamW,
-                                          process_group=mesh.dp_group.pg, lr=OPT.lr, betas=BETAS, eps=EPS)
+                                          process_group=mesh.groups().dp.pg, lr=OPT.lr, betas=BETAS, eps=EPS)
         per = GLOBAL_BATCH // world
         psi = sum(p.numel() for p in model.parameters())
         ledgers = []
@@ -45,7 +45,7 @@ def _zero_run(rank, world, stage, accum):
                 for mx, my in micro:
                     (ref_model(mx, my) / accum).backward()
                 for p in ref_model.parameters():
-                    torch.distributed.all_reduce(p.grad, group=mesh.dp_group.pg)
+                    torch.distributed.all_reduce(p.grad, group=mesh.groups().dp.pg)
                     p.grad /= world
                 torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0)
                 ref_opt.step()
@@ -106,14 +106,14 @@ def test_memory_and_communication_per_rank(stage, world):
 def _zero_tp(rank, world, stage):
     with Mesh.build(dp=2, tp=2) as mesh:
         cfg = get_config("tiny", vocab_size=250)
-        model = parallel_llama(cfg, seed=5, tp_group=mesh.tp_group, sequence_parallel=True).double()
+        model = parallel_llama(cfg, seed=5, tp_group=mesh.groups().tp, sequence_parallel=True).double()
         zero = zero_model(model, mesh.groups(), stage)
         for step in range(2):
             x = torch.randint(0, 250, (4, 8), generator=torch.Generator().manual_seed(step))
             y = torch.roll(x, -1, dims=1)
-            rows = slice(mesh.dp_rank * 2, mesh.dp_rank * 2 + 2)
+            rows = slice(mesh.coord("dp") * 2, mesh.coord("dp") * 2 + 2)
             train_step(zero, [(x[rows], y[rows])], 0.5)
-        return {n: unshard(p.detach(), p, mesh.tp_group) for n, p in model.named_parameters()}
+        return {n: unshard(p.detach(), p, mesh.groups().tp) for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("stage", tiers([1, 2], fast=1))
@@ -194,14 +194,14 @@ def _zero_pp(rank, world, stage):
 
     with Mesh.build(dp=2, pp=2) as mesh:
         cfg = get_config("tiny", n_layers=4, vocab_size=250)
-        pipeline = Pipeline(mesh.pp_group, "1f1b", cfg.n_layers)
+        pipeline = Pipeline(mesh.groups().pp, "1f1b", cfg.n_layers)
         model = parallel_llama(cfg, seed=5, layer_ids=pipeline.my_layers(), embed=pipeline.holds_first(),
                       head=pipeline.holds_last()).double()
         zero = zero_model(model, mesh.groups(), stage)
         for step in range(2):
             x = torch.randint(0, 250, (8, 8), generator=torch.Generator().manual_seed(step))
             y = torch.roll(x, -1, dims=1)
-            rows = slice(mesh.dp_rank * 4, mesh.dp_rank * 4 + 4)
+            rows = slice(mesh.coord("dp") * 4, mesh.coord("dp") * 4 + 4)
             train_step(zero, list(zip(x[rows].chunk(2), y[rows].chunk(2))), 0.5, pipeline=pipeline)
         return {n: p.detach() for n, p in model.named_parameters()}
 

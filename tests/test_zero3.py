@@ -56,7 +56,7 @@ def fsdp_params(mesh, accum, world, rank):
     """PyTorch's FSDP2 (fully_shard) on the same data, one unit per transformer layer."""
     from torch.distributed.fsdp import fully_shard
 
-    device_mesh = torch.distributed.device_mesh.DeviceMesh.from_group(mesh.dp_group.pg, "cpu")
+    device_mesh = torch.distributed.device_mesh.DeviceMesh.from_group(mesh.groups().dp.pg, "cpu")
     model = new_model()
     for layer in model.layers.values():
         fully_shard(layer, mesh=device_mesh)
@@ -101,15 +101,15 @@ def test_zero3_holds_a_slice_of_the_weights_and_sends_three_psi(world):
 def _zero3_tp(rank, world):
     with Mesh.build(dp=2, tp=2) as mesh:
         cfg = get_config("tiny", vocab_size=250)
-        model = parallel_llama(cfg, seed=5, tp_group=mesh.tp_group, sequence_parallel=True).double()
+        model = parallel_llama(cfg, seed=5, tp_group=mesh.groups().tp, sequence_parallel=True).double()
         z = zero3(model, mesh.groups())
         for step in range(2):
             x = torch.randint(0, 250, (4, 8), generator=torch.Generator().manual_seed(step))
             y = torch.roll(x, -1, dims=1)
-            rows = slice(mesh.dp_rank * 2, mesh.dp_rank * 2 + 2)
+            rows = slice(mesh.coord("dp") * 2, mesh.coord("dp") * 2 + 2)
             train_step(z, [(x[rows], y[rows])], 0.5)
         with z.gathered():  # copies: the gathered weights are freed again when the block ends
-            return {n: unshard(p.detach(), p, mesh.tp_group).clone() for n, p in model.named_parameters()}
+            return {n: unshard(p.detach(), p, mesh.groups().tp).clone() for n, p in model.named_parameters()}
 
 
 def test_zero3_with_tp2_and_sequence_parallel_equals_single_device():

@@ -192,7 +192,7 @@ def _grads_and_loss(rank, world, options):
         for b in z.buckets:  # this rank's slice of each bucket's mean gradient, gathered whole
             whole = all_gather(b.grad_slice, b.group)
             grads.update({names[id(p)]: v.clone() for p, v in zip(b.params, b.views(whole))})
-        loss = all_gather(loss.detach()[None], mesh.dp_group).mean()  # the global batch's mean
+        loss = all_gather(loss.detach()[None], mesh.groups().dp).mean()  # the global batch's mean
         z.clip_and_step(1.0)
         with z.gathered():
             params = {n: p.detach().clone() for n, p in model.named_parameters()}

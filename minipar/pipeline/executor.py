@@ -30,7 +30,7 @@ make each rank post its receives in the order its neighbour posts the matching s
 tests/test_order_check.py proves it from the ledger's trace for every schedule, and because no
 tags are used, gloo also matches by order and every CPU test of the pipeline runs under NCCL's
 rule. Activations and gradients travel on two process groups over the same ranks
-(mesh.pp_group and mesh.pp_grad_group, always distinct), so for the non-interleaved schedules
+(mesh.groups().pp and mesh.group("pp", channel="grad"), always distinct), so for the non-interleaved schedules
 each channel carries messages one way only (interleaved at pp = 2 still sends both ways on each:
 its ring wraps from the last rank to the first). On NCCL, where a send and a receive between the
 same two ranks on one communicator queue behind each other, a stage sending forward while its

@@ -29,7 +29,7 @@ def micro_batches_of(rows: tuple[torch.Tensor, torch.Tensor], mesh: Mesh, micro_
                   device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(inputs, targets) of this dp rank, [b, s] each: their cp share on the device, cut into
     micro-batches of `micro_batch` rows."""
-    x, y = (split_sequence(t, mesh.cp_group).to(device) for t in rows)  # [b, s/cp] zigzag share (cp)
+    x, y = (split_sequence(t, mesh.groups().cp).to(device) for t in rows)  # [b, s/cp] zigzag share (cp)
     return list(zip(x.split(micro_batch), y.split(micro_batch)))
 
 

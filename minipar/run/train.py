@@ -107,12 +107,12 @@ def precision(cfg: TrainConfig, device: torch.device):
 
 def build_model(cfg: TrainConfig, mesh: Mesh, model_cfg, device, param_dtype):
     """The plain model, parallelized for this rank: (model, pipeline or None)."""
-    pipeline = Pipeline(mesh.pp_group, cfg.schedule, model_cfg.n_layers, cfg.virtual_stages,
-                        grad_group=mesh.pp_grad_group, seq_shards=cfg.tp if cfg.sp else 1) if cfg.pp > 1 else None
+    groups, grad_channel = mesh.groups(), mesh.group("pp", channel="grad")
+    pipeline = Pipeline(groups.pp, cfg.schedule, model_cfg.n_layers, cfg.virtual_stages, grad_group=grad_channel,
+                        seq_shards=cfg.tp if cfg.sp else 1) if cfg.pp > 1 else None
     stage = (pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last()) if pipeline else None
-    model = parallelize(Llama(model_cfg, seed=cfg.seed), tp=mesh.tp_group, cp=mesh.cp_group,
-                        ep=mesh.groups().ep, sp=cfg.sp, stage=stage, recompute=cfg.recompute,
-                        cp_attention=cfg.cp_attention)
+    model = parallelize(Llama(model_cfg, seed=cfg.seed), tp=groups.tp, cp=groups.cp, ep=groups.ep, sp=cfg.sp,
+                        stage=stage, recompute=cfg.recompute, cp_attention=cfg.cp_attention)
     return model.to(device=device, dtype=param_dtype), pipeline
 
 
@@ -166,7 +166,7 @@ def train_loop(job: Job, start: int, consumed: int) -> None:
     for step in range(start, cfg.steps):
         for group in model.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        rows = data.rank_batch(consumed, cfg.global_batch, mesh.dp_rank, cfg.dp)
+        rows = data.rank_batch(consumed, cfg.global_batch, mesh.coord("dp"), cfg.dp)
         micro = micro_batches_of(rows, mesh, cfg.micro_batch, job.device)
         mesh.ledger.reset()
         log.tick()

@@ -58,7 +58,7 @@ def validate(cfg, data: TokenData, mesh, model, pipeline, autocast, device) -> f
     """This rank's share of the mean loss over the held-out batches (see the module docstring)."""
     batches, total = validation_batches(cfg, data), 0.0
     for k in range(batches):
-        rows = data.rank_val_batch(k, cfg.global_batch, mesh.dp_rank, cfg.dp)
+        rows = data.rank_val_batch(k, cfg.global_batch, mesh.coord("dp"), cfg.dp)
         micro = micro_batches_of(rows, mesh, cfg.micro_batch, device)
         total += float(validation_loss(model, micro, autocast, pipeline))
     take_expert_load(model)  # dropped: the next log line counts training tokens only

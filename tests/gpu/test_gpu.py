@@ -72,7 +72,7 @@ def test_model_on_cuda_equals_the_model_on_cpu(dtype, tol, report):
 def _collectives(rank, world):
     device = rank_device()  # cuda under NCCL; the CPU under gloo (tests/test_gpu_bodies_on_gloo.py)
     with Mesh.build(dp=world) as mesh:
-        group = mesh.dp_group
+        group = mesh.groups().dp
         inputs = [torch.arange(24, dtype=torch.float64, device=device).view(4, 6) * (r + 1) for r in range(world)]
         x, n, nbytes = inputs[rank], world, inputs[rank].numel() * 8
         t = x.clone()
@@ -124,7 +124,7 @@ def _wrapper_equals_one_device(rank, world, kind):
     ref_opt = adamw(param_groups(reference, OPT), OPT.lr)
     tp = world if kind == "tp" else 1
     with Mesh.build(dp=world // tp, tp=tp) as mesh:
-        model = parallel_llama(cfg, seed=1, tp_group=mesh.tp_group).to(device=device, dtype=torch.float64)
+        model = parallel_llama(cfg, seed=1, tp_group=mesh.groups().tp).to(device=device, dtype=torch.float64)
         stage = {"dp": 0, "tp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[kind]
         wrapped = build_grad_sync(model, mesh.groups(), param_groups(model, OPT), lambda pgs: adamw(pgs, OPT.lr),
                                   zero=stage, bucket_mb=0.02)
@@ -135,7 +135,7 @@ def _wrapper_equals_one_device(rank, world, kind):
             torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
             ref_opt.step()
             ref_opt.zero_grad()
-            rows = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
+            rows = slice(mesh.coord("dp") * per, (mesh.coord("dp") + 1) * per)
             micro = list(zip(x[rows].chunk(2), y[rows].chunk(2)))
             train_step(wrapped, micro, 1.0)
         ctx = wrapped.gathered() if kind == "zero3" else __import__("contextlib").nullcontext()
@@ -146,7 +146,7 @@ def _wrapper_equals_one_device(rank, world, kind):
                 want = full[name]
                 if tuple(p.shape) != tuple(want.shape):  # a tp shard: this rank's slice of the full tensor
                     dim = next(d for d in range(p.dim()) if p.shape[d] != want.shape[d])
-                    want = want.narrow(dim, mesh.tp_rank * p.shape[dim], p.shape[dim])
+                    want = want.narrow(dim, mesh.coord("tp") * p.shape[dim], p.shape[dim])
                 torch.testing.assert_close(p, want, rtol=1e-9, atol=1e-11, msg=name)
                 worst = max(worst, (p - want).abs().max().item())
         return worst

@@ -93,8 +93,8 @@ def _layout_equals_one_device(rank, world, model, layout):
                                   zero=cfg.zero, bucket_mb=cfg.bucket_mb, offload=cfg.offload)
         per = ROWS // cfg.dp
         for step in range(STEPS):
-            x, y = (t[mesh.dp_rank * per:(mesh.dp_rank + 1) * per] for t in batch(step))
-            x, y = (split_sequence(t, mesh.cp_group).to(device) for t in (x, y))
+            x, y = (t[mesh.coord("dp") * per:(mesh.coord("dp") + 1) * per] for t in batch(step))
+            x, y = (split_sequence(t, mesh.groups().cp).to(device) for t in (x, y))
             train_step(wrapper, list(zip(x.split(MICRO), y.split(MICRO))), cfg.grad_clip, pipeline=pipeline)
         with wrapper.gathered():
             got = {n: unshard(p.detach(), p, mesh.groups()).cpu() for n, p in net.named_parameters()}
