@@ -64,7 +64,7 @@ from minipar.autograd_ops import all_to_all_with_grad
 from minipar.collectives import Group, all_reduce, send_recv
 from minipar.model import Attention, ModelConfig, apply_rope, causal_attention, rope_cos_sin, sequence_positions
 from minipar.tensor_parallel import (
-    ColumnParallelLinear,
+    ColumnParallelLinearInRegion,
     ReplicatedRowsLinear,
     RowParallelLinear,
     cut,
@@ -232,7 +232,7 @@ class ParallelAttention(nn.Module):
             self.wq, self.wk, self.wv, self.wo = plain.wq, plain.wk, plain.wv, plain.wo
             return
         dim, q_features = config.dim, config.n_heads * config.head_dim
-        self.wq = cut(plain.wq, ColumnParallelLinear(dim, q_features, tp, enter_region=False), tp)
+        self.wq = cut(plain.wq, ColumnParallelLinearInRegion(dim, q_features, tp), tp)
         self.wk = cut(plain.wk, _kv_projection(config, tp), tp)
         self.wv = cut(plain.wv, _kv_projection(config, tp), tp)
         self.wo = cut(plain.wo, RowParallelLinear(q_features, dim, tp, sequence_parallel=sp), tp)
@@ -263,7 +263,7 @@ def _kv_projection(config: ModelConfig, tp: Group) -> nn.Module:
     weight, of which this rank uses the one head its query heads read."""
     features = config.n_kv_heads * config.head_dim
     if config.n_kv_heads % tp.size == 0:
-        return ColumnParallelLinear(config.dim, features, tp, enter_region=False)
+        return ColumnParallelLinearInRegion(config.dim, features, tp)
     head = tp.rank * config.n_kv_heads // tp.size
     return ReplicatedRowsLinear(config.dim, features, tp, slice(head * config.head_dim, (head + 1) * config.head_dim))
 

@@ -19,8 +19,8 @@ wo row). These are Megatron's conjugate operators, from autograd_ops.py:
 so per transformer layer: 2 all-reduces of [b, s, h] forward and 2 backward. f is one per region,
 not one per column layer: attention's q, k and v read one input, and so do the MLP's gate and up
 (Megatron fuses each group into one column-parallel layer). ColumnParallelLinear calls f itself
-(the LM head); with `enter_region=False` its caller has called f once for the layers that share
-the input (ParallelMLP below; context_parallel.py's ParallelAttention).
+(the LM head); as ColumnParallelLinearInRegion its caller has called f once for the layers that
+share the input (ParallelMLP below; context_parallel.py's ParallelAttention).
 
 Sequence parallelism (`sequence_parallel=True`) notices that between the regions (norms,
 residual adds) every tp rank does the same work on the same [b, s, h]. Shard those along the
@@ -153,22 +153,27 @@ def leave_parallel_region(x: torch.Tensor, group: Group, sequence_parallel: bool
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y_r = X A_r: this rank's block of output features. Every rank needs all of X: f on entry,
-    unless `enter_region` is False because the caller entered the region once for all the column
-    layers that share this input (one f: one all-reduce of the input gradient, not one per layer)."""
+    """Y_r = X A_r: this rank's block of output features. Every rank needs all of X: f on entry."""
 
     def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False,
-                 sequence_parallel: bool = False, enter_region: bool = True):
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.group, self.sequence_parallel, self.enter_region = group, sequence_parallel, enter_region
+        self.group, self.sequence_parallel = group, sequence_parallel
         local = math.ceil(out_features / group.size)  # padded when tp does not divide (vocabulary)
         self.weight = mark(nn.Parameter(torch.empty(local, in_features)), (out_features, in_features), dim=0)
         self.bias = mark(nn.Parameter(torch.zeros(local)), (out_features,), dim=0) if bias else None
 
     def forward(self, x):
-        if self.enter_region:
-            x = enter_parallel_region(x, self.group, self.sequence_parallel)  # f: [b, s, in] on every rank
+        x = enter_parallel_region(x, self.group, self.sequence_parallel)  # f: [b, s, in] on every rank
         return F.linear(x, self.weight, self.bias)  # [b, s, out/tp]
+
+
+class ColumnParallelLinearInRegion(ColumnParallelLinear):
+    """A column-parallel layer whose caller has entered the region (f) once for all the layers that
+    read this input (q, k and v; gate and up): one all-reduce of its gradient, not one per layer."""
+
+    def forward(self, x):  # x: [b, s, in], already whole on every rank
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -248,8 +253,8 @@ class ParallelMLP(nn.Module):
     def __init__(self, plain: nn.Module, tp: Group, sp: bool):
         super().__init__()
         ffn, dim = plain.w_gate.weight.shape
-        self.w_gate = cut(plain.w_gate, ColumnParallelLinear(dim, ffn, tp, enter_region=False), tp)
-        self.w_up = cut(plain.w_up, ColumnParallelLinear(dim, ffn, tp, enter_region=False), tp)
+        self.w_gate = cut(plain.w_gate, ColumnParallelLinearInRegion(dim, ffn, tp), tp)
+        self.w_up = cut(plain.w_up, ColumnParallelLinearInRegion(dim, ffn, tp), tp)
         self.w_down = cut(plain.w_down, RowParallelLinear(ffn, dim, tp, sequence_parallel=sp), tp)
         self.tp, self.sp = tp, sp
 

@@ -32,7 +32,8 @@ from minipar.planning.estimate import activation_bytes
 from minipar.zero import model_state_bytes
 
 # The library's own answers, off while the student's code runs: "module:attribute"
-TP_OFF = ("minipar.tensor_parallel:ColumnParallelLinear", "minipar.tensor_parallel:RowParallelLinear",
+TP_OFF = ("minipar.tensor_parallel:ColumnParallelLinear", "minipar.tensor_parallel:ColumnParallelLinearInRegion",
+          "minipar.tensor_parallel:RowParallelLinear",
           "minipar.tensor_parallel:ParallelMLP")
 ZIGZAG_OFF = ("minipar.context_parallel:zigzag_positions", "minipar.context_parallel:split_sequence")
 GPIPE_OFF = ("minipar.pipeline.schedules:gpipe",)  # build("gpipe", ...) calls it: off too
