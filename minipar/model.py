@@ -312,12 +312,12 @@ class Block(nn.Module):
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, divisor: float | None = None) -> torch.Tensor:
-    """Next-token loss over the targets that are not -100, in at least float32: their mean, or,
-    given a divisor, their sum / divisor (training divides by the global batch's count once)."""
+    """Next-token loss over the targets that are not -100, in at least float32: their sum / divisor,
+    the one convention of every loss in minipar. The divisor defaults to their count (the mean);
+    training divides by the global batch's count instead (run/step.py), so micro-batches add up."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if divisor is None:
-        return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=-100)
-    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=-100, reduction="sum") / divisor
+    total = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=-100, reduction="sum")
+    return total / ((targets != -100).sum().clamp(min=1) if divisor is None else divisor)
 
 
 class Llama(nn.Module):
@@ -338,8 +338,8 @@ class Llama(nn.Module):
         init_weights(self, config, seed)
 
     def forward(self, tokens, targets=None, divisor=None):
-        """tokens [b, s] -> logits [b, s, V], or, given targets, the mean next-token loss (given a
-        divisor too: the sum of the token losses / divisor, see cross_entropy).
+        """tokens [b, s] -> logits [b, s, V], or, given targets, the next-token loss: the sum of the
+        token losses / divisor, by default their count (the mean; see cross_entropy).
 
         targets are the tokens shifted by one (the data pipeline does the shift); -100 is ignored.
         """

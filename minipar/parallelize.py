@@ -135,15 +135,13 @@ def context_parallel(model: Llama, cp: Group) -> None:
 
 
 def _token_weighted_loss(logits, targets, divisor=None, *, loss_fn, group: Group):
-    """The mean over the whole sequence, not a mean of the cp ranks' means: this rank's mean
-    weighed by its share of the tokens, times cp, so that averaging over cp (dp x cp data
-    parallelism does) gives the token mean. Training passes a divisor counted over the global
-    batch (run/step.loss_divisor): then the sum / divisor is already right on every rank."""
-    if divisor is not None:
-        return loss_fn(logits, targets, divisor)
-    loss = loss_fn(logits, targets)
-    local = (targets != -100).sum()
-    return loss * local * group.size / global_token_count(targets, group).clamp(min=1).to(loss.dtype)
+    """This rank's sum of token losses / divisor, as on one device. Training passes a divisor counted
+    over the global batch (run/step.loss_divisor). Called alone, the model's loss is the whole
+    sequence's mean, not a mean of the cp ranks' means: divisor = the real targets of all cp ranks / cp,
+    as averaging over cp (dp x cp data parallelism does) divides by cp again."""
+    if divisor is None:
+        divisor = float(global_token_count(targets, group).clamp(min=1)) / group.size
+    return loss_fn(logits, targets, divisor)
 
 
 # ----------------------------------------------------------------------------------------------

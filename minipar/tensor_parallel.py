@@ -311,8 +311,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: Group, vocab_size: int,
                                  ignore_index: int = -100, divisor: float | None = None) -> torch.Tensor:
-    """Mean cross-entropy over non-ignored tokens (given a divisor: their sum / divisor);
-    logits [..., V/tp], targets [...]."""
+    """Cross-entropy of the non-ignored tokens, their sum / divisor (model.cross_entropy's one
+    convention; the divisor defaults to their count); logits [..., V/tp], targets [...]."""
     return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), group, vocab_size,
                                             ignore_index, divisor)
 

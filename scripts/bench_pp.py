@@ -137,7 +137,7 @@ def first_batch_difference(pair: dict, x, y, m: int) -> tuple[float, float, floa
     (0 off the last stage), max |grad minipar - grad torch| and max |grad torch| over this stage's
     parameters). Both sides' gradients are then dropped."""
     ours, stage = pair["ours"], pair["stage"]
-    loss_ours = float(pair["pipeline"].run(ours.module, list(zip(x.chunk(m), y.chunk(m)))))
+    loss_ours = float(pair["pipeline"].run(ours.module, list(zip(x.chunk(m), y.chunk(m))), y.numel()))
     losses = []
     pair["schedule"].step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None, losses=losses,
                           return_outputs=False)

@@ -95,7 +95,7 @@ def on_ranks(name: str, m: int, v: int, mesh: Mesh, ref, sim: Timeline, theory: 
     for run in range(1 + repeats):  # a warm-up run (one-off start-up costs), then the measured ones
         model.zero_grad(set_to_none=True)
         dist.barrier()  # start together, so no rank's wait is an earlier rank's set-up
-        loss = pipeline.run(model, micro)
+        loss = pipeline.run(model, micro, y.numel())  # the batch's mean: sum of token losses / B s
         span = torch.tensor(pipeline.timeline.makespan)
         dist.all_reduce(span, op=dist.ReduceOp.MAX)  # the run's length: its slowest rank
         if run and (best is None or span < best[0]):  # every rank keeps the same run: the fastest

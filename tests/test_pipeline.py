@@ -40,7 +40,7 @@ def _one_step(rank, world, schedule, m, v):
         pipeline = Pipeline(mesh.groups().pp, schedule, CFG.n_layers, v, grad_group=mesh.group("pp", channel="grad"))
         model = stage_model(pipeline)
         x, y = batch()
-        loss = pipeline.run(model, list(zip(x.chunk(m), y.chunk(m))))
+        loss = pipeline.run(model, list(zip(x.chunk(m), y.chunk(m))), y.numel())  # the batch's mean
         timeline = pipeline.timeline
         return dict(loss=float(loss) if pipeline.holds_last() else None,
                     grads={n: p.grad for n, p in model.named_parameters()},

@@ -136,19 +136,20 @@ class Pipeline:
         else:
             pending.append((isend(t, self._channel(msg), msg.dst_rank), t))
 
-    def run(self, model, micro_batches, divisor: float | None = None):
+    def run(self, model, micro_batches, divisor: float):
         """A training step's pipeline: this rank's actions on its stages of `model` (see `execute`)."""
         return self.execute(model, micro_batches, self.actions(len(micro_batches)), divisor)
 
-    def run_forward(self, model, micro_batches, divisor: float | None = None):
+    def run_forward(self, model, micro_batches, divisor: float):
         """Its forward actions alone, in the schedule's order (validation: no backward)."""
         return self.execute(model, micro_batches, self.forward_actions(len(micro_batches)), divisor)
 
-    def execute(self, model, micro_batches, actions: list[Action], divisor: float | None = None):
-        """Run `actions` on this rank's stages of `model`. Returns the sum over micro-batches of
-        loss / m (given a divisor: of token-loss sum / divisor) on the last stage, 0 elsewhere; the
-        measured timeline is left in `self.timeline`."""
-        m, last = len(micro_batches), self.n_stages - 1
+    def execute(self, model, micro_batches, actions: list[Action], divisor: float):
+        """Run `actions` on this rank's stages of `model`. Returns the step's loss on the last stage,
+        0 elsewhere: the sum over micro-batches of (sum of token losses / divisor), the one convention
+        of model.cross_entropy (the batch's mean: divisor = its real targets; training: step.py's).
+        The measured timeline is left in `self.timeline`."""
+        last = self.n_stages - 1
         tokens = micro_batches[0][0]
         act_shape = (tokens.shape[0], tokens.shape[1] // self.seq_shards, model.config.dim)  # [b, s/tp, d]: passed on
         act_dtype = next(model.parameters()).dtype
@@ -172,7 +173,6 @@ class Pipeline:
                                           targets=micro_batches[i][1] if k == last else None, divisor=divisor)
                 # out: [b, s/tp, d] for the next stage, or on the last stage the loss, a scalar []
                 if k == last:
-                    out = out / m if divisor is None else out  # the step's loss: the mean over micro-batches
                     total = total + out.detach()
                 inputs[i, k], outputs[i, k], result = x, out, out.detach()
             elif a.kind == "B":
