@@ -27,7 +27,7 @@ rank in float32 for Psi parameters (the ledger shows it under "dp/all_reduce").
 
 One interface for every way of syncing gradients. DataParallel here and ZeRO 1/2/3 (zero.py,
 zero3.py) are wrappers with the same small protocol, so the training loop never asks which one
-it holds (grad_sync.py's `build_grad_sync` picks it). Each takes the mesh's `Groups`, and
+it holds (parallelize.py's `build_grad_sync` picks it). Each takes the mesh's `Groups`, and
 averages every gradient over the group its Placement names (`groups.reduction`):
 
     no_sync()              backward inside it only accumulates (ZeRO-2/3: still reduce-scatters)
@@ -279,7 +279,7 @@ class DataParallel(GradSync):
                  optimizer: torch.optim.Optimizer | None = None, precision: Precision | None = None):
         super().__init__()
         self.module, self.groups, self.optimizer = module, groups, optimizer
-        self.mixed = precision is not None and precision.mixed  # bf16-mixed: the policy grad_sync hands in
+        self.mixed = precision is not None and precision.mixed  # bf16-mixed: the policy build_grad_sync hands in
         self.reduce = precision.reduce if precision is not None and precision.mixed else None  # None: the grads'
         self.group = groups.reduction(DENSE)
         self.sync = True

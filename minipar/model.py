@@ -317,7 +317,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, divisor: float | 
     training divides by the global batch's count instead (run/step.py), so micro-batches add up."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     total = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=-100, reduction="sum")
-    return total / ((targets != -100).sum().clamp(min=1) if divisor is None else divisor)
+    return total / (max(int((targets != -100).sum()), 1) if divisor is None else divisor)  # a number: not saved
 
 
 class Llama(nn.Module):

@@ -71,7 +71,7 @@ def parse(text: str) -> tuple[str, ...]:
 
 def check(text: str, layout, cp: int = 1, experts: int = 0) -> tuple[str, ...]:
     """--zeropp's names for a ZeRO-3 run on `layout` (a MeshLayout); ValueError, one line, where they
-    cannot apply (the stage they need: grad_sync.check_zero). hpz and qgz need several nodes: on one
+    cannot apply (the stage they need: parallelize.check_zero). hpz and qgz need several nodes: on one
     node there is no slow link to spare, and their node split would be the whole dp group."""
     names = parse(text)
     split = ",".join(n for n in names if n in ("hpz", "qgz"))

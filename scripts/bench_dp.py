@@ -10,7 +10,7 @@ One launch trains two copies of the same model side by side, on every rank:
     (b) PyTorch   DistributedDataParallel(copy of model)              step: the same train_step
 
 Both start from the same weights (Llama(config, seed)), see the same random token batches in the
-same order, and step with the same AdamW (grad_sync.adamw on param_groups of one TrainConfig,
+same order, and step with the same AdamW (parallelize.adamw on param_groups of one TrainConfig,
 held by each side's wrapper), the same gradient clipping (minipar.data_parallel.clip_grads) and the same
 accumulation: all micro-batches but the last inside `no_sync()`. They run
 in turn, step by step (a b, b a, a b, ...: machine noise and any penalty for going first or second
@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 
 from minipar.data_parallel import DataParallel, param_groups
-from minipar.grad_sync import adamw
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import adamw
 from minipar.run.config import ConfigError, TrainConfig
 from minipar.run.train import train_step
 

@@ -16,7 +16,7 @@ model that costs the same per token. One launch trains four models side by side,
     torch DDP dense   a dense Llama of the same shape whose MLP is (top_k + shared) x expert_ffn_dim
                       wide: the same active parameters, so about the same FLOPs per token
 
-All start from Llama(config, seed) and step with the same AdamW (grad_sync.adamw on the
+All start from Llama(config, seed) and step with the same AdamW (parallelize.adamw on the
 param_groups of one TrainConfig) and gradient clipping, on bench_common's random batches, through minipar's
 train_step (DDP behind a small adapter, as in bench_dp.py). The three MoE sides train one model
 (dropless), so their losses must agree: to float32 rounding, amplified where rounding flips a
@@ -43,10 +43,10 @@ import torch.distributed as dist
 
 from minipar.collectives import Ledger
 from minipar.data_parallel import param_groups
-from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.moe import take_load
+from minipar.parallelize import adamw, build_grad_sync
 from minipar.run.config import ConfigError, TrainConfig
 from minipar.run.launch import start_distributed
 from minipar.run.train import build_model, train_step

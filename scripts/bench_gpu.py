@@ -125,11 +125,11 @@ class Setup:
     train_cfg: object  # minipar.run.config.TrainConfig: lr, weight decay for param_groups
 
     def adamw(self, groups):
-        from minipar.grad_sync import adamw
+        from minipar.parallelize import adamw
         return adamw(groups, self.train_cfg.lr, fused=self.args.fused_adamw or None)
 
     def adamw_defaults(self) -> dict:
-        from minipar.grad_sync import BETAS, EPS
+        from minipar.parallelize import BETAS, EPS
         return {"lr": self.train_cfg.lr, "betas": BETAS, "eps": EPS, "fused": self.args.fused_adamw or None}
 
     def groups_of(self, model):
@@ -182,8 +182,8 @@ def build_data_parallel(strategy: str, side: str, s: Setup):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from minipar.grad_sync import build_grad_sync
     from minipar.model import Llama
+    from minipar.parallelize import build_grad_sync
     from minipar.run.train import train_step
 
     model, group = s.compiled(Llama(s.model_cfg, seed=0).to(s.device)), s.mesh.groups().dp

@@ -18,7 +18,7 @@ stage=...): the plain Llama(config, seed) keeping only this stage's parts):
 We time whole optimizer steps, not only the forward and backward: that is what a user waits for,
 and train_step is the code minipar trains with. The tail after the pipeline is the same code on
 both sides (minipar.data_parallel.clip_grads, whose one all-reduce over pp sums the stages'
-squared norms, then AdamW from grad_sync.adamw and zero_grad), so the two steps differ only in
+squared norms, then AdamW from parallelize.adamw and zero_grad), so the two steps differ only in
 the pipeline that runs the micro-batches.
 
 The two sides compute the same loss. minipar's last stage computes it inside forward_stage
@@ -61,10 +61,9 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from minipar.data_parallel import DataParallel, param_groups
-from minipar.grad_sync import adamw
 from minipar.mesh import Mesh
 from minipar.model import CONFIGS, Llama, get_config
-from minipar.parallelize import parallelize
+from minipar.parallelize import adamw, parallelize
 from minipar.pipeline.executor import Pipeline, stage_layers
 from minipar.pipeline.schedules import bubble_formula
 from minipar.run.config import ConfigError, TrainConfig

@@ -38,7 +38,7 @@ The plain model is made of nn.Linear and nn.Embedding, the only classes parallel
 accept, so it is parallelised as it is.
 
 Both sides start from the same weights (a shard of minipar's is the slice of the single-device
-tensor), see the same random batches, and step with the same AdamW (grad_sync.adamw on the
+tensor), see the same random batches, and step with the same AdamW (parallelize.adamw on the
 param_groups of one TrainConfig: lr 3e-3, weight decay 0.1 on matrices) and gradient clipping at 1.0. PyTorch's
 clip_grad_norm_ refuses a list that mixes DTensors with plain tensors (the replicated norm gains
 stay plain here), so the DTensor side takes the total norm of each kind with
@@ -80,10 +80,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from minipar.collectives import ring_bytes_sent
 from minipar.data_parallel import DataParallel, param_groups
-from minipar.grad_sync import adamw
 from minipar.mesh import Mesh
 from minipar.model import CONFIGS, Llama, get_config
-from minipar.parallelize import parallelize
+from minipar.parallelize import adamw, parallelize
 from minipar.run.config import ConfigError, TrainConfig
 from minipar.run.train import train_step
 from minipar.tensor_parallel import unshard

@@ -17,7 +17,7 @@ fully_shard per layer and then on the root is FSDP2's documented use, and the sa
 minipar's ZeRO-3 (units_of: the embedding, each layer, the final norm, the LM head).
 
 All four start from Llama(config, seed), see the same random token batches (bench_dp's), and step
-with the same AdamW (grad_sync.adamw on param_groups of one TrainConfig: lr 3e-3, betas (0.9, 0.95),
+with the same AdamW (parallelize.adamw on param_groups of one TrainConfig: lr 3e-3, betas (0.9, 0.95),
 weight decay 0.1 on matrices) and the same gradient clipping (1.0). Each pair runs in turn, step
 by step (a b, b a, ...), after `--warmup` unmeasured steps; each step starts from a barrier and
 takes as long as its slowest rank. Rank 0 prints the median step times, their ratio (goal: <= 1.0x),
@@ -73,9 +73,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from minipar.data_parallel import param_groups
-from minipar.grad_sync import BETAS, EPS, adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import BETAS, EPS, adamw, build_grad_sync
 from minipar.run.config import ConfigError, TrainConfig
 from minipar.run.train import train_step
 from minipar.zero import ZeroDataParallel
@@ -184,12 +184,12 @@ class StepMemory:
 
 
 def torch_zero1(model, cfg: TrainConfig, mesh: Mesh, device):
-    """DDP + ZeroRedundancyOptimizer holding AdamW with minipar's settings (grad_sync.adamw)."""
+    """DDP + ZeroRedundancyOptimizer holding AdamW with minipar's settings (parallelize.adamw)."""
     ddp = DistributedDataParallel(model, process_group=mesh.groups().dp.pg, bucket_cap_mb=cfg.bucket_mb,
                                   device_ids=[device.index] if device.type == "cuda" else None)
     opt = ZeroRedundancyOptimizer(param_groups(model, cfg), optimizer_class=torch.optim.AdamW,
                                   process_group=mesh.groups().dp.pg, lr=cfg.lr, betas=BETAS, eps=EPS)
-    reference = adamw(param_groups(model, cfg), cfg.lr)  # the settings must be grad_sync.adamw's
+    reference = adamw(param_groups(model, cfg), cfg.lr)  # the settings must be parallelize.adamw's
     for mine, ref in zip(opt.optim.param_groups, reference.param_groups, strict=True):
         assert {k: v for k, v in mine.items() if k != "params"} == {k: v for k, v in ref.items() if k != "params"}
     return ddp, opt

@@ -35,9 +35,9 @@ from bench_common import (
 )
 
 from minipar.data_parallel import param_groups
-from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import adamw, build_grad_sync
 from minipar.precision import resolve
 from minipar.run.config import TrainConfig
 from minipar.run.launch import start_distributed

@@ -28,10 +28,9 @@ import torch.distributed as dist
 from course_common import each_rank, finish, say, start_gloo
 
 from minipar.data_parallel import param_groups
-from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
-from minipar.parallelize import parallelize
+from minipar.parallelize import adamw, build_grad_sync, parallelize
 from minipar.run.config import TrainConfig
 from minipar.run.train import train_step
 from minipar.zero import ZeroDataParallel

@@ -32,11 +32,11 @@ from course_common import each_rank, finish, say, start_gloo, to_rank0
 from minipar.collectives import all_reduce
 from minipar.data_parallel import param_groups
 from minipar.expert_parallel import parallelize_experts
-from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import get_config, init_weights
 from minipar.moe import MoE, take_load
 from minipar.order_check import order_problems
+from minipar.parallelize import adamw, build_grad_sync
 from minipar.run.config import TrainConfig
 from minipar.run.train import build_model, train_step
 

@@ -22,9 +22,9 @@ import torch.distributed as dist
 from course_common import each_rank, say, start_gloo
 
 from minipar.data_parallel import param_groups
-from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import get_config
+from minipar.parallelize import adamw, build_grad_sync
 from minipar.planning.estimate import activation_bytes, head_activation_bytes, held_bytes, layer_activation_bytes
 from minipar.planning.planner import Cluster, plan
 from minipar.run.config import TrainConfig

@@ -22,9 +22,9 @@ from course_common import each_rank, say, start_gloo, to_rank0
 
 from minipar.context_parallel import split_sequence
 from minipar.data_parallel import param_groups
-from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import adamw, build_grad_sync
 from minipar.planning.estimate import bytes_sent, held_bytes, peak_bytes
 from minipar.run.config import TrainConfig
 from minipar.run.train import build_model, train_step

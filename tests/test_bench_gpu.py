@@ -56,8 +56,8 @@ def one_device_losses(strategy: str) -> list[float]:
     """The plain model on one device, trained as bench_gpu's sides train (the same AdamW, clipping
     at 1.0): its loss on the whole global batch of step 0, one step, then its loss on step 1's."""
     from minipar.data_parallel import param_groups
-    from minipar.grad_sync import adamw
     from minipar.model import Llama, get_config
+    from minipar.parallelize import adamw
     from minipar.run.config import TrainConfig
 
     b = bench_gpu()

@@ -11,9 +11,9 @@ import torch
 from safetensors import SafetensorError
 
 from minipar.data_parallel import optimizer_state, param_groups, set_optimizer_state
-from minipar.grad_sync import adamw
 from minipar.mesh import Groups
 from minipar.model import Llama, get_config
+from minipar.parallelize import adamw
 from minipar.run import checkpoint
 from minipar.run.config import TrainConfig
 

@@ -8,9 +8,9 @@ from harness import parallel_llama, run_ranks, tiers
 
 from minipar import context_parallel as C
 from minipar.data_parallel import param_groups
-from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import adamw, build_grad_sync
 from minipar.run.config import TrainConfig
 from minipar.run.train import train_step
 from minipar.tensor_parallel import unshard

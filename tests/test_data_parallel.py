@@ -9,9 +9,9 @@ from harness import run_ranks, tiers
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from minipar.data_parallel import DataParallel, param_groups
-from minipar.grad_sync import adamw
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import adamw
 from minipar.run.config import TrainConfig
 from minipar.run.train import train_step
 
@@ -138,8 +138,8 @@ def test_a_dropped_wrapper_is_freed_with_its_groups(zero):
     import gc
     import weakref
 
-    from minipar.grad_sync import build_grad_sync
     from minipar.mesh import Groups
+    from minipar.parallelize import build_grad_sync
 
     model = Llama(get_config("tiny", vocab_size=64))
     wrapper = build_grad_sync(model, Groups(), [{"params": list(model.parameters())}], adamw_lr, zero=zero)

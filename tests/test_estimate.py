@@ -17,7 +17,7 @@ def grad_sync(model, mesh, cfg: TrainConfig):
     from functools import partial
 
     from minipar.data_parallel import param_groups
-    from minipar.grad_sync import adamw, build_grad_sync
+    from minipar.parallelize import adamw, build_grad_sync
     from minipar.precision import of_config
 
     return build_grad_sync(model, mesh.groups(), param_groups(model, cfg), partial(adamw, lr=cfg.lr), zero=cfg.zero,

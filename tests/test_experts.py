@@ -190,9 +190,9 @@ def train_config(**layout):
 
 def single_device():
     from minipar.data_parallel import param_groups
-    from minipar.grad_sync import adamw
     from minipar.model import Llama
     from minipar.moe import set_aux_scale
+    from minipar.parallelize import adamw
 
     cfg = train_config()
     model = Llama(get_config("tiny-moe", **MODEL), seed=cfg.seed).double()
@@ -214,7 +214,7 @@ def _train(rank, world, layout):
 
     from minipar.context_parallel import split_sequence
     from minipar.data_parallel import param_groups
-    from minipar.grad_sync import adamw, build_grad_sync
+    from minipar.parallelize import adamw, build_grad_sync
     from minipar.run.train import build_model, train_step
     from minipar.tensor_parallel import unshard
 

@@ -13,9 +13,9 @@ from harness import run_ranks
 from test_data_parallel import OPT, global_batch
 
 from minipar.data_parallel import param_groups
-from minipar.grad_sync import build_grad_sync
 from minipar.mesh import Groups, Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import build_grad_sync
 from minipar.placement import Placement, place
 from minipar.run.train import train_step
 

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from harness import run_ranks
 
 from minipar.data_parallel import param_groups
-from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import get_config
+from minipar.parallelize import adamw, build_grad_sync
 from minipar.run.config import TrainConfig
 
 

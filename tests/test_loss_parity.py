@@ -14,9 +14,9 @@ import torch
 from harness import run_ranks, tiers
 
 from minipar.data_parallel import param_groups
-from minipar.grad_sync import build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import build_grad_sync
 from minipar.run.config import TrainConfig
 
 ROWS, SEQ = 8, 16

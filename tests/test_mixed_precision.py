@@ -20,7 +20,7 @@ def _train_objects(cfg: TrainConfig, mesh, model_cfg, optimizer=None):
     from functools import partial
 
     from minipar.data_parallel import param_groups
-    from minipar.grad_sync import adamw, build_grad_sync
+    from minipar.parallelize import adamw, build_grad_sync
     from minipar.precision import of_config
     from minipar.run.train import build_model
 
@@ -283,7 +283,7 @@ class _Weighted(torch.nn.Module):
 
 def _reduced(rank, world, grad_reduce, zero):
     from minipar.collectives import all_gather
-    from minipar.grad_sync import build_grad_sync
+    from minipar.parallelize import build_grad_sync
     from minipar.precision import resolve
 
     g = torch.Generator().manual_seed(rank)  # magnitudes over 2^-6 .. 2^6 and both signs: sums that cancel
@@ -339,7 +339,7 @@ def _two_steps(rank, world, offload):
     from functools import partial
 
     from minipar.data_parallel import param_groups
-    from minipar.grad_sync import adamw, build_grad_sync
+    from minipar.parallelize import adamw, build_grad_sync
     from minipar.precision import of_config
     from minipar.run.train import build_model, train_step
 

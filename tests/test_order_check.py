@@ -9,10 +9,10 @@ import torch
 from harness import parallel_llama, run_ranks, tiers
 
 from minipar.data_parallel import param_groups
-from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import get_config
 from minipar.order_check import order_problems
+from minipar.parallelize import adamw, build_grad_sync
 from minipar.pipeline.executor import Pipeline
 from minipar.run.config import TrainConfig
 from minipar.run.train import train_step

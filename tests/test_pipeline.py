@@ -5,9 +5,9 @@ import torch
 from harness import parallel_llama, run_ranks, tiers
 
 from minipar.data_parallel import DataParallel, param_groups
-from minipar.grad_sync import adamw
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import adamw
 from minipar.pipeline.executor import Pipeline, stage_layers
 from minipar.run.config import TrainConfig
 from minipar.run.train import train_step

@@ -140,16 +140,14 @@ CHAPTERS = {
     1: ("minipar.collectives", "minipar.autograd_ops", "minipar.placement", "minipar.mesh",
         "minipar.order_check"),
     2: ("minipar.data_parallel",),
-    # grad_sync: the one builder that picks chapter 2's wrapper or one of chapter 3's (ZeRO 1-3, with
-    # a precision policy and ZeRO++'s transport): it is read once all of them exist.
-    3: ("minipar.precision", "minipar.zero", "minipar.zero3", "minipar.quantize", "minipar.zeropp",
-        "minipar.grad_sync"),
+    3: ("minipar.precision", "minipar.zero", "minipar.zero3", "minipar.quantize", "minipar.zeropp"),
     4: ("minipar.tensor_parallel",),
     5: ("minipar.context_parallel",),
     6: ("minipar.pipeline",),
-    # parallelize: where chapters 4 to 7 meet. It applies each of them to the plain model in one
-    # documented order, so it imports them all and is whole only once chapter 7's experts exist
-    # (chapter 4 reads its tensor-parallel step); chapter 8 cuts its models on paper with it.
+    # parallelize: where chapters 2 to 7 meet. It applies each of them to the plain model in one
+    # documented order, then builds the gradient-sync wrapper (chapter 2's, or ZeRO 1-3's with a
+    # precision policy and ZeRO++'s transport) around it, so it imports them all and is whole only
+    # once chapter 7's experts exist (chapter 4 reads its tensor-parallel step).
     7: ("minipar.moe", "minipar.expert_parallel", "minipar.parallelize"),
     8: ("minipar.planning",),
     # The appendix: the run's plumbing (run/) assembles every chapter into train.py.

@@ -8,9 +8,9 @@ from harness import parallel_llama, run_ranks, tiers
 from minipar import tensor_parallel as T
 from minipar.collectives import Group
 from minipar.data_parallel import DataParallel, clip_grads, optimizer_state, param_groups, set_optimizer_state
-from minipar.grad_sync import adamw
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import adamw
 from minipar.placement import placement_of
 from minipar.run.config import TrainConfig
 from minipar.run.train import train_step

@@ -52,7 +52,7 @@ def _validate(rank, world, folder, model, layout, micro):
 
     import minipar.run.train as train
     from minipar.data_parallel import param_groups
-    from minipar.grad_sync import adamw, build_grad_sync
+    from minipar.parallelize import adamw, build_grad_sync
     from minipar.run.run_log import RunLog
     from minipar.run.validation import validate
     from minipar.tensor_parallel import unshard

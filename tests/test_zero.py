@@ -9,9 +9,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from minipar.collectives import ring_bytes_sent
 from minipar.data_parallel import param_groups
-from minipar.grad_sync import BETAS, EPS, adamw
 from minipar.mesh import Groups, Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import BETAS, EPS, adamw
 from minipar.run.train import train_step
 from minipar.tensor_parallel import unshard
 from minipar.zero import ZeroDataParallel

@@ -8,9 +8,9 @@ from test_data_parallel import GLOBAL_BATCH, OPT, STEPS, global_batch, new_model
 
 from minipar.collectives import ring_bytes_sent
 from minipar.data_parallel import param_groups
-from minipar.grad_sync import adamw
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.parallelize import adamw
 from minipar.run.train import train_step
 from minipar.tensor_parallel import unshard
 from minipar.zero3 import Zero3DataParallel, units_of

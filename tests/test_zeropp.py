@@ -28,9 +28,9 @@ from test_data_parallel import GLOBAL_BATCH, OPT, SEQ, global_batch, new_model
 
 from minipar.collectives import all_gather
 from minipar.data_parallel import param_groups
-from minipar.grad_sync import adamw, build_grad_sync, check_zero
 from minipar.mesh import Mesh, MeshLayout
 from minipar.model import get_config
+from minipar.parallelize import adamw, build_grad_sync, check_zero
 from minipar.planning.estimate import bytes_sent, held_bytes
 from minipar.precision import FULL, resolve
 from minipar.quantize import qmax
@@ -297,7 +297,7 @@ def test_zeropp_that_cannot_apply_is_refused_in_one_line():
     for args, line in refusals:
         with pytest.raises(ValueError, match=re.escape(line)):
             check(*args)
-    with pytest.raises(ValueError, match=re.escape("--zeropp hpz needs --zero 3")):  # the stage: stated in grad_sync
+    with pytest.raises(ValueError, match=re.escape("--zeropp hpz needs --zero 3")):  # the stage: parallelize.check_zero
         check_zero(2, zeropp=("hpz",))
     assert dp_per_node(MeshLayout(8, dp=4, tp=2, ranks_per_node=4)) == 2  # dp ranks {0,1} and {2,3} share nodes
     assert dp_per_node(MeshLayout(8, dp=2, tp=4, ranks_per_node=2)) == 1  # tp spans nodes: one dp rank each

@@ -15,9 +15,9 @@ from typing import ClassVar
 
 from minipar.context_parallel import check_cp_layout
 from minipar.expert_parallel import check_expert_layout
-from minipar.grad_sync import check_zero
 from minipar.mesh import MeshLayout
 from minipar.model import ModelConfig, config_from
+from minipar.parallelize import check_zero
 from minipar.pipeline.executor import stage_layers
 from minipar.pipeline.schedules import ScheduleError
 from minipar.pipeline.schedules import build as build_schedule

@@ -34,10 +34,9 @@ import torch
 
 from minipar import zeropp
 from minipar.data_parallel import GradSync, param_groups
-from minipar.grad_sync import adamw, build_grad_sync
 from minipar.mesh import Mesh
 from minipar.model import Llama
-from minipar.parallelize import parallelize
+from minipar.parallelize import adamw, build_grad_sync, parallelize
 from minipar.pipeline.executor import Pipeline
 from minipar.precision import of_config
 from minipar.run import checkpoint, saving, validation

@@ -115,7 +115,7 @@ def test_several_processes_on_one_gpu(report):
 
 def _wrapper_equals_one_device(rank, world, kind):
     from minipar.data_parallel import param_groups
-    from minipar.grad_sync import adamw, build_grad_sync
+    from minipar.parallelize import adamw, build_grad_sync
     from minipar.run.train import train_step
 
     device = rank_device()  # cuda under NCCL; the CPU under gloo (tests/test_gpu_bodies_on_gloo.py)

@@ -56,8 +56,8 @@ def one_device(model: str, device) -> dict[str, torch.Tensor]:
     """The plain model trained on the whole global batch, micro-batch by micro-batch as the ranks
     cut it (a mixture of experts' load-balancing loss is per micro-batch: moe.set_aux_scale)."""
     from minipar.data_parallel import param_groups
-    from minipar.grad_sync import adamw
     from minipar.moe import set_aux_scale
+    from minipar.parallelize import adamw
 
     cfg = train_config(model)
     reference = Llama(model_config(model), seed=cfg.seed).to(device=device, dtype=torch.float64)
@@ -78,7 +78,7 @@ def _layout_equals_one_device(rank, world, model, layout):
 
     from minipar.context_parallel import split_sequence
     from minipar.data_parallel import param_groups
-    from minipar.grad_sync import adamw, build_grad_sync
+    from minipar.parallelize import adamw, build_grad_sync
     from minipar.run.train import build_model, train_step
     from minipar.tensor_parallel import unshard
 
