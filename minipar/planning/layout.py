@@ -115,8 +115,6 @@ class Layout:
         if self.zero == 3 and self.pp > 1:
             raise self.error("--zero 3 with --pp: every micro-batch would gather each layer twice; "
                               "use --zero 1 or 2 with pipeline parallelism")
-        if self.zero == 3 and self.recompute:
-            raise self.error("--zero 3 with --recompute is not supported: choose one")
         if self.offload and self.zero not in (1, 2):
             raise self.error("--offload needs --zero 1 or 2: it moves ZeRO's optimizer slices to the CPU")
         try:
