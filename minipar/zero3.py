@@ -24,10 +24,13 @@ frees it and hooks the layer's output, so that the moment backward reaches that 
 gathered again (and the previous one prefetched). Each parameter's post-accumulate-grad hook
 reduce-scatters a bucket once all its gradients are in (stage 2's mechanism), then frees it.
 
-Stage 3 and pipeline parallelism fit poorly: a pipeline runs each stage's forward and backward
-once per micro-batch, interleaved, so the layers would be gathered 2m times per step instead of
-twice. minipar refuses the combination (as it refuses stage 3 with --recompute, whose second
-forward during backward these hooks do not follow).
+With recompute (parallelize.py) a layer runs its forward again inside its backward. The hooks sit
+on the layer's call and recompute wraps only its `forward`: the replay fires no hook, and runs
+after the output's hook, on backward's gather (forward: gather i, run i keeping its input, free i;
+backward: gather i, replay i, backward i, reduce-scatter, free i). Still 3 (N-1)/N Psi a step.
+Stage 3 and pipeline parallelism fit poorly: a pipeline runs each stage's forward and backward once
+per micro-batch, interleaved, so the layers would be gathered 2m times per step instead of twice.
+minipar refuses the combination.
 
 How a bucket's messages travel is its `Transport`'s business: the one here sends the plain
 all-gather and reduce-scatter above, and the wrapper may be handed another (ZeRO++, zeropp.py, the

@@ -51,6 +51,7 @@ def why_not(best, fits, args, cluster) -> list[str]:
     lines = []
     common = {"plain data parallelism": lambda x: x.dp * x.cp == args.gpus and x.zero == 0 and not x.recompute,
               "ZeRO-3 over every GPU (FSDP)": lambda x: x.dp == args.gpus and x.zero == 3 and not x.recompute,
+              "ZeRO-3 over every GPU with recompute": lambda x: x.dp == args.gpus and x.zero == 3 and x.recompute,
               f"tensor parallelism over a node (tp {args.gpus_per_node})": lambda x: x.tp == args.gpus_per_node,
               "pipeline parallelism": lambda x: x.pp > 1,
               "recompute": lambda x: x.recompute}

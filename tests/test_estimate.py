@@ -89,6 +89,7 @@ LAYOUTS = [
     (4, dict(dp=2, cp=2, zero=3)),
     (4, dict(model="tiny-moe", dp=4, ep=2, zero=1)),
     (2, dict(model="tiny-moe", dp=2, ep=2)),
+    (2, dict(dp=2, zero=3, recompute=True)),
 ]
 
 
@@ -164,9 +165,9 @@ def _temporaries(rank, world, layout):
 
 
 @pytest.mark.parametrize("world,layout", tiers([(2, dict(dp=2, zero=1)), (2, dict(dp=2, zero=2)),
-                                                (2, dict(dp=2, zero=3)), (4, dict(dp=2, tp=2, sp=True, zero=3))],
-                                               fast=3),
-                         ids=["zero1", "zero2", "zero3", "tp2-sp-zero3"])
+                                                (2, dict(dp=2, zero=3)), (4, dict(dp=2, tp=2, sp=True, zero=3)),
+                                                (2, dict(dp=2, zero=3, recompute=True))], fast=3),
+                         ids=["zero1", "zero2", "zero3", "tp2-sp-zero3", "zero3-recompute"])
 def test_zeros_temporary_buffers_are_what_the_buckets_allocate_in_a_step(world, layout):
     # Read off the real buckets during two steps: the largest flat gradient handed to a
     # reduce-scatter, and (ZeRO-3) the most weights gathered at once: two units, the one running
@@ -509,7 +510,11 @@ TRAFFIC_LAYOUTS = [(2, dict(dp=2)), (4, dict(dp=4)), (2, dict(dp=2, zero=1)), (2
                    (2, dict(cp=2, recompute=True)),
                    # Ulysses: four all-to-alls each way per layer (q, k rotated in the weights' width)
                    (2, dict(cp=2, cp_attention="ulysses")), (2, dict(cp=2, cp_attention="ulysses", dtype="bfloat16")),
-                   (2, dict(cp=2, cp_attention="ulysses", recompute=True))]
+                   (2, dict(cp=2, cp_attention="ulysses", recompute=True)),
+                   # ZeRO-3 with --recompute: a layer's replay runs on its backward gather, so dp's bytes
+                   # are ZeRO-3's (3 Psi a micro-batch), tp's those of a replayed forward
+                   (2, dict(dp=2, zero=3, recompute=True)), (4, dict(dp=2, tp=2, sp=True, zero=3, recompute=True)),
+                   (2, dict(dp=2, zero=3, recompute=True, **MIXED))]
 
 
 @pytest.mark.parametrize("world,layout", tiers(TRAFFIC_LAYOUTS, fast=9),

@@ -21,6 +21,16 @@ def test_an_8b_llama_on_one_node_of_8_gpus_is_sharded_data_parallelism():
     assert (best.tp, best.pp) == (1, 1) and best.dp * best.cp == 8 and best.zero == 3, fits[0].flags()
 
 
+def test_the_planner_weighs_zero3_with_recompute_torchtitans_8b_shape_fits_where_zero3_alone_does_not():
+    # torchtitan's Llama-3 8B recipe: FSDP over 8 GPUs, 8,192 tokens, no tp, pp or cp, activation
+    # checkpointing. Without recompute a step's activations do not fit beside ZeRO-3's states.
+    fits, _ = plan("8b", Cluster(8), seq_len=8192, global_batch=1024)
+    fsdp = [ch for ch in fits if ch.cfg.dp == 8 and ch.cfg.zero == 3]
+    assert [ch.cfg.recompute for ch in fsdp] == [True], [ch.flags() for ch in fsdp]
+    best = fits[0]  # recompute replays every whole layer: 8/6 of the compute, and the rest the same
+    assert fsdp[0].time["compute"] == pytest.approx(8 / 6 * best.time["compute"])
+
+
 def test_a_70b_llama_on_64_gpus_uses_tensor_parallelism_inside_nodes_plus_pipeline_stages():
     fits, too_big = plan("70b", Cluster(64), seq_len=8192, global_batch=256)
     best = fits[0].cfg

@@ -206,22 +206,23 @@ def test_headline_dp2_tp2_pp2_on_8_ranks_matches_one_process_in_float32(tmp_path
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("zero,extra", [(2, ["--recompute"]), (3, [])])
+@pytest.mark.parametrize("zero,extra", [(2, ["--recompute"]), (3, []), (3, ["--recompute"])])
 def test_zero_resumes_a_dp2_checkpoint_and_continues_its_losses(run_a, zero, extra):
     tmp = run_a
-    run(common(tmp, dp=2, zero=zero, steps=20, resume=tmp / "a" / "step_000010", out=tmp / f"z{zero}",
-               log_json=tmp / f"z{zero}.jsonl") + extra, nproc=2)
-    a, z = losses(tmp / "a.jsonl"), losses(tmp / f"z{zero}.jsonl")
+    name = f"z{zero}{''.join(extra)}"
+    run(common(tmp, dp=2, zero=zero, steps=20, resume=tmp / "a" / "step_000010", out=tmp / name,
+               log_json=tmp / f"{name}.jsonl") + extra, nproc=2)
+    a, z = losses(tmp / "a.jsonl"), losses(tmp / f"{name}.jsonl")
     for step in z:
         assert z[step] == pytest.approx(a[step], rel=1e-10), step
-    held = json.loads((tmp / f"z{zero}.jsonl").read_text().splitlines()[-1])["held_bytes"]
+    held = json.loads((tmp / f"{name}.jsonl").read_text().splitlines()[-1])["held_bytes"]
     plain = json.loads((tmp / "a.jsonl").read_text().splitlines()[-1])["held_bytes"]
     assert held["optimizer"] <= plain["optimizer"] // 2 + 1024  # Adam's moments: half per rank at dp=2
     if zero == 3:  # between steps only the master slices: half the weights
         assert held["params"] <= plain["params"] // 2 + 1024
     # Its own final checkpoint holds the whole model and optimizer, as an unsharded run's does.
 
-    mine = load_file(tmp / f"z{zero}" / "step_000020" / "optimizer.safetensors")
+    mine = load_file(tmp / name / "step_000020" / "optimizer.safetensors")
     theirs = load_file(tmp / "a" / "step_000020" / "optimizer.safetensors")
     assert mine.keys() == theirs.keys()
     for key in theirs:

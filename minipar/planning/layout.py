@@ -114,8 +114,6 @@ class Layout:
         if self.zero == 3 and self.pp > 1:
             raise self.error("--zero 3 with --pp: every micro-batch would gather each layer twice; "
                               "use --zero 1 or 2 with pipeline parallelism")
-        if self.zero == 3 and self.recompute:
-            raise self.error("--zero 3 with --recompute is not supported: choose one")
         try:
             check_zero(self.zero, self.offload, parse_zeropp(self.zeropp) if self.zeropp is not None else ())
             resolve_precision(self.precision, self.dtype, self.grad_reduce)
