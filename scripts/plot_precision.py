@@ -1,4 +1,4 @@
-"""The fp32 and bf16-mixed loss curves of one run, side by side (chapter 3 shows
+"""The fp32 and bf16-mixed loss curves of one run, side by side (chapter 3b shows
 docs/img/03_fp32_vs_bf16_loss.png).
 
     .venv/bin/python scripts/plot_precision.py                 # 300 steps: runs/03_fp32_vs_bf16_loss.png
@@ -10,7 +10,7 @@ docs/img/ to update the course's.
 Runs scripts/train.py twice on its built-in data (the Python standard library's text), the same
 seed, model and batches, once with `--precision fp32` and once with `--precision bf16-mixed`, reads
 the two JSON logs and plots the losses, with their relative difference below. Chapter:
-docs/03_zero.md (mixed precision).
+docs/03b_mixed_precision.md.
 """
 
 from __future__ import annotations

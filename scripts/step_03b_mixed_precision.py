@@ -15,7 +15,7 @@ turns the model's own weights into bf16 working copies; gradients are bf16. One 
     sends the gradients at twice the width and buys one rounding of the sum instead of N - 1
     (tests/test_mixed_precision.py measures that against the exact mean).
 
-Chapter: docs/03_zero.md (mixed precision). The loss curves: scripts/plot_precision.py.
+Chapter: docs/03b_mixed_precision.md. The loss curves: scripts/plot_precision.py.
 """
 
 from functools import partial

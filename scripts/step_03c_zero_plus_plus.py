@@ -16,7 +16,7 @@ plain, each of --zeropp's three options alone, and all three (zeropp.py explains
     weights differ in their last bits from one CPU's kernels to another's, so the loss is shown to
     2 decimals and each difference by the power of ten it stays under).
 
-Chapter: docs/03_zero.md (ZeRO++). Tests: tests/test_zeropp.py.
+Chapter: docs/03c_zero_plus_plus.md. Tests: tests/test_zeropp.py.
 """
 
 import argparse
