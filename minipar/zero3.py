@@ -39,6 +39,7 @@ chapter's last section) that sends them its own way. Nothing else here changes w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
@@ -74,16 +75,19 @@ def unit_chunks(units: list[nn.Module], params: list[nn.Parameter]) -> list[list
 
 class Transport:
     """How a bucket's messages travel: here plainly, an all-gather of every rank's shard and a reduce-
-    scatter of the gradients over its group, whatever the phase of the gather."""
+    scatter of the gradients over its group. Each gather starts into bucket.full; wait() ends it."""
 
     def prepare(self, bucket: ShardedBucket) -> None:  # once, when the bucket is made
         pass
 
-    def start_gather(self, bucket: ShardedBucket, phase: str) -> Any:  # into bucket.full; wait() ends it
+    def gather_exact(self, bucket: ShardedBucket) -> Any:  # the shards as they are (checkpoints, step's end)
         return all_gather_into(bucket.full.data, bucket.shard, bucket.group, async_op=True)  # N x [padded // N]
 
-    def gathered(self, bucket: ShardedBucket, phase: str) -> None:  # once a gather of `phase` has arrived
-        pass
+    def gather_forward(self, bucket: ShardedBucket) -> Any:  # before a unit's forward
+        return self.gather_exact(bucket)
+
+    def gather_backward(self, bucket: ShardedBucket) -> Any:  # before a unit's backward
+        return self.gather_exact(bucket)
 
     def reduce_scatter(self, bucket: ShardedBucket, flat: torch.Tensor) -> torch.Tensor:
         return reduce_scatter(flat, bucket.group)  # [padded] -> [padded // N]
@@ -103,27 +107,26 @@ class ShardedBucket(ZeroBucket):
         super().__init__(params, group, spread, precision=precision)  # parameters: views into self.full [padded]
         self.shard = self.master.detach().to(self.full.dtype)  # [padded / N]; the master when of one dtype
         self.transport = transport or Transport()
-        self.work: Any = None  # the gather in flight, and its phase
-        self.phase = ""
+        self.work: Any = None  # the gather in flight
         self.transport.prepare(self)
         self.free()
 
     def free(self) -> None:
         self.full.untyped_storage().resize_(0)  # still shaped [padded], now 0 bytes behind it
 
-    def start_gather(self, phase: str = "exact") -> None:
-        """phase: "forward", "backward" (a transport may send these its own ways) or "exact" (the masters')."""
+    def start_gather(self, send: Callable[[ShardedBucket], Any] | None = None) -> None:
+        """send: the transport's gather_forward or gather_backward (each may travel its own way);
+        by default its gather_exact."""
         if self.full.untyped_storage().nbytes() > 0:
             return  # gathered, or on its way
         self.full.untyped_storage().resize_(self.padded * self.full.element_size())  # [padded] again
-        self.work, self.phase = self.transport.start_gather(self, phase), phase
+        self.work = (send or self.transport.gather_exact)(self)
 
-    def gather(self, phase: str = "exact") -> None:
-        self.start_gather(phase)
+    def gather(self, send: Callable[[ShardedBucket], Any] | None = None) -> None:
+        self.start_gather(send)
         if self.work is not None:
             self.work.wait()
             self.work = None
-            self.transport.gathered(self, self.phase)
 
     def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
         return self.transport.reduce_scatter(self, flat)
@@ -158,12 +161,12 @@ class Zero3DataParallel(ZeroDataParallel):
 
     def _before(self, i: int, step: int) -> None:
         """Gather unit i now; start gathering the unit that runs next (i+1 forward, i-1 backward)."""
-        phase = "forward" if step == 1 else "backward"
+        send = self._transport.gather_forward if step == 1 else self._transport.gather_backward
         for b in self._unit_buckets[i]:
-            b.gather(phase)
+            b.gather(send)
         if 0 <= i + step < len(self._units):
             for b in self._unit_buckets[i + step]:
-                b.start_gather(phase)
+                b.start_gather(send)
 
     def _after_forward(self, i: int, out) -> None:
         for b in self._unit_buckets[i]:

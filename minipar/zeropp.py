@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -139,16 +140,16 @@ class ZeroPP(Transport):
             bucket.node_slice = slice(j * bucket.padded // k, (j + 1) * bucket.padded // k)
             bucket.secondary = torch.zeros(bucket.padded // k, dtype=bucket.full.dtype, device=bucket.full.device)
 
-    def start_gather(self, bucket, phase: str):
-        if phase == "backward" and self.hpz:  # hpZ: from the node's copy, over the node: K x [P/K]
-            return all_gather_into(bucket.full.data, bucket.secondary, self.intra, async_op=True)
-        if phase == "forward" and self.qwz:  # qwZ: int8 codes and scales, dequantized on arrival
-            return QuantizedGather(bucket.full.data, bucket.shard, bucket.group, self.weight_bits, self.block)
-        return super().start_gather(bucket, phase)
+    def gather_forward(self, bucket):
+        # qwZ: int8 codes and scales, dequantized on arrival; hpZ: the arrival fills the node's copy
+        work = QuantizedGather(bucket.full.data, bucket.shard, bucket.group, self.weight_bits, self.block) \
+            if self.qwz else self.gather_exact(bucket)
+        return KeepNodeCopy(work, bucket) if self.hpz else work
 
-    def gathered(self, bucket, phase: str) -> None:
-        if phase == "forward" and self.hpz:  # a forward gather of this step's weights fills the node's copy
-            bucket.secondary.copy_(bucket.full.data[bucket.node_slice])
+    def gather_backward(self, bucket):
+        if self.hpz:  # hpZ: from the node's copy, over the node: K x [P/K]
+            return all_gather_into(bucket.full.data, bucket.secondary, self.intra, async_op=True)
+        return self.gather_exact(bucket)
 
     def reduce_scatter(self, bucket: ShardedBucket, flat: torch.Tensor) -> torch.Tensor:
         if not self.qgz:
@@ -190,6 +191,18 @@ def unpack(wire: torch.Tensor, numel: int, bits: int, dtype: torch.dtype, block:
 
 
 # -- qwZ: the forward all-gather in int8 -----------------------------------------------------------
+
+
+@dataclass
+class KeepNodeCopy:
+    """hpZ: a forward gather in flight; on arrival its node's slice is kept for backward's gather."""
+
+    work: Any
+    bucket: Any  # a ShardedBucket that prepare gave hpZ's secondary shard and node_slice
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.bucket.secondary.copy_(self.bucket.full.data[self.bucket.node_slice])
 
 
 class QuantizedGather:

@@ -148,8 +148,8 @@ def _temporaries(rank, world, layout):
             measured["flattened"] = max(measured["flattened"], flat.untyped_storage().nbytes())
             return flat
 
-        def gathered(bucket, *phase):  # after each gather: every bucket's weights that exist whole right now
-            start_gather(bucket, *phase)
+        def gathered(bucket, *send):  # after each gather: every bucket's weights that exist whole right now
+            start_gather(bucket, *send)
             now = sum(b.full.untyped_storage().nbytes() for b in wrapper.buckets)
             measured["gathered"] = max(measured["gathered"], now)
         ZeroBucket._flatten, ShardedBucket.start_gather = flattened, gathered

@@ -133,14 +133,18 @@ def test_zero3_with_tp2_and_sequence_parallel_equals_single_device():
 
 
 class CountingTransport(Transport):
-    """The plain transport, counting the gathers each bucket sends, by phase."""
+    """The plain transport, counting the gathers each bucket sends, forward and backward."""
 
     def __init__(self):
         self.sent = Counter()
 
-    def start_gather(self, bucket, phase):
-        self.sent[id(bucket), phase] += 1
-        return super().start_gather(bucket, phase)
+    def gather_forward(self, bucket):
+        self.sent[id(bucket), "forward"] += 1
+        return super().gather_forward(bucket)
+
+    def gather_backward(self, bucket):
+        self.sent[id(bucket), "backward"] += 1
+        return super().gather_backward(bucket)
 
 
 def _zero3_recompute(rank, world, accum, recompute=True):
