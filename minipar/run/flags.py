@@ -127,6 +127,8 @@ def parser(d) -> argparse.ArgumentParser:
     g = p.add_argument_group("checkpoints and logs")
     g.add_argument("--out", default=None, help="checkpoint directory (default: runs/run_NNN, a new one)")
     g.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")
+    g.add_argument("--save-on-interrupt", action=switch, default=True, help="Ctrl-C stops every rank after the "
+                   "same step and saves it (default; --no-save-on-interrupt: unsaved); a second Ctrl-C stops at once")
     g.add_argument("--resume", default=None, help="a checkpoint folder, an --out folder (its newest that verifies), "
                    "or auto: --out's newest if it has one, else start fresh (for torchrun --max-restarts)")
     g.add_argument("--allow-config-change", action=switch, default=False,
