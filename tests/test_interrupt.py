@@ -82,21 +82,30 @@ def test_a_later_ctrl_c_or_one_before_the_steps_stops_at_once_with_one_line_from
     assert not (out / ".lock").exists()
 
 
-def test_a_ctrl_c_at_step_3_saves_step_3_says_so_in_one_line_and_the_resumed_run_continues_its_losses(
-        tmp_path, monkeypatch, capsys):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
-    argv = common(tmp_path, steps=6, save_every=100)
-    before = signal.getsignal(signal.SIGINT)
-    assert launch.main(argv + [f"--out={tmp_path / 'a'}", f"--log-json={tmp_path / 'a.jsonl'}"]) == 0
+def interrupt_at_tick(n, monkeypatch):
+    """A SIGINT to this process as step n begins (RunLog.tick), as Ctrl-C would send it."""
     ticks = []
 
-    def tick(self):  # Ctrl-C during step 3
+    def tick(self):
         ticks.append(1)
-        if len(ticks) == 3:
+        if len(ticks) == n:
             os.kill(os.getpid(), signal.SIGINT)
         self.t0 = time.perf_counter()
     monkeypatch.setattr(RunLog, "tick", tick)
+
+
+def one_process(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_a_ctrl_c_at_step_3_saves_step_3_says_so_in_one_line_and_the_resumed_run_continues_its_losses(
+        tmp_path, monkeypatch, capsys):
+    one_process(monkeypatch)
+    argv = common(tmp_path, steps=6, save_every=100)
+    before = signal.getsignal(signal.SIGINT)
+    assert launch.main(argv + [f"--out={tmp_path / 'a'}", f"--log-json={tmp_path / 'a.jsonl'}"]) == 0
+    interrupt_at_tick(3, monkeypatch)
     capsys.readouterr()
     assert launch.main(argv + [f"--out={tmp_path / 'b'}", f"--log-json={tmp_path / 'b.jsonl'}"]) == 130
     assert signal.getsignal(signal.SIGINT) is before
@@ -106,13 +115,23 @@ def test_a_ctrl_c_at_step_3_saves_step_3_says_so_in_one_line_and_the_resumed_run
     assert said == [f"minipar: interrupted: stopped after step 3 of 6, on every rank; continue with --resume {ckpt}"]
     assert sorted(p.name for p in (tmp_path / "b").glob("step_*")) == ["step_000003"]
     monkeypatch.undo()
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
+    one_process(monkeypatch)
     resumed = [f"--resume={ckpt}", f"--out={tmp_path / 'c'}", f"--log-json={tmp_path / 'c.jsonl'}"]
     assert launch.main(argv + resumed) == 0
     a, b, c = (losses(tmp_path / f"{x}.jsonl") for x in "abc")
     assert sorted(b) == [1, 2, 3] and sorted(c) == [4, 5, 6]
     assert {**b, **c} == a  # float64, the same steps: exactly the uninterrupted run's losses
+
+
+def test_with_no_save_on_interrupt_the_stop_names_the_newest_checkpoint_already_saved(tmp_path, monkeypatch, capsys):
+    one_process(monkeypatch)
+    interrupt_at_tick(3, monkeypatch)
+    argv = common(tmp_path, steps=6, save_every=2, out=tmp_path / "b") + ["--no-save-on-interrupt"]
+    assert launch.main(argv) == 130
+    said = [line for line in capsys.readouterr().out.splitlines() if "interrupted" in line]
+    ckpt = tmp_path / "b" / "step_000002"
+    assert said == [f"minipar: interrupted: stopped after step 3 of 6, on every rank; continue with --resume {ckpt}"]
+    assert sorted(p.name for p in (tmp_path / "b").glob("step_*")) == ["step_000002"]
 
 
 def started_stepping(proc) -> list[str]:

@@ -8,9 +8,8 @@
       exit code             0 done; 2 bad input (one line); 3 the run diverged; 4 a rank stopped
                             answering within --timeout (hang_report names what it waited for,
                             and which ranks of the group never reached it: HangWatch listens
-                            to the ledger for it); 130 Ctrl-C: stopped after a step every rank
-                            agreed on, saved there, or at once at a second Ctrl-C (one line,
-                            saving.Interrupt; a torchrun worker's agreed stop is 0, not restarted)
+                            to the ledger for it); 130 Ctrl-C (saving.Interrupt): stopped after a
+                            step all ranks agreed on, or at once at a second (a torchrun worker: 0)
 
 Everything checkable is checked before torch.distributed starts: a bad command line costs one
 line, not a hang. Under torchrun each worker asks Linux to end it when torchrun dies
@@ -302,8 +301,7 @@ def start_distributed(timeout: float | None = None) -> torch.device:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         join(lambda: dist.init_process_group(backend, **limit), timeout)
     else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                                **limit)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, **limit)
         if backend == "nccl":
             torch.cuda.set_device(0)
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

@@ -58,7 +58,7 @@ class RunLog:
         self.memory_base = memory_baseline(self.device)
 
     def say(self, text: str) -> None:
-        if self.is_main:
+        if self.is_main and text:
             tqdm.write(text, file=sys.stdout)
 
     def start(self, model_cfg, data, dtype, start: int) -> None:

@@ -1,19 +1,15 @@
-"""The checkpoint policy: when the loop saves, and what it never saves; and the stop at Ctrl-C.
+"""The checkpoint policy: when the loop saves, and what it never saves; and Ctrl-C's stop.
 
-A run saves after every `--save-every` steps, after its last, and where Ctrl-C stopped it (unless
---no-save-on-interrupt). Every rank helps: the tp shards and pp stages are gathered into full tensors
-(checkpoint.gather_full), rank 0 writes them with the data's fingerprint and tokenizer
-(checkpoint.save: a hidden folder, renamed when whole), and the others wait for it. A non-finite
-weight anywhere stops the run instead (`TrainingStopped`, exit 3): nothing bad is ever saved, and
-the last good checkpoint stays the newest.
+A run saves after every `--save-every` steps, after its last, and where Ctrl-C stopped it. Every
+rank helps: the tp shards and pp stages are gathered into full tensors (checkpoint.gather_full),
+rank 0 writes them with the data's fingerprint and tokenizer (checkpoint.save: a hidden folder,
+renamed when whole), and the others wait for it. A non-finite weight anywhere stops the run instead
+(`TrainingStopped`, exit 3): nothing bad is ever saved, and the last good checkpoint stays the newest.
 
-Ctrl-C is a normal way to stop (`Interrupt`). Each rank's part in the step's metrics gather says
-whether it was interrupted (run_log.py), so every rank learns it after the same step: none is left
-waiting in a collective. They save there, rank 0 names the step and the checkpoint in one line,
-and the run exits 130 (a torchrun worker 0: torchrun --max-restarts must not start it again).
-torchrun forwards Ctrl-C to its workers as SIGINT, the terminal may signal them too, and SIGTERM
-follows when torchrun dies: a repeat within a second is the same Ctrl-C. A later one (the user's
-second), or one before the steps begin (no step's end to agree on), stops at once: one line, 130.
+Ctrl-C (SIGINT) is a normal way to stop (`Interrupt`): whether a rank heard it travels in the step's
+metrics gather (run_log.py), so every rank stops after the same step and none waits in a collective.
+torchrun passes a Ctrl-C on to its workers, a terminal may signal them too, SIGTERM may follow: a
+repeat within a second is the same Ctrl-C. A later one, or one before the steps, stops at once.
 """
 
 from __future__ import annotations
@@ -67,8 +63,7 @@ def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Me
                  "model_config": asdict(wrapper.module.config)}  # what the weights are of (sample.py, convert.py)
         try:
             path = checkpoint.save(cfg.out, step, *full, state, data.tokenizer_file)
-            if not quiet:
-                log.say(f"saved {path}")
+            log.say("" if quiet else f"saved {path}")
         except checkpoint.CheckpointError as e:  # a full disk: nothing partial is left
             failure = str(e)
     failed = torch.tensor([float(bool(failure))], device=finite.device)
@@ -78,30 +73,28 @@ def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Me
 
 
 class Interrupt:
-    """This process's Ctrl-C handling for one run (see the module docstring), inside `with`. `at`: when
-    the first interrupt came (None: none yet); `stepping`: the loop runs, so a stop can wait for the
-    end of the step."""
+    """Ctrl-C's handling in this process, inside `with` (see the module docstring)."""
 
-    def __init__(self):
-        self.out: str | None = None  # --out, once checked: the line of a stop names its newest checkpoint
-        self.at: float | None = None
-        self.stepping, self.replaced = False, {}
+    out: str | None = None  # --out, once checked: a stop's line names its newest checkpoint
+    at: float | None = None  # when the first Ctrl-C came (time.monotonic); None: none yet
+    stepping = False  # the steps have begun: a Ctrl-C waits for the end of the step
+    replaced: dict = {}  # the handlers it replaced, put back at the end
 
     def __enter__(self) -> Interrupt:
         if threading.current_thread() is threading.main_thread():  # the only thread that may set handlers
-            self.replaced = {sig: signal.signal(sig, self.heard) for sig in (signal.SIGINT, signal.SIGTERM)}
+            self.replaced = {s: signal.signal(s, self.heard) or signal.SIG_DFL for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def heard(self, sig: int, frame=None) -> None:
         if self.at is not None and time.monotonic() - self.at < 1.0:
             return  # the same Ctrl-C again: from the terminal and from torchrun, or torchrun's SIGTERM after it
-        if sig == signal.SIGTERM and self.at is None:  # no Ctrl-C before: torchrun ending the run, as before
+        if sig == signal.SIGTERM and self.at is None:  # no Ctrl-C before: torchrun ending the run, as ever
             signal.signal(sig, self.replaced[sig])
             return os.kill(os.getpid(), sig)  # to the handler it replaced: by default, the end
         if self.at is None and self.stepping:  # stop after this step, every rank alike (RunLog.record)
             self.at = time.monotonic()
             return
-        if os.environ.get("RANK", "0") == "0":  # the second Ctrl-C, or one before the steps began: at once
+        if os.environ.get("RANK", "0") == "0":  # a second Ctrl-C, or one before the steps: at once
             sys.stdout.flush()
             print(f"minipar: interrupted{' again' if self.at else ''}: stopped at once; {resume_hint(self.out)}",
                   file=sys.stderr, flush=True)
@@ -109,7 +102,7 @@ class Interrupt:
                 checkpoint.unlock(self.out)
         os._exit(130)
 
-    def __exit__(self, *exc) -> None:  # the handlers it replaced, back, once a Ctrl-C's copies are all in
+    def __exit__(self, *exc) -> None:  # the handlers back, once a Ctrl-C's copies are all in
         time.sleep(max(0.0, self.at + 1.0 - time.monotonic()) if self.at is not None else 0.0)
         for sig, handler in self.replaced.items():
             signal.signal(sig, handler)
