@@ -134,14 +134,14 @@ def test_with_no_save_on_interrupt_the_stop_names_the_newest_checkpoint_already_
     assert sorted(p.name for p in (tmp_path / "b").glob("step_*")) == ["step_000002"]
 
 
-def started_stepping(proc) -> list[str]:
-    """stdout's lines up to the log line of step 3 (log_every 1): the run is in its steps."""
+def started_stepping(proc, step=3) -> list[str]:
+    """stdout's lines up to the log line of `step` (log_every 1): the run is in its steps."""
     lines = []
     for line in proc.stdout:
         lines.append(line.rstrip("\n"))
-        if line.startswith("step     3/"):
+        if line.startswith(f"step {step:>5}/"):
             return lines
-    raise AssertionError("the run ended before step 3:\n" + "\n".join(lines) + proc.stderr.read()[-3000:])
+    raise AssertionError(f"the run ended before step {step}:\n" + "\n".join(lines) + proc.stderr.read()[-3000:])
 
 
 def popen(cmd, argv):
@@ -204,3 +204,28 @@ def test_under_torchrun_one_ranks_ctrl_c_heard_three_times_at_once_stops_every_r
     said = [line for line in lines if "interrupted" in line or line.startswith("saved")]
     assert len(said) == 1 and STOPPED.match(said[0]), said
     assert (tmp_path / "b" / f"step_{int(STOPPED.match(said[0])[1]):06d}").is_dir()
+
+
+@pytest.mark.integration
+def test_a_second_ctrl_c_a_while_later_stops_at_once_in_one_line_and_gives_out_back(tmp_path):
+    # Steps of seconds (the small model, 128 sequences of 128 tokens): the second Ctrl-C, 1.2 s after the
+    # first, comes while the step the first one waits for is still running. The agent, interrupted again,
+    # sends the workers SIGTERM: they stop at once.
+    argv = common(tmp_path, model="small", seq_len=128, global_batch=128, micro_batch=8, dp=2, steps=20,
+                  log_every=1, out=tmp_path / "b")
+    proc = popen([sys.executable], argv + ["--nproc-per-node=2"])
+    try:
+        lines = started_stepping(proc, step=1)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1.2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    if any(STOPPED.match(line) for line in lines + out.splitlines()):
+        pytest.skip("a step took under 1.2 s here: the first Ctrl-C's stop came before the second")
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "Error" not in err, err[-3000:]
+    said = [line for line in err.splitlines() if "minipar" in line]
+    assert said == ["minipar: interrupted again: stopped at once; no checkpoint was saved"], err[-3000:]
+    assert not (tmp_path / "b" / ".lock").exists()

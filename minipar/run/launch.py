@@ -201,8 +201,8 @@ def start_workers(agent: list[str], argv: list[str]) -> int:
     except ChildFailedError as e:  # each worker has said why in its own line: exit as the first that failed
         code = e.get_first_failure()[1].exitcode
         return code if code > 0 else 1  # < 0: killed by a signal
-    except SignalException:  # Ctrl-C: the agent passed it on and waited for the workers' stop (their line)
-        return 130
+    except SignalException as e:  # Ctrl-C: the agent passed it on and waited for the workers' stop (their line)
+        return 128 + e.sigval  # 130 for SIGINT, as a shell reports it
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)

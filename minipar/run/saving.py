@@ -102,8 +102,9 @@ class Interrupt:
                 checkpoint.unlock(self.out)
         os._exit(130)
 
-    def __exit__(self, *exc) -> None:  # the handlers back, once a Ctrl-C's copies are all in
-        time.sleep(max(0.0, self.at + 1.0 - time.monotonic()) if self.at is not None else 0.0)
+    def __exit__(self, *exc) -> None:
+        if self.at is not None:  # the handlers back once the copies of a Ctrl-C are all in
+            time.sleep(max(0.0, self.at + 1.0 - time.monotonic()))
         for sig, handler in self.replaced.items():
             signal.signal(sig, handler)
 
