@@ -81,11 +81,9 @@ class MeshLayout:
                               f"divisor of {self.world_size} (the ranks torchrun starts on each node)")
         product = self.dp * self.tp * self.pp * self.cp
         if product != self.world_size:
-            raise LayoutError(
-                f"--dp {self.dp} x --tp {self.tp} x --pp {self.pp} x --cp {self.cp} = {product} ranks, "
-                f"but the world has {self.world_size}: launch with torchrun --nproc-per-node {product} "
-                f"or change the degrees so that their product is {self.world_size}"
-            )
+            raise LayoutError(f"--dp {self.dp} x --tp {self.tp} x --pp {self.pp} x --cp {self.cp} = {product} ranks, "
+                              f"but the world has {self.world_size}: launch with torchrun --nproc-per-node "
+                              f"{product} or change the degrees so that their product is {self.world_size}")
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -178,7 +178,7 @@ def main(t, extra, world, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.delenv("RANK", raising=False)
 
-    def run(cfg, resume):
+    def run(cfg, resume, interrupt):
         raise Started
     monkeypatch.setattr(launch, "launch", run)
     return launch.main(base(t) + [a.format(t=t) for a in extra])
@@ -389,7 +389,7 @@ def test_bad_input_is_one_line_exit_2_and_no_process_group(t, extra, world, frag
 
 
 def test_a_preset_vocabulary_too_small_for_a_bpe_is_one_line(t, monkeypatch, capsys):
-    monkeypatch.setattr(launch, "launch", lambda cfg, resume: pytest.fail("the checks passed"))
+    monkeypatch.setattr(launch, "launch", lambda cfg, resume, interrupt: pytest.fail("the checks passed"))
     assert launch.main([a for a in base(t) if not a.startswith("--vocab-size")]) == 2  # tiny's vocabulary: 256
     assert capsys.readouterr().err == ("minipar: error: --model tiny's vocabulary 256 cannot hold a byte-level BPE "
                                        "(the 256 bytes and <|endoftext|>): pass --vocab-size 257 or more\n")
@@ -407,7 +407,7 @@ def test_an_error_of_another_rank_alone_is_printed_by_it_with_its_rank(t, monkey
     pauses = []
     monkeypatch.setattr(launch.time, "sleep", pauses.append)
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.setattr(launch, "launch", lambda cfg, resume: pytest.fail("the checks passed"))
+    monkeypatch.setattr(launch, "launch", lambda cfg, resume, interrupt: pytest.fail("the checks passed"))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.chdir(t)
     assert launch.main(base(t) + ["--dp=2", f"--data={t}/missing.txt"]) == 2
@@ -503,7 +503,7 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_by_name_and_the_run_resumes_fr
         t, resume, monkeypatch, capsys):
     out = two_checkpoints_newest_corrupt(t, f"corrupt_newest_{resume.split()[-1]}")
     started = []
-    monkeypatch.setattr(launch, "launch", lambda cfg, path: started.append(path))
+    monkeypatch.setattr(launch, "launch", lambda cfg, path, interrupt: started.append(path) or 0)
     monkeypatch.chdir(t)
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "1")

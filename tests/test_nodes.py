@@ -116,7 +116,7 @@ ARGV = ["--dp=4", "--micro-batch=1", "--no-wandb"]
 def test_a_bad_ranks_per_node_is_one_line_exit_2(flag, line, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setattr(launch, "launch", lambda cfg, resume: pytest.fail("the run started"))
+    monkeypatch.setattr(launch, "launch", lambda cfg, resume, interrupt: pytest.fail("the run started"))
     assert launch.main([*ARGV, flag]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("minipar: error: ") and line in lines[0], lines

@@ -38,7 +38,12 @@ LIBRARY = sorted((ROOT / "minipar").rglob("*.py"))
 # weights, precision on resume, flags that would change nothing, bounded counts, the JSON log's
 # restart mark, a lost peer in one line: together +210 (about +190 and +170, less the branches the
 # seams removed). Issue 28 asked for no growth past 8,362; the library is 8,730: not met.
-LINE_BUDGET = 4000 + 400 + 500 + 500 + 400 + 500 + 300 + 150 + 100 + 300 + 350 + 100 + 300 + 200 + 330 + 90 + 210
+# Then issue 27's Ctrl-C stop, a capability the loop lacked: saving.Interrupt (SIGINT's handler; a
+# repeat within a second is the same Ctrl-C; a later one stops at once in one line; the handlers put
+# back), the stop agreed through the step's metrics gather, the save and the one line there, and the
+# in-process torchrun agent's SignalException with its handlers put back: +74. Its files were trimmed
+# first (flags.py's parser, launch.py's one wrapped statement that fits a line).
+LINE_BUDGET = 4000 + 400 + 500 + 500 + 400 + 500 + 300 + 150 + 100 + 300 + 350 + 100 + 300 + 200 + 330 + 90 + 210 + 74
 
 
 def test_the_library_stays_within_its_line_budget_and_400_lines_per_file():

@@ -98,7 +98,7 @@ def refused(argv, monkeypatch, capsys) -> str:
     monkeypatch.chdir(ROOT)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-    def started(cfg, resume):
+    def started(cfg, resume, interrupt):
         raise Started
 
     monkeypatch.setattr(launch, "launch", started)

@@ -95,10 +95,9 @@ class TokenData:
         self.windows, self.val_windows = windows_in(docs, ~val, self.seq_len), windows_in(docs, val, self.seq_len)
         self.num_windows, self.val_docs = len(self.windows), int(val.sum())
         if self.num_windows < 1:
-            raise DataError(
-                f"the corpus has {int(docs[~val, 2].sum() - docs[~val, 1].sum())} tokens for training, fewer than "
-                f"one window of --seq-len {self.seq_len} + 1: use more text or a shorter sequence"
-            )
+            tokens = int(docs[~val, 2].sum() - docs[~val, 1].sum())
+            raise DataError(f"the corpus has {tokens} tokens for training, fewer than one window of --seq-len "
+                            f"{self.seq_len} + 1: use more text or a shorter sequence")
         self.val_order = np.random.default_rng([self.seed, 2]).permutation(len(self.val_windows))
         self._perms: dict[int, torch.Tensor] = {}
 

@@ -67,6 +67,7 @@ class TrainConfig(Layout):
     seed: int = 0
     out: str | None = None  # None: runs/run_NNN, the first unused number
     save_every: int = 0
+    save_on_interrupt: bool = True  # Ctrl-C: save where the run stops (saving.py)
     resume: str | None = None
     init_from: str | None = None  # start from these weights (convert.py import, or a checkpoint) at step 0
     wandb: bool = True

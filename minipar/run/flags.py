@@ -79,11 +79,8 @@ def add_precision_flags(g) -> None:
 
 def parser(d) -> argparse.ArgumentParser:
     """Every flag of train.py; `d`: the defaults (a TrainConfig)."""
-    p = Parser(
-        prog="train.py",
-        description="Train a Llama-style model with minipar. Launch with torchrun for more than one rank.",
-        formatter_class=HelpFormatter,
-    )
+    p = Parser(prog="train.py", formatter_class=HelpFormatter,
+               description="Train a Llama-style model with minipar. Launch with torchrun for more than one rank.")
     switch = argparse.BooleanOptionalAction  # --sp and --no-sp: a flag can turn off what --config turned on
     p.add_argument("--config", help="a TOML file of these flags' settings (keys: the flags' names, e.g. "
                    "global-batch = 16); the flags given here override it")
@@ -94,8 +91,7 @@ def parser(d) -> argparse.ArgumentParser:
     g.add_argument("--cp-attention", default=d.cp_attention, choices=CP_ATTENTION, help="context-parallel "
                    f"attention: K/V round a ring, or all-to-alls to whole heads (ulysses: heads / tp must divide by "
                    f"cp; default: {d.cp_attention})")
-    g.add_argument("--sp", action=switch, default=False, help="sequence parallelism in the norm/residual regions "
-                   "(tp > 1)")
+    g.add_argument("--sp", action=switch, default=False, help="sequence parallelism in norm/residual regions (tp > 1)")
     g.add_argument("--schedule", default=d.schedule, choices=SCHEDULES, help=f"pipeline schedule ({d.schedule})")
     g.add_argument("--virtual-stages", type=int, default=1, help="chunks per pipeline rank (interleaved)")
     g.add_argument("--ranks-per-node", type=int, help="ranks that share a node (its fast links): the ledger counts "
@@ -127,12 +123,13 @@ def parser(d) -> argparse.ArgumentParser:
     g = p.add_argument_group("checkpoints and logs")
     g.add_argument("--out", default=None, help="checkpoint directory (default: runs/run_NNN, a new one)")
     g.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")
+    g.add_argument("--save-on-interrupt", action=switch, default=True, help="Ctrl-C stops every rank after the "
+                   "same step and saves it (default; --no-save-on-interrupt: unsaved); a second Ctrl-C stops at once")
     g.add_argument("--resume", default=None, help="a checkpoint folder, an --out folder (its newest that verifies), "
                    "or auto: --out's newest if it has one, else start fresh (for torchrun --max-restarts)")
     g.add_argument("--allow-config-change", action=switch, default=False,
                    help="--resume with another --data, --seq-len, --global-batch, --seed or learning-rate schedule")
-    g.add_argument("--plan", action=switch, default=False, help="print what each rank will hold under these flags, "
-                   "and exit")
+    g.add_argument("--plan", action=switch, default=False, help="print what each rank will hold, and exit")
     g.add_argument("--wandb", action=switch, default=True, help="log to wandb (offline unless you have logged in)")
     g.add_argument("--log-json", default=None, help="write one JSON object per step to this file (default: none)")
     g.add_argument("--log-every", type=int, default=d.log_every, help="print a log line every N steps")

@@ -8,7 +8,8 @@
       exit code             0 done; 2 bad input (one line); 3 the run diverged; 4 a rank stopped
                             answering within --timeout (hang_report names what it waited for,
                             and which ranks of the group never reached it: HangWatch listens
-                            to the ledger for it)
+                            to the ledger for it); 130 Ctrl-C (saving.Interrupt): stopped after a
+                            step all ranks agreed on, or at once at a second (a torchrun worker: 0)
 
 Everything checkable is checked before torch.distributed starts: a bad command line costs one
 line, not a hang. Under torchrun each worker asks Linux to end it when torchrun dies
@@ -43,7 +44,7 @@ from minipar.run.data import DataError, find_files, prepare
 from minipar.run.hang import HangWatch, RankTimeout, hang_report, stopped_answering
 from minipar.run.preflight import check_files
 from minipar.run.run_log import RunLog
-from minipar.run.saving import TrainingStopped
+from minipar.run.saving import Interrupt, TrainingStopped
 from minipar.run.validation import validation_batches
 
 
@@ -56,39 +57,39 @@ def main(argv=None) -> int:
         return start_workers(agent, argv)
     is_main = int(os.environ.get("RANK", "0")) == 0
     exit_with_parent()
-    local = False  # the command line reads alike on every rank; memory and files are each node's own
-    try:
-        cfg = parse_args(argv)
-        check_rendezvous()
-        if cfg.plan:
-            print(report(cfg))
-            return 0
-        local = True
-        check_memory(cfg)  # weights, gradients, optimizer state and activations must fit
-        resume = check_paths(cfg)
-    except ValueError as e:  # ConfigError, LayoutError, DataError, CheckpointError
-        if not is_main:  # rank 0 says what every rank found; a node's own problem its ranks say, after it
-            if not local:
-                return after_rank0(2)
-            time.sleep(2.0)  # if rank 0 failed too, torchrun has ended this rank by now
-        where = "" if is_main else f"rank {os.environ['RANK']}: "
-        print(f"minipar: error: {where}{e}", file=sys.stderr, flush=True)
-        return 2
-    try:
-        launch(cfg, resume)
-    except (TrainingStopped, DataError) as e:  # alike on every rank: diverged; too little text held out
-        code = 3 if isinstance(e, TrainingStopped) else 2
-        if not is_main:
-            return after_rank0(code)
-        print(f"minipar: error: {e}", file=sys.stderr, flush=True)
-        return code
-    except RankTimeout as e:  # printed by every rank that gave up: the others may be the stopped ones
-        print(f"minipar: error: {e}", file=sys.stderr)
-        return 4
-    finally:
-        if is_main:  # killed instead (torchrun restarting us)? The next rank 0 takes the stale lock over
-            checkpoint.unlock(cfg.out)
-    return 0
+    with Interrupt() as interrupt:  # Ctrl-C: stop at once; in the steps, after one every rank agreed on
+        local = False  # the command line reads alike on every rank; memory and files are each node's own
+        try:
+            cfg = parse_args(argv)
+            check_rendezvous()
+            if cfg.plan:
+                print(report(cfg))
+                return 0
+            local = True
+            check_memory(cfg)  # weights, gradients, optimizer state and activations must fit
+            resume = check_paths(cfg)
+            interrupt.out = cfg.out
+        except ValueError as e:  # ConfigError, LayoutError, DataError, CheckpointError
+            if not is_main:  # rank 0 says what every rank found; a node's own problem its ranks say, after it
+                if not local:
+                    return after_rank0(2)
+                time.sleep(2.0)  # if rank 0 failed too, torchrun has ended this rank by now
+            where = "" if is_main else f"rank {os.environ['RANK']}: "
+            print(f"minipar: error: {where}{e}", file=sys.stderr, flush=True)
+            return 2
+        try:
+            return launch(cfg, resume, interrupt)
+        except (TrainingStopped, DataError) as e:  # alike on every rank: diverged; too little text held out
+            code = 3 if isinstance(e, TrainingStopped) else 2
+            if is_main:
+                print(f"minipar: error: {e}", file=sys.stderr, flush=True)
+            return code if is_main else after_rank0(code)
+        except RankTimeout as e:  # printed by every rank that gave up: the others may be the stopped ones
+            print(f"minipar: error: {e}", file=sys.stderr)
+            return 4
+        finally:
+            if is_main:  # killed instead (torchrun restarting us)? The next rank 0 takes the stale lock over
+                checkpoint.unlock(cfg.out)
 
 
 def check_paths(cfg: TrainConfig, lock: bool = True) -> Path | None:
@@ -173,6 +174,7 @@ def start_workers(agent: list[str], argv: list[str]) -> int:
     and no worker starts. Then run torchrun's elastic agent in this process: it starts the workers
     (this same script, with the run's flags) and restarts them (--max-restarts)."""
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     try:
         opts = agent_options(agent)
@@ -192,11 +194,17 @@ def start_workers(agent: list[str], argv: list[str]) -> int:
         return 2
     finally:
         os.environ.pop("WORLD_SIZE", None)
-    try:
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
+    try:  # the agent sets its own handlers of these: put back after
         torchrun.run(torchrun.parse_args([*agent, os.path.abspath(sys.argv[0]), *argv]))
     except ChildFailedError as e:  # each worker has said why in its own line: exit as the first that failed
         code = e.get_first_failure()[1].exitcode
         return code if code > 0 else 1  # < 0: killed by a signal
+    except SignalException as e:  # Ctrl-C: the agent passed it on and waited for the workers' stop (their line)
+        return 128 + e.sigval  # 130 for SIGINT, as a shell reports it
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     return 0
 
 
@@ -226,9 +234,10 @@ def agent_options(agent: list[str]):
     return opts
 
 
-def launch(cfg: TrainConfig, resume: Path | None) -> None:
+def launch(cfg: TrainConfig, resume: Path | None, interrupt: Interrupt | None = None) -> int:
     """This rank's part of the run: the process group, the mesh, the log and the data; then the
-    loop (train.run). A rank that stops answering becomes a RankTimeout naming what we waited for."""
+    loop (train.run). A rank that stops answering becomes a RankTimeout naming what we waited for.
+    Returns the exit code: 0, or 130 if Ctrl-C stopped the steps (a torchrun worker's: 0)."""
     device = start_distributed(cfg.timeout)
     torch.manual_seed(cfg.seed)
     mesh = Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, timeout=cfg.timeout,
@@ -238,7 +247,7 @@ def launch(cfg: TrainConfig, resume: Path | None) -> None:
         mesh.unflatten(("dp", "cp"), edp=cfg.dp * cfg.cp // cfg.ep, ep=cfg.ep)
     if cfg.zeropp and {"hpz", "qgz"} & set(zeropp.parse(cfg.zeropp)):  # ZeRO++: dp = dp_cross x dp_intra
         zeropp.split_dp_by_node(mesh)
-    log = RunLog(cfg, mesh, device)
+    log = RunLog(cfg, mesh, device, interrupt)
     log.say(effective(cfg))
     log.say(mesh.layout.table())
     if cfg.ep > 1:
@@ -247,7 +256,7 @@ def launch(cfg: TrainConfig, resume: Path | None) -> None:
     data = load_data(cfg, resume, log.group)
     log.measure_memory_from_here()  # the run's own memory: not the tokenizer's peak
     try:
-        train.run(cfg, resume, mesh, data, log, device)
+        stopped = train.run(cfg, resume, mesh, data, log, device)
     except RuntimeError as e:  # DistBackendError too: a rank stopped answering or died? name what we waited for
         if not stopped_answering(e):
             raise
@@ -255,6 +264,7 @@ def launch(cfg: TrainConfig, resume: Path | None) -> None:
     log.close()
     mesh.destroy()
     dist.destroy_process_group()
+    return 130 if stopped and "TORCHELASTIC_RUN_ID" not in os.environ else 0
 
 
 def _free_port() -> int:
@@ -290,8 +300,7 @@ def start_distributed(timeout: float | None = None) -> torch.device:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         join(lambda: dist.init_process_group(backend, **limit), timeout)
     else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                                **limit)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, **limit)
         if backend == "nccl":
             torch.cuda.set_device(0)
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

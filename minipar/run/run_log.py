@@ -40,8 +40,9 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e1
 class RunLog:
     """Per-step metrics, gathered from every rank, written where the user asked for them."""
 
-    def __init__(self, cfg: TrainConfig, mesh: Mesh, device: torch.device):
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, device: torch.device, interrupt=None):
         self.cfg, self.mesh, self.device = cfg, mesh, device
+        self.interrupt = interrupt  # saving.Interrupt: whether this rank heard Ctrl-C travels in each step's gather
         self.world = dist.get_world_size()
         self.is_main = dist.get_rank() == 0
         # Per-step metrics travel over their own group with its own ledger, so the model's ledger
@@ -57,7 +58,7 @@ class RunLog:
         self.memory_base = memory_baseline(self.device)
 
     def say(self, text: str) -> None:
-        if self.is_main:
+        if self.is_main and text:
             tqdm.write(text, file=sys.stdout)
 
     def start(self, model_cfg, data, dtype, start: int) -> None:
@@ -84,13 +85,14 @@ class RunLog:
             torch.cuda.synchronize()
         self.t0 = time.perf_counter()
 
-    def step(self, step: int, loss: float, grad_norm: float, lr: float, wrapper, pipeline) -> None:
+    def step(self, step: int, loss: float, grad_norm: float, lr: float, wrapper, pipeline) -> bool:
+        """Gather, print and publish the step's record. True if any rank heard Ctrl-C: all stop here."""
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         record = self.record(step, loss, grad_norm, lr, time.perf_counter() - self.t0, wrapper, pipeline)
         self.losses.append(record["loss"])
         if not self.is_main:
-            return
+            return self.stop
         self.publish(record)
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{record['loss']:.4f}")
@@ -100,6 +102,7 @@ class RunLog:
                      f"MiB of gradients, {held['optimizer'] / 2**20:.2f} MiB of optimizer state")
         if (step + 1) % self.cfg.log_every == 0 or step == self.first or step + 1 == self.cfg.steps:
             self.say(log_line(record, self.cfg.steps))
+        return self.stop
 
     def publish(self, record: dict) -> None:
         """Rank 0: one record of figures (its "step" says which) to the JSON log and to wandb."""
@@ -110,13 +113,14 @@ class RunLog:
             self.wandb.log(flatten(record), step=record["step"])
 
     def record(self, step, loss, grad_norm, lr, dt, wrapper, pipeline) -> dict:
-        """Every rank's loss, peak memory and pipeline idle time, gathered. The loss is the mean
-        over the ranks that compute it (the last pipeline stage; all ranks without pp)."""
-        has_loss = pipeline is None or pipeline.holds_last()
+        """Every rank's loss, peak memory, pipeline idle time and whether it heard Ctrl-C, gathered. The
+        loss is the mean over the ranks that compute it (the last pipeline stage; all ranks without pp)."""
+        has_loss, heard = pipeline is None or pipeline.holds_last(), getattr(self.interrupt, "at", None) is not None
         peak = peak_memory_bytes(self.device) - self.memory_base
-        mine = [loss, float(peak), float(has_loss), pipeline.bubble if pipeline else 0.0]
+        mine = [loss, float(peak), float(has_loss), pipeline.bubble if pipeline else 0.0, float(heard)]
         metrics = all_gather(torch.tensor(mine, dtype=torch.float64, device=self.device), self.group)
-        metrics = metrics.view(self.world, 4).cpu()
+        metrics = metrics.view(self.world, 5).cpu()
+        self.stop = bool(metrics[:, 4].max())  # a rank heard Ctrl-C: every rank read the same, and stops
         return {
             "step": step + 1, "grad_norm": grad_norm, "lr": lr,
             "loss": (metrics[:, 0] * metrics[:, 2]).sum().item() / metrics[:, 2].sum().item(),

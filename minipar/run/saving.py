@@ -1,14 +1,24 @@
-"""The checkpoint policy: when the loop saves, and what it never saves.
+"""The checkpoint policy: when the loop saves, and what it never saves; and Ctrl-C's stop.
 
-A run saves after every `--save-every` steps and after its last. Every rank helps: the tp shards
-and pp stages are gathered into full tensors (checkpoint.gather_full), rank 0 writes them with the
-data's fingerprint and tokenizer (checkpoint.save: a hidden folder, renamed when whole), and the
-others wait for it. A non-finite weight anywhere stops the run instead (`TrainingStopped`, exit 3):
-nothing bad is ever saved, and the last good checkpoint stays the newest.
+A run saves after every `--save-every` steps, after its last, and where Ctrl-C stopped it. Every
+rank helps: the tp shards and pp stages are gathered into full tensors (checkpoint.gather_full),
+rank 0 writes them with the data's fingerprint and tokenizer (checkpoint.save: a hidden folder,
+renamed when whole), and the others wait for it. A non-finite weight anywhere stops the run instead
+(`TrainingStopped`, exit 3): nothing bad is ever saved, and the last good checkpoint stays the newest.
+
+Ctrl-C (SIGINT) is a normal way to stop (`Interrupt`): whether a rank heard it travels in the step's
+metrics gather (run_log.py), so every rank stops after the same step and none waits in a collective.
+torchrun passes a Ctrl-C on to its workers, a terminal may signal them too, SIGTERM may follow: a
+repeat within a second is the same Ctrl-C. A later one, or one before the steps, stops at once.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import threading
+import time
 from dataclasses import asdict
 
 import torch
@@ -32,8 +42,9 @@ def is_due(cfg: TrainConfig, step: int) -> bool:
 
 
 def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Mesh, log: RunLog,
-         data: TokenData) -> None:
-    """The checkpoint of step `step`, every rank helping (see the module docstring)."""
+         data: TokenData, quiet: bool = False) -> None:
+    """The checkpoint of step `step`, every rank helping (see the module docstring); rank 0 says
+    "saved PATH" unless `quiet` (a stop's one line names it)."""
     with wrapper.gathered():
         finite = torch.tensor([float(all(torch.isfinite(p).all() for p in wrapper.module.parameters()))],
                               device=next(wrapper.module.parameters()).device)
@@ -51,10 +62,54 @@ def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Me
         state = {"step": step, "consumed": consumed, "config": asdict(cfg), "data_key": data.fingerprint,
                  "model_config": asdict(wrapper.module.config)}  # what the weights are of (sample.py, convert.py)
         try:
-            log.say(f"saved {checkpoint.save(cfg.out, step, *full, state, data.tokenizer_file)}")
+            path = checkpoint.save(cfg.out, step, *full, state, data.tokenizer_file)
+            log.say("" if quiet else f"saved {path}")
         except checkpoint.CheckpointError as e:  # a full disk: nothing partial is left
             failure = str(e)
     failed = torch.tensor([float(bool(failure))], device=finite.device)
     all_reduce(failed, log.group, op="max")  # the others wait for rank 0 here, and learn whether it saved
     if failed.item():
         raise TrainingStopped(failure or "rank 0 could not write the checkpoint (its line says why)")
+
+
+class Interrupt:
+    """Ctrl-C's handling in this process, inside `with` (see the module docstring)."""
+
+    out: str | None = None  # --out, once checked: a stop's line names its newest checkpoint
+    at: float | None = None  # when the first Ctrl-C came (time.monotonic); None: none yet
+    stepping = False  # the steps have begun: a Ctrl-C waits for the end of the step
+    replaced: dict = {}  # the handlers it replaced, put back at the end
+
+    def __enter__(self) -> Interrupt:
+        if threading.current_thread() is threading.main_thread():  # the only thread that may set handlers
+            self.replaced = {s: signal.signal(s, self.heard) or signal.SIG_DFL for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def heard(self, sig: int, frame=None) -> None:
+        if self.at is not None and time.monotonic() - self.at < 1.0:
+            return  # the same Ctrl-C again: from the terminal and from torchrun, or torchrun's SIGTERM after it
+        if sig == signal.SIGTERM and self.at is None:  # no Ctrl-C before: torchrun ending the run, as ever
+            signal.signal(sig, self.replaced[sig])
+            return os.kill(os.getpid(), sig)  # to the handler it replaced: by default, the end
+        if self.at is None and self.stepping:  # stop after this step, every rank alike (RunLog.record)
+            self.at = time.monotonic()
+            return
+        if os.environ.get("RANK", "0") == "0":  # a second Ctrl-C, or one before the steps: at once
+            sys.stdout.flush()
+            print(f"minipar: interrupted{' again' if self.at else ''}: stopped at once; {resume_hint(self.out)}",
+                  file=sys.stderr, flush=True)
+            if self.out:
+                checkpoint.unlock(self.out)
+        os._exit(130)
+
+    def __exit__(self, *exc) -> None:
+        if self.at is not None:  # the handlers back once the copies of a Ctrl-C are all in
+            time.sleep(max(0.0, self.at + 1.0 - time.monotonic()))
+        for sig, handler in self.replaced.items():
+            signal.signal(sig, handler)
+
+
+def resume_hint(out: str | None) -> str:
+    """What a stopped run resumes from: --out's newest checkpoint, if it has one."""
+    newest = checkpoint.checkpoints(out)[-1:] if out else []
+    return f"continue with --resume {newest[0]}" if newest else "no checkpoint was saved"

@@ -120,8 +120,9 @@ def build_model(cfg: TrainConfig, mesh: Mesh, model_cfg, device, param_dtype):
 # ----------------------------------------------------------------------------------------------
 
 
-def run(cfg: TrainConfig, resume: Path | None, mesh: Mesh, data: TokenData, log: RunLog, device) -> None:
-    """This rank's model, from the seed, --init-from's weights or the checkpoint it resumes; then the steps."""
+def run(cfg: TrainConfig, resume: Path | None, mesh: Mesh, data: TokenData, log: RunLog, device) -> bool:
+    """This rank's model, from the seed, --init-from's weights or the checkpoint it resumes; then the
+    steps. True if Ctrl-C stopped them early."""
     chosen, param_dtype, autocast = precision(cfg, device)
     # The preset with the shape flags (the tokenizer fits its vocabulary); weights to start from bring their RoPE.
     model_cfg = init_model_config(cfg) if cfg.init_from else cfg.model_config()
@@ -141,7 +142,7 @@ def run(cfg: TrainConfig, resume: Path | None, mesh: Mesh, data: TokenData, log:
     if saved_states is not None:
         wrapper.load_state_by_name(saved_states)
     log.start(model_cfg, data, chosen.name, start)
-    train_loop(Job(cfg, mesh, data, wrapper, pipeline, autocast, device, log), start, consumed)
+    return train_loop(Job(cfg, mesh, data, wrapper, pipeline, autocast, device, log), start, consumed)
 
 
 @dataclass
@@ -158,10 +159,13 @@ class Job:
     log: RunLog
 
 
-def train_loop(job: Job, start: int, consumed: int) -> None:
-    """The steps, from `start` (`consumed` samples in): batch, step, log; validate and save when due."""
+def train_loop(job: Job, start: int, consumed: int) -> bool:
+    """The steps, from `start` (`consumed` samples in): batch, step, log; validate and save when due.
+    True if Ctrl-C stopped them (saving.Interrupt): after the step where the log's gather said so."""
     cfg, mesh, data, model, pipeline, log = job.cfg, job.mesh, job.data, job.model, job.pipeline, job.log
     bad = 0  # consecutive steps skipped for a non-finite gradient norm
+    if log.interrupt:
+        log.interrupt.stepping = True  # from here a Ctrl-C waits for the end of the step
     for step in range(start, cfg.steps):
         for group in model.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -171,7 +175,7 @@ def train_loop(job: Job, start: int, consumed: int) -> None:
         log.tick()
         loss, grad_norm = train_step(model, micro, cfg.grad_clip, job.autocast, pipeline)
         consumed += cfg.global_batch
-        log.step(step, loss, grad_norm, lr_at(step, cfg), model, pipeline)
+        stop = log.step(step, loss, grad_norm, lr_at(step, cfg), model, pipeline)  # a rank heard Ctrl-C
         if validation.is_due(cfg, step + 1):
             log.validation(step, validation.validate(cfg, data, mesh, model, pipeline, job.autocast, job.device),
                            pipeline, validation.validation_batches(cfg, data) * cfg.global_batch)
@@ -183,5 +187,10 @@ def train_loop(job: Job, start: int, consumed: int) -> None:
             raise TrainingStopped(f"the run diverged: {bad} steps in a row with a non-finite loss or gradient "
                                   f"(last at step {step + 1}); resume from the last checkpoint in {cfg.out} with a "
                                   f"lower --lr or longer --warmup and --allow-config-change")
-        if saving.is_due(cfg, step + 1):
-            saving.save(cfg, step + 1, consumed, model, mesh, log, data)
+        if saving.is_due(cfg, step + 1) or stop and cfg.save_on_interrupt:
+            saving.save(cfg, step + 1, consumed, model, mesh, log, data, quiet=stop)
+        if stop:
+            log.say(f"minipar: interrupted: stopped after step {step + 1} of {cfg.steps}, on every rank; "
+                    f"{saving.resume_hint(cfg.out)}")
+            return True
+    return False
