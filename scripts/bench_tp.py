@@ -64,7 +64,7 @@ against `parallelize(..., tp_overlap=True)` (train.py's --tp-overlap: each regio
 all-reduce, computes the weight gradients while it travels, then waits; autograd_ops.py), both from
 the same weights, on the same batches, taking turns as above:
 
-    torchrun --standalone --nproc-per-node 2 scripts/bench_tp.py --overlap --steps 30
+    torchrun --standalone --nproc-per-node 2 scripts/bench_tp.py --overlap --steps 40   # 1-2 minutes on 2 CPU cores
 
 Besides the step times it prints the exposed tp time of each: the seconds a rank spends blocked on a
 collective, inside a synchronous one or in the wait() of an asynchronous one's handle (ExposedClock;

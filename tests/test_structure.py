@@ -38,7 +38,12 @@ LIBRARY = sorted((ROOT / "minipar").rglob("*.py"))
 # weights, precision on resume, flags that would change nothing, bounded counts, the JSON log's
 # restart mark, a lost peer in one line: together +210 (about +190 and +170, less the branches the
 # seams removed). Issue 28 asked for no growth past 8,362; the library is 8,730: not met.
-LINE_BUDGET = 4000 + 400 + 500 + 500 + 400 + 500 + 300 + 150 + 100 + 300 + 350 + 100 + 300 + 200 + 330 + 90 + 210
+# Then issue 30's overlapped tensor parallelism (+90): f and a region's column layers as one autograd
+# node that sends the input gradient while computing the weight gradients (autograd_ops.py, with its
+# explanation), the region's two ways of entering as functions chosen once in parallelize, an
+# asynchronous reduce-scatter, and --tp-overlap.
+LINE_BUDGET = (4000 + 400 + 500 + 500 + 400 + 500 + 300 + 150 + 100 + 300 + 350 + 100 + 300 + 200 + 330 + 90 + 210
+               + 90)
 
 
 def test_the_library_stays_within_its_line_budget_and_400_lines_per_file():
