@@ -18,9 +18,10 @@ wo row). These are Megatron's conjugate operators, from autograd_ops.py:
 
 so per transformer layer: 2 all-reduces of [b, s, h] forward and 2 backward. f is one per region,
 not one per column layer: attention's q, k and v read one input, and so do the MLP's gate and up
-(Megatron fuses each group into one column-parallel layer). ColumnParallelLinear calls f itself
-(the LM head); as ColumnParallelLinearInRegion its caller has called f once for the layers that
-share the input (ParallelMLP below; context_parallel.py's ParallelAttention).
+(Megatron fuses each group into one column-parallel layer). ColumnParallelLinear enters itself (the
+LM head); ColumnParallelLinearInRegion's caller enters once for the layers that share the input
+(ParallelMLP, ParallelAttention): project_after_f (f, then each layer; f's backward waits for them
+all), or project_overlapped (--tp-overlap: one node that sends f's message while computing dW).
 
 Sequence parallelism (`sequence_parallel=True`) notices that between the regions (norms,
 residual adds) every tp rank does the same work on the same [b, s, h]. Shard those along the
@@ -142,9 +143,8 @@ def enter_parallel_region(x: torch.Tensor, group: Group, sequence_parallel: bool
 
 
 def project_after_f(x: torch.Tensor, layers, group: Group, sequence_parallel: bool) -> list[torch.Tensor]:
-    """A region's column layers on their one input, blocking (the lesson's order): f, then each
-    layer. f's backward sends the input gradient once autograd has run every layer's backward, and
-    waits for it."""
+    """A region's column layers on their one input, blocking (the lesson's order): f, then each layer.
+    f's backward sends the input gradient once autograd has run every layer's backward, and waits."""
     x = enter_parallel_region(x, group, sequence_parallel)  # f: [b, s, in] on every rank
     return [F.linear(x, layer.weight if layer.rows is None else layer.weight[layer.rows], layer.bias)
             for layer in layers]  # [b, s, out_i/tp] each
