@@ -217,17 +217,18 @@ def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: Group, async_op: 
     return dist.all_gather(list(out.chunk(group.size)), t.contiguous(), group=group.pg, async_op=async_op)
 
 
-def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
-    """Sum over the group, then keep this rank's 1/N slice along `dim`."""
+def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0, async_op: bool = False):
+    """Sum over the group, then keep this rank's 1/N slice along `dim`. async_op: (the slice, a work
+    handle to wait on before reading it; None on a group of one)."""
     group._note("reduce_scatter", t)
     if group.size == 1:
-        return t
+        return (t, None) if async_op else t
     if t.shape[dim] % group.size:
         raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by {group.size}")
     chunks = [c.contiguous() for c in t.chunk(group.size, dim=dim)]
     out = torch.empty_like(chunks[0])
-    dist.reduce_scatter(out, chunks, group=group.pg)
-    return out
+    work = dist.reduce_scatter(out, chunks, group=group.pg, async_op=async_op)
+    return (out, work) if async_op else out
 
 
 def broadcast(t: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:

@@ -68,7 +68,7 @@ from minipar.tensor_parallel import (
     ReplicatedRowsLinear,
     RowParallelLinear,
     cut,
-    enter_parallel_region,
+    project_after_f,
 )
 
 CP_ATTENTION = ("ring", "ulysses")
@@ -222,9 +222,10 @@ class ParallelAttention(nn.Module):
     """
 
     def __init__(self, plain: Attention, config: ModelConfig, tp: Group | None, sp: bool, cp: Group | None,
-                 cp_attention: str = "ring"):
+                 cp_attention: str = "ring", project=project_after_f):
         super().__init__()
         self.head_dim, self.rope_freqs, self.tp, self.sp, self.cp = plain.head_dim, plain.rope_freqs, tp, sp, cp
+        self.project = project  # how q, k and v enter the tp region: project_after_f or project_overlapped
         if cp_attention not in CP_ATTENTION:
             raise ValueError(f"cp_attention {cp_attention!r}: choose one of {', '.join(CP_ATTENTION)}")
         self.cp_attention = cp_attention
@@ -238,12 +239,11 @@ class ParallelAttention(nn.Module):
         self.wo = cut(plain.wo, RowParallelLinear(q_features, dim, tp, sequence_parallel=sp), tp)
 
     def forward(self, x):  # [b, s/cp, d], with sp [b, s/(cp tp), d]
-        if self.tp is not None:
-            x = enter_parallel_region(x, self.tp, self.sp)  # f, once for q, k and v: [b, s/cp, d]
-        q = rearrange(self.wq(x), "b s (h d) -> b h s d", d=self.head_dim)  # [b, h/tp, s/cp, hd]
-        k = rearrange(self.wk(x), "b s (h d) -> b h s d", d=self.head_dim)  # [b, h_kv/tp (or 1), s/cp, hd]
-        v = rearrange(self.wv(x), "b s (h d) -> b h s d", d=self.head_dim)
-        local_len = x.shape[1]
+        layers = (self.wq, self.wk, self.wv)
+        q, k, v = (rearrange(y, "b s (h d) -> b h s d", d=self.head_dim) for y in  # f, once for q, k and v
+                   (self.project(x, layers, self.tp, self.sp) if self.tp is not None else [m(x) for m in layers]))
+        # q [b, h/tp, s/cp, hd]; k, v [b, h_kv/tp (or 1), s/cp, hd]
+        local_len = q.shape[2]
         if self.cp is None:
             positions, attend = sequence_positions(local_len, x.device), causal_attention
         else:  # two zigzag chunks of the sequence, RoPE'd at their global positions

@@ -69,6 +69,8 @@ from minipar.tensor_parallel import (
     VocabParallelEmbedding,
     cut,
     mark,
+    project_after_f,
+    project_overlapped,
     vocab_parallel_cross_entropy,
 )
 from minipar.zero import ZeroDataParallel
@@ -78,19 +80,21 @@ from minipar.zeropp import ZeroPP
 
 def parallelize(model: Llama, *, tp: Group | None = None, cp: Group | None = None, ep: Group | None = None,
                 sp: bool = False, stage: tuple | None = None, recompute: bool = False,
-                cp_attention: str = "ring") -> Llama:
+                cp_attention: str = "ring", tp_overlap: bool = False) -> Llama:
     """This rank's part of `model` (see the module docstring for the steps and their order).
     tp, cp, ep: this rank's groups (None, or a group of one: not split that way). sp: sequence
     parallelism over tp. stage: (layer ids, holds the embedding, holds the head) of this rank's
-    pipeline stages, or None for the whole model. cp_attention: "ring" or "ulysses" (context_parallel.py)."""
+    pipeline stages, or None for the whole model. cp_attention: "ring" or "ulysses" (context_parallel.py).
+    tp_overlap: each region's column layers send f's message while computing their weight gradients."""
     tp, cp = (g if g is not None and g.size > 1 else None for g in (tp, cp))
+    project = project_overlapped if tp_overlap else project_after_f  # chosen here, once, for every region
     if stage is not None:
         keep_stage(model, *stage)
     if tp is not None:
-        tensor_parallel(model, tp, sp)
+        tensor_parallel(model, tp, sp, project)
     if tp is not None or cp is not None:
         for layer in model.layers.values():
-            layer.attn = ParallelAttention(layer.attn, model.config, tp, sp, cp, cp_attention)
+            layer.attn = ParallelAttention(layer.attn, model.config, tp, sp, cp, cp_attention, project)
     if cp is not None:
         context_parallel(model, cp)
     if model.config.n_experts:
@@ -122,18 +126,18 @@ def keep_stage(model: Llama, layer_ids, embed: bool, head: bool) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def tensor_parallel(model: Llama, tp: Group, sp: bool) -> None:
+def tensor_parallel(model: Llama, tp: Group, sp: bool, project=project_after_f) -> None:
     config = model.config
     if model.tok_emb is not None:
         model.tok_emb = cut(model.tok_emb, VocabParallelEmbedding(config.vocab_size, config.dim, tp, sp), tp)
     if model.lm_head is not None:  # over the vocabulary; it enters the parallel region itself (f)
-        head = ColumnParallelLinear(config.dim, config.vocab_size, tp, sequence_parallel=sp)
+        head = ColumnParallelLinear(config.dim, config.vocab_size, tp, sequence_parallel=sp, project=project)
         model.lm_head = cut(model.lm_head, head, tp)
         if config.tie_embeddings:  # both cut the vocabulary alike: one shard serves both
             model.lm_head.weight = model.tok_emb.weight
     for layer in model.layers.values():
         if hasattr(layer, "mlp"):  # a mixture of experts is replicated over tp (expert_parallel.py)
-            layer.mlp = ParallelMLP(layer.mlp, tp, sp)
+            layer.mlp = ParallelMLP(layer.mlp, tp, sp, project)
     if sp:  # the norms are replicated, but each rank normalises different tokens
         norms = [n for layer in model.layers.values() for n in (layer.attn_norm, layer.mlp_norm)]
         for norm in norms + ([model.norm] if model.norm is not None else []):

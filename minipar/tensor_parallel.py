@@ -18,9 +18,10 @@ wo row). These are Megatron's conjugate operators, from autograd_ops.py:
 
 so per transformer layer: 2 all-reduces of [b, s, h] forward and 2 backward. f is one per region,
 not one per column layer: attention's q, k and v read one input, and so do the MLP's gate and up
-(Megatron fuses each group into one column-parallel layer). ColumnParallelLinear calls f itself
-(the LM head); as ColumnParallelLinearInRegion its caller has called f once for the layers that
-share the input (ParallelMLP below; context_parallel.py's ParallelAttention).
+(Megatron fuses each group into one column-parallel layer). ColumnParallelLinear enters itself (the
+LM head); ColumnParallelLinearInRegion's caller enters once for the layers that share the input
+(ParallelMLP, ParallelAttention): project_after_f (f, then each layer; f's backward waits for them
+all), or project_overlapped (--tp-overlap: one node that sends f's message while computing dW).
 
 Sequence parallelism (`sequence_parallel=True`) notices that between the regions (norms,
 residual adds) every tp rank does the same work on the same [b, s, h]. Shard those along the
@@ -55,6 +56,7 @@ from torch import nn
 from minipar.autograd_ops import (
     copy_to_parallel,
     gather_from_sequence_parallel,
+    overlapped_columns,
     reduce_from_parallel,
     reduce_scatter_to_sequence_parallel,
 )
@@ -140,6 +142,20 @@ def enter_parallel_region(x: torch.Tensor, group: Group, sequence_parallel: bool
     return copy_to_parallel(x, group)
 
 
+def project_after_f(x: torch.Tensor, layers, group: Group, sequence_parallel: bool) -> list[torch.Tensor]:
+    """A region's column layers on their one input, blocking (the lesson's order): f, then each layer.
+    f's backward sends the input gradient once autograd has run every layer's backward, and waits."""
+    x = enter_parallel_region(x, group, sequence_parallel)  # f: [b, s, in] on every rank
+    return [F.linear(x, layer.weight if layer.rows is None else layer.weight[layer.rows], layer.bias)
+            for layer in layers]  # [b, s, out_i/tp] each
+
+
+def project_overlapped(x: torch.Tensor, layers, group: Group, sequence_parallel: bool) -> list[torch.Tensor]:
+    """The same outputs and gradients, bitwise, from one autograd node that sends f's message while
+    it computes the layers' weight gradients (autograd_ops.overlapped_columns; `--tp-overlap`)."""
+    return list(overlapped_columns(x, group, sequence_parallel, [(m.weight, m.rows, m.bias) for m in layers]))
+
+
 def leave_parallel_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
     """g: add up the ranks' partial sums (and, with sequence parallelism, keep this rank's slice)."""
     if sequence_parallel:
@@ -153,19 +169,21 @@ def leave_parallel_region(x: torch.Tensor, group: Group, sequence_parallel: bool
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y_r = X A_r: this rank's block of output features. Every rank needs all of X: f on entry."""
+    """Y_r = X A_r: this rank's block of output features. Every rank needs all of X: f on entry.
+    project: how the region is entered, project_after_f or project_overlapped."""
+
+    rows = None  # every row of the weight is used (ReplicatedRowsLinear: some)
 
     def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, project=project_after_f):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.project = group, sequence_parallel, project
         local = math.ceil(out_features / group.size)  # padded when tp does not divide (vocabulary)
         self.weight = mark(nn.Parameter(torch.empty(local, in_features)), (out_features, in_features), dim=0)
         self.bias = mark(nn.Parameter(torch.zeros(local)), (out_features,), dim=0) if bias else None
 
-    def forward(self, x):
-        x = enter_parallel_region(x, self.group, self.sequence_parallel)  # f: [b, s, in] on every rank
-        return F.linear(x, self.weight, self.bias)  # [b, s, out/tp]
+    def forward(self, x):  # f, then this rank's columns: [b, s, out/tp]
+        return self.project(x, (self,), self.group, self.sequence_parallel)[0]
 
 
 class ColumnParallelLinearInRegion(ColumnParallelLinear):
@@ -203,6 +221,8 @@ class ReplicatedRowsLinear(nn.Module):
     that its query heads read. The gradient of the shared weight is then a partial sum (nonzero only
     in the rows this rank used) and is all-reduced over tp after backward.
     """
+
+    bias = None
 
     def __init__(self, in_features: int, out_features: int, group: Group, rows: slice):
         super().__init__()
@@ -248,19 +268,20 @@ def cut(plain: nn.Module, layer: nn.Module, tp: Group) -> nn.Module:
 
 class ParallelMLP(nn.Module):
     """model.MLP on one tp rank: w_gate and w_up column-parallel (ffn/tp features each), w_down
-    row-parallel. One f for the two layers that read x; g in w_down."""
+    row-parallel. One f for the two layers that read x (`project`: project_after_f or
+    project_overlapped); g in w_down."""
 
-    def __init__(self, plain: nn.Module, tp: Group, sp: bool):
+    def __init__(self, plain: nn.Module, tp: Group, sp: bool, project=project_after_f):
         super().__init__()
         ffn, dim = plain.w_gate.weight.shape
         self.w_gate = cut(plain.w_gate, ColumnParallelLinearInRegion(dim, ffn, tp), tp)
         self.w_up = cut(plain.w_up, ColumnParallelLinearInRegion(dim, ffn, tp), tp)
         self.w_down = cut(plain.w_down, RowParallelLinear(ffn, dim, tp, sequence_parallel=sp), tp)
-        self.tp, self.sp = tp, sp
+        self.tp, self.sp, self.project = tp, sp, project
 
     def forward(self, x):  # [b, s, d], with sp [b, s/tp, d]
-        x = enter_parallel_region(x, self.tp, self.sp)  # f: [b, s, d] on every tp rank
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))  # [b, s, ffn/tp] -> w_down sums (g) -> [b, s, d]
+        gate, up = self.project(x, (self.w_gate, self.w_up), self.tp, self.sp)  # f, then both: [b, s, ffn/tp]
+        return self.w_down(F.silu(gate) * up)  # w_down sums (g) -> [b, s, d]
 
 
 # ----------------------------------------------------------------------------------------------

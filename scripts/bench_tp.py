@@ -58,6 +58,20 @@ that weight by up to lr per step), so those differences are for scale, not for e
 
 Backend: NCCL and cuda:LOCAL_RANK when CUDA is available, else gloo on CPU, with torch threads set
 to the cores per rank. Both sides compute in float32.
+
+`--overlap` compares minipar with itself instead: the blocking tensor parallelism above (side a)
+against `parallelize(..., tp_overlap=True)` (train.py's --tp-overlap: each region's backward posts its
+all-reduce, computes the weight gradients while it travels, then waits; autograd_ops.py), both from
+the same weights, on the same batches, taking turns as above:
+
+    torchrun --standalone --nproc-per-node 2 scripts/bench_tp.py --overlap --steps 40   # 1-2 minutes on 2 CPU cores
+
+Besides the step times it prints the exposed tp time of each: the seconds a rank spends blocked on a
+collective, inside a synchronous one or in the wait() of an asynchronous one's handle (ExposedClock;
+the mean over the ranks of each step, then the median over steps). It checks that the two computed
+the same thing, bitwise: every step's loss equal, and the same ledger every step. The exposed time is
+a host clock: on CPU (gloo) it is the time lost, on GPUs (NCCL) the host does not wait, and only the
+step times tell.
 """
 
 from __future__ import annotations
@@ -65,8 +79,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections import defaultdict
 from contextlib import nullcontext
+from functools import partial
 
 import bench_common as bench
 import torch
@@ -91,6 +107,8 @@ from minipar.tensor_parallel import unshard
 def parse_args(argv=None) -> argparse.Namespace:
     p = bench.command_line(__doc__, "two", steps=100, warmup=5, warmup_note=" (the first counts DTensor's collectives)")
     p.add_argument("--batch", type=int, default=16, help="sequences per step (every tp rank sees all of them)")
+    p.add_argument("--overlap", action="store_true", help="compare minipar's blocking tp with its overlapped tp "
+                   "(--tp-overlap), not with DTensor")
     return bench.parse(p, argv)
 
 
@@ -103,7 +121,10 @@ def check_layout(args, world: int) -> None:
     m = CONFIGS[args.model]
     if args.seq_len > m.max_seq_len:
         raise ConfigError(f"--seq-len {args.seq_len} is longer than the model's {m.max_seq_len}")
-    bench.check_dtensor_tp(m, world, args.model)  # the DTensor plan (bench_common.dtensor_tp_plan) cuts these
+    if not args.overlap:
+        bench.check_dtensor_tp(m, world, args.model)  # the DTensor plan (bench_common.dtensor_tp_plan) cuts these
+    elif world < 2:
+        raise ConfigError("--overlap needs 2 ranks or more: at tp 1 there is no message to hide")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,6 +293,118 @@ def report(r: dict, args) -> None:
     bench.write_json(args.json, r)
 
 
+# ----------------------------------------------------------------------------------------------
+# --overlap: minipar's blocking tp against its overlapped tp, and the time each waits on messages
+# ----------------------------------------------------------------------------------------------
+
+
+class ExposedClock:
+    """Seconds this rank spends blocked on collectives since `reset`: the whole of a synchronous one,
+    the wait() of an asynchronous one; `seconds[1]`: those of them inside backward (autograd running
+    a node). Installed over torch.distributed's three collectives that minipar's tp layers call
+    (collectives.py calls them through `dist.`)."""
+
+    OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+    def __init__(self):
+        self.seconds, self.real = [0.0, 0.0], {op: getattr(dist, op) for op in self.OPS}
+        for op in self.OPS:
+            setattr(dist, op, partial(self._call, op))
+
+    def reset(self) -> None:
+        self.seconds = [0.0, 0.0]
+
+    def add(self, start: float) -> None:
+        self.seconds[0] += time.perf_counter() - start
+        if torch._C._current_autograd_node() is not None:  # in backward
+            self.seconds[1] += time.perf_counter() - start
+
+    def _call(self, name: str, *args, async_op: bool = False, **kwargs):
+        start = time.perf_counter()
+        work = self.real[name](*args, async_op=async_op, **kwargs)
+        if async_op:
+            return ExposedClock.Timed(work, self)
+        self.add(start)
+        return work
+
+    class Timed:
+        """A work handle whose wait() is counted."""
+
+        def __init__(self, work, clock: ExposedClock):
+            self.work, self.clock = work, clock
+
+        def wait(self):
+            start = time.perf_counter()
+            done = self.work.wait()
+            self.clock.add(start)
+            return done
+
+
+def overlap_run(args, cfg: TrainConfig, model_cfg, mesh: Mesh, device) -> dict:
+    """Both of minipar's tp sides in turn: this rank's step times, exposed tp seconds, losses and
+    ledgers per side."""
+    steps = {}
+    for side, overlap in (("blocking", False), ("overlapped", True)):
+        model = parallelize(Llama(model_cfg, seed=cfg.seed), tp=mesh.groups().tp, tp_overlap=overlap).to(device)
+        wrapped = DataParallel(model, mesh.groups(), optimizer=adamw(param_groups(model, cfg), cfg.lr))
+        steps[side] = partial(lambda w, x, y: train_step(w, [(x, y)], cfg.grad_clip), wrapped)
+    clock = ExposedClock()
+    exposed, ledgers = {side: [] for side in steps}, {side: [] for side in steps}
+
+    def note(side: str, measured: bool) -> None:  # right after each step; the ledger and clock start at 0
+        if measured:
+            exposed[side].append(clock.seconds)
+        ledgers[side].append(mesh.ledger.snapshot())
+        clock.reset()
+
+    def batch(step: int) -> tuple:
+        return bench.random_batch(step, args.seed, args.batch, args.seq_len, model_cfg.vocab_size, device)
+
+    times, losses = bench.take_turns(steps, batch, args.warmup, args.steps, device, mesh.ledger, note)
+    return {"times": times, "exposed": exposed, "losses": losses, "ledgers": ledgers}
+
+
+def overlap_summary(run: dict, args, mesh: Mesh, device) -> dict:
+    tp = mesh.groups().tp
+    sides = ("blocking", "overlapped")
+    step_times = bench.across_ranks([run["times"][s] for s in sides], tp, device)  # the slowest rank's
+    # [side, step, (all, in backward)]: the mean over ranks
+    exposed = bench.across_ranks([run["exposed"][s] for s in sides], tp, device, op="sum") / tp.size
+    r = {"model": args.model, "params": get_config(args.model).num_params(), "tp": tp.size, **bench.machine(device),
+         "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq_len": args.seq_len,
+         "losses_bitwise_equal": run["losses"]["blocking"] == run["losses"]["overlapped"],
+         "ledgers_equal": run["ledgers"]["blocking"] == run["ledgers"]["overlapped"],
+         "ledger_per_step": run["ledgers"]["blocking"][-1]}
+    for i, side in enumerate(sides):
+        r[side] = bench.step_stats(step_times[i].tolist(), args.batch * args.seq_len) | {
+            "median_exposed_tp_s": statistics.median(exposed[i, :, 0].tolist()),
+            "median_exposed_tp_backward_s": statistics.median(exposed[i, :, 1].tolist()),
+            "exposed_tp_s": exposed[i].tolist()}
+    r["ratio_step"], r["median_paired_ratio_step"] = bench.ratios(step_times[1], step_times[0])
+    for key in ("exposed_tp", "exposed_tp_backward"):
+        r[f"ratio_{key}"] = r["overlapped"][f"median_{key}_s"] / r["blocking"][f"median_{key}_s"]
+    return r
+
+
+def overlap_report(r: dict, args) -> None:
+    print(f"model {r['model']} ({r['params'] / 1e6:.2f}M params, float32) | tp {r['tp']} (dp 1), {r['backend']}, "
+          f"{r['device']}, {r['threads_per_rank']} thread(s)/rank | batch {args.batch} x {args.seq_len} tokens | "
+          f"{args.steps} measured steps each after {args.warmup} warm-up")
+    print(bench.table_header(22) + f"{'exposed tp':>13}{'of it backward':>17}")
+    for side in ("blocking", "overlapped"):
+        s = r[side]
+        print(bench.table_row(f"minipar TP, {side}", s, 22) + f"{s['median_exposed_tp_s'] * 1e3:>10.1f} ms"
+              f"{s['median_exposed_tp_backward_s'] * 1e3:>14.1f} ms")
+    print(f"ratio overlapped / blocking: step {r['ratio_step']:.3f}x (median of step-by-step ratios "
+          f"{r['median_paired_ratio_step']:.3f}x), exposed tp {r['ratio_exposed_tp']:.3f}x, in backward "
+          f"{r['ratio_exposed_tp_backward']:.3f}x")
+    sent = sum(e["sent"] for e in r["ledger_per_step"].values()) / 2**20
+    print(f"the same computation: losses of all {args.warmup + args.steps} steps bitwise equal: "
+          f"{'yes' if r['losses_bitwise_equal'] else 'NO'}; the same ledger every step: "
+          f"{'yes' if r['ledgers_equal'] else 'NO'} ({sent:.2f} MiB sent; {calls(r['ledger_per_step'])})")
+    bench.write_json(args.json, r)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     world = bench.world_size()
@@ -281,6 +414,12 @@ def main(argv=None) -> int:
         return 2
     device, mesh = bench.start(tp=world)
     model_cfg = get_config(cfg.model)
+    if args.overlap:
+        results = overlap_summary(overlap_run(args, cfg, model_cfg, mesh, device), args, mesh, device)
+        if dist.get_rank() == 0:
+            overlap_report(results, args)
+        bench.finish(mesh)
+        return 0
     ours, theirs, steps = build_sides(cfg, model_cfg, mesh, device)
     first = bench.random_batch(0, args.seed, args.batch, args.seq_len, model_cfg.vocab_size, device)
     grad_diff = gradient_difference(ours, theirs, *first, mesh.groups().tp)

@@ -43,7 +43,12 @@ LIBRARY = sorted((ROOT / "minipar").rglob("*.py"))
 # back), the stop agreed through the step's metrics gather, the save and the one line there, and the
 # in-process torchrun agent's SignalException with its handlers put back: +74. Its files were trimmed
 # first (flags.py's parser, launch.py's one wrapped statement that fits a line).
-LINE_BUDGET = 4000 + 400 + 500 + 500 + 400 + 500 + 300 + 150 + 100 + 300 + 350 + 100 + 300 + 200 + 330 + 90 + 210 + 74
+# Then issue 30's overlapped tensor parallelism (+105): f and a region's column layers as one autograd
+# node that sends the input gradient while computing the weight gradients (autograd_ops.py, with its
+# explanation), the region's two ways of entering as functions chosen once in parallelize, an
+# asynchronous reduce-scatter, and --tp-overlap.
+LINE_BUDGET = (4000 + 400 + 500 + 500 + 400 + 500 + 300 + 150 + 100 + 300 + 350 + 100 + 300 + 200 + 330 + 90 + 210
+               + 74 + 105)
 
 
 def test_the_library_stays_within_its_line_budget_and_400_lines_per_file():

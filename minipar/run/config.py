@@ -49,6 +49,7 @@ class TrainConfig(Layout):
 
     error = ConfigError  # Layout.validate's refusals are the command line's
 
+    tp_overlap: bool = False  # tp regions send f's backward message while computing weight gradients
     data: str | None = None
     bpe_vocab: int | None = None  # the BPE trained on --data; None: bpe_size()
     tokenizer: str | None = None  # a Hugging Face tokenizer.json; None: a BPE trained on the data
@@ -190,8 +191,8 @@ def parse_args(argv=None) -> TrainConfig:
         cfg.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     cfg.validate(world)
     moe = cfg.model_config().n_experts > 0
-    acting = {"cp_attention": cfg.cp > 1, "schedule": cfg.pp > 1, "zeropp": cfg.dp > 1, "aux_loss_coef": moe,
-              "capacity_factor": moe}
+    acting = {"tp_overlap": cfg.tp > 1, "cp_attention": cfg.cp > 1, "schedule": cfg.pp > 1, "zeropp": cfg.dp > 1,
+              "aux_loss_coef": moe, "capacity_factor": moe}
     idle = sorted(k for k in named if not acting[k])
     if idle:
         raise ConfigError(f"--{idle[0].replace('_', '-')} {getattr(cfg, idle[0])} acts only with {ACTS_WITH[idle[0]]}, "

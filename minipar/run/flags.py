@@ -22,8 +22,9 @@ SHAPE_FLAGS = {"dim": "hidden size", "n_layers": "transformer blocks", "n_heads"
 BPE_VOCAB = 4096  # the BPE's default size, when the model's vocabulary is larger
 # Settings that act only with another (the help gives their defaults): set without it, to anything
 # but the default, they would change nothing, and are refused, as --sp without --tp is.
-ACTS_WITH = {"cp_attention": "--cp 2 or more", "schedule": "--pp 2 or more", "zeropp": "--dp 2 or more",
-             "aux_loss_coef": "a model with experts", "capacity_factor": "a model with experts"}
+ACTS_WITH = {"tp_overlap": "--tp 2 or more", "cp_attention": "--cp 2 or more", "schedule": "--pp 2 or more",
+             "zeropp": "--dp 2 or more", "aux_loss_coef": "a model with experts",
+             "capacity_factor": "a model with experts"}
 
 
 def add_model_flags(p: argparse.ArgumentParser, d) -> None:
@@ -77,13 +78,9 @@ def add_precision_flags(g) -> None:
                         "or fp32 (twice the bytes; the mean rounded once, within half a bf16 ulp)")
 
 
-def parser(d) -> argparse.ArgumentParser:
-    """Every flag of train.py; `d`: the defaults (a TrainConfig)."""
-    p = Parser(prog="train.py", formatter_class=HelpFormatter,
-               description="Train a Llama-style model with minipar. Launch with torchrun for more than one rank.")
-    switch = argparse.BooleanOptionalAction  # --sp and --no-sp: a flag can turn off what --config turned on
-    p.add_argument("--config", help="a TOML file of these flags' settings (keys: the flags' names, e.g. "
-                   "global-batch = 16); the flags given here override it")
+def add_layout_flags(p: argparse.ArgumentParser, d) -> None:
+    """The parallel degrees and how each parallelism runs."""
+    switch = argparse.BooleanOptionalAction
     g = p.add_argument_group("layout (dp x tp x pp x cp must equal the number of ranks)")
     for dim, help_ in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline"), ("cp", "context")):
         g.add_argument(f"--{dim}", type=int, default=1, help=f"{help_}-parallel degree")
@@ -91,12 +88,26 @@ def parser(d) -> argparse.ArgumentParser:
     g.add_argument("--cp-attention", default=d.cp_attention, choices=CP_ATTENTION, help="context-parallel "
                    f"attention: K/V round a ring, or all-to-alls to whole heads (ulysses: heads / tp must divide by "
                    f"cp; default: {d.cp_attention})")
-    g.add_argument("--sp", action=switch, default=False, help="sequence parallelism in norm/residual regions (tp > 1)")
+    g.add_argument("--sp", action=switch, default=False, help="sequence parallelism in the norm/residual regions "
+                   "(tp > 1)")
+    g.add_argument("--tp-overlap", action=switch, default=d.tp_overlap, help="tensor parallelism sends each "
+                   "region's backward message while computing its weight gradients (bitwise the same step; with "
+                   "--sp, one more all-gather of the input per region: only its shard is kept)")
     g.add_argument("--schedule", default=d.schedule, choices=SCHEDULES, help=f"pipeline schedule ({d.schedule})")
     g.add_argument("--virtual-stages", type=int, default=1, help="chunks per pipeline rank (interleaved)")
     g.add_argument("--ranks-per-node", type=int, help="ranks that share a node (its fast links): the ledger counts "
                    "what crosses between nodes; less than the world simulates several nodes on one machine "
                    "(default: torchrun's LOCAL_WORLD_SIZE, else every rank on one node)")
+
+
+def parser(d) -> argparse.ArgumentParser:
+    """Every flag of train.py; `d`: the defaults (a TrainConfig)."""
+    p = Parser(prog="train.py", formatter_class=HelpFormatter,
+               description="Train a Llama-style model with minipar. Launch with torchrun for more than one rank.")
+    switch = argparse.BooleanOptionalAction  # --sp and --no-sp: a flag can turn off what --config turned on
+    p.add_argument("--config", help="a TOML file of these flags' settings (keys: the flags' names, e.g. "
+                   "global-batch = 16); the flags given here override it")
+    add_layout_flags(p, d)
     add_model_flags(p, d)
     add_data_flags(p, d)
     g = p.add_argument_group("optimisation")
