@@ -18,7 +18,11 @@ the part of a parallel model that one rank holds, in five steps, always in this 
     4. experts    mixture-of-experts blocks: each rank keeps its E/ep experts and tokens reach
                   them by all-to-all (expert_parallel.py); the load-balancing loss pools its
                   sums over the ranks that hold other tokens of the same sequences (cp, sp)
-    5. recompute  each transformer layer keeps only its input and redoes its forward in backward
+    5. recompute  each transformer layer keeps only its input and redoes its forward in backward;
+                  or, selective (recompute_mlp), only each feed-forward block does: attention keeps
+                  its activations, the MLP (or MoE block) its input, and the MLP's 4 ffn/tp elements
+                  a token (gate, silu(gate), up, their product) are rebuilt for about 2/3 of a
+                  layer's matmul FLOPs, where full recompute redoes them all
 
 Where the messages are sent, read in the forwards: ParallelAttention and ParallelMLP enter the
 parallel region once (f) for the layers that read their input (q, k and v; gate and up), so one
@@ -78,7 +82,7 @@ from minipar.zeropp import ZeroPP
 
 def parallelize(model: Llama, *, tp: Group | None = None, cp: Group | None = None, ep: Group | None = None,
                 sp: bool = False, stage: tuple | None = None, recompute: bool = False,
-                cp_attention: str = "ring") -> Llama:
+                cp_attention: str = "ring", recompute_mlp: bool = False) -> Llama:
     """This rank's part of `model` (see the module docstring for the steps and their order).
     tp, cp, ep: this rank's groups (None, or a group of one: not split that way). sp: sequence
     parallelism over tp. stage: (layer ids, holds the embedding, holds the head) of this rank's
@@ -97,6 +101,8 @@ def parallelize(model: Llama, *, tp: Group | None = None, cp: Group | None = Non
         parallelize_experts(model, ep, tp, cp, sp)
     if recompute:
         recompute_layers(model)
+    if recompute_mlp:
+        recompute_mlps(model)
     return model
 
 
@@ -173,6 +179,14 @@ def _token_weighted_loss(logits, targets, divisor=None, *, loss_fn, group: Group
 def recompute_layers(model: Llama) -> None:
     for layer in model.layers.values():
         layer.forward = partial(_recomputed, layer.forward, layer)
+
+
+def recompute_mlps(model: Llama) -> None:
+    """Selective recompute: each layer's feed-forward block, the MLP or the MoE block (whose router
+    counts its tokens once, through `replaying`), keeps its input and is replayed in backward."""
+    for layer in model.layers.values():
+        block = getattr(layer, layer.kind)
+        block.forward = partial(_recomputed, block.forward, block)
 
 
 def _recomputed(forward, layer: nn.Module, x):

@@ -38,7 +38,10 @@ LIBRARY = sorted((ROOT / "minipar").rglob("*.py"))
 # weights, precision on resume, flags that would change nothing, bounded counts, the JSON log's
 # restart mark, a lost peer in one line: together +210 (about +190 and +170, less the branches the
 # seams removed). Issue 28 asked for no growth past 8,362; the library is 8,730: not met.
-LINE_BUDGET = 4000 + 400 + 500 + 500 + 400 + 500 + 300 + 150 + 100 + 300 + 350 + 100 + 300 + 200 + 330 + 90 + 210
+# Issue 29's capstone: selective recompute (+30): --recompute-mlp in the seam (parallelize.recompute_mlps),
+# the layout's flag and refusal, the estimator's bytes kept and replayed, the planner's third mode and its FLOPs.
+LINE_BUDGET = 4000 + 400 + 500 + 500 + 400 + 500 + 300 + 150 + 100 + 300 + 350 + 100 + 300 + 200 + 330 + 90 + 210 \
+    + 30
 
 
 def test_the_library_stays_within_its_line_budget_and_400_lines_per_file():

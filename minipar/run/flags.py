@@ -79,11 +79,8 @@ def add_precision_flags(g) -> None:
 
 def parser(d) -> argparse.ArgumentParser:
     """Every flag of train.py; `d`: the defaults (a TrainConfig)."""
-    p = Parser(
-        prog="train.py",
-        description="Train a Llama-style model with minipar. Launch with torchrun for more than one rank.",
-        formatter_class=HelpFormatter,
-    )
+    p = Parser(prog="train.py", formatter_class=HelpFormatter,
+               description="Train a Llama-style model with minipar. Launch with torchrun for more than one rank.")
     switch = argparse.BooleanOptionalAction  # --sp and --no-sp: a flag can turn off what --config turned on
     p.add_argument("--config", help="a TOML file of these flags' settings (keys: the flags' names, e.g. "
                    "global-batch = 16); the flags given here override it")
@@ -124,6 +121,8 @@ def parser(d) -> argparse.ArgumentParser:
                    "backward gather inside the node, int4 gradients)")
     g.add_argument("--offload", action=switch, default=False, help="ZeRO 1-2: optimizer state and update on the CPU")
     g.add_argument("--recompute", action=switch, default=False, help="activation checkpointing per transformer layer")
+    g.add_argument("--recompute-mlp", action=switch, default=False, help="selective activation checkpointing: "
+                   "only each layer's MLP (or MoE block) is redone in backward; attention keeps its activations")
     g = p.add_argument_group("checkpoints and logs")
     g.add_argument("--out", default=None, help="checkpoint directory (default: runs/run_NNN, a new one)")
     g.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")
