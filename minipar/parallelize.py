@@ -4,21 +4,23 @@ model.py is a single-device Llama that knows nothing of other ranks. `paralleliz
 the part of a parallel model that one rank holds, in five steps, always in this order:
 
     1. pipeline   keep only this rank's stages: the other layers (and the embedding or the
-                  head, if another stage has them) are deleted before anything else is done
-                  to them
-    2. tensor     the embedding becomes a VocabParallelEmbedding, the LM head a
-                  ColumnParallelLinear over the vocabulary and each MLP a ParallelMLP (tensor_parallel.py), each
-                  shard cut from the plain layer's own weight (tied embeddings: the head's shard
-                  is the embedding's, as both cut the vocabulary into the same blocks); the loss
-                  becomes the vocabulary-parallel one; with sequence parallelism the norms'
-                  gradients become partial sums over tp
-    3. context    the loss is weighed by this rank's share of the tokens
-                  (with 2 or 3, each attention becomes a ParallelAttention, context_parallel.py: its heads
-                  over its share of the sequence)
+                  head, if another stage has them) are deleted before anything else is done to them
+    2. tensor     the embedding becomes a VocabParallelEmbedding, the LM head a ColumnParallelLinear
+                  over the vocabulary and each MLP a ParallelMLP (tensor_parallel.py), each shard
+                  cut from the plain layer's own weight (tied embeddings: the head's shard is the
+                  embedding's, as both cut the vocabulary into the same blocks); the loss becomes
+                  the vocabulary-parallel one; with sp the norms' gradients partial sums over tp
+    3. context    the loss is weighed by this rank's share of the tokens (with 2 or 3, each
+                  attention becomes a ParallelAttention, context_parallel.py: its heads over its
+                  share of the sequence)
     4. experts    mixture-of-experts blocks: each rank keeps its E/ep experts and tokens reach
                   them by all-to-all (expert_parallel.py); the load-balancing loss pools its
                   sums over the ranks that hold other tokens of the same sequences (cp, sp)
-    5. recompute  each transformer layer keeps only its input and redoes its forward in backward
+    5. recompute  each transformer layer keeps only its input and redoes its forward in backward;
+                  or, selective (recompute_mlp), only each feed-forward block does: attention keeps
+                  its activations, the MLP (or MoE block) its input, and the MLP's 4 ffn/tp elements
+                  a token (gate, silu(gate), up, their product) are rebuilt for about 2/3 of a
+                  layer's matmul FLOPs, where full recompute redoes them all
 
 Where the messages are sent, read in the forwards: ParallelAttention and ParallelMLP enter the
 parallel region once (f) for the layers that read their input (q, k and v; gate and up), so one
@@ -26,21 +28,11 @@ all-reduce of that input's gradient in backward, not one per projection; the row
 w_down leave it (g), and so does the embedding; the LM head enters it itself. ParallelAttention
 with a cp group runs ring attention (or Ulysses' all-to-alls) on this rank's zigzag positions.
 
-Then the wrapper that syncs gradients, around the result: `build_grad_sync` (the end of this file)
-is the one place that chooses it, so the loop, the benchmarks and the course scripts build alike:
-
-    build_grad_sync(model, mesh.groups(), param_groups(model, cfg), partial(adamw, lr=cfg.lr),
-                    zero=cfg.zero, bucket_mb=cfg.bucket_mb, offload=cfg.offload, precision=of_config(cfg))
-
-    zero 0   DataParallel (data_parallel.py)  the optimizer built here, on the whole parameters
-    zero 1   ZeroDataParallel (zero.py)       the wrapper builds it on its slices (make_optimizer)
-    zero 2   ZeroDataParallel                 the gradients sharded too
-    zero 3   Zero3DataParallel (zero3.py)     the weights too; each layer a bucket (bucket_mb unused);
-                                              `zeropp` (any of qwz, hpz, qgz) hands it ZeRO++'s transport
-
-`precision` (precision.py) is the same choice for all four: bf16-mixed keeps fp32 master weights,
-whole in DataParallel, this rank's slices under ZeRO. `adamw` holds AdamW's settings once: betas
-(0.9, 0.95) and eps 1e-8, as GPT-3 and Llama train.
+Then the wrapper that syncs gradients goes around the result, chosen in one place (`build_grad_sync`,
+at the end) so the loop, the benchmarks and the course scripts build alike: zero 0 DataParallel
+(data_parallel.py), 1 and 2 ZeroDataParallel (zero.py), 3 Zero3DataParallel (zero3.py; `zeropp`
+hands it ZeRO++'s transport), each with the same precision policy (precision.py). `adamw` holds
+AdamW's settings once: betas (0.9, 0.95) and eps 1e-8, as GPT-3 and Llama train.
 Initialisation stays exact: the plain model draws every weight at its full shape from (seed,
 name), and a shard is cut from it, so every layout starts from the single-device weights.
 With every degree 1 the model is returned as it came.
@@ -80,7 +72,7 @@ from minipar.zeropp import ZeroPP
 
 def parallelize(model: Llama, *, tp: Group | None = None, cp: Group | None = None, ep: Group | None = None,
                 sp: bool = False, stage: tuple | None = None, recompute: bool = False,
-                cp_attention: str = "ring", tp_overlap: bool = False) -> Llama:
+                cp_attention: str = "ring", tp_overlap: bool = False, recompute_mlp: bool = False) -> Llama:
     """This rank's part of `model` (see the module docstring for the steps and their order).
     tp, cp, ep: this rank's groups (None, or a group of one: not split that way). sp: sequence
     parallelism over tp. stage: (layer ids, holds the embedding, holds the head) of this rank's
@@ -101,6 +93,8 @@ def parallelize(model: Llama, *, tp: Group | None = None, cp: Group | None = Non
         parallelize_experts(model, ep, tp, cp, sp)
     if recompute:
         recompute_layers(model)
+    if recompute_mlp:
+        recompute_mlps(model)
     return model
 
 
@@ -179,6 +173,14 @@ def recompute_layers(model: Llama) -> None:
         layer.forward = partial(_recomputed, layer.forward, layer)
 
 
+def recompute_mlps(model: Llama) -> None:
+    """Selective recompute: each layer's feed-forward block, the MLP or the MoE block (whose router
+    counts its tokens once, through `replaying`), keeps its input and is replayed in backward."""
+    for layer in model.layers.values():
+        block = getattr(layer, layer.kind)
+        block.forward = partial(_recomputed, block.forward, block)
+
+
 def _recomputed(forward, layer: nn.Module, x):
     if not torch.is_grad_enabled():
         return forward(x)
@@ -227,11 +229,10 @@ def build_grad_sync(model: nn.Module, groups: Groups, param_groups: list[dict],
                     make_optimizer: Callable[[list[dict]], torch.optim.Optimizer], *, zero: int = 0,
                     bucket_mb: float = 25.0, offload: bool = False, precision: Precision = FULL,
                     zeropp: tuple[str, ...] = ()) -> GradSync:
-    """The gradient-sync wrapper for ZeRO stage `zero` (0: plain data parallelism) around `model`.
-    Each parameter's gradient is averaged over the group its Placement names (`groups.reduction`);
-    `make_optimizer(param_groups)` builds the optimizer (ZeRO: on the wrapper's slices of them).
-    `precision` bf16-mixed (precision.py): `model` comes in fp32; the wrapper keeps fp32 masters
-    (ZeRO: its slices) for the optimizer and turns the model's own weights into bf16 copies."""
+    """The gradient-sync wrapper for ZeRO stage `zero` (0: plain data parallelism) around `model`,
+    averaging each gradient over the group its Placement names; `make_optimizer(param_groups)` builds
+    the optimizer (ZeRO: on the wrapper's slices). bf16-mixed: `model` comes in fp32, the wrapper
+    keeps fp32 masters (ZeRO: its slices) and turns the model's own weights into bf16 copies."""
     check_zero(zero, offload, zeropp)
     if zero == 3:
         transport = ZeroPP.over(groups, zeropp) if zeropp else None  # zeropp.py; None: the plain messages

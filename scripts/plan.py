@@ -42,19 +42,24 @@ def parse_args(argv=None):
 
 def row(choice) -> str:
     t = choice.time
-    return (f"  {choice.flags():<44} {t['total']:>9.2f} s = compute {t['compute']:.2f} + tp {t['tp']:.2f} + "
+    return (f"  {choice.flags():<54} {t['total']:>9.2f} s = compute {t['compute']:.2f} + tp {t['tp']:.2f} + "
             f"cp {t['cp']:.2f} + dp {t['dp']:.2f} + bubble {t['bubble']:.2f}   {choice.memory / 1e9:5.1f} GB")
+
+
+def recomputes(cfg) -> bool:
+    return cfg.recompute or cfg.recompute_mlp
 
 
 def why_not(best, fits, args, cluster) -> list[str]:
     """The alternatives people reach for first, and what the model says of each."""
     lines = []
-    common = {"plain data parallelism": lambda x: x.dp * x.cp == args.gpus and x.zero == 0 and not x.recompute,
-              "ZeRO-3 over every GPU (FSDP)": lambda x: x.dp == args.gpus and x.zero == 3 and not x.recompute,
+    common = {"plain data parallelism": lambda x: x.dp * x.cp == args.gpus and x.zero == 0 and not recomputes(x),
+              "ZeRO-3 over every GPU (FSDP)": lambda x: x.dp == args.gpus and x.zero == 3 and not recomputes(x),
               "ZeRO-3 over every GPU with recompute": lambda x: x.dp == args.gpus and x.zero == 3 and x.recompute,
               f"tensor parallelism over a node (tp {args.gpus_per_node})": lambda x: x.tp == args.gpus_per_node,
               "pipeline parallelism": lambda x: x.pp > 1,
-              "recompute": lambda x: x.recompute}
+              "recompute of whole layers": lambda x: x.recompute,
+              "recompute of the MLPs only (selective)": lambda x: x.recompute_mlp}
     for name, test in common.items():
         if test(best.cfg):
             lines.append(f"  {name}: the choice itself")

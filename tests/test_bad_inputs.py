@@ -283,6 +283,7 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     (["--zero=4"], 1, "--zero 4: choose 0, 1, 2 or 3"),
     (["--offload"], 1, "--offload needs --zero 1 or 2"),
     (["--zeropp=qwz"], 1, "--zeropp qwz needs --zero 3"),
+    (["--recompute", "--recompute-mlp"], 1, "--recompute-mlp with --recompute: full-layer recompute redoes the MLP"),
     (["--zero=3", "--zeropp=qwz,fast"], 1, "--zeropp qwz,fast: choose any of qwz, hpz, qgz"),
     (["--zero=3", "--dp=2", "--micro-batch=2", "--zeropp=hpz,qgz"], 2, "--zeropp hpz,qgz splits the dp ranks by node, "
      "and this run has one node"),

@@ -277,7 +277,8 @@ def _activations(rank, world, layout, whole_model):
     dtype = torch.bfloat16 if cfg.precision == "bf16-mixed" else dtype  # bf16 weights, no autocast
     with Mesh.build(tp=cfg.tp, cp=cfg.cp) as mesh, autocast:
         model = parallelize(Llama(c, 0), tp=mesh.groups().tp, cp=mesh.groups().cp, sp=cfg.sp,
-                            recompute=cfg.recompute, cp_attention=cfg.cp_attention).to(dtype)
+                            recompute=cfg.recompute, cp_attention=cfg.cp_attention,
+                            recompute_mlp=cfg.recompute_mlp).to(dtype)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         tokens = torch.randint(0, 250, (2, 33), generator=torch.Generator().manual_seed(0))
         x, y = (split_sequence(t, mesh.groups().cp) for t in (tokens[:, :-1], tokens[:, 1:]))
@@ -297,9 +298,14 @@ ACTIVATION_LAYOUTS = [(1, dict()), (2, dict(tp=2)), (2, dict(tp=2, sp=True)), (2
 MIXED = dict(dtype=None, precision="bf16-mixed")  # bf16 weights and activations, no autocast
 ACTIVATION_LAYOUTS += [(1, MIXED), (2, dict(tp=2, **MIXED)), (2, dict(tp=2, sp=True, **MIXED)),
                        (2, dict(cp=2, **MIXED)), (2, dict(cp=2, cp_attention="ulysses", **MIXED))]
+# --recompute-mlp: the MLP keeps its input (the normed stream, as the block receives it), attention all it kept
+SELECTIVE = dict(recompute_mlp=True)
+ACTIVATION_LAYOUTS += [(1, SELECTIVE), (2, dict(tp=2, **SELECTIVE)), (2, dict(tp=2, sp=True, **SELECTIVE)),
+                       (2, dict(cp=2, **SELECTIVE)), (2, dict(tp=2, sp=True, dtype="bfloat16", **SELECTIVE)),
+                       (2, dict(tp=2, sp=True, **MIXED, **SELECTIVE))]
 
 
-@pytest.mark.parametrize("world,layout", tiers(ACTIVATION_LAYOUTS, fast=9),
+@pytest.mark.parametrize("world,layout", tiers(ACTIVATION_LAYOUTS, fast=[9, len(ACTIVATION_LAYOUTS) - 4]),
                          ids=["-".join(f"{k}{v}" for k, v in c[1].items()) or "one" for c in ACTIVATION_LAYOUTS])
 def test_a_layers_activation_estimate_is_exactly_what_autograd_keeps(world, layout):
     for measured, estimated in run_ranks(world, _activations, layout, False):
@@ -308,8 +314,8 @@ def test_a_layers_activation_estimate_is_exactly_what_autograd_keeps(world, layo
 
 @pytest.mark.parametrize("world,layout", tiers([(1, dict()), (2, dict(tp=2, sp=True)), (1, dict(recompute=True)),
                                                 (1, dict(dtype="bfloat16")),
-                                                (2, dict(tp=2, sp=True, dtype="bfloat16"))], fast=4),
-                         ids=["one", "tp2-sp", "recompute", "bf16", "tp2-sp-bf16"])
+                                                (2, dict(tp=2, sp=True, dtype="bfloat16")), (1, SELECTIVE)], fast=4),
+                         ids=["one", "tp2-sp", "recompute", "bf16", "tp2-sp-bf16", "recompute-mlp"])
 def test_the_whole_models_activation_estimate_is_within_one_percent(world, layout):
     for measured, estimated in run_ranks(world, _activations, layout, True):
         assert abs(estimated - measured) <= 0.01 * measured, (estimated, measured)
@@ -329,6 +335,10 @@ def test_pipeline_activations_count_the_micro_batches_the_schedule_keeps_in_flig
     # Recompute: each layer keeps its input; the layer in backward is rebuilt whole, one at a time.
     assert activation_bytes(c, recompute) == 4 * layer_activation_bytes(c, recompute) + \
         head_activation_bytes(c, plain) + layer_activation_bytes(c, plain)
+    # --recompute-mlp: each layer keeps all but its MLP's; backward rebuilds one MLP's at a time.
+    mlp = TrainConfig(model="small", recompute_mlp=True)
+    assert activation_bytes(c, mlp) == 4 * layer_activation_bytes(c, mlp) + head_activation_bytes(c, plain) + \
+        layer_activation_bytes(c, plain) - layer_activation_bytes(c, mlp)
 
 
 def _gpt_layer_saves(rank, world, tp, sp, recompute):
@@ -514,10 +524,13 @@ TRAFFIC_LAYOUTS = [(2, dict(dp=2)), (4, dict(dp=4)), (2, dict(dp=2, zero=1)), (2
                    # ZeRO-3 with --recompute: a layer's replay runs on its backward gather, so dp's bytes
                    # are ZeRO-3's (3 Psi a micro-batch), tp's those of a replayed forward
                    (2, dict(dp=2, zero=3, recompute=True)), (4, dict(dp=2, tp=2, sp=True, zero=3, recompute=True)),
-                   (2, dict(dp=2, zero=3, recompute=True, **MIXED))]
+                   (2, dict(dp=2, zero=3, recompute=True, **MIXED)),
+                   # --recompute-mlp: each MLP's replay; under sp its input's all-gather again (not w_down's g)
+                   (2, dict(tp=2, **SELECTIVE)), (2, dict(tp=2, sp=True, **SELECTIVE)), (2, dict(cp=2, **SELECTIVE)),
+                   (4, dict(dp=2, tp=2, sp=True, zero=3, **SELECTIVE)), (4, dict(tp=2, pp=2, sp=True, **SELECTIVE))]
 
 
-@pytest.mark.parametrize("world,layout", tiers(TRAFFIC_LAYOUTS, fast=9),
+@pytest.mark.parametrize("world,layout", tiers(TRAFFIC_LAYOUTS, fast=[9, len(TRAFFIC_LAYOUTS) - 4]),
                          ids=["-".join(f"{k}{v}" for k, v in c[1].items()) for c in TRAFFIC_LAYOUTS])
 def test_the_traffic_estimate_equals_the_ledger_group_by_group(world, layout):
     for measured, estimated in run_ranks(world, _dp_traffic, layout, timeout=300):
@@ -550,7 +563,8 @@ def _moe_layer(rank, world, layout, capacity):
         if cfg.ep > 1:
             mesh.unflatten(("dp", "cp"), edp=cfg.dp // cfg.ep, ep=cfg.ep)
         ep = mesh.group("ep") if cfg.ep > 1 else None
-        model = parallelize(Llama(c, 0), tp=mesh.groups().tp, cp=mesh.groups().cp, sp=cfg.sp, ep=ep).to(torch.float64)
+        model = parallelize(Llama(c, 0), tp=mesh.groups().tp, cp=mesh.groups().cp, sp=cfg.sp, ep=ep,
+                            recompute_mlp=cfg.recompute_mlp).to(torch.float64)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         share = cfg.seq_len // cfg.cp // (cfg.tp if cfg.sp else 1)  # what a layer receives
         h = torch.randn(2, share, c.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)) * 1.0
@@ -560,10 +574,12 @@ def _moe_layer(rank, world, layout, capacity):
 
 @pytest.mark.parametrize("world,layout,capacity", tiers([(1, {}, {}), (1, {}, CAPACITY), (2, dict(tp=2), {}),
                                                          (2, dict(tp=2, sp=True), {}), (2, dict(cp=2), {}),
-                                                         (2, dict(dp=2, ep=2), CAPACITY), (2, dict(dp=2, ep=2), {})],
+                                                         (2, dict(dp=2, ep=2), CAPACITY), (2, dict(dp=2, ep=2), {}),
+                                                         (2, dict(tp=2, sp=True, **SELECTIVE), {}),
+                                                         (2, dict(dp=2, ep=2, **SELECTIVE), CAPACITY)],
                                                         fast=5),
                          ids=["one-dropless", "one-capacity", "tp2", "tp2-sp", "cp2", "dp2-ep2-capacity",
-                              "dp2-ep2-dropless"])
+                              "dp2-ep2-dropless", "tp2-sp-recompute-mlp", "dp2-ep2-capacity-recompute-mlp"])
 def test_an_moe_layers_activation_estimate_is_what_autograd_keeps(world, layout, capacity):
     # With every expert on the rank (ep 1: tp, sp and cp only change how many tokens it routes)
     # every assignment runs here, dropless or not: exact. Over ep 2 with a capacity factor every
@@ -615,7 +631,8 @@ def test_an_moe_models_activation_estimate_is_its_peak_in_a_real_step(world, lay
 MOE_TRAFFIC_LAYOUTS = [(2, dict(dp=2, ep=2)), (4, dict(dp=4, ep=2, zero=1)), (2, dict(dp=2, ep=2, zero=3)),
                        (4, dict(dp=4, ep=2, zero=2)), (4, dict(dp=2, tp=2, sp=True, ep=2)), (4, dict(dp=2, tp=2, ep=2)),
                        (4, dict(dp=2, cp=2, ep=2)), (4, dict(dp=2, pp=2, ep=2)), (2, dict(dp=2, ep=2, recompute=True)),
-                       (4, dict(dp=2, tp=2, sp=True, ep=2, recompute=True))]
+                       (4, dict(dp=2, tp=2, sp=True, ep=2, recompute=True)),
+                       (4, dict(dp=2, tp=2, sp=True, ep=2, recompute_mlp=True))]
 
 
 @pytest.mark.parametrize("world,layout", tiers(MOE_TRAFFIC_LAYOUTS, fast=4),

@@ -101,6 +101,11 @@ WRONG_SAYS = {
     "9.1": {"wrong": "is not it (mesh.py: tp varies fastest"},
     "9.2": {"wrong": "not --dp 16 --zero 3"},
     "9.3": {"wrong": "not the dimensions whose groups span two nodes"},
+    "11.1": {"wrong_full_layer": "its input alone: that is full-layer recompute, which redoes attention too",
+             "wrong_no_recompute": "the MLP still saves gate, silu(gate), up and their product",
+             "wrong_attention": "attention keeps its activations and is not recomputed",
+             "wrong_keeps_all": "the MLP ran again in backward, but its first forward kept all it saves",
+             "wrong_delegates": "minipar.parallelize.recompute_mlps " + OFF},
 }
 CATALOGUE = [(number, which) for number, answers in sorted(WRONG_SAYS.items()) for which in answers]
 
@@ -120,7 +125,8 @@ def test_every_chapter_0_to_9_has_three_exercises_and_1_to_8_implement_and_predi
     kinds: dict[str, set] = {}
     for number, (_, kind, *_) in checks.EXERCISES.items():
         kinds.setdefault(number.split(".")[0], []).append(kind)
-    assert sorted(kinds) == [str(c) for c in range(10)]
+    assert sorted(kinds) == sorted([str(c) for c in range(10)] + ["11"])  # 11: the capstone's one project
+    assert kinds.pop("11") == ["implement"]
     assert all(len(k) >= 3 for k in kinds.values()), kinds
     assert all("implement" in kinds[str(c)] and {"predict", "explore"} & set(kinds[str(c)]) for c in range(1, 9))
 

@@ -154,8 +154,8 @@ def test_the_logged_expert_load_counts_each_token_once_under_recompute():
 
     config = get_config("tiny-moe")
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    for recompute in (False, True):  # recompute replays each layer's forward in backward
-        model = parallelize(Llama(config, 0), recompute=recompute)
+    for mode in ({}, dict(recompute=True), dict(recompute_mlp=True)):  # each replays the MoE block in backward
+        model = parallelize(Llama(config, 0), **mode)
         model(x, x).backward()
         assert [sum(layer) for layer in take_load(model)] == [2 * 16 * config.top_k] * config.n_layers
 
@@ -245,6 +245,7 @@ LAYOUTS = [
     (4, dict(dp=4, ep=2, zero=2)),
     (4, dict(dp=4, ep=2, zero=3)),
     (4, dict(dp=2, ep=2, recompute=True, tp=2)),
+    (4, dict(dp=2, ep=2, recompute_mlp=True, tp=2, sp=True)),  # selective: the MoE block replayed alone
     (8, dict(dp=2, ep=2, tp=2, sp=True, pp=2)),
 ]
 

@@ -85,10 +85,16 @@ LAYOUTS = [
     (4, dict(dp=2, tp=2, sp=True, tie_embeddings=True), 2),
     (4, dict(tp=2, cp=2, zero=1, tie_embeddings=True), 4),
     (2, dict(dp=2, zero=3, tie_embeddings=True), 2),  # the table is in ZeRO-3's embedding and head units
+    # Selective recompute (--recompute-mlp): each MLP replayed in backward, its f and g (sp: all-gather and
+    # reduce-scatter) included; under ZeRO-3 on the layer's backward gather; under pp inside each stage
+    (1, dict(recompute_mlp=True), 2),
+    (2, dict(tp=2, recompute_mlp=True), 2),
+    (4, dict(dp=2, tp=2, sp=True, zero=3, recompute_mlp=True), 2),
+    (4, dict(tp=2, pp=2, sp=True, recompute_mlp=True), 2),
 ]
 
 
-@pytest.mark.parametrize("world,layout,micro", tiers(LAYOUTS, fast=[6, 8]),  # make test: ZeRO-3 x cp; tied
+@pytest.mark.parametrize("world,layout,micro", tiers(LAYOUTS, fast=[6, 8, 13]),  # ZeRO-3 x cp; tied; recompute-mlp
                          ids=["-".join(f"{k}{v}" for k, v in c[1].items()) or "accum4" for c in LAYOUTS])
 def test_the_loss_and_gradients_are_the_one_device_token_mean_under_every_layout(world, layout, micro):
     ref_loss, ref_grads = one_device(layout.get("tie_embeddings", False))

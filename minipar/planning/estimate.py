@@ -11,7 +11,7 @@ gradient and K = 12 of optimizer state per parameter (zero.model_state_bytes):
 minipar's figures follow the same shape, but this module does not re-derive which parameter lands
 where. It builds the rank's part of the model *on paper*: the plain Llama on PyTorch's meta device
 (shapes, no memory), cut by the same `parallelize` that training uses, with groups that have a
-size and a rank but no processes (`PaperGroup`): the exact shapes the rank will hold (tp shards
+size and a rank but no processes (layout.py's `PaperGroup`): the exact shapes the rank will hold (tp shards
 padded, experts cut over ep, its pipeline stages only), and ZeRO's buckets planned by ZeRO's own
 `bucket_plan`. So the estimate follows the code; tests/test_estimate.py checks it byte for byte.
 
@@ -35,12 +35,12 @@ allocator takes for itself, and mixture-of-experts layers under bf16 autocast to
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import lru_cache
 
 import torch
 
-from minipar.collectives import Group, Ledger, ring_bytes_sent
+from minipar.collectives import ring_bytes_sent
 from minipar.context_parallel import attention_bytes_sent
 from minipar.data_parallel import bucket_params, by_grad_mean, param_groups
 from minipar.model import Llama, ModelConfig
@@ -52,26 +52,10 @@ from minipar.pipeline.schedules import messages_of
 from minipar.placement import DENSE, placement_of
 from minipar.planning.estimate_moe import moe_block_bytes, moe_bytes_sent
 from minipar.planning.estimate_zeropp import bucket_sent, secondary_bytes
-from minipar.planning.layout import Layout
+from minipar.planning.layout import Layout, paper_group
 from minipar.precision import of_config, widths
 from minipar.zero import bucket_plan
 from minipar.zero3 import unit_chunks, units_of
-
-
-@dataclass
-class PaperGroup(Group):
-    """A group with a size and this rank's place in it, and no processes: enough to cut a model."""
-
-    index: int = 0
-    ledger: Ledger = field(default_factory=Ledger)
-
-    @property
-    def rank(self) -> int:
-        return self.index
-
-
-def paper_group(name: str, size: int, index: int = 0) -> PaperGroup:
-    return PaperGroup(name, None, list(range(size)), index=index)
 
 
 def rank_model(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> Llama:
@@ -178,7 +162,7 @@ def bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[st
     all-to-alls each way (context_parallel.attention_bytes_sent); mixture-of-experts
     blocks' all-to-alls and load-balancing sums (estimate_moe.moe_bytes_sent: with a capacity factor
     exact once every expert fills it, dropless the expectation under uniform routing) and the experts' norm over
-    ep. Under --recompute, backward replays each layer's forward messages, up to the last it needs."""
+    ep. Recompute replays each layer's (--recompute-mlp: MLP's) forward messages, up to the last it needs."""
     sent = Counter(dp_bytes_sent(model_cfg, cfg, pp_rank))
     model, m, w = rank_model(model_cfg, cfg, pp_rank), cfg.accum_steps, of_config(cfg).activation_width
     layers, moe_blocks = len(model.layers), sum(isinstance(x, MoE) for x in model.modules())
@@ -203,11 +187,12 @@ def bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[st
         ends = (first + last) * ring_bytes_sent("all_reduce" if not cfg.sp else "all_gather", stream, t)
         for op in ("all_gather", "reduce_scatter") if cfg.sp else ("all_reduce",):
             sent[f"tp/{op}"] += m * (blocks * (ring_bytes_sent(op, stream, t) + ring_bytes_sent(op, product, t)) + ends)
-        if cfg.recompute:  # backward replays each layer's forward messages, but stops once it has rebuilt
-            # what it needs (torch's early stop): not a dense layer's last, the MLP's output (feeding a sum).
-            out_op = "reduce_scatter" if cfg.sp else "all_reduce"
-            sent[f"tp/{out_op}"] += m * (blocks - layers + moe_blocks) * ring_bytes_sent(out_op, product, t)
-            sent["tp/all_gather"] += m * blocks * ring_bytes_sent("all_gather", stream, t) if cfg.sp else 0
+        if cfg.recompute or cfg.recompute_mlp:  # backward replays each layer's (MLP's) forward messages, but stops
+            # once it has rebuilt what it needs (torch's early stop): not a dense MLP's output (feeding a sum).
+            out_op = "reduce_scatter" if cfg.sp else "all_reduce"  # --recompute: each attention's output (g)
+            sent[f"tp/{out_op}"] += m * layers * cfg.recompute * ring_bytes_sent(out_op, product, t)
+            inputs = blocks if cfg.recompute else layers - moe_blocks  # --recompute-mlp: dense MLPs (MoE: estimate_moe)
+            sent["tp/all_gather"] += m * inputs * ring_bytes_sent("all_gather", stream, t) if cfg.sp else 0
         if last:  # the loss: max, target logit and sum of exponentials per token, in at least fp32
             sent["tp/all_reduce"] += m * 3 * ring_bytes_sent("all_reduce", tokens * max(w, 4), t)
         sent["tp/all_reduce"] += ring_bytes_sent("all_reduce", grad_width, t)  # the norm of the tp shards
@@ -295,7 +280,8 @@ def layer_activation_bytes(c: ModelConfig, cfg: Layout) -> int:
                    (Ulysses: the output also before it is reordered, + d/tp; two orders of s)
         MLP        gate, silu(gate), up and their product                       4 ffn/tp
         small      1/rms of both norms; RoPE's cos and sin tables (per sequence position)
-    With --recompute a layer keeps only its input (and rebuilds the rest in backward)."""
+    With --recompute a layer keeps only its input (and rebuilds the rest in backward); with --recompute-mlp
+    the MLP its input (the normed stream as it arrives: d/tp under sp, fp32 under autocast), not 4 ffn/tp."""
     t, w, b = cfg.tp, of_config(cfg).activation_width, cfg.micro_batch
     s, d, e = cfg.seq_len // cfg.cp, c.dim, c.head_dim
     tokens, sp = b * s, (t if cfg.sp else 1)
@@ -308,7 +294,7 @@ def layer_activation_bytes(c: ModelConfig, cfg: Layout) -> int:
     attention = (2 + ulysses) * tokens * d // t + 2 * tokens * e * (heads if repeated else kv)
     orders = 16 * cfg.seq_len if ulysses else 0  # bytes: ulysses_attention's two int64 orders of the tokens
     small = 2 * tokens // sp + 2 * s * e + tokens * heads  # 1/rms, cos and sin, log-sum-exp
-    mlp = 4 * tokens * c.ffn_dim // t
+    mlp, r = (0 if cfg.recompute_mlp else 4 * tokens * c.ffn_dim // t), cfg.recompute_mlp
     if of_config(cfg).autocast is not None:  # autocast: x, x/rms and the small ones in fp32; a bf16 copy of the
         # normed input for each of the 5 projections that read it; the weights' copies: weight_casts.
         # SDPA's bf16 copy of the (fp32, rotated) keys is made from their repeated view: full width.
@@ -316,8 +302,10 @@ def layer_activation_bytes(c: ModelConfig, cfg: Layout) -> int:
         qo, width_k, width_v = tokens * d // t, tokens * e * heads, tokens * e * (heads if repeated else kv)
         ring = cfg.cp > 1 and not ulysses
         attention_bytes = 10 * qo + 6 * tokens * e * kv if ring else 2 * ((2 + ulysses) * qo + width_k + width_v)
-        return 4 * (4 * tokens * d // sp + small) + 2 * (5 * tokens * d + mlp) + attention_bytes + orders
-    norms, lse = 2 * tokens * d + 4 * tokens * d // sp, (max(w, 4) - w) * tokens * heads * (cfg.cp == 1 or ulysses)
+        return 4 * ((4 + r) * tokens * d // sp + small) + 2 * ((5 - 2 * r) * tokens * d + mlp) + attention_bytes + \
+            orders  # --recompute-mlp: the MLP's input in fp32, and not the bf16 copies gate and up read
+    norms, lse = (2 - r) * tokens * d + (4 + r) * tokens * d // sp, (max(w, 4) - w) * tokens * heads * (
+        cfg.cp == 1 or ulysses)
     return w * (norms + attention + mlp + small) + orders + lse  # lse: SDPA keeps its log-sum-exp in fp32 at least
 
 
@@ -327,7 +315,8 @@ def weight_casts(c: ModelConfig, cfg: Layout) -> int:
     if of_config(cfg).autocast is None:  # bf16-mixed: the weights are bf16 already, no copies
         return 0
     t, d, kv = cfg.tp, c.dim, c.n_kv_heads * c.head_dim
-    return 2 * ((2 * d * d + 3 * d * c.ffn_dim) // t + 2 * d * kv // (t if c.n_kv_heads % t == 0 else 1))
+    mlp = 0 if cfg.recompute_mlp else 3 * d * c.ffn_dim // t  # --recompute-mlp: made again in its replay, not kept
+    return 2 * (2 * d * d // t + mlp + 2 * d * kv // (t if c.n_kv_heads % t == 0 else 1))
 
 
 def head_activation_bytes(c: ModelConfig, cfg: Layout) -> int:
@@ -349,7 +338,8 @@ def moe_layer_activation_bytes(c: ModelConfig, cfg: Layout, worst: bool = False)
         return layer_activation_bytes(c, cfg)  # its input only
     tokens, t = cfg.micro_batch * cfg.seq_len // cfg.cp, cfg.tp
     shared_input = of_config(cfg).activation_width * tokens * c.dim * (t - 1) // t if cfg.sp else 0
-    return layer_activation_bytes(replace(c, ffn_dim=0), cfg) - shared_input + moe_block_bytes(c, cfg, worst)
+    block = 0 if cfg.recompute_mlp else moe_block_bytes(c, cfg, worst)  # --recompute-mlp: its input, in the norms
+    return layer_activation_bytes(replace(c, ffn_dim=0), replace(cfg, recompute_mlp=False)) - shared_input + block
 
 
 def activation_bytes(c: ModelConfig, cfg: Layout, pp_rank: int = 0, worst: bool = False) -> int:
@@ -359,10 +349,11 @@ def activation_bytes(c: ModelConfig, cfg: Layout, pp_rank: int = 0, worst: bool 
     routing's expectation (worst: its bound), with a capacity factor, full expert buffers."""
     dense, head = layer_activation_bytes(c, cfg), head_activation_bytes(c, cfg)
     moe = moe_layer_activation_bytes(c, cfg, worst) if c.n_experts else 0
-    rebuilt = 0  # with recompute, backward rebuilds one whole layer at a time: the largest
-    if cfg.recompute:
-        plain = replace(cfg, recompute=False)
-        rebuilt = max(layer_activation_bytes(c, plain), moe_layer_activation_bytes(c, plain, worst) if moe else 0)
+    rebuilt = 0  # with recompute, backward rebuilds one layer (--recompute-mlp: its MLP) at a time: the largest
+    if cfg.recompute or cfg.recompute_mlp:
+        plain, kept = replace(cfg, recompute=False, recompute_mlp=False), int(cfg.recompute_mlp)
+        rebuilt = max(layer_activation_bytes(c, plain) - kept * dense, (moe_layer_activation_bytes(c, plain, worst)
+                      - kept * moe) if moe else 0) + (weight_casts(c, plain) - weight_casts(c, cfg)) * kept
     casts = weight_casts(c, cfg) * (1 if cfg.recompute else len(rank_model(c, cfg, pp_rank).layers))
     first_moe = c.dense_layers if c.n_experts else c.n_layers
     states = _alive(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages, c.n_layers, first_moe, pp_rank)

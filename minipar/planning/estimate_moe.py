@@ -31,7 +31,7 @@ them; bf16 autocast: the same tensors at bf16 width, not measured):
 
 Traffic, on the ep group, per MoE block and micro-batch: the counts per expert (all-to-all of E
 int64), the tokens out and the results back (out + in rows, in = R - what stays here), and in
-backward the same rows again; --recompute replays the forward ones. With cp (or sp) the load-
+backward the same rows again; --recompute (and --recompute-mlp) replays the forward ones. With cp (or sp) the load-
 balancing loss adds two E-sized all-reduces per block over those groups (forward only).
 """
 
@@ -89,7 +89,7 @@ def moe_bytes_sent(c: ModelConfig, cfg: Layout, n_blocks: int, worst: bool = Fal
     the ep all-to-alls (module docstring) and the load-balancing loss's all-reduces over cp, and
     over tp under sp. Dropless: the expectation under uniform routing (worst: its bound)."""
     sent: dict[str, int] = {}
-    forwards = cfg.accum_steps * n_blocks * (2 if cfg.recompute else 1)
+    forwards = cfg.accum_steps * n_blocks * (2 if cfg.recompute or cfg.recompute_mlp else 1)
     backwards = cfg.accum_steps * n_blocks
     stream, product = stream_and_product_widths(cfg)
     if cfg.ep > 1:

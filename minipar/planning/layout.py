@@ -10,9 +10,10 @@ checkpoint and log settings added) asks it of every run, raising its own error (
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
+from minipar.collectives import Group, Ledger
 from minipar.context_parallel import check_cp_layout
 from minipar.expert_parallel import check_expert_layout
 from minipar.mesh import MeshLayout
@@ -45,6 +46,7 @@ class Layout:
     zeropp: str | None = None  # ZeRO++ on ZeRO-3: any of qwz,hpz,qgz (zeropp.py)
     offload: bool = False  # ZeRO 1-2: optimizer state and step on the CPU
     recompute: bool = False  # activation checkpointing per transformer layer
+    recompute_mlp: bool = False  # selective: only each layer's feed-forward block (MLP or MoE) is redone
     ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE, else the world (parse_args fills it in)
     model: str = "small"
     # The model's shape (run/config's SHAPE_FLAGS): None takes the preset's value; parse_args fills them in.
@@ -111,6 +113,9 @@ class Layout:
             given = f"--model {self.model}" + " --tie-embeddings" * bool(self.tie_embeddings)
             raise self.error(f"--pp {self.pp} with tied embeddings ({given}): the embedding and the LM head share one "
                              "weight, and pipeline stages would split them; use --pp 1 or --no-tie-embeddings")
+        if self.recompute and self.recompute_mlp:
+            raise self.error("--recompute-mlp with --recompute: full-layer recompute redoes the MLP already; "
+                             "choose one")
         if self.zero == 3 and self.pp > 1:
             raise self.error("--zero 3 with --pp: every micro-batch would gather each layer twice; "
                               "use --zero 1 or 2 with pipeline parallelism")
@@ -127,3 +132,19 @@ class Layout:
             except ValueError as e:
                 raise self.error(str(e)) from None
 
+
+
+@dataclass
+class PaperGroup(Group):
+    """A group with a size and this rank's place in it, and no processes: enough to cut a model on paper."""
+
+    index: int = 0
+    ledger: Ledger = field(default_factory=Ledger)
+
+    @property
+    def rank(self) -> int:
+        return self.index
+
+
+def paper_group(name: str, size: int, index: int = 0) -> PaperGroup:
+    return PaperGroup(name, None, list(range(size)), index=index)

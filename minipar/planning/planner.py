@@ -10,9 +10,10 @@ Chapter 8 of the course. The method is the one practitioners follow by hand:
 
 The clock (`step_time`) is arithmetic, stated here so that its answer can be argued with:
 
-    compute   FLOPs of the step (ModelConfig.flops_per_token: 6 per parameter but the input
-              embedding, plus attention; recompute adds a forward: 8 instead of 6) over the GPUs
-              at `mfu` of their peak
+    compute   FLOPs of the step (`step_flops`: ModelConfig.flops_per_token, 6 per parameter but the
+              input embedding, plus attention; recompute adds a forward: 8 instead of 6; recompute
+              of the MLPs only their forward, + 6·d·ffn per token and layer) over the GPUs at `mfu`
+              of their peak
     traffic   the bytes each group sends in a step, from estimate.bytes_sent (equal to the
               ledger's on CPU), over the intra-node bandwidth when the group's ranks lie in one
               node, else the inter-node one:
@@ -54,6 +55,7 @@ from minipar.planning.estimate import (
 from minipar.planning.layout import Layout
 from minipar.precision import of_config
 
+RECOMPUTE = ((False, False), (False, True), (True, False))  # (recompute, recompute_mlp): none, the MLPs', all
 PRECISION_NOTE = {"float64": "float64 throughout", "fp32": "fp32 throughout",
                   "bf16-autocast": "bf16-autocast (fp32 weights; backward keeps a bf16 copy of each layer's weights)",
                   "bf16-mixed": "bf16-mixed (bf16 weights and gradients, fp32 master and Adam state)"}
@@ -80,9 +82,9 @@ def layouts(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro
                 if (g // (tp * pp)) % cp or global_batch % (g // (tp * pp * cp) * micro_batch):
                     continue
                 for zero in (0, 1, 2, 3):
-                    for recompute in (False, True):
-                        cfg = Layout(model=model, dp=g // (tp * pp * cp), tp=tp, pp=pp, cp=cp, sp=tp > 1,
-                                          zero=zero, recompute=recompute, seq_len=seq_len,
+                    for recompute, recompute_mlp in RECOMPUTE:
+                        cfg = Layout(model=model, dp=g // (tp * pp * cp), tp=tp, pp=pp, cp=cp, sp=tp > 1, zero=zero,
+                                          recompute=recompute, recompute_mlp=recompute_mlp, seq_len=seq_len,
                                           global_batch=global_batch, micro_batch=micro_batch, dtype="bfloat16",
                                           vocab_size=c.vocab_size)
                         try:
@@ -92,10 +94,20 @@ def layouts(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro
                         yield cfg
 
 
+def step_flops(c: ModelConfig, cfg: Layout) -> float:
+    """FLOPs of one optimizer step: flops_per_token's 6 per parameter (2 forward, 4 backward) and token,
+    plus attention. Full recompute runs every forward again: 8/6 of it. Recompute of the MLPs runs
+    only each dense MLP's three matmuls again, 2·3·d·ffn per token and layer: 2/3 of a layer's matmuls
+    where ffn = 8d/3 and kv heads = heads; at 70B (d 8,192, ffn 28,672, 8 kv heads of 64) 82% of them,
+    and with attention's scores at s 8,192, 1.41 of a layer's 1.98 GFLOP forward a token (71%)."""
+    tokens, mlps = cfg.global_batch * cfg.seq_len, sum(c.feed_forward(i) == "mlp" for i in range(c.n_layers))
+    flops = tokens * c.flops_per_token(cfg.seq_len)
+    return flops * 8 / 6 if cfg.recompute else flops + cfg.recompute_mlp * tokens * mlps * 6 * c.dim * c.ffn_dim
+
+
 def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]:
     """Seconds of one optimizer step under the clock of the module docstring, by part."""
-    compute = cfg.global_batch * cfg.seq_len * c.flops_per_token(cfg.seq_len) * (8 / 6 if cfg.recompute else 1) / (
-        cluster.gpus * cluster.flops * cluster.mfu)
+    compute = step_flops(c, cfg) / (cluster.gpus * cluster.flops * cluster.mfu)
     sent = bytes_sent(c, cfg)  # pp rank 0's, by group: equal to the ledger's on CPU
 
     def over(prefix: str, span: int) -> float:
@@ -128,7 +140,8 @@ class Choice:
     def flags(self) -> str:
         c = self.cfg
         parts = [f"--{k} {v}" for k, v in (("dp", c.dp), ("tp", c.tp), ("pp", c.pp), ("cp", c.cp)) if v > 1]
-        return " ".join(parts + ["--sp"] * c.sp + [f"--zero {c.zero}"] * (c.zero > 0) + ["--recompute"] * c.recompute)
+        return " ".join(parts + ["--sp"] * c.sp + [f"--zero {c.zero}"] * (c.zero > 0) + ["--recompute"] * c.recompute
+                        + ["--recompute-mlp"] * c.recompute_mlp)
 
 
 def plan(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_batch: int = 1):
@@ -182,15 +195,16 @@ def check_memory(cfg: Layout, limit: int | None = None) -> None:
 
 def _alternatives(cfg: Layout, model_cfg: ModelConfig):
     """Other layouts of the same ranks that pass every check, fewest model cuts first: tp x pp
-    (dp takes the rest), then the ZeRO stage, then recompute."""
+    (dp takes the rest), then the ZeRO stage, then recompute (none, the MLPs', the whole layers')."""
     world = cfg.dp * cfg.tp * cfg.pp * cfg.cp
     cuts = [(tp, pp) for tp in range(1, world + 1) for pp in range(1, model_cfg.n_layers + 1)
             if world % (tp * pp * cfg.cp) == 0 and model_cfg.n_heads % tp == 0]
     for tp, pp in sorted(cuts, key=lambda c: (c[0] * c[1], c[1])):
         for zero in range(4):
-            for recompute in (False, True):
+            for recompute, recompute_mlp in RECOMPUTE:
                 dp = world // (tp * pp * cfg.cp)
-                alt = replace(cfg, dp=dp, tp=tp, pp=pp, zero=zero, recompute=recompute, sp=cfg.sp and tp > 1,
+                alt = replace(cfg, dp=dp, tp=tp, pp=pp, zero=zero, recompute=recompute, recompute_mlp=recompute_mlp,
+                              sp=cfg.sp and tp > 1,
                               ep=cfg.ep if dp * cfg.cp % cfg.ep == 0 else 1, virtual_stages=1, schedule="1f1b")
                 try:
                     alt.validate(world)
@@ -201,7 +215,7 @@ def _alternatives(cfg: Layout, model_cfg: ModelConfig):
 
 def _flags(cfg: Layout) -> str:
     return " ".join(f"--{k} {v}" for k, v in (("dp", cfg.dp), ("tp", cfg.tp), ("pp", cfg.pp), ("zero", cfg.zero))
-                    if v > 1 or k == "zero") + " --recompute" * cfg.recompute
+                    if v > 1 or k == "zero") + " --recompute" * cfg.recompute + " --recompute-mlp" * cfg.recompute_mlp
 
 
 def report(cfg: Layout) -> str:
@@ -226,8 +240,7 @@ def report(cfg: Layout) -> str:
         copy = held_bytes(c, cfg)["params"] - held_bytes(c, replace(cfg, zeropp=None))["params"]
         lines.append(f"ZeRO++ {cfg.zeropp}: hpZ's node-local copy, in the weights: {copy / 2**20:,.1f} MiB; "
                      "dp_intra's bytes stay inside a node, dp_cross's cross")
-    flops = cfg.global_batch * cfg.seq_len * c.flops_per_token(cfg.seq_len) * (8 / 6 if cfg.recompute else 1)
-    step = f"a step: {flops / 1e12:,.1f} TFLOP in all"
+    step = f"a step: {step_flops(c, cfg) / 1e12:,.1f} TFLOP in all"
     if cfg.pp > 1:
         idle = pipeline_idle(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages)
         step += f"; the pipeline idles {idle:.1%} of the step (its schedule simulated: F = 1, B = 2, or 1 each " \

@@ -131,6 +131,8 @@ def parser(d) -> argparse.ArgumentParser:
                    "backward gather inside the node, int4 gradients)")
     g.add_argument("--offload", action=switch, default=False, help="ZeRO 1-2: optimizer state and update on the CPU")
     g.add_argument("--recompute", action=switch, default=False, help="activation checkpointing per transformer layer")
+    g.add_argument("--recompute-mlp", action=switch, default=False, help="selective activation checkpointing: "
+                   "only each layer's MLP (or MoE block) is redone in backward; attention keeps its activations")
     g = p.add_argument_group("checkpoints and logs")
     g.add_argument("--out", default=None, help="checkpoint directory (default: runs/run_NNN, a new one)")
     g.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")

@@ -8,13 +8,15 @@ against the library's own figure (predict and explore), and returns what differs
 student can act on. A skeleton's NotImplementedError, or `ANSWER = None`, becomes one line, "not
 implemented yet" or "not answered yet". A predict exercise (check_common.Predict) asks about a
 variant drawn from a seed, which `asked` prints. The checkers live in check_common.py (what they share),
-checks_collectives.py, checks_layers.py and checks_answers_0_3.py / checks_answers_4_9.py.
+checks_collectives.py, checks_layers.py, checks_answers_0_3.py / checks_answers_4_9.py and
+checks_capstone.py (the capstone's, 11.1).
 """
 
 from __future__ import annotations
 
 import checks_answers_0_3 as a03
 import checks_answers_4_9 as a49
+import checks_capstone as capstone
 import checks_collectives as comm
 import checks_layers as layers
 from check_common import EXERCISES_DIR, Predict
@@ -81,6 +83,8 @@ EXERCISES = {
     "9.3": ("ex9_3_predict_cross_node.py", "predict", "which groups cross nodes, for your mesh and node size",
             a49.check_predict_cross_node,
             "10 min"),
+    "11.1": ("ex11_1_selective_recompute.py", "implement", "recompute each layer's MLP, and only it (the capstone)",
+             capstone.check_selective_recompute, "45 min"),
 }
 
 
