@@ -72,7 +72,7 @@ EXERCISES = {
             "10 min"),
     "8.1": ("ex8_1_model_state_bytes.py", "implement", "model states per rank under ZeRO 0-3",
             layers.check_model_state_bytes, "15 min"),
-    "8.2": ("ex8_2_explore_plan.py", "explore", "which layout the planner picks for 8b on 8 GPUs",
+    "8.2": ("ex8_2_explore_plan.py", "explore", "which layout the planner picks for 8b in your case",
             a49.check_explore_plan, "15 min"),
     "8.3": ("ex8_3_predict_compute_time.py", "predict", "the compute seconds of your 8b step",
             a49.check_predict_compute_time, "15 min"),

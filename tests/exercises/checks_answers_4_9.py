@@ -186,31 +186,51 @@ def check_explore_ep_bytes(student) -> list[str]:
 
 # -- Chapter 8 -----------------------------------------------------------------------------------
 
-PLAN_CHOICES = {"A": dict(dp=8, zero=3), "B": dict(dp=4, cp=2, zero=3), "C": dict(tp=8, sp=True, zero=1),
-                "D": dict(dp=2, pp=4, zero=1)}
+# Chapter 8 prints the planner's pick for 8b on 8 H100s at 8,192 tokens (B): the variants ask
+# about other GPUs, sequence lengths and batches, where another letter wins.
+PLAN_SPACE = [dict(gpus=g, seq_len=n, global_batch=b) for g, n in ((8, 2048), (8, 4096), (8, 16384), (16, 2048),
+                                                                     (16, 16384)) for b in (256, 512, 2048)]
 
 
-def planned(layout: dict) -> tuple[bool, float]:
-    """(fits in 80 GB, seconds per step) of 8b on 8 H100s, seq 8192, 1024 sequences: the planner's figures."""
-    from minipar.planning.estimate import peak_bytes
-    from minipar.planning.planner import Cluster, step_time
-    c, cfg = _cfg("8b", seq_len=8192, global_batch=1024, dtype="bfloat16", **layout)
-    return peak_bytes(c, cfg) <= Cluster(8).memory, step_time(c, cfg, Cluster(8))["total"]
+def plan_choices(gpus: int) -> dict[str, dict]:
+    """The four layouts of `gpus` GPUs the exercise weighs (16 GPUs: twice the data parallelism)."""
+    k = gpus // 8
+    return {"A": dict(dp=8 * k, zero=3), "B": dict(dp=4 * k, cp=2, zero=3),
+            "C": dict(dp=k, tp=8, sp=True, zero=1), "D": dict(dp=2 * k, pp=4, zero=1)}
+
+
+def _flags(layout: dict) -> str:
+    return " ".join(f"--{d} {n}" if n is not True else f"--{d}" for d, n in layout.items() if (d, n) != ("dp", 1))
 
 
 @lru_cache
-def truth_plan_choice() -> str:
-    figures = {k: planned(v) for k, v in PLAN_CHOICES.items()}
+def truth_plan_choice(gpus: int, seq_len: int, global_batch: int) -> str:
+    """The letter of the fastest layout that fits in 80 GB a GPU: the planner's own figures."""
+    from minipar.planning.estimate import peak_bytes
+    from minipar.planning.planner import Cluster, step_time
+    figures = {}
+    for letter, layout in plan_choices(gpus).items():
+        c, cfg = _cfg("8b", seq_len=seq_len, global_batch=global_batch, dtype="bfloat16", **layout)
+        figures[letter] = (peak_bytes(c, cfg) <= Cluster(gpus).memory, step_time(c, cfg, Cluster(gpus))["total"])
     return min((k for k, (fits, _) in figures.items() if fits), key=lambda k: figures[k][1])
 
 
-@in_process
-def check_explore_plan(student) -> list[str]:
-    flags = {k: " ".join(f"--{d} {n}" if n is not True else f"--{d}" for d, n in v.items())
-             for k, v in PLAN_CHOICES.items()}
-    return choice_problems(answer_of(student), truth_plan_choice(), flags,
-                           "run: python scripts/plan.py --model 8b --gpus 8 --seq-len 8192 --global-batch 1024 "
-                           "--top 40")
+def _plan_question(v: dict) -> str:
+    letters = "   ".join(f"{k} {_flags(x)}" for k, x in plan_choices(v["gpus"]).items())
+    return (f"Llama-3.1-8B on {v['gpus']} H100s (80 GB, 8 a node), {v['global_batch']:,} sequences of "
+            f"{v['seq_len']:,} tokens a step: of   {letters}   which does the planner rank fastest among those "
+            f"that fit? (python scripts/plan.py --model 8b --gpus {v['gpus']} --seq-len {v['seq_len']} "
+            f"--global-batch {v['global_batch']} --top 60)")
+
+
+check_explore_plan = Predict(
+    PLAN_SPACE, _plan_question,
+    lambda answer, v: choice_problems(answer, truth_plan_choice(**v),
+                                      {k: _flags(x) for k, x in plan_choices(v["gpus"]).items()},
+                                      "the planner ranks another first among the layouts that fit: run "
+                                      f"python scripts/plan.py --model 8b --gpus {v['gpus']} --seq-len "
+                                      f"{v['seq_len']} --global-batch {v['global_batch']} --top 60"),
+    lambda v: [])  # a letter: nothing the chapters could print gives it away
 
 
 @lru_cache

@@ -1,3 +1,6 @@
-"""Exercise 8.2, a plausible wrong answer: plain FSDP over the node, which does not fit at 8,192 tokens."""
+"""Exercise 8.2, a plausible wrong answer: chapter 8's pick (--dp 4 --cp 2 --zero 3 at 8,192 tokens on
+8 GPUs) copied for another case, where context parallelism is not the fastest that fits."""
 
-ANSWER = "A"
+
+def ANSWER(v):  # noqa: N802 - the chapter's letter, whatever the variant
+    return "B"
