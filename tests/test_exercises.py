@@ -99,7 +99,7 @@ WRONG_SAYS = {
     "8.2": {"wrong": "--cp 2 --zero 3 (the planner ranks another first"},
     "8.3": {"wrong": "the library's is more"},
     "9.1": {"wrong": "is not it (mesh.py: tp varies fastest"},
-    "9.2": {"wrong": "not --dp 16 --zero 3"},
+    "9.2": {"wrong": "--sp (the cheapest within"},
     "9.3": {"wrong": "not the dimensions whose groups span two nodes"},
     "11.1": {"wrong_full_layer": "its input alone: that is full-layer recompute, which redoes attention too",
              "wrong_no_recompute": "the MLP still saves gate, silu(gate), up and their product",

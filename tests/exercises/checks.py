@@ -78,7 +78,7 @@ EXERCISES = {
             a49.check_predict_compute_time, "15 min"),
     "9.1": ("ex9_1_predict_mesh_groups.py", "predict", "your rank's groups in a 32-rank 4D mesh",
             a49.check_predict_mesh_groups, "10 min"),
-    "9.2": ("ex9_2_explore_16_ranks.py", "explore", "the 16-rank layout with the smallest fullest rank",
+    "9.2": ("ex9_2_explore_16_ranks.py", "explore", "the 16-rank layout that sends the least within your memory budget",
             a49.check_explore_16_ranks, "10 min"),
     "9.3": ("ex9_3_predict_cross_node.py", "predict", "which groups cross nodes, for your mesh and node size",
             a49.check_predict_cross_node,

@@ -324,16 +324,32 @@ LAYOUTS_16 = {"A": dict(dp=16), "B": dict(dp=16, zero=3), "C": dict(dp=8, tp=2, 
 
 
 @lru_cache
-def truth_smallest_layout() -> str:
-    from minipar.planning.estimate import peak_bytes
-    fullest = {k: peak_bytes(*_cfg("small", model_vocab=256, seq_len=32, global_batch=16, dtype="float64", **v))
-               for k, v in LAYOUTS_16.items()}
-    return min(fullest, key=fullest.get)
+def layout_16_figures(seq_len: int) -> dict[str, tuple[int, int]]:
+    """{letter: (the fullest rank's bytes, the bytes the busiest rank sends per step)}: the estimator's."""
+    from minipar.planning.estimate import bytes_sent, peak_bytes
+    figures = {}
+    for k, layout in LAYOUTS_16.items():
+        c, cfg = _cfg("small", model_vocab=256, seq_len=seq_len, global_batch=16, dtype="float64", **layout)
+        figures[k] = peak_bytes(c, cfg), max(sum(bytes_sent(c, cfg, r).values()) for r in range(cfg.pp))
+    return figures
 
 
-@in_process
-def check_explore_16_ranks(student) -> list[str]:
-    flags = {k: " ".join(f"--{d} {n}" if n is not True else f"--{d}" for d, n in v.items())
-             for k, v in LAYOUTS_16.items()}
-    return choice_problems(answer_of(student), truth_smallest_layout(), flags,
-                           "run the file: python docs/exercises/ex9_2_explore_16_ranks.py")
+def truth_cheapest_within(seq_len: int, budget_mib: float) -> str:
+    fits = {k: sent for k, (held, sent) in layout_16_figures(seq_len).items() if held <= budget_mib * 2**20}
+    return min(fits, key=fits.get)
+
+
+# Chapter 9 asks which layout holds the least (F, at every length): the variants ask which sends the
+# least among those within a memory budget, where F is never the answer (E or D).
+BUDGET_SPACE = [dict(seq_len=s, budget_mib=m) for s, budgets in ((32, (6, 8, 10, 20)), (64, (7, 10, 12, 25)),
+                                                                 (128, (9, 12, 15, 30))) for m in budgets]
+
+check_explore_16_ranks = Predict(
+    BUDGET_SPACE,
+    lambda v: f"of the six layouts of 16 ranks at --seq-len {v['seq_len']}, those whose fullest rank holds at most "
+              f"{v['budget_mib']} MiB: which one's busiest rank sends the fewest bytes per step? (run the file: "
+              "python docs/exercises/ex9_2_explore_16_ranks.py)",
+    lambda answer, v: choice_problems(answer, truth_cheapest_within(**v), {k: " ".join(
+        f"--{d} {n}" if n is not True else f"--{d}" for d, n in x.items()) for k, x in LAYOUTS_16.items()},
+        f"the cheapest within {v['budget_mib']} MiB: read the file's table at --seq-len {v['seq_len']}"),
+    lambda v: [])  # a letter: nothing the chapters could print gives it away
