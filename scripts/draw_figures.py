@@ -1,11 +1,18 @@
 """The course's pictures, drawn from the library's own numbers (the chapters show docs/img/*.png).
 
-    .venv/bin/python scripts/draw_figures.py                              # all five, into runs/figures
+    .venv/bin/python scripts/draw_figures.py                              # all nine, into runs/figures
     .venv/bin/python scripts/draw_figures.py zero tp --out /tmp/figures   # some of them, elsewhere
 
 --out is a new folder (one that holds anything is refused, docs/img included: nothing is drawn
 over); copy the PNGs into docs/img/ to update the course's. The loss runs take a minute or two.
 
+    memory    one device's bytes by kind (weights, gradients, AdamW, activations) for 1b, 8b and 70b,
+              bf16-mixed, one 4,096-token sequence (planning/estimate: held_bytes, activation_bytes),
+              against an H100's 80 GB                                                    chapter 0
+    ring      the bytes each rank sends per byte of payload for all-reduce, all-gather and reduce-
+              scatter as N grows (collectives.ring_bytes_sent): 2(N-1)/N and (N-1)/N      chapter 1
+    buckets   DataParallel's gradient buckets of the small model (float32, 1 MiB, in backward order:
+              data_parallel.bucket_params) and each one's all-reduce bytes per rank at dp 4 chapter 2
     zero      who holds what under ZeRO 0-3 at dp 4, at the end of backward and after the gradients'
               reduce-scatter (planning/estimate.held_bytes: equal to what the ranks hold,
               tests/test_mixed_precision.py)                                               chapter 3
@@ -14,6 +21,9 @@ over); copy the PNGs into docs/img/ to update the course's. The loss runs take a
               (context_parallel.zigzag_positions), and the work each rank does          chapter 5
     experts   the tokens each ep rank sends each other in one MoE layer's all-to-all (the router
               of the small-moe model on random tokens)                                   chapter 7
+    layouts   every layout the planner weighs for 8b on 8 H100s (seq 8,192, 1,024 sequences a step):
+              its fullest rank's bytes (estimate.peak_bytes) against its step time (planner.step_time),
+              those that fit in 80 GB marked, the planner's pick circled                  chapter 8
     parity    the same training run under six layouts (scripts/train.py, float64): one curve, and
               each layout's largest difference from one process                         chapter 9
 """
@@ -22,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -35,10 +46,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
+from minipar.collectives import ring_bytes_sent  # noqa: E402
 from minipar.context_parallel import zigzag_positions  # noqa: E402
-from minipar.model import get_config  # noqa: E402
+from minipar.data_parallel import bucket_params, by_grad_mean  # noqa: E402
+from minipar.model import Llama, get_config  # noqa: E402
 from minipar.moe import MoE  # noqa: E402
-from minipar.planning.estimate import held_bytes  # noqa: E402
+from minipar.planning.estimate import activation_bytes, held_bytes, peak_bytes  # noqa: E402
+from minipar.planning.planner import Cluster, layouts, step_time  # noqa: E402
 from minipar.run.args import new_folder, refusals, unoccupied  # noqa: E402
 from minipar.run.config import TrainConfig  # noqa: E402
 
@@ -176,6 +190,145 @@ def experts(out: Path) -> None:
     fig.savefig(out / "07_expert_all_to_all.png", dpi=110)
 
 
+GB = 1e9  # an H100's 80 GB are decimal (planner.Cluster.memory)
+
+
+def one_device_memory() -> dict[str, dict[str, int]]:
+    """What one device would hold for each real model, in bytes by kind: bf16-mixed, one sequence of
+    4,096 tokens (chapter 0's table: scripts/step_00_one_device.py)."""
+    held = {}
+    for name in ("1b", "8b", "70b"):
+        c = get_config(name)
+        cfg = TrainConfig(model=name, seq_len=4096, micro_batch=1, global_batch=1, precision="bf16-mixed")
+        held[name] = {**held_bytes(c, cfg), "activations": activation_bytes(c, cfg)}
+    return held
+
+
+def memory(out: Path) -> None:
+    kinds = ("params", "grads", "optimizer", "activations")
+    labels = ("weights (bf16) + fp32 masters", "gradients (bf16)", "AdamW momentum, variance (fp32)",
+              "activations (one 4,096-token sequence)")
+    held = one_device_memory()
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    names, bottom = list(held), [0.0] * len(held)
+    for kind, label, color in zip(kinds, labels, [*COLORS[:3], "#8172b3"]):
+        gib = [held[n][kind] / 2**30 for n in names]
+        ax.bar(names, gib, bottom=bottom, color=color, label=label)
+        bottom = [b + v for b, v in zip(bottom, gib)]
+    for i, total in enumerate(bottom):
+        ax.text(i, total, f"{total:,.0f} GiB\n({total * 2**30 / (80 * GB):.1f} H100s)", ha="center", va="bottom",
+                fontsize=8)
+    ax.axhline(80 * GB / 2**30, color="black", linestyle="--", linewidth=1, label="one H100: 80 GB (74.5 GiB)")
+    ax.set_ylim(0, max(bottom) * 1.12)
+    ax.set_ylabel("GiB on one device")
+    ax.set_title("One device, bf16-mixed: model states (16 bytes a parameter) and activations", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(out / "00_one_device_memory.png", dpi=110)
+
+
+RING_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+RING_N = range(2, 33)
+RING_PAYLOAD = math.lcm(*RING_N)  # bytes: a payload every N divides, so no byte is lost to rounding
+
+
+def ring_curves(nbytes: int = RING_PAYLOAD) -> dict[str, list[float]]:
+    """Bytes each rank sends per byte of an nbytes payload, by op, for N = 2 .. 32 (ring_bytes_sent)."""
+    return {op: [ring_bytes_sent(op, nbytes, n) / nbytes for n in RING_N] for op in RING_OPS}
+
+
+def ring(out: Path) -> None:
+    curves = ring_curves()
+    fig, ax = plt.subplots(figsize=(6.8, 4.2))
+    styles = {"all_reduce": ("-o", "all-reduce: 2(N-1)/N"), "all_gather": ("-s", "all-gather: (N-1)/N"),
+              "reduce_scatter": (":x", "reduce-scatter: (N-1)/N")}
+    for (op, curve), color in zip(curves.items(), COLORS):
+        style, label = styles[op]
+        ax.plot(list(RING_N), curve, style, color=color, label=label, markersize=4)
+    for level in (1, 2):
+        ax.axhline(level, color="grey", linewidth=0.6, linestyle="--")
+    ax.set_xlabel("ranks N")
+    ax.set_ylabel("bytes each rank sends / payload bytes S")
+    ax.set_ylim(0, 2.2)
+    ax.set_title("The ring's cost per rank is nearly flat in N (collectives.ring_bytes_sent)")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out / "01_ring_bytes.png", dpi=110)
+
+
+BUCKET_MB, BUCKET_DP = 1.0, 4
+
+
+def gradient_buckets() -> list[tuple[str, int, int]]:
+    """The small model's DataParallel buckets in float32 at bucket_mb 1, in backward order, as
+    (first .. last parameter, payload bytes, bytes each of 4 dp ranks sends for its all-reduce)."""
+    model = Llama(get_config("small"), seed=0)
+    names = {id(p): n for n, p in model.named_parameters()}
+    rows = []
+    for params in by_grad_mean(list(reversed(list(model.parameters())))).values():  # as DataParallel._make_buckets
+        for chunk in bucket_params(params, BUCKET_MB):
+            nbytes = sum(p.numel() * p.element_size() for p in chunk)
+            rows.append((f"{names[id(chunk[0])]} .. {names[id(chunk[-1])]}", nbytes,
+                         ring_bytes_sent("all_reduce", nbytes, BUCKET_DP)))
+    return rows
+
+
+def buckets(out: Path) -> None:
+    rows = gradient_buckets()
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    y = list(range(len(rows)))
+    ax.barh([i + 0.2 for i in y], [r[1] / 2**20 for r in rows], height=0.4, color=COLORS[0], label="bucket's gradients")
+    ax.barh([i - 0.2 for i in y], [r[2] / 2**20 for r in rows], height=0.4, color=COLORS[1],
+            label=f"sent by each rank in its all-reduce, dp {BUCKET_DP}: 2(N-1)/N = 1.5 x")
+    ax.set_yticks(y, [f"bucket {i}\n" + r[0].replace(" .. ", " ..\n") for i, r in enumerate(rows)], fontsize=7)
+    ax.invert_yaxis()  # bucket 0, the first backward fills, at the top
+    ax.axvline(BUCKET_MB, color="grey", linestyle="--", linewidth=0.8)
+    ax.set_xlabel(f"MiB (dashed: bucket_mb = {BUCKET_MB:g}, a bucket closes once it reaches it)")
+    ax.set_title(f"small model, float32: {len(rows)} gradient buckets in the order backward fills them", fontsize=10)
+    ax.legend(fontsize=8, loc="center right")
+    fig.tight_layout()
+    fig.savefig(out / "02_gradient_buckets.png", dpi=110)
+
+
+PLANNED = dict(model="8b", cluster=Cluster(8), seq_len=8192, global_batch=1024)
+
+
+def layout_points() -> list[tuple[str, int, float]]:
+    """Every layout the planner weighs for 8b on 8 H100s: (its flags, its fullest rank's bytes, its step's
+    seconds), by the planner's own functions (planner.plan keeps those whose bytes fit in 80 GB)."""
+    c, cluster = get_config(PLANNED["model"]), PLANNED["cluster"]
+    points = []
+    for cfg in layouts(PLANNED["model"], cluster, PLANNED["seq_len"], PLANNED["global_batch"]):
+        flags = " ".join(f"--{k} {getattr(cfg, k)}" for k in ("dp", "tp", "pp", "cp") if getattr(cfg, k) > 1)
+        flags += " --sp" * cfg.sp + f" --zero {cfg.zero}" * (cfg.zero > 0) + " --recompute" * cfg.recompute
+        flags += " --recompute-mlp" * cfg.recompute_mlp
+        points.append((flags, peak_bytes(c, cfg), step_time(c, cfg, cluster)["total"]))
+    return points
+
+
+def planned(out: Path) -> None:
+    points, limit = layout_points(), PLANNED["cluster"].memory
+    fits = [p for p in points if p[1] <= limit]
+    too_big = [p for p in points if p[1] > limit]
+    best = min(fits, key=lambda p: p[2])
+    fig, ax = plt.subplots(figsize=(7.4, 4.8))
+    ax.scatter([p[2] for p in too_big], [p[1] / GB for p in too_big], marker="x", color="grey", s=18,
+               label=f"does not fit ({len(too_big)})")
+    ax.scatter([p[2] for p in fits], [p[1] / GB for p in fits], color=COLORS[0], s=14,
+               label=f"fits ({len(fits)})")
+    ax.scatter([best[2]], [best[1] / GB], s=160, facecolors="none", edgecolors=COLORS[3], linewidths=2,
+               label=f"the planner's pick: {best[0]}")
+    ax.axhline(limit / GB, color="black", linestyle="--", linewidth=1)
+    ax.text(ax.get_xlim()[1], limit / GB, "80 GB ", ha="right", va="bottom", fontsize=8)
+    ax.set_xlabel("step time, seconds (planner.step_time)")
+    ax.set_ylabel("GB on the fullest rank (estimate.peak_bytes)")
+    ax.set_title(f"8b on 8 H100s, seq {PLANNED['seq_len']:,}, {PLANNED['global_batch']:,} sequences a step: "
+                 "every layout", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "08_layouts_8b.png", dpi=110)
+
+
 PARITY_RUN = ["--model", "tiny", "--vocab-size", "512", "--seq-len", "32", "--global-batch", "8", "--micro-batch", "2",
               "--steps", "40", "--lr", "3e-3", "--warmup", "5", "--dtype", "float64", "--log-every", "100",
               "--no-wandb"]
@@ -215,7 +368,8 @@ def parity(out: Path) -> None:
     fig.savefig(out / "09_loss_parity.png", dpi=110)
 
 
-FIGURES = {"zero": zero, "tp": tp, "zigzag": zigzag, "experts": experts, "parity": parity}
+FIGURES = {"memory": memory, "ring": ring, "buckets": buckets, "zero": zero, "tp": tp, "zigzag": zigzag,
+           "experts": experts, "layouts": planned, "parity": parity}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,8 +7,12 @@ from pathlib import Path
 
 import torch
 
+from minipar.collectives import ring_bytes_sent
 from minipar.context_parallel import zigzag_positions
 from minipar.model import Llama, get_config
+from minipar.planning.estimate import activation_bytes, dp_bytes_sent, held_bytes
+from minipar.planning.planner import Cluster, plan
+from minipar.run.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -22,8 +26,9 @@ def _script():
 
 
 def test_the_diagrams_are_drawn_as_pngs_under_the_names_the_chapters_link(tmp_path):
-    _script().main(["zero", "tp", "zigzag", "experts", "--out", str(tmp_path)])
-    for name in ("03_zero_stages", "04_tp_column_row", "05_zigzag", "07_expert_all_to_all"):
+    _script().main(["memory", "ring", "buckets", "zero", "tp", "zigzag", "experts", "layouts", "--out", str(tmp_path)])
+    for name in ("00_one_device_memory", "01_ring_bytes", "02_gradient_buckets", "03_zero_stages", "04_tp_column_row",
+                 "05_zigzag", "07_expert_all_to_all", "08_layouts_8b"):
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == PNG, name
         chapter = next((ROOT / "docs").glob(f"{name[:2]}_*.md")).read_text()
         assert f"(img/{name}.png)" in chapter, name
@@ -62,3 +67,45 @@ def test_zigzag_gives_every_rank_the_same_causal_work_and_contiguous_does_not():
     contiguous = [sum(q + 1 for q in range(r * s // cp, (r + 1) * s // cp)) for r in range(cp)]
     assert zig == [34] * 4 and contiguous == [10, 26, 42, 58]  # the numbers the figure prints
     assert sorted(torch.cat([zigzag_positions(r, cp, s) for r in range(cp)]).tolist()) == list(range(s))
+
+
+def test_the_one_device_figure_draws_the_estimators_bytes_and_only_1b_fits_in_80_gb():
+    held = _script().one_device_memory()
+    for name in ("1b", "8b", "70b"):
+        c = get_config(name)
+        cfg = TrainConfig(model=name, seq_len=4096, micro_batch=1, global_batch=1, precision="bf16-mixed")
+        assert held[name] == {**held_bytes(c, cfg), "activations": activation_bytes(c, cfg)}
+        psi = c.num_params()
+        assert sum(held[name][k] for k in ("params", "grads", "optimizer")) == 16 * psi  # 2 + 2 + 12 a parameter
+    assert [sum(h.values()) <= 80e9 for h in held.values()] == [True, False, False]
+    assert round(sum(held["8b"].values()) / 2**30) == 146 and round(sum(held["70b"].values()) / 2**30) == 1174
+
+
+def test_the_ring_figure_draws_ring_bytes_sent_2_n_minus_1_over_n_and_half_of_it():
+    script = _script()
+    curves, ns = script.ring_curves(), list(script.RING_N)
+    for op, curve in curves.items():
+        assert curve == [ring_bytes_sent(op, script.RING_PAYLOAD, n) / script.RING_PAYLOAD for n in ns], op
+    assert curves["all_reduce"] == [2 * (n - 1) / n for n in ns]
+    assert curves["all_gather"] == curves["reduce_scatter"] == [(n - 1) / n for n in ns]
+
+
+def test_the_buckets_figure_draws_data_parallels_buckets_and_the_estimators_all_reduce_bytes():
+    rows = _script().gradient_buckets()
+    psi = sum(p.numel() for p in Llama(get_config("small"), 0).parameters())
+    assert sum(r[1] for r in rows) == 4 * psi  # every float32 gradient, once
+    assert rows[0][0] == "lm_head.weight .. lm_head.weight" and rows[-1][0].endswith("tok_emb.weight")
+    assert all(r[1] >= 2**20 for r in rows[:-1])  # each closes once it reaches bucket_mb = 1
+    cfg = TrainConfig(model="small", dp=4, dtype="float32", bucket_mb=1.0)
+    count = ring_bytes_sent("all_reduce", 8, 4)  # train_step's count of real targets
+    assert sum(r[2] for r in rows) + count == dp_bytes_sent(get_config("small"), cfg)["dp/all_reduce"]
+
+
+def test_the_layouts_figure_draws_what_the_planner_weighs_and_its_pick():
+    script = _script()
+    points, limit = script.layout_points(), script.PLANNED["cluster"].memory
+    fits, too_big = plan("8b", Cluster(8), seq_len=8192, global_batch=1024)
+    assert (sum(p[1] <= limit for p in points), sum(p[1] > limit for p in points)) == (len(fits), too_big)
+    assert sorted(p[1] for p in points if p[1] <= limit) == sorted(ch.memory for ch in fits)
+    best = min((p for p in points if p[1] <= limit), key=lambda p: p[2])
+    assert best[0] == fits[0].flags() and (best[1], best[2]) == (fits[0].memory, fits[0].time["total"])
