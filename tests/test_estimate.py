@@ -527,10 +527,13 @@ TRAFFIC_LAYOUTS = [(2, dict(dp=2)), (4, dict(dp=4)), (2, dict(dp=2, zero=1)), (2
                    (2, dict(dp=2, zero=3, recompute=True, **MIXED)),
                    # --recompute-mlp: each MLP's replay; under sp its input's all-gather again (not w_down's g)
                    (2, dict(tp=2, **SELECTIVE)), (2, dict(tp=2, sp=True, **SELECTIVE)), (2, dict(cp=2, **SELECTIVE)),
-                   (4, dict(dp=2, tp=2, sp=True, zero=3, **SELECTIVE)), (4, dict(tp=2, pp=2, sp=True, **SELECTIVE))]
+                   (4, dict(dp=2, tp=2, sp=True, zero=3, **SELECTIVE)), (4, dict(tp=2, pp=2, sp=True, **SELECTIVE)),
+                   # --tp-overlap: the same messages, and under sp each region's input gathered again in backward
+                   (2, dict(tp=2, tp_overlap=True)), (2, dict(tp=2, sp=True, tp_overlap=True)),
+                   (2, dict(tp=2, sp=True, tp_overlap=True, recompute=True))]
 
 
-@pytest.mark.parametrize("world,layout", tiers(TRAFFIC_LAYOUTS, fast=[9, len(TRAFFIC_LAYOUTS) - 4]),
+@pytest.mark.parametrize("world,layout", tiers(TRAFFIC_LAYOUTS, fast=[9, len(TRAFFIC_LAYOUTS) - 7]),
                          ids=["-".join(f"{k}{v}" for k, v in c[1].items()) for c in TRAFFIC_LAYOUTS])
 def test_the_traffic_estimate_equals_the_ledger_group_by_group(world, layout):
     for measured, estimated in run_ranks(world, _dp_traffic, layout, timeout=300):

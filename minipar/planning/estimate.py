@@ -154,15 +154,13 @@ def _norm_sums(model, cfg: Layout) -> dict[str, tuple[int, int]]:
 
 
 def bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[str, int]:
-    """Everything pp rank `pp_rank` sends in one step, by the ledger's "group/op" keys: the data-
-    parallel group's (dp_bytes_sent) and, per micro-batch, tensor parallelism's four messages per
-    layer (sp: all-gathers and reduce-scatters instead of all-reduces) with the embedding's, the
-    head's and the vocabulary-parallel loss's; the pipeline's activations and gradients; ring
-    attention's K/V blocks (forward) and K/V with their gradients (backward), or Ulysses' four
-    all-to-alls each way (context_parallel.attention_bytes_sent); mixture-of-experts
-    blocks' all-to-alls and load-balancing sums (estimate_moe.moe_bytes_sent: with a capacity factor
-    exact once every expert fills it, dropless the expectation under uniform routing) and the experts' norm over
-    ep. Recompute replays each layer's (--recompute-mlp: MLP's) forward messages, up to the last it needs."""
+    """Everything pp rank `pp_rank` sends in one step, by the ledger's "group/op" keys: dp_bytes_sent's;
+    per micro-batch, tp's four messages a layer (sp: all-gathers and reduce-scatters for all-reduces),
+    the embedding's, the head's and the loss's; the pipeline's activations and gradients; cp's K/V
+    round the ring or Ulysses' all-to-alls (context_parallel.attention_bytes_sent); the experts'
+    all-to-alls and norm (estimate_moe.moe_bytes_sent: exact with a capacity factor every expert
+    fills, else the expectation under uniform routing). Recompute replays each layer's (--recompute-mlp:
+    MLP's) forward messages, up to the last it needs."""
     sent = Counter(dp_bytes_sent(model_cfg, cfg, pp_rank))
     model, m, w = rank_model(model_cfg, cfg, pp_rank), cfg.accum_steps, of_config(cfg).activation_width
     layers, moe_blocks = len(model.layers), sum(isinstance(x, MoE) for x in model.modules())
@@ -193,6 +191,8 @@ def bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[st
             sent[f"tp/{out_op}"] += m * layers * cfg.recompute * ring_bytes_sent(out_op, product, t)
             inputs = blocks if cfg.recompute else layers - moe_blocks  # --recompute-mlp: dense MLPs (MoE: estimate_moe)
             sent["tp/all_gather"] += m * inputs * ring_bytes_sent("all_gather", stream, t) if cfg.sp else 0
+        if cfg.tp_overlap and cfg.sp:  # each region (and the head) kept its input's shard: gathered again in backward
+            sent["tp/all_gather"] += m * (blocks + last) * ring_bytes_sent("all_gather", stream, t)
         if last:  # the loss: max, target logit and sum of exponentials per token, in at least fp32
             sent["tp/all_reduce"] += m * 3 * ring_bytes_sent("all_reduce", tokens * max(w, 4), t)
         sent["tp/all_reduce"] += ring_bytes_sent("all_reduce", grad_width, t)  # the norm of the tp shards

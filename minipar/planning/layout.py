@@ -39,6 +39,7 @@ class Layout:
     cp: int = 1
     ep: int = 1  # expert parallelism, carved out of dp x cp (mixture-of-experts models)
     sp: bool = False  # Megatron sequence parallelism inside the tp group
+    tp_overlap: bool = False  # tp regions send f's backward message while computing weight gradients
     schedule: str = "1f1b"  # pipeline schedule, used when pp > 1
     virtual_stages: int = 1
     cp_attention: str = "ring"  # ring (K/V blocks round the cp ring) or ulysses (all-to-all to whole heads)

@@ -49,7 +49,6 @@ class TrainConfig(Layout):
 
     error = ConfigError  # Layout.validate's refusals are the command line's
 
-    tp_overlap: bool = False  # tp regions send f's backward message while computing weight gradients
     data: str | None = None
     bpe_vocab: int | None = None  # the BPE trained on --data; None: bpe_size()
     tokenizer: str | None = None  # a Hugging Face tokenizer.json; None: a BPE trained on the data
