@@ -65,7 +65,8 @@ from minipar.mesh import Mesh
 from minipar.model import CONFIGS, Llama, get_config
 from minipar.parallelize import adamw, parallelize
 from minipar.pipeline.executor import Pipeline, stage_layers
-from minipar.pipeline.schedules import bubble_formula
+from minipar.pipeline.schedules import bubble_formula, build
+from minipar.pipeline.timeline import simulate
 from minipar.run.config import ConfigError, TrainConfig
 from minipar.run.train import train_step
 
@@ -167,12 +168,13 @@ def run_steps(pairs: dict, args, vocab: int, mesh: Mesh, device) -> dict:
     """The four models in turn on the same batches. Returns this rank's measured step times and the
     losses of every step per (schedule, side), and minipar's measured bubble and bytes sent per step."""
     sides = {(name, impl): pairs[name][impl] for name in SCHEDULES for impl in ("minipar", "torch")}
-    traffic = {"sent": [], "bubbles": {name: [] for name in SCHEDULES}}
+    traffic = {"sent": [], "bubbles": {name: [] for name in SCHEDULES}, "costs": {name: [] for name in SCHEDULES}}
 
     def note(side: tuple, measured: bool) -> None:  # right after each step: its timeline and ledger
         name, impl = side
         if measured and impl == "minipar":
             traffic["bubbles"][name].append(pairs[name]["pipeline"].bubble)
+            traffic["costs"][name].append(pairs[name]["pipeline"].timeline.costs())
             traffic["sent"].append(mesh.ledger.total_sent())
 
     def batch(step: int) -> tuple:
@@ -193,12 +195,27 @@ def over_stages(run: dict, pairs: dict, mesh: Mesh, device) -> dict:
     bubble = bench.across_ranks([statistics.median(run["bubbles"][name]) for name in SCHEDULES], group, device,
                                 op="sum")
     return {
+        "replayed": [replayed_bubble(name, run["costs"][name], len(pairs[name]["pipeline"].timeline.rows[0]) // 2,
+                                     group, device) for name in SCHEDULES],  # m: one F and one B each
         "step_times": bench.across_ranks([run["times"][s] for s in sides], group, device),
         "step_losses": bench.across_ranks([run["losses"][s] for s in sides], group, device, op="sum"),
         "bubble": (bubble / group.size).tolist(),  # minipar's measured idle fraction
         "busiest": bench.across_ranks([statistics.median(run["sent"])], group, device).item(),
         "param_diff": bench.across_ranks(param_diff, group, device),
     }
+
+
+def replayed_bubble(name: str, costs: list[dict], m: int, group, device) -> float:
+    """The schedule simulated with each stage's median measured F and B (timeline.simulate): the
+    idle that the stages' unequal costs alone make, as the mean of each rank's own idle fraction
+    (pipeline.bubble's measure). What the measured bubble has beyond it is messages and overhead."""
+    schedule = build(name, group.size, m)
+    table = [[statistics.median(c[kind, k] for c in costs) if (kind, k) in costs[0] else 0.0
+              for k in range(group.size)] for kind in "FB"]
+    table = bench.across_ranks(table, group, device, op="sum")  # every rank fills in its own stage
+    rows = simulate(schedule, {(kind, k): table[i, k].item() for i, kind in enumerate("FB")
+                               for k in range(group.size)}).rows
+    return statistics.mean(1 - sum(e - s for s, e, _ in row) / (row[-1][1] - row[0][0]) for row in rows)
 
 
 def summarise(f: dict, check: tuple, args, world: int, device) -> dict:
@@ -220,6 +237,7 @@ def summarise(f: dict, check: tuple, args, world: int, device) -> dict:
         ratio, paired = bench.ratios(f["step_times"][2 * j], f["step_times"][2 * j + 1])
         results[name] = {
             "ratio_minipar_over_torch": ratio, "median_paired_ratio": paired, "minipar_bubble": f["bubble"][j],
+            "minipar_bubble_replayed": f["replayed"][j],
             "first_loss": {"minipar": losses_check[j, 0].item(), "torch": losses_check[j, 1].item()},
             "first_grad_max_abs_diff": grads_check[j, 0].item(), "first_grad_max_abs": grads_check[j, 1].item(),
             "max_step_loss_abs_diff": (f["step_losses"][2 * j] - f["step_losses"][2 * j + 1]).abs().max().item(),
@@ -244,7 +262,9 @@ def report(r: dict, args) -> None:
         print(bench.ratio_line(label + " ratio minipar / torch", r[name]["ratio_minipar_over_torch"],
                                r[name]["median_paired_ratio"], 28))
     print(f"minipar measured bubble (mean over ranks): GPipe {r['gpipe']['minipar_bubble']:.0%}, "
-          f"1F1B {r['1f1b']['minipar_bubble']:.0%}; formula (p-1)/(m+p-1) = {bubble_formula(world, m):.0%}")
+          f"1F1B {r['1f1b']['minipar_bubble']:.0%}; formula (p-1)/(m+p-1) = {bubble_formula(world, m):.0%}; "
+          f"simulated with each stage's measured F and B: GPipe {r['gpipe']['minipar_bubble_replayed']:.0%}, "
+          f"1F1B {r['1f1b']['minipar_bubble_replayed']:.0%}")
     print(f"minipar sent per step (ledger), busiest rank: "
           f"{r['minipar_bytes_sent_per_step_busiest_rank'] / 2**20:.2f} MiB")
     for name, label in (("gpipe", "GPipe"), ("1f1b", "1F1B")):

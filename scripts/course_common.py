@@ -30,6 +30,9 @@ def start_gloo() -> None:
 
 
 def finish(mesh) -> None:
+    # Leave together: a rank that tears down its groups while another still works (rank 0 alone
+    # computing a reference) can make gloo abort the process as the connections close.
+    dist.barrier()
     mesh.destroy()
     dist.destroy_process_group()
 

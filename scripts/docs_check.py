@@ -128,8 +128,11 @@ def run(command: str) -> list[str]:
                                "PYTHONPATH": str(ROOT),  # this checkout's minipar, whatever the venv installed
                                # ATEN_CPU_CAPABILITY=default docs_check.py: the chapters on another CPU's kernels
                                **{k: v for k, v in os.environ.items() if k == "ATEN_CPU_CAPABILITY"}})
-    if proc.returncode != 0:
-        return [f"(the command failed with exit code {proc.returncode}: {proc.stderr.strip()[-300:]})"]
+    if proc.returncode != 0:  # the whole stderr kept: a rank's abort can lie far above torchrun's summary
+        kept = Path(tempfile.mkstemp(prefix="docs_check_", suffix=".stderr")[1])
+        kept.write_text(proc.stderr)
+        return [f"(the command failed with exit code {proc.returncode}, its stderr in {kept}: "
+                f"{proc.stderr.strip()[-300:]})"]
     return proc.stdout.splitlines()
 
 

@@ -119,6 +119,11 @@ def on_ranks(name: str, m: int, v: int, mesh: Mesh, ref, sim: Timeline, theory: 
     bubbles = [r["bubble"] for r in ranks]
     print(f"  idle: theory {theory:.1%}   measured {measured.idle_fraction():.1%} (all ranks' timeline)   "
           f"pipeline.bubble mean {sum(bubbles) / len(bubbles):.1%} ({', '.join(f'{b:.0%}' for b in bubbles)})")
+    # The same schedule on paper, each (kind, stage) at its measured median time: what the stages'
+    # unequal costs alone explain; what the measured run idles beyond it is the wire and the executor.
+    replay = simulate(build(name, len(ranks), m, v), measured.costs()).idle_fraction()
+    print(f"  simulated with the measured time of each stage's F, B, W: idle {replay:.1%} "
+          f"(the rest of the measured idle: messages, the executor, ranks sharing a core)")
     unit = measured.makespan / round(sim.makespan)  # as many cells as the simulation
     # ascii() gives an action as many cells as it lasts, rounded: a short one would get none.
     shown = Timeline([[(s, max(e, s + unit), a) for s, e, a in row] for row in measured.rows])

@@ -64,6 +64,19 @@ def test_gpipe_and_1f1b_idle_fraction_is_p_minus_1_over_m_plus_p_minus_1(p, m):
         assert simulate(build(name, p, m)).idle_fraction() == pytest.approx(bubble_formula(p, m), abs=1e-12)
 
 
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_a_heavier_last_stage_sets_the_pace_and_costs_replay_a_timeline(m):
+    # Stage 1 costs twice stage 0 (the LM head and the loss): it runs m (F + B) = 6m back to back,
+    # after stage 0's first F and before its last B, whatever the schedule: 6m + 3, not (m + 1) 3.
+    costs = {"F": 1.0, "B": 2.0, ("F", 1): 2.0, ("B", 1): 4.0}
+    for name in ("gpipe", "1f1b"):
+        sim = simulate(build(name, 2, m), costs)
+        assert sim.makespan == 6 * m + 3
+        assert sim.idle_fraction() == pytest.approx(1 - 9 * m / (2 * (6 * m + 3)), abs=1e-12)
+        assert sim.costs() == {(k, s): costs[k, s] if (k, s) in costs else costs[k] for k in "FB" for s in (0, 1)}
+        assert simulate(build(name, 2, m), sim.costs()).rows == sim.rows  # a run's costs replay it exactly
+
+
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (4, 16), (8, 16)])
 def test_interleaved_bubble_is_about_one_vth_and_zb1_smaller_than_1f1b(p, m):
     one_f_one_b = simulate(build("1f1b", p, m)).idle_fraction()

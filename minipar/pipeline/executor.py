@@ -187,9 +187,9 @@ class Pipeline:
             else:  # W
                 torch.autograd.backward(outputs[i, k], out_grads.pop((i, k)), inputs=stage_params[k])
                 del inputs[i, k], outputs[i, k]
+            rows.append((start, time.perf_counter(), a))  # the action's compute; posting its send is not
             if outgoing is not None:  # F: the output on to the next stage; B: the input's gradient back
                 self._send(outgoing, result, local, pending_sends)
-            rows.append((start, time.perf_counter(), a))
         for work, _tensor in pending_sends:
             work.wait()
         self.timeline = Timeline([rows])

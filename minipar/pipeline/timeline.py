@@ -10,7 +10,9 @@ gradient; "F3a" is F3 on a rank's first chunk.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
+from statistics import median
 
 from minipar.pipeline.schedules import Action, Schedule, ScheduleError, inputs_of
 
@@ -28,6 +30,15 @@ class Timeline:
     def idle_fraction(self) -> float:
         busy = sum(end - start for row in self.rows for start, end, _ in row)
         return 1.0 - busy / (len(self.rows) * self.makespan)
+
+    def costs(self) -> dict[tuple[str, int], float]:
+        """The median duration of each (kind, stage)'s actions: a measured run's own costs, so that
+        `simulate(schedule, timeline.costs())` replays its schedule on them with no wire and no overhead."""
+        spans = defaultdict(list)
+        for row in self.rows:
+            for start, end, a in row:
+                spans[a.kind, a.stage].append(end - start)
+        return {key: median(v) for key, v in spans.items()}
 
     def _virtual(self) -> bool:
         return any(a.stage >= len(self.rows) for row in self.rows for _, _, a in row)
@@ -83,8 +94,9 @@ class Timeline:
         return min(end - start for row in self.rows for start, end, _ in row) or 1.0
 
 
-def simulate(schedule: Schedule, durations: dict[str, float] | None = None) -> Timeline:
-    """Run the schedule with fixed action times (default F=1, B=2, or B=1 and W=1 when split).
+def simulate(schedule: Schedule, durations: dict | None = None) -> Timeline:
+    """Run the schedule with fixed action times (default F=1, B=2, or B=1 and W=1 when split),
+    given by kind ("F") or, for stages of unequal cost, by kind and stage (("F", 3): Timeline.costs).
 
     An action starts when its rank is free and the actions it needs are done. A rank whose next
     action needs one not done yet waits for it, and resumes once it finishes; if some ranks are
@@ -107,7 +119,8 @@ def simulate(schedule: Schedule, durations: dict[str, float] | None = None) -> T
                 waiting.setdefault(needs[finished.index(None)], []).append(r)
                 break
             start = max([free_at[r], *finished])
-            done[a] = free_at[r] = start + durations[a.kind]
+            cost = durations[a.kind, a.stage] if (a.kind, a.stage) in durations else durations[a.kind]
+            done[a] = free_at[r] = start + cost
             rows[r].append((start, done[a], a))
             next_of[r] += 1
             runnable += waiting.pop(a, [])
