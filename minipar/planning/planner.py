@@ -70,6 +70,7 @@ class Cluster:
     mfu: float = 0.45  # the share of peak the model's matmuls reach
     intra_bandwidth: float = 450e9  # bytes/s per GPU inside a node (NVLink, one direction)
     inter_bandwidth: float = 50e9  # bytes/s per GPU between nodes (400 Gb/s InfiniBand)
+    memory_bandwidth: float = 3.35e12  # bytes/s per GPU (H100 SXM HBM3)
 
 
 def layouts(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_batch: int = 1):
