@@ -46,6 +46,7 @@ from torch import nn
 
 from minipar.autograd_ops import all_to_all_with_grad, reduce_from_parallel
 from minipar.collectives import Group, all_reduce, all_to_all
+from minipar.model import ModelError
 from minipar.moe import Experts, MoE
 from minipar.placement import Placement, place, placement_of
 
@@ -101,14 +102,12 @@ def keep_local_experts(experts: Experts, ep: Group) -> None:
         setattr(experts, name, local)
 
 
-def check_expert_layout(n_experts: int, top_k: int, ep: int, dp_cp: int) -> None:
-    """Raises ValueError (one line) for an expert layout that cannot work."""
+def check_expert_layout(n_experts: int, ep: int, dp_cp: int) -> None:
+    """Raises ValueError (one line) for an expert layout that cannot work (ModelError: the model's experts)."""
     if ep > 1 and not n_experts:
-        raise ValueError(f"--ep {ep} needs a mixture-of-experts model (e.g. --model tiny-moe or small-moe)")
+        raise ModelError(f"--ep {ep} needs a mixture-of-experts model (e.g. --model tiny-moe or small-moe)")
     if n_experts and n_experts % ep:
-        raise ValueError(f"{n_experts} experts do not split over --ep {ep}: choose an ep that divides {n_experts}")
+        raise ModelError(f"{n_experts} experts do not split over --ep {ep}: choose an ep that divides {n_experts}")
     if dp_cp % ep:
         raise ValueError(f"--ep {ep} must divide dp x cp = {dp_cp}: expert parallelism is carved out of "
                          f"the data-parallel ranks")
-    if n_experts and top_k > n_experts:
-        raise ValueError(f"top-k {top_k} is more than the {n_experts} experts")

@@ -62,6 +62,13 @@ class LayoutError(ValueError):
     """A parallel layout that cannot work; the message says what to change."""
 
 
+def check_counts(**counts: int | None) -> None:
+    """Each degree (and --ranks-per-node, given) a count of 1 or more, before anything divides by it."""
+    for name, n in counts.items():
+        if n is not None and n < 1:
+            raise LayoutError(f"--{name.replace('_', '-')} {n}: give 1 or more")
+
+
 @dataclass(frozen=True)
 class MeshLayout:
     world_size: int
@@ -72,11 +79,9 @@ class MeshLayout:
     ranks_per_node: int | None = None  # None: every rank on one node
 
     def __post_init__(self):
-        for dim in DIMS:
-            if getattr(self, dim) < 1:
-                raise LayoutError(f"--{dim} must be at least 1, got {getattr(self, dim)}")
+        check_counts(**{dim: getattr(self, dim) for dim in DIMS}, ranks_per_node=self.ranks_per_node)
         k = self.ranks_per_node
-        if k is not None and (k < 1 or self.world_size % k):
+        if k is not None and self.world_size % k:
             raise LayoutError(f"--ranks-per-node {k} does not divide the world's {self.world_size} ranks: give a "
                               f"divisor of {self.world_size} (the ranks torchrun starts on each node)")
         product = self.dp * self.tp * self.pp * self.cp

@@ -38,6 +38,10 @@ from einops import rearrange, repeat
 from torch import nn
 
 
+class ModelError(ValueError):
+    """A refusal about the model's shape (its own, or a layout it cannot take): the run names its --model."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     dim: int = 128
@@ -74,17 +78,17 @@ class ModelConfig:
     def validate(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:  # a hand-written config.json
-                raise ValueError(f"{name} {getattr(self, name)!r}: a size is a whole number, 1 or more")
+                raise ModelError(f"{name} {getattr(self, name)!r}: a size is a whole number, 1 or more")
         if not all(type(x) in (int, float) and 0 < x < math.inf for x in (self.norm_eps, self.rope_theta)):
-            raise ValueError(f"norm_eps {self.norm_eps!r} and rope_theta {self.rope_theta!r} must be numbers above 0")
+            raise ModelError(f"norm_eps {self.norm_eps!r} and rope_theta {self.rope_theta!r} must be numbers above 0")
         if self.dim % self.n_heads:
-            raise ValueError(f"model dim {self.dim} is not divisible by n_heads {self.n_heads}")
+            raise ModelError(f"model dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+            raise ModelError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+            raise ModelError(f"head_dim {self.head_dim} must be even for RoPE")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"top-k {self.top_k} must be between 1 and the {self.n_experts} experts")
+            raise ModelError(f"top-k {self.top_k} must be between 1 and the {self.n_experts} experts")
 
     def feed_forward(self, layer: int) -> str:
         """The kind of feed-forward block layer `layer` has, and its name in the block: "mlp", or "moe"."""

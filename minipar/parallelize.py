@@ -53,7 +53,7 @@ from minipar.context_parallel import ParallelAttention, global_token_count
 from minipar.data_parallel import DataParallel, GradSync
 from minipar.expert_parallel import parallelize_experts
 from minipar.mesh import Groups
-from minipar.model import Llama
+from minipar.model import Llama, ModelError
 from minipar.precision import FULL, Precision
 from minipar.tensor_parallel import (
     ColumnParallelLinear,
@@ -78,6 +78,7 @@ def parallelize(model: Llama, *, tp: Group | None = None, cp: Group | None = Non
     parallelism over tp. stage: (layer ids, holds the embedding, holds the head) of this rank's
     pipeline stages, or None for the whole model. cp_attention: "ring" or "ulysses" (context_parallel.py).
     tp_overlap: each region's column layers send f's message while computing their weight gradients."""
+    check_parallelize(model.config.tie_embeddings, stage is not None and stage[1] != stage[2], recompute, recompute_mlp)
     tp, cp = (g if g is not None and g.size > 1 else None for g in (tp, cp))
     project = project_overlapped if tp_overlap else project_after_f  # chosen here, once, for every region
     if stage is not None:
@@ -98,14 +99,21 @@ def parallelize(model: Llama, *, tp: Group | None = None, cp: Group | None = Non
     return model
 
 
+def check_parallelize(tied: bool, split: bool, recompute: bool = False, recompute_mlp: bool = False) -> None:
+    """parallelize's options that go together (Layout.validate asks too). split: embedding and head on two stages."""
+    if tied and split:
+        raise ModelError("tied embeddings with --pp above 1: the embedding and the LM head share one weight, which "
+                         "pipeline stages would split; use --pp 1 or --no-tie-embeddings")
+    if recompute and recompute_mlp:
+        raise ValueError("--recompute-mlp with --recompute: full-layer recompute redoes the MLP already; choose one")
+
+
 # ----------------------------------------------------------------------------------------------
 # 1. Pipeline: keep this rank's stages
 # ----------------------------------------------------------------------------------------------
 
 
 def keep_stage(model: Llama, layer_ids, embed: bool, head: bool) -> None:
-    if model.config.tie_embeddings and embed != head:
-        raise ValueError("tied embeddings need the embedding and the LM head on one pipeline stage: use --pp 1")
     keep = {str(i) for i in layer_ids}
     for name in [n for n in model.layers if n not in keep]:
         del model.layers[name]
@@ -213,9 +221,8 @@ def adamw(param_groups: list[dict], lr: float, **options) -> torch.optim.AdamW:
     return torch.optim.AdamW(param_groups, lr=lr, betas=BETAS, eps=EPS, **options)
 
 
-def check_zero(zero: int, offload: bool = False, zeropp: tuple[str, ...] = ()) -> None:
-    """The ZeRO options that go together, stated once: build_grad_sync and the run's checks (planning's
-    Layout.validate) both ask here. ValueError, one line, named by the flags train.py gives them."""
+def check_zero(zero: int, offload: bool = False, zeropp: tuple[str, ...] = (), pp: int = 1) -> None:
+    """The ZeRO options that go together: build_grad_sync and Layout.validate ask here. ValueError, one line."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"--zero {zero}: choose 0, 1, 2 or 3")
     if offload and zero not in (1, 2):
@@ -223,6 +230,9 @@ def check_zero(zero: int, offload: bool = False, zeropp: tuple[str, ...] = ()) -
     if zeropp and zero != 3:
         raise ValueError(f"--zeropp {','.join(zeropp)} needs --zero 3: ZeRO++ changes how ZeRO-3 gathers weights "
                          "and reduces gradients")
+    if zero == 3 and pp > 1:
+        raise ValueError("--zero 3 with --pp: every micro-batch would gather each layer twice; use --zero 1 or 2 "
+                         "with pipeline parallelism")
 
 
 def build_grad_sync(model: nn.Module, groups: Groups, param_groups: list[dict],

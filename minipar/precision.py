@@ -46,7 +46,7 @@ import torch
 
 PRECISIONS = ("fp32", "bf16-autocast", "bf16-mixed")
 GRAD_REDUCE = {"bf16": torch.bfloat16, "fp32": torch.float32}
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = {"float32": "fp32", "float64": None, "bfloat16": "bf16-autocast"}  # --dtype: the --precision it means
 
 
 @dataclass(frozen=True)
@@ -87,9 +87,9 @@ def resolve(precision: str | None, dtype: str | None = None, grad_reduce: str | 
     """
     if precision not in (None, *PRECISIONS):
         raise ValueError(f"--precision {precision}: choose {', '.join(PRECISIONS)}")
-    if dtype not in (None, "float32", "float64", "bfloat16"):
-        raise ValueError(f"--dtype {dtype}: choose float32, float64 or bfloat16")
-    implied = {"float32": "fp32", "bfloat16": "bf16-autocast", "float64": None}.get(dtype) if dtype else None
+    if dtype not in (None, *DTYPES):
+        raise ValueError(f"--dtype {dtype}: choose {', '.join(DTYPES)}")
+    implied = DTYPES.get(dtype)
     if dtype and precision and precision != implied:
         raise ValueError(f"--dtype {dtype} with --precision {precision}: "
                          + ("float64 runs everything in float64 (the proofs); drop --precision" if dtype == "float64"
@@ -100,7 +100,7 @@ def resolve(precision: str | None, dtype: str | None = None, grad_reduce: str | 
         raise ValueError(f"--grad-reduce {grad_reduce} applies to --precision bf16-mixed only "
                          f"(here the gradients are {dtype or 'float32'} already)")
     if grad_reduce not in (None, *GRAD_REDUCE):
-        raise ValueError(f"--grad-reduce {grad_reduce}: choose bf16 or fp32")
+        raise ValueError(f"--grad-reduce {grad_reduce}: choose {' or '.join(GRAD_REDUCE)}")
     if name is None:
         return Precision("float64", torch.float64, torch.float64, torch.float64)
     if name == "bf16-autocast":

@@ -62,6 +62,7 @@ from minipar.autograd_ops import (
 )
 from minipar.collectives import Group, all_gather, all_reduce
 from minipar.mesh import Groups
+from minipar.model import ModelError
 from minipar.placement import Placement, place, placement_of
 from minipar.placement import sync_partial_grads as sync_partial_grads  # its home: where a gradient says it is partial
 
@@ -69,19 +70,20 @@ SEQ_DIM = 1  # activations are [batch, seq, hidden]
 
 
 def check_tensor_layout(n_heads: int, n_kv_heads: int, dim: int, ffn_dim: int, tp: int,
-                    sequence_parallel: bool, seq_len: int) -> None:
-    """Raise ValueError, with the fix, if the model cannot be split tp ways."""
+                        sequence_parallel: bool, seq_len: int, cp: int = 1) -> None:
+    """Raise ValueError, with the fix, if the model cannot be split tp ways (ModelError: its shape)."""
     if n_heads % tp:
-        raise ValueError(f"--tp {tp} does not divide the model's {n_heads} attention heads: choose a divisor")
+        raise ModelError(f"--tp {tp} does not divide the model's {n_heads} attention heads: choose a divisor")
     if n_kv_heads % tp and tp % n_kv_heads:
-        raise ValueError(f"--tp {tp} and the model's {n_kv_heads} kv heads: one must divide the other")
+        raise ModelError(f"--tp {tp} and the model's {n_kv_heads} kv heads: one must divide the other")
     for name, size in (("hidden size", dim), ("MLP size", ffn_dim)):
         if size % tp:
-            raise ValueError(f"--tp {tp} does not divide the model's {name} {size}: choose a divisor")
+            raise ModelError(f"--tp {tp} does not divide the model's {name} {size}: choose a divisor")
     if sequence_parallel and tp == 1:
         raise ValueError("--sp needs --tp > 1: sequence parallelism shards the sequence across tp ranks")
-    if sequence_parallel and seq_len % tp:
-        raise ValueError(f"--sp: --seq-len {seq_len} is not divisible by --tp {tp}")
+    if sequence_parallel and (seq_len // cp) % tp:  # a cp rank's share of the sequence (context_parallel)
+        raise ValueError(f"--sp: each rank's {seq_len // cp} tokens (--seq-len {seq_len} / --cp {cp}) do not split "
+                         f"over --tp {tp}: choose a --seq-len divisible by {cp * tp}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -58,6 +58,7 @@ from minipar.quantize import dequantize, quantize
 from minipar.zero3 import ShardedBucket, Transport
 
 OPTIONS = ("qwz", "hpz", "qgz")
+SPLIT = ("hpz", "qgz")  # the options that split the dp group by node (split_dp_by_node)
 BLOCK = 256  # numbers per scale: 4 scale bytes per 256 codes, 1.6% more than the codes alone
 
 
@@ -70,21 +71,23 @@ def parse(text: str) -> tuple[str, ...]:
     return names
 
 
-def check(text: str, layout, cp: int = 1, experts: int = 0) -> tuple[str, ...]:
-    """--zeropp's names for a ZeRO-3 run on `layout` (a MeshLayout); ValueError, one line, where they
-    cannot apply (the stage they need: parallelize.check_zero). hpz and qgz need several nodes: on one
-    node there is no slow link to spare, and their node split would be the whole dp group."""
-    names = parse(text)
-    split = ",".join(n for n in names if n in ("hpz", "qgz"))
+def check(names: tuple[str, ...], layout, cp: int = 1, experts: int = 0) -> None:
+    """ValueError, one line, where --zeropp's `names` (parsed) cannot apply on `layout` (a MeshLayout; the stage
+    they need: parallelize.check_zero). hpz and qgz need several nodes: on one there is no slow link to spare."""
+    split = check_split(names, "--cp" if cp > 1 else "the experts" if experts else None)
     if split and layout.nodes == 1:
         raise ValueError(f"--zeropp {split} splits the dp ranks by node, and this run has one node: give "
                          "--ranks-per-node (on one machine it simulates several nodes), or use qwz alone")
-    if split and (cp > 1 or experts):
-        raise ValueError(f"--zeropp {split} splits the dp group by node, but {'--cp' if cp > 1 else 'the experts'} "
-                         "reduce gradients over other groups: use qwz alone")
     if split:
         dp_per_node(layout)  # raises LayoutError (a ValueError) unless each node holds an equal run of dp
-    return names
+
+
+def check_split(names: tuple[str, ...], others: str | None) -> str:
+    """Those of `names` that split the dp group by node, joined; refused where `others` reduce over another group."""
+    if (split := ",".join(n for n in names if n in SPLIT)) and others:
+        raise ValueError(f"--zeropp {split} splits the dp group by node, but {others} reduce gradients over other "
+                         "groups: use qwz alone")
+    return split
 
 
 def dp_per_node(layout: MeshLayout) -> int:
@@ -125,16 +128,14 @@ class ZeroPP(Transport):
 
     @classmethod
     def over(cls, groups: Groups, options: tuple[str, ...]) -> ZeroPP:
-        if {"hpz", "qgz"} & set(options) and "dp_intra" not in groups.more:
+        if set(SPLIT) & set(options) and "dp_intra" not in groups.more:
             raise ValueError(f"ZeRO++ {','.join(options)}: hpz and qgz need the dp group split by node "
                              "(zeropp.split_dp_by_node(mesh) before mesh.groups())")
         return cls(tuple(options), groups.more.get("dp_intra"), groups.more.get("dp_cross"), groups.dp)
 
     def prepare(self, bucket) -> None:  # bucket: a ShardedBucket, given hpZ's attributes
         """hpZ: the bucket's second shard, place j of K on the node keeping elements [j P/K, (j+1) P/K)."""
-        if bucket.group is not self.dp and (self.hpz or self.qgz):
-            raise ValueError(f"ZeRO++ hpz and qgz split the dp group by node; these parameters are reduced over "
-                             f"{bucket.group.name} (cp or experts): use qwz alone")
+        check_split(self.options, None if bucket.group is self.dp else f"the parameters of {bucket.group.name}")
         if self.hpz:
             k, j = self.intra.size, self.intra.rank
             bucket.node_slice = slice(j * bucket.padded // k, (j + 1) * bucket.padded // k)

@@ -284,6 +284,11 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     (["--offload"], 1, "--offload needs --zero 1 or 2"),
     (["--zeropp=qwz"], 1, "--zeropp qwz needs --zero 3"),
     (["--recompute", "--recompute-mlp"], 1, "--recompute-mlp with --recompute: full-layer recompute redoes the MLP"),
+    (["--zero=3", "--pp=2", "--micro-batch=2"], 2, "--zero 3 with --pp: every micro-batch would gather each layer"),
+    (["--tie-embeddings", "--pp=2", "--micro-batch=2"], 2, "tied embeddings with --pp above 1: the embedding and the "
+     "LM head share one weight, which pipeline stages would split; use --pp 1 or --no-tie-embeddings (--model tiny)"),
+    (["--cp=2", "--tp=4", "--sp", "--seq-len=36"], 8, "--sp: each rank's 18 tokens (--seq-len 36 / --cp 2) do not "
+     "split over --tp 4: choose a --seq-len divisible by 8"),
     (["--zero=3", "--zeropp=qwz,fast"], 1, "--zeropp qwz,fast: choose any of qwz, hpz, qgz"),
     (["--zero=3", "--dp=2", "--micro-batch=2", "--zeropp=hpz,qgz"], 2, "--zeropp hpz,qgz splits the dp ranks by node, "
      "and this run has one node"),

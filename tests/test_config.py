@@ -77,6 +77,18 @@ def test_zeropp_is_stored_as_read_not_as_typed(typed):
     assert cfg.zeropp == "qwz"  # the effective config and the checkpoint keep the names, each once
 
 
+def test_the_precision_flags_offer_what_precision_py_declares_and_it_refuses_the_rest():
+    from minipar.precision import DTYPES, GRAD_REDUCE, PRECISIONS, resolve
+
+    choices = {a.dest: a.choices for a in parser()._actions}
+    assert (choices["precision"], choices["dtype"], choices["grad_reduce"]) == (PRECISIONS, DTYPES, GRAD_REDUCE)
+    for args, line in [((None, "float16"), "--dtype float16: choose float32, float64, bfloat16"),
+                       (("bf16-mixed", None, "fp8"), "--grad-reduce fp8: choose bf16 or fp32"),
+                       (("fp32", "float64"), "--dtype float64 with --precision fp32: float64 runs everything")]:
+        with pytest.raises(ValueError, match=line):
+            resolve(*args)
+
+
 def test_a_preset_keeps_its_own_vocabulary_and_the_bpe_fits_inside_it():
     big = parse_args(["--model=8b"])
     assert big.model_config() == get_config("8b") and big.vocab_size == 128256  # not the BPE's 4096

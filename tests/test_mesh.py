@@ -60,7 +60,7 @@ def test_groups_partition_world_and_coords_round_trip(layout):
 def test_bad_layouts_are_rejected_with_a_fix():
     with pytest.raises(LayoutError, match=r"= 8 ranks, but the world has 4: launch with torchrun --nproc-per-node 8"):
         MeshLayout(4, dp=2, tp=2, pp=2)
-    with pytest.raises(LayoutError, match="--tp must be at least 1"):
+    with pytest.raises(LayoutError, match="--tp 0: give 1 or more"):
         MeshLayout(4, dp=4, tp=0)
 
 

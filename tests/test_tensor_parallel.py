@@ -313,7 +313,10 @@ def test_grad_norm_counts_each_shard_once_and_replicas_once():
     (dict(n_heads=12, n_kv_heads=3, dim=48, ffn_dim=64, tp=4), "one must divide the other"),
     (dict(n_heads=4, n_kv_heads=2, dim=32, ffn_dim=66, tp=4), "MLP size 66"),
     (dict(n_heads=4, n_kv_heads=2, dim=32, ffn_dim=64, tp=1, sequence_parallel=True), "--sp needs --tp > 1"),
-    (dict(n_heads=4, n_kv_heads=2, dim=32, ffn_dim=64, tp=4, sequence_parallel=True, seq_len=10), "not divisible"),
+    (dict(n_heads=4, n_kv_heads=2, dim=32, ffn_dim=64, tp=4, sequence_parallel=True, seq_len=10), "10 tokens"),
+    # with cp, a rank's share of the sequence: the one rule (context_parallel cuts it)
+    (dict(n_heads=4, n_kv_heads=2, dim=32, ffn_dim=64, tp=4, sequence_parallel=True, seq_len=36, cp=2),
+     r"18 tokens \(--seq-len 36 / --cp 2\) do not split over --tp 4: choose a --seq-len divisible by 8"),
 ])
 def test_bad_tp_layouts_are_refused_with_the_fix(kw, msg):
     kw = dict(sequence_parallel=False, seq_len=16) | kw

@@ -37,7 +37,7 @@ from minipar.quantize import qmax
 from minipar.run.config import TrainConfig
 from minipar.run.step import begin_step
 from minipar.run.train import train_step
-from minipar.zeropp import check, dp_per_node, pack, quantized_reduce_scatter, split_dp_by_node, unpack
+from minipar.zeropp import check, dp_per_node, pack, parse, quantized_reduce_scatter, split_dp_by_node, unpack
 
 N, K, M = 4, 2, 2
 BLOCK = 256
@@ -287,7 +287,9 @@ def test_hpz_holds_one_kth_of_the_weights_in_bf16_as_the_estimate_says():
 
 def test_zeropp_that_cannot_apply_is_refused_in_one_line():
     two_nodes = MeshLayout(4, dp=4, ranks_per_node=2)
-    assert check("qwz, hpz", two_nodes) == ("qwz", "hpz") and check("qwz", MeshLayout(4, dp=4)) == ("qwz",)
+    assert parse(" qwz, hpz,qwz") == ("qwz", "hpz")
+    check(("qwz", "hpz"), two_nodes)  # they apply: no error
+    check(("qwz",), MeshLayout(4, dp=4))
     refusals = [(("qgz", MeshLayout(4, dp=4)), "--zeropp qgz splits the dp ranks by node, and this run has one"),
                 (("hpz", MeshLayout(4, dp=2, cp=2, ranks_per_node=2), 2), "but --cp reduce gradients"),
                 (("qgz", two_nodes, 1, 8), "but the experts reduce gradients"),
@@ -296,7 +298,7 @@ def test_zeropp_that_cannot_apply_is_refused_in_one_line():
                 (("hpz", MeshLayout(12, dp=4, tp=3, ranks_per_node=4)), "4 ranks per node hold 1.33333 ranks")]
     for args, line in refusals:
         with pytest.raises(ValueError, match=re.escape(line)):
-            check(*args)
+            check(parse(args[0]), *args[1:])
     with pytest.raises(ValueError, match=re.escape("--zeropp hpz needs --zero 3")):  # the stage: parallelize.check_zero
         check_zero(2, zeropp=("hpz",))
     assert dp_per_node(MeshLayout(8, dp=4, tp=2, ranks_per_node=4)) == 2  # dp ranks {0,1} and {2,3} share nodes

@@ -67,6 +67,13 @@ def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
     return [list(range(start, start + size)) for start, size in zip(starts, sizes)]
 
 
+def check_pipeline(schedule: str, pp: int, m: int, virtual: int, n_layers: int) -> None:
+    """ValueError, one line (ScheduleError: the schedule's), unless pp ranks run m micro-batches, a layer a stage."""
+    if pp > 1:
+        stage_layers(n_layers, len(placement(schedule, pp, virtual)))  # zbv: two stages a rank
+        build(schedule, pp, m, virtual)
+
+
 @dataclass
 class Pipeline:
     """What one rank needs to run its part of a pipeline schedule."""

@@ -1,11 +1,10 @@
 """A layout on paper: how a run cuts its model, its batch and its numbers over the ranks.
 
-Chapter 8 of the course. The estimator (estimate.py) and the planner (planner.py) read a layout,
-never the run: the parallel degrees, ZeRO, recompute, the model (--model's preset and the shape
-settings that override it), the batch and the precision. `validate` refuses, in one line, a
-layout that cannot work, before anything is built: the planner asks it of every layout it weighs,
-and the run's configuration (run/config.TrainConfig, a Layout with the run's data, optimisation,
-checkpoint and log settings added) asks it of every run, raising its own error (`error`).
+Chapter 8 of the course. The estimator (estimate.py) and the planner (planner.py) read a layout, never
+the run: the parallel degrees, ZeRO, recompute, the model (--model's preset and the shape settings that
+override it), the batch and the precision. `validate` refuses, in one line, a layout that cannot work,
+before anything is built, by asking each module's check: the planner asks it of every layout it weighs,
+and the run's configuration (run/config.TrainConfig: a Layout and the run's other settings) of every run.
 """
 
 from __future__ import annotations
@@ -16,13 +15,11 @@ from typing import ClassVar
 from minipar.collectives import Group, Ledger
 from minipar.context_parallel import check_cp_layout
 from minipar.expert_parallel import check_expert_layout
-from minipar.mesh import MeshLayout
-from minipar.model import ModelConfig, config_from
-from minipar.parallelize import check_zero
-from minipar.pipeline.executor import stage_layers
+from minipar.mesh import MeshLayout, check_counts
+from minipar.model import ModelConfig, ModelError, config_from
+from minipar.parallelize import check_parallelize, check_zero
+from minipar.pipeline.executor import check_pipeline
 from minipar.pipeline.schedules import ScheduleError
-from minipar.pipeline.schedules import build as build_schedule
-from minipar.pipeline.schedules import placement as schedule_placement
 from minipar.precision import resolve as resolve_precision
 from minipar.tensor_parallel import check_tensor_layout
 from minipar.zeropp import check as check_zeropp
@@ -82,57 +79,33 @@ class Layout:
         return config_from(asdict(self))
 
     def validate(self, world_size: int) -> None:
-        """What the model can take, the batch, each parallelism, then whether the world has the right size."""
+        """Asks each chapter what it takes (each rule is stated once, in its module), in the course's order, then
+        the world's size. Here only the phrasing: a refusal of the model's shape (ModelError) names --model."""
         m = self.model_config()
         try:
+            check_counts(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, ranks_per_node=self.ranks_per_node)
             m.validate()
-            check_tensor_layout(m.n_heads, m.n_kv_heads, m.dim, m.ffn_dim, self.tp, self.sp, self.seq_len)
-        except ValueError as e:
-            raise self.error(f"{e} (--model {self.model})") from None
-        if self.global_batch % (self.dp * self.micro_batch):
-            raise self.error(f"--global-batch {self.global_batch} is not divisible by --dp {self.dp} x "
-                             f"--micro-batch {self.micro_batch}: every rank must run whole micro-batches")
-        try:
+            check_tensor_layout(m.n_heads, m.n_kv_heads, m.dim, m.ffn_dim, self.tp, self.sp, self.seq_len, self.cp)
+            if self.global_batch % (self.dp * self.micro_batch):  # the layout's own rule: accum_steps
+                raise ValueError(f"--global-batch {self.global_batch} is not divisible by --dp {self.dp} x "
+                                 f"--micro-batch {self.micro_batch}: every rank must run whole micro-batches")
             check_cp_layout(self.seq_len, self.cp, self.cp_attention, m.n_heads, m.n_kv_heads, self.tp)
-            check_expert_layout(m.n_experts, m.top_k, self.ep, self.dp * self.cp)
-        except ValueError as e:
-            raise self.error(f"{e} (--model {self.model})" if "expert" in str(e) or "heads" in str(e)
-                              else str(e)) from None
-        if self.sp and (self.seq_len // self.cp) % self.tp:
-            raise self.error(f"--sp with --cp {self.cp}: each rank's {self.seq_len // self.cp} tokens do not "
-                              f"split over --tp {self.tp}")
-        if self.pp > 1:
-            try:
-                stages = len(schedule_placement(self.schedule, self.pp, self.virtual_stages))  # zbv: 2 per rank
-                stage_layers(m.n_layers, stages)  # raises: more stages than layers
-                build_schedule(self.schedule, self.pp, self.accum_steps, self.virtual_stages)
-            except ScheduleError as e:
-                raise self.error(
-                    f"{e} (micro-batches per step = --global-batch / (--dp x --micro-batch) = {self.accum_steps})"
-                ) from None
-        if self.pp > 1 and m.tie_embeddings:
-            given = f"--model {self.model}" + " --tie-embeddings" * bool(self.tie_embeddings)
-            raise self.error(f"--pp {self.pp} with tied embeddings ({given}): the embedding and the LM head share one "
-                             "weight, and pipeline stages would split them; use --pp 1 or --no-tie-embeddings")
-        if self.recompute and self.recompute_mlp:
-            raise self.error("--recompute-mlp with --recompute: full-layer recompute redoes the MLP already; "
-                             "choose one")
-        if self.zero == 3 and self.pp > 1:
-            raise self.error("--zero 3 with --pp: every micro-batch would gather each layer twice; "
-                              "use --zero 1 or 2 with pipeline parallelism")
-        try:
-            check_zero(self.zero, self.offload, parse_zeropp(self.zeropp) if self.zeropp is not None else ())
+            check_expert_layout(m.n_experts, self.ep, self.dp * self.cp)
+            check_pipeline(self.schedule, self.pp, self.accum_steps, self.virtual_stages, m.n_layers)
+            check_parallelize(m.tie_embeddings, self.pp > 1, self.recompute, self.recompute_mlp)
+            zeropp = parse_zeropp(self.zeropp) if self.zeropp is not None else ()
+            check_zero(self.zero, self.offload, zeropp, self.pp)
             resolve_precision(self.precision, self.dtype, self.grad_reduce)
+            mesh = MeshLayout(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp,
+                              ranks_per_node=self.ranks_per_node)  # the world's size
+            check_zeropp(zeropp, mesh, self.cp, m.n_experts)
+        except ModelError as e:
+            raise self.error(f"{e} (--model {self.model})") from None
+        except ScheduleError as e:  # m is no flag: name those that make it
+            raise self.error(f"{e} (micro-batches per step = --global-batch / (--dp x --micro-batch) = "
+                             f"{self.accum_steps})") from None
         except ValueError as e:
             raise self.error(str(e)) from None
-        layout = MeshLayout(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp,
-                            ranks_per_node=self.ranks_per_node)  # raises LayoutError
-        if self.zeropp is not None:
-            try:
-                check_zeropp(self.zeropp, layout, self.cp, m.n_experts)
-            except ValueError as e:
-                raise self.error(str(e)) from None
-
 
 
 @dataclass

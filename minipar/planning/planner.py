@@ -77,11 +77,9 @@ def layouts(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro
     """Every layout of the cluster's GPUs that passes minipar's own checks; tp never leaves a node."""
     c = get_config(model)
     g = cluster.gpus
-    for tp in (t for t in range(1, cluster.gpus_per_node + 1) if g % t == 0 and c.n_heads % t == 0):
+    for tp in (t for t in range(1, cluster.gpus_per_node + 1) if g % t == 0):  # the heads: validate's rule
         for pp in (p for p in range(1, c.n_layers + 1) if (g // tp) % p == 0):
-            for cp in (1, 2, 4, 8) if seq_len >= 8192 else (1,):
-                if (g // (tp * pp)) % cp or global_batch % (g // (tp * pp * cp) * micro_batch):
-                    continue
+            for cp in (x for x in ((1, 2, 4, 8) if seq_len >= 8192 else (1,)) if g // (tp * pp) % x == 0):
                 for zero in (0, 1, 2, 3):
                     for recompute, recompute_mlp in RECOMPUTE:
                         cfg = Layout(model=model, dp=g // (tp * pp * cp), tp=tp, pp=pp, cp=cp, sp=tp > 1, zero=zero,
@@ -199,7 +197,7 @@ def _alternatives(cfg: Layout, model_cfg: ModelConfig):
     (dp takes the rest), then the ZeRO stage, then recompute (none, the MLPs', the whole layers')."""
     world = cfg.dp * cfg.tp * cfg.pp * cfg.cp
     cuts = [(tp, pp) for tp in range(1, world + 1) for pp in range(1, model_cfg.n_layers + 1)
-            if world % (tp * pp * cfg.cp) == 0 and model_cfg.n_heads % tp == 0]
+            if world % (tp * pp * cfg.cp) == 0]
     for tp, pp in sorted(cuts, key=lambda c: (c[0] * c[1], c[1])):
         for zero in range(4):
             for recompute, recompute_mlp in RECOMPUTE:

@@ -99,8 +99,6 @@ class TrainConfig(Layout):
             *((name, 0 <= getattr(self, name) <= MAX_STEPS, "0 or more steps, at most 2**38")
               for name in ("warmup", "save_every", "eval_every")),
             ("seq_len", 1 <= self.seq_len <= max_seq_len, f"1 to --model {self.model}'s max_seq_len, {max_seq_len}"),
-            *((dim, getattr(self, dim) >= 1, "1 or more") for dim in ("dp", "tp", "pp", "cp", "ep")),
-            ("ranks_per_node", self.ranks_per_node is None or self.ranks_per_node >= 1, "1 or more"),
             ("global_batch", 1 <= self.global_batch <= MAX_BATCH, f"1 to {MAX_BATCH} sequences"),
             ("micro_batch", 1 <= self.micro_batch <= MAX_BATCH, f"1 to {MAX_BATCH} sequences"),
             ("max_bad_steps", 1 <= self.max_bad_steps <= MAX_STEPS, "1 or more, at most 2**38"),

@@ -12,6 +12,7 @@ import argparse
 from minipar.context_parallel import CP_ATTENTION
 from minipar.model import CONFIGS
 from minipar.pipeline.schedules import SCHEDULES
+from minipar.precision import DTYPES, GRAD_REDUCE, PRECISIONS
 from minipar.run.args import HelpFormatter, Parser
 
 # Flags that override one field of --model's preset (ModelConfig's field of the same name).
@@ -67,13 +68,13 @@ def add_data_flags(p: argparse.ArgumentParser, d) -> None:
 
 def add_precision_flags(g) -> None:
     """--precision, --dtype and --grad-reduce (how they combine: minipar/precision.py)."""
-    g.add_argument("--precision", default=None, choices=["fp32", "bf16-autocast", "bf16-mixed"],
+    g.add_argument("--precision", default=None, choices=PRECISIONS,
                    help="fp32; bf16-autocast (fp32 weights, bf16 matmuls); bf16-mixed (the ZeRO paper's: bf16 "
                         "weights and gradients, fp32 master weights and Adam state: 16 bytes per parameter). "
                         "Default: fp32 on CPU, bf16-autocast on CUDA")
-    g.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16"], help="float64: all in "
+    g.add_argument("--dtype", default=None, choices=DTYPES, help="float64: all in "
                    "float64 (proofs; no --precision); float32 = --precision fp32, bfloat16 = bf16-autocast")
-    g.add_argument("--grad-reduce", default=None, choices=["bf16", "fp32"],
+    g.add_argument("--grad-reduce", default=None, choices=GRAD_REDUCE,
                    help="bf16-mixed: gradients summed over ranks in bf16 (default: rounded at each of N-1 adds) "
                         "or fp32 (twice the bytes; the mean rounded once, within half a bf16 ulp)")
 

@@ -245,7 +245,7 @@ def launch(cfg: TrainConfig, resume: Path | None, interrupt: Interrupt | None = 
     watch = HangWatch(mesh.ledger)
     if cfg.ep > 1:  # experts: the dp x cp ranks reshaped to edp x ep
         mesh.unflatten(("dp", "cp"), edp=cfg.dp * cfg.cp // cfg.ep, ep=cfg.ep)
-    if cfg.zeropp and {"hpz", "qgz"} & set(zeropp.parse(cfg.zeropp)):  # ZeRO++: dp = dp_cross x dp_intra
+    if cfg.zeropp and set(zeropp.SPLIT) & set(zeropp.parse(cfg.zeropp)):  # ZeRO++: dp = dp_cross x dp_intra
         zeropp.split_dp_by_node(mesh)
     log = RunLog(cfg, mesh, device, interrupt)
     log.say(effective(cfg))
