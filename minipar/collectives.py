@@ -60,6 +60,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from minipar.comm_clock import WaitClock
+
 # -- The ledger -----------------------------------------------------------------------------------
 
 
@@ -96,6 +98,7 @@ class Ledger:
     entries: dict[tuple[str, str], Entry] = field(default_factory=lambda: defaultdict(Entry))
     trace: list[tuple] | None = None
     listeners: list[Callable[[str, str, tuple, int | None], None]] = field(default_factory=list)
+    clock: WaitClock | None = None  # times how long this rank waits in each group's calls (Group._call)
 
     def record(self, group: str, op: str, nbytes: int, sent: int, cross: int = 0) -> None:
         """One operation: its payload, the bytes it sends, and how many of those leave the node."""
@@ -120,12 +123,9 @@ class Ledger:
         return {f"{g}/{op}": vars(e).copy() for (g, op), e in sorted(self.entries.items())}
 
     def table(self) -> str:
-        lines = [f"{'group/op':<24}{'calls':>8}{'payload bytes':>16}{'sent bytes':>14}{'intra-node':>14}"
-                 f"{'cross-node':>14}"]
-        for key, e in self.snapshot().items():
-            lines.append(f"{key:<24}{e['calls']:>8}{e['bytes']:>16,}{e['sent']:>14,}{e['intra']:>14,}"
-                         f"{e['cross']:>14,}")
-        return "\n".join(lines)
+        row = "{:<24}{calls:>8}{bytes:>16,}{sent:>14,}{intra:>14,}{cross:>14,}".format
+        return "\n".join([f"{'group/op':<24}{'calls':>8}{'payload bytes':>16}{'sent bytes':>14}{'intra-node':>14}"
+                          f"{'cross-node':>14}"] + [row(key, **e) for key, e in self.snapshot().items()])
 
 
 @dataclass
@@ -182,9 +182,14 @@ class Group:
         if self.ledger.trace is not None and self.size > 1:
             self.ledger.trace.append((self.communicator, op, None if peer is None else self.ranks[peer], nbytes))
 
+    def _call(self, call: Callable, /, *args, **kwargs):
+        """call(*args, **kwargs), a torch.distributed function, through the ledger's clock if it has one."""
+        clock = self.ledger.clock
+        return call(*args, **kwargs) if clock is None else clock.run(self.name, call, *args, **kwargs)
 
-# -- The operations. Each writes its ledger line, then calls torch.distributed. Ops on a group of
-# -- one rank do nothing and cost nothing, so code can call them unconditionally.
+
+# -- The operations. Each writes its ledger line, then calls torch.distributed through Group._call. Ops
+# -- on a group of one rank do nothing and cost nothing, so code can call them unconditionally.
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -194,7 +199,7 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", async_op: bool = 
     group._note("all_reduce", t)
     if group.size == 1:
         return None
-    return dist.all_reduce(t, op=_REDUCE[op], group=group.pg, async_op=async_op)
+    return group._call(dist.all_reduce, t, op=_REDUCE[op], group=group.pg, async_op=async_op)
 
 
 def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
@@ -203,7 +208,7 @@ def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     if group.size == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(group.size)]
-    dist.all_gather(parts, t.contiguous(), group=group.pg)
+    group._call(dist.all_gather, parts, t.contiguous(), group=group.pg)
     return torch.cat(parts, dim=dim)
 
 
@@ -214,7 +219,7 @@ def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: Group, async_op: 
     if group.size == 1:
         out.copy_(t.reshape(-1))
         return None
-    return dist.all_gather(list(out.chunk(group.size)), t.contiguous(), group=group.pg, async_op=async_op)
+    return group._call(dist.all_gather, list(out.chunk(group.size)), t.contiguous(), group=group.pg, async_op=async_op)
 
 
 def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0, async_op: bool = False):
@@ -227,7 +232,7 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0, async_op: bool =
         raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by {group.size}")
     chunks = [c.contiguous() for c in t.chunk(group.size, dim=dim)]
     out = torch.empty_like(chunks[0])
-    work = dist.reduce_scatter(out, chunks, group=group.pg, async_op=async_op)
+    work = group._call(dist.reduce_scatter, out, chunks, group=group.pg, async_op=async_op)
     return (out, work) if async_op else out
 
 
@@ -235,7 +240,7 @@ def broadcast(t: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
     """In place: every rank's t <- the t of group rank `src`."""
     group._note("broadcast", t)
     if group.size > 1:
-        dist.broadcast(t, src=group.ranks[src], group=group.pg)
+        group._call(dist.broadcast, t, src=group.ranks[src], group=group.pg)
     return t
 
 
@@ -256,7 +261,8 @@ def all_to_all(t: torch.Tensor, group: Group, dim: int = 0, send_splits: list[in
         return t
     rows = t.movedim(dim, 0).contiguous()  # the pieces are runs of rows along dim 0
     out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
-    dist.all_to_all_single(out, rows, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group.pg)
+    group._call(dist.all_to_all_single, out, rows, output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                group=group.pg)
     return out.movedim(0, dim)
 
 
@@ -265,7 +271,7 @@ def reduce(t: torch.Tensor, group: Group, dst: int = 0, op: str = "sum") -> torc
     (where t's contents are left undefined: a ring may use it for partial sums)."""
     group._note("reduce", t)
     if group.size > 1:
-        dist.reduce(t, dst=group.ranks[dst], op=_REDUCE[op], group=group.pg)
+        group._call(dist.reduce, t, dst=group.ranks[dst], op=_REDUCE[op], group=group.pg)
     return t if group.rank == dst else None
 
 
@@ -277,7 +283,7 @@ def gather(t: torch.Tensor, group: Group, dst: int = 0) -> torch.Tensor | None:
     if group.size == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(group.size)] if group.rank == dst else None
-    dist.gather(t.contiguous(), parts, dst=group.ranks[dst], group=group.pg)
+    group._call(dist.gather, t.contiguous(), parts, dst=group.ranks[dst], group=group.pg)
     return None if parts is None else torch.cat(parts)
 
 
@@ -292,7 +298,7 @@ def scatter(t: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
         raise ValueError(f"scatter: dim 0 of size {t.shape[0]} is not divisible by {group.size}")
     out = torch.empty_like(t.chunk(group.size)[0])  # [S/N rows, ...]
     chunks = [c.contiguous() for c in t.chunk(group.size)] if group.rank == src else None
-    dist.scatter(out, chunks, src=group.ranks[src], group=group.pg)
+    group._call(dist.scatter, out, chunks, src=group.ranks[src], group=group.pg)
     return out
 
 
@@ -301,19 +307,19 @@ def barrier(group: Group) -> None:
     latency, alpha in chapter 1's time model)."""
     group._note("barrier", None, nbytes=0, sent=0)
     if group.size > 1:
-        dist.barrier(group=group.pg)
+        group._call(dist.barrier, group=group.pg)
 
 
 def send(t: torch.Tensor, group: Group, dst: int) -> None:
     """Send to group rank `dst`."""
     group._note("send", t, dst)
-    dist.send(t.contiguous(), dst=group.ranks[dst], group=group.pg)
+    group._call(dist.send, t.contiguous(), dst=group.ranks[dst], group=group.pg)
 
 
 def recv(t: torch.Tensor, group: Group, src: int) -> torch.Tensor:
     """Receive into t from group rank `src`."""
     group._note("recv", t, src)
-    dist.recv(t, src=group.ranks[src], group=group.pg)
+    group._call(dist.recv, t, src=group.ranks[src], group=group.pg)
     return t
 
 
@@ -321,13 +327,13 @@ def isend(t: torch.Tensor, group: Group, dst: int):
     """Start sending to group rank `dst`; returns the work handle (keep t alive until it is done).
     No tag: the peer's receives take messages in the order they were sent, as on NCCL."""
     group._note("send", t, dst)
-    return dist.isend(t.contiguous(), dst=group.ranks[dst], group=group.pg)
+    return group._call(dist.isend, t.contiguous(), dst=group.ranks[dst], group=group.pg)
 
 
 def irecv(t: torch.Tensor, group: Group, src: int):
     """Start receiving into t from group rank `src`; returns the work handle."""
     group._note("recv", t, src)
-    return dist.irecv(t, src=group.ranks[src], group=group.pg)
+    return group._call(dist.irecv, t, src=group.ranks[src], group=group.pg)
 
 
 def send_recv(send_t: torch.Tensor, dst: int, recv_t: torch.Tensor, src: int, group: Group):
@@ -338,15 +344,13 @@ def send_recv(send_t: torch.Tensor, dst: int, recv_t: torch.Tensor, src: int, gr
     group._note("recv", recv_t, src)
     ops = [dist.P2POp(dist.isend, send_t.contiguous(), group.ranks[dst], group.pg),
            dist.P2POp(dist.irecv, recv_t, group.ranks[src], group.pg)]
-    return dist.batch_isend_irecv(ops)
+    return group._call(dist.batch_isend_irecv, ops)
 
 
 def gather_object(obj, group: Group, dst: int = 0) -> list | None:
-    """Every rank's picklable `obj`, in group order, on group rank `dst` (None on the others).
-
-    Each rank pickles its own, the ranks agree on the longest (an 8-byte all-reduce), and the byte
-    tensors, padded to it, are gathered on `dst` (ledger: "gather"). Checkpoints collect stages so.
-    """
+    """Every rank's picklable `obj`, in group order, on group rank `dst` (None on the others). Each rank
+    pickles its own, the ranks agree on the longest (an 8-byte all-reduce), and the byte tensors, padded
+    to it, are gathered on `dst` (ledger: "gather"). Checkpoints collect the pipeline's stages so."""
     if group.size == 1:
         return [obj]
     raw = bytearray(pickle.dumps(obj))
@@ -357,7 +361,7 @@ def gather_object(obj, group: Group, dst: int = 0) -> list | None:
     mine = torch.frombuffer(raw, dtype=torch.uint8).to(device)  # [longest]
     group._note("gather", mine, sent=0 if group.rank == dst else len(raw), to=dst)  # dst keeps its own
     parts = [torch.empty_like(mine) for _ in range(group.size)] if group.rank == dst else None
-    dist.gather(mine, parts, dst=group.ranks[dst], group=group.pg)
+    group._call(dist.gather, mine, parts, dst=group.ranks[dst], group=group.pg)
     return None if parts is None else [pickle.loads(p.cpu().numpy().tobytes()) for p in parts]
 
 

@@ -19,7 +19,8 @@ match when their text is the same and their numbers agree:
   - a number followed by a unit of time or speed (s, ms, µs, tok/s), or a percentage after the
     word "measured" on its line, is a measurement of this machine: any value matches (a
     percentage before it, such as a schedule's theoretical idle fraction, is checked);
-  - a number after "peak mem" or "bubble" (a training log's memory and idle time) is measured too;
+  - a number after "peak mem" or "bubble" (a training log's memory and idle time) is measured too,
+    and so is a percentage in parentheses just after a time (`of 120 ms (32%)`: its share);
   - any other number must agree to 1e-6 relatively (or 1e-12 absolutely: float rounding); one in
     scientific notation (a gradient, an error) to one unit of its last printed digit: another
     CPU's kernels sum in another order, and a value near a rounding boundary may print one digit
@@ -61,6 +62,7 @@ MARK = re.compile(r"<!-- output: (.+?) -->")
 CHEAPER = re.compile(r"\s*\(checked on its first (\d+) steps?\)$")
 ANCHOR = re.compile(r"\[`?([\w.]+)(?:\([^`\]]*\))?`?\]\(([^)#\s]+\.py)#L(\d+)\)")  # [`name(args)`](f.py#L9)
 MEASURED_AFTER = re.compile(r"(?:peak mem|bubble) $")  # a log's memory and idle time: this machine's
+SHARE_AFTER = re.compile(r"ms \($")  # "of 120 ms (32%)": a measured time's share, measured too
 NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:e[-+]?\d+)?")
 TIMING = re.compile(r" ?(?:s|ms|µs|us|ns|tok/s|GB/s)(?![\w=])")  # not "s=8" (a sequence length)
 
@@ -92,7 +94,7 @@ def parts(line: str) -> tuple[list[str], list[tuple[float, bool, float]]]:
     for m in NUMBER.finditer(line):
         texts.append(line[last:m.start()])
         measured = bool(TIMING.match(line, m.end()) or MEASURED_AFTER.search(line[:m.start()])) or (
-            line.startswith("%", m.end()) and "measured" in line[:m.start()])
+            line.startswith("%", m.end()) and ("measured" in line[:m.start()] or SHARE_AFTER.search(line[:m.start()])))
         value = float(m.group().replace(",", "")) if m.group().strip(",.") else 0.0
         numbers.append((value, measured, last_digit(m.group())))
         last = m.end()

@@ -56,6 +56,10 @@ def test_a_training_log_masks_memory_and_bubble_and_a_cheaper_run_skips_later_st
     assert docs_check.same(shown, shown.replace("351", "76").replace("51%", "44%").replace("2,308", "97"))
     assert not docs_check.same(shown, shown.replace("6.75", "6.76"))  # bytes sent are not a measurement
     assert not docs_check.same(shown, shown.replace("8.3321", "8.3322"))
+    comm = shown + " | comm exposed 38 ms of 120 ms (32%): dp 13 ms, tp 25 ms"  # times, and a time's share
+    assert docs_check.same(comm, comm.replace("38 ms", "9.1 ms").replace("32%", "8%").replace("13 ms", "0.42 ms"))
+    assert not docs_check.same(comm, comm.replace(", tp 25 ms", ""))  # the kinds that waited are the layout's
+    assert not docs_check.same("dW 19.03 ms (1 matmul(s))", "dW 19.03 ms (3 matmul(s))")  # only a share, a %
     # scientific notation: one unit of the last digit apart is another CPU's rounding, two are not
     grads = "    single device, all rows     +2.4435e-04 +5.0579e-04 -2.0834e-04"
     assert docs_check.same(grads, grads.replace("5.0579e-04", "5.0578e-04").replace("2.0834", "2.0833"))

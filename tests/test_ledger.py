@@ -7,6 +7,10 @@ communication function of torch.distributed is wrapped for the test and adds up 
 tensors it is handed (for an all-gather its output, for a reduce-scatter its input, as the ledger
 defines the payload). Any other function (gather_object, all_gather_object, ...) is counted under
 its own name, which no ledger holds: a message sent around collectives.py fails the test.
+
+The same run checks the clock of exposed communication (comm_clock.py, which RunLog sets on the
+mesh's ledger): every group of more than one rank that the ledger saw traffic on was also timed,
+and no other, so a wait the clock missed would leave its group out of the training log's figure.
 """
 
 from contextlib import contextmanager, nullcontext
@@ -122,15 +126,18 @@ def _step_and_save(rank, world, layout, out):
     groups = [mesh.group(d) for d in ("dp", "tp", "pp", "cp")] + [mesh.groups().dp_cp, mesh.group("pp", channel="grad")]
     sizes = {g.name: g.size for g in groups}
     counted = ledger_side_count([(mesh.ledger, sizes), (log.group.ledger, {"log": log.group.size})])
+    talked = {group for group, _op in mesh.ledger.entries if sizes[group] > 1}
     mesh.destroy()
-    return counted, sent
+    return counted, sent, (talked, log.clock.seconds())
 
 
-@pytest.mark.parametrize("layout", [dict(dp=2, pp=2, zero=1), dict(tp=2, cp=2, sp=True, zero=3)],
-                         ids=["dp2-pp2-zero1", "tp2-cp2-sp-zero3"])
+@pytest.mark.parametrize("layout", [dict(dp=2, pp=2, zero=1), dict(tp=2, cp=2, sp=True, tp_overlap=True, zero=3)],
+                         ids=["dp2-pp2-zero1", "tp2-cp2-sp-overlap-zero3"])
 def test_a_step_and_a_save_send_exactly_what_the_ledgers_hold(layout, tmp_path):
-    for rank, (ledgers, sent) in enumerate(run_ranks(4, _step_and_save, layout, tmp_path, timeout=300)):
+    for rank, (ledgers, sent, (talked, timed)) in enumerate(run_ranks(4, _step_and_save, layout, tmp_path,
+                                                                        timeout=300)):
         assert ledgers == sent, f"rank {rank}: ledgers {ledgers}, torch.distributed {sent}"
+        assert set(timed) == talked and all(seconds > 0 for seconds in timed.values()), (rank, talked, timed)
         assert "all_reduce" in sent  # the save's check of the weights, and its wait for rank 0's write
         if layout.get("pp"):
             assert "gather" in sent and "send" in sent  # the stages' weights; the pipeline's activations

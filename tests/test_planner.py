@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from minipar.comm_clock import exposed_line
 from minipar.model import get_config
 from minipar.pipeline.schedules import build
 from minipar.pipeline.timeline import simulate
 from minipar.planning.estimate import bytes_sent, peak_bytes
-from minipar.planning.planner import Cluster, layouts, plan, step_time
+from minipar.planning.planner import Cluster, layouts, plan, report, step_time
 from minipar.run.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +92,15 @@ def test_the_clock_is_the_stated_arithmetic():
     assert sent["tp/all_gather"] == sent["tp/reduce_scatter"] == m * (2 * 16 * (stream + product) + stream) // 2
     assert t["tp"] == pytest.approx(sum(v for k, v in sent.items() if k.startswith("tp/")) / 450e9)
     assert t["total"] == pytest.approx(sum(v for k, v in t.items() if k != "total"))
+
+
+def test_train_py_plan_predicts_the_exposed_communication_in_the_words_of_the_training_log():
+    cfg = TrainConfig(model="8b", dp=4, tp=2, pp=2, sp=True, seq_len=4096, global_batch=64, micro_batch=1,
+                      dtype="bfloat16")
+    t = step_time(get_config("8b"), cfg, Cluster(16))  # H100s, 8 to a node: the planner's defaults
+    expected = exposed_line({"dp": t["dp"], "tp": t["tp"], "pp": t["bubble"]}, t["total"])
+    assert report(cfg).splitlines()[-1] == f"predicted on 16 H100s (the planner's clock, MFU 45%): {expected}"
+    assert expected.startswith("comm exposed ") and ": dp " in expected and ", pp " in expected  # no cp: cp is 1
 
 
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1", 1), ("zbv", 1)])

@@ -1,6 +1,7 @@
 """What a run logs: wandb gets every figure the JSON log has, a resumed run continues the same
-wandb run (with wandb itself, offline), and peak memory on the CPU is the run's own rise, not an
-earlier peak of the process (the tokenizer's)."""
+wandb run (with wandb itself, offline), peak memory on the CPU is the run's own rise, not an
+earlier peak of the process (the tokenizer's), and every log line says the step's exposed
+communication."""
 
 import json
 import os
@@ -64,7 +65,7 @@ def test_wandb_gets_every_figure_of_the_json_log_and_a_resumed_run_keeps_its_id(
         expected = {name: value for name, value in leaves(record) if value is not None}
         assert figures == expected
         assert {"loss", "mfu", "bytes_sent", "sent_by_group/dp", "held_bytes/params", "held_bytes/optimizer",
-                "peak_memory/0", "comm/dp/all_reduce/sent", "tokens_per_s"} <= figures.keys()
+                "peak_memory/0", "comm/dp/all_reduce/sent", "tokens_per_s", "comm_exposed_share"} <= figures.keys()
         assert figures["mfu"] > 0
 
 
@@ -91,3 +92,15 @@ def test_cpu_peak_memory_is_the_rise_after_the_baseline_not_an_earlier_peak():
     rise = peak_memory_bytes(cpu) - base
     assert 36 * 2**20 <= rise < 60 * 2**20, rise / 2**20  # a page or two of the baseline may be let go
     del run_tensors
+
+
+def test_every_log_line_says_the_exposed_communication_after_the_bytes_sent():
+    record = {"step": 3, "loss": 5.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0, "mfu": None,
+              "peak_memory": [2**20], "bubble": None, "bytes_sent": 3 * 2**20, "expert_load": [[3, 5]],
+              "sent_by_group": {"dp": 2**20, "tp": 2**21}, "comm_exposed_s": {"dp": 0.013, "tp": 0.025},
+              "step_time_s": 0.12}
+    line = run_log.log_line(record, 10)
+    assert line.endswith("| sent 3.00 MiB/step (dp 1.00, tp 2.00 MiB) | comm exposed 38 ms of 120 ms (32%): dp 13 ms, "
+                         "tp 25 ms | experts [3, 5] (max/mean 1.25)"), line
+    alone = run_log.log_line({**record, "comm_exposed_s": {}, "sent_by_group": {}, "expert_load": []}, 10)
+    assert alone.endswith("| comm exposed 0 ms of 120 ms (0%)"), alone  # one rank: nothing to wait on, and it says so

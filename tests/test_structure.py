@@ -51,8 +51,11 @@ LIBRARY = sorted((ROOT / "minipar").rglob("*.py"))
 # the layout's flag and refusal, the estimator's bytes kept and replayed, the planner's third mode and its FLOPs.
 # Issue 30's pipeline replay (+13): a measured timeline's costs per stage, and simulate taking them.
 # Issue 30's roofline section (+1): Cluster's HBM bandwidth, the memory roof's ridge (scripts/step_08c_roofline.py).
+# Issue 30's exposed communication (+138): comm_clock.py's clock of the time each rank waits in blocking calls and
+# handles' wait() (host time on gloo, CUDA events on NCCL), every torch.distributed call through Group._call, the
+# log line's, JSON's and wandb's per-kind figure, and --plan's prediction in the same words.
 LINE_BUDGET = (4000 + 400 + 500 + 500 + 400 + 500 + 300 + 150 + 100 + 300 + 350 + 100 + 300 + 200 + 330 + 90 + 210
-               + 74 + 105 + 30 + 13 + 1)
+               + 74 + 105 + 30 + 13 + 1 + 138)
 
 
 def test_the_library_stays_within_its_line_budget_and_400_lines_per_file():
@@ -151,7 +154,7 @@ def test_no_module_of_the_package_imports_itself_through_others():
 # the collectives, the mesh and the parameters' placement (1). A folder's modules share its chapter.
 CHAPTERS = {
     0: ("minipar", "minipar.model"),
-    1: ("minipar.collectives", "minipar.autograd_ops", "minipar.placement", "minipar.mesh",
+    1: ("minipar.collectives", "minipar.comm_clock", "minipar.autograd_ops", "minipar.placement", "minipar.mesh",
         "minipar.order_check"),
     2: ("minipar.data_parallel",),
     3: ("minipar.precision", "minipar.zero", "minipar.zero3", "minipar.quantize", "minipar.zeropp"),

@@ -42,6 +42,7 @@ from itertools import islice
 
 import torch
 
+from minipar.comm_clock import exposed_line
 from minipar.model import ModelConfig, get_config
 from minipar.pipeline.schedules import build as build_schedule
 from minipar.pipeline.timeline import simulate
@@ -247,4 +248,16 @@ def report(cfg: Layout) -> str:
     lines.append(step)
     lines.append("bytes pp rank 0 sends per step: " + ", ".join(f"{k} {v / 2**20:,.1f} MiB"
                                                                 for k, v in bytes_sent(c, cfg).items()))
-    return "\n".join(lines)
+    return "\n".join([*lines, predicted_exposed(c, cfg)])
+
+
+def predicted_exposed(c: ModelConfig, cfg: Layout) -> str:
+    """The clock's step on H100s (Cluster's defaults) in the words of the training log's line: the
+    time spent in the communication it does not hide (dp's beyond backward) and, for pp, the bubble
+    (a stage waits out its neighbours in a receive, so the log counts it as pp's wait)."""
+    gpus = cfg.dp * cfg.tp * cfg.pp * cfg.cp
+    t = step_time(c, cfg, Cluster(gpus))
+    kinds = {"dp": cfg.dp * cfg.cp, "tp": cfg.tp, "cp": cfg.cp, "pp": cfg.pp}
+    exposed = {k: t["bubble" if k == "pp" else k] for k, degree in kinds.items() if degree > 1}
+    return (f"predicted on {gpus} H100s (the planner's clock, MFU {Cluster.mfu:.0%}): "
+            f"{exposed_line(exposed, t['total'])}" + (" (ep's all-to-all not predicted)" if cfg.ep > 1 else ""))

@@ -8,6 +8,10 @@ object (`--log-json`) and to wandb, flattened (`comm/dp/all_reduce/sent`, `peak_
 gets every figure the JSON has. wandb is offline unless the user has logged in; its run id is kept
 in --out, so a resumed run (same --out) continues the same wandb run.
 
+Exposed communication (comm_clock.py): the time rank 0 waited in the model's collectives during
+the step, by kind (dp, tp, cp, pp, ep), and its share of the step; the metrics' own gather is not
+counted. Every rank has its own figure; the log shows rank 0's.
+
 Peak memory is the GPU's peak allocation; on the CPU, the rise of the process's peak resident set
 over its size once the data is ready (Linux resets the peak there: the tokenizer's is not the run's).
 """
@@ -29,6 +33,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from minipar.collectives import Group, Ledger, all_gather
+from minipar.comm_clock import WaitClock, exposed_line
 from minipar.mesh import Mesh
 from minipar.run.config import TrainConfig
 from minipar.run.step import take_expert_load
@@ -48,6 +53,7 @@ class RunLog:
         # Per-step metrics travel over their own group with its own ledger, so the model's ledger
         # shows only the traffic of training itself.
         self.group = Group("log", dist.group.WORLD, list(range(self.world)), Ledger())
+        self.clock = mesh.ledger.clock = WaitClock(cuda=device.type == "cuda")  # the model's waits, each step
         self.losses: list[float] = []
         self.wandb: Any = None  # rank 0's wandb run, JSON log file and progress bar, from start()
         self.file: Any = None
@@ -83,6 +89,7 @@ class RunLog:
     def tick(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+        self.clock.reset()
         self.t0 = time.perf_counter()
 
     def step(self, step: int, loss: float, grad_norm: float, lr: float, wrapper, pipeline) -> bool:
@@ -121,6 +128,7 @@ class RunLog:
         metrics = all_gather(torch.tensor(mine, dtype=torch.float64, device=self.device), self.group)
         metrics = metrics.view(self.world, 5).cpu()
         self.stop = bool(metrics[:, 4].max())  # a rank heard Ctrl-C: every rank read the same, and stops
+        exposed = self.clock.by_kind()  # this rank's waits in the model's communication (CUDA: after step()'s sync)
         return {
             "step": step + 1, "grad_norm": grad_norm, "lr": lr,
             "loss": (metrics[:, 0] * metrics[:, 2]).sum().item() / metrics[:, 2].sum().item(),
@@ -128,6 +136,7 @@ class RunLog:
             "mfu": self.flops_per_step / dt / (self.world * self.peak) if self.peak else None,
             "bytes_sent": self.mesh.ledger.total_sent(), "sent_by_group": sent_by_group(self.mesh.ledger),
             "comm": self.mesh.ledger.snapshot(),
+            "comm_exposed_s": exposed, "comm_exposed_share": sum(exposed.values()) / dt,
             "peak_memory": [int(m) for m in metrics[:, 1].tolist()],
             "bubble": metrics[:, 3].mean().item() if pipeline else None,  # measured: mean time spent waiting
             "held_bytes": wrapper.held_bytes(),  # this rank's, measured on its tensors
@@ -160,7 +169,8 @@ def log_line(r: dict, steps: int) -> str:
     bubble = f"bubble {r['bubble']:.0%} | " if r["bubble"] is not None else ""
     return (f"step {r['step']:>5}/{steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.3f} | "
             f"{r['tokens_per_s']:,.0f} tok/s | mfu {mfu} | peak mem {max(r['peak_memory']) / 2**20:,.0f} MiB | "
-            f"{bubble}sent {r['bytes_sent'] / 2**20:.2f} MiB/step{per_group_sent(r)}{expert_load(r)}")
+            f"{bubble}sent {r['bytes_sent'] / 2**20:.2f} MiB/step{per_group_sent(r)} | "
+            f"{exposed_line(r['comm_exposed_s'], r['step_time_s'])}{expert_load(r)}")
 
 
 def expert_load(r: dict) -> str:

@@ -2,6 +2,7 @@
 
     the model on CUDA equals the model on CPU (float64 tight, float32 to rounding)
     every collective over NCCL gives the local result and the ledger's bytes (1 GPU: a world of 1)
+    the clock of exposed communication reads the stream's wait from CUDA events, not the host's
     DP and ZeRO 1/2/3 (and TP on 2+ GPUs) over NCCL equal one CUDA device in float64
     several processes on one GPU: tried, and the report says whether NCCL allows it
     train.py in bfloat16 autocast follows the float32 losses over 50 steps
@@ -16,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -98,6 +100,21 @@ def test_collectives_over_nccl(world, report):
     ledgers = run_ranks(world, _collectives, backend="nccl", timeout=120)
     report(f"NCCL collectives on {world} GPU(s): equal to the local computation; rank 0 sent "
            f"{sum(e['sent'] for e in ledgers[0].values())} bytes as the ledger counts")
+
+
+def test_the_wait_clock_reads_the_streams_wait_and_the_host_waits_for_nothing(report):
+    """comm_clock on CUDA: a call that only queues GPU work (as NCCL's do) returns at once, and its
+    span is the time the stream spent in it, read from events after a synchronize."""
+    from minipar.comm_clock import WaitClock
+
+    clock, began = WaitClock(cuda=True), time.perf_counter()
+    clock.run("tp", torch.cuda._sleep, 100_000_000)  # queued: about 0.05 s of the GPU's cycles
+    host = time.perf_counter() - began
+    torch.cuda.synchronize()  # what the training log's step() already does before it reads the clock
+    stream = clock.seconds()["tp"]
+    assert stream > 0.005 and stream > 5 * host, (stream, host)
+    report(f"wait clock on CUDA: a queued 1e8-cycle sleep timed at {stream * 1e3:.1f} ms on the stream, "
+           f"{host * 1e6:.0f} µs on the host")
 
 
 def test_several_processes_on_one_gpu(report):

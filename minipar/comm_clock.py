@@ -1,0 +1,111 @@
+"""How long a rank waits on its messages: the exposed communication of a step.
+
+Chapter 1 of the course, after the ledger. The ledger says how many bytes a step sends, not what
+they cost: a message costs the step only while the rank waits for it. An all-reduce posted with
+async_op=True while backward goes on (data_parallel.py's buckets) travels while the rank computes,
+hidden; what is left of it when the rank calls the handle's wait() is exposed, and so is a blocking
+collective, whole. A step's exposed communication is its time inside blocking calls and inside
+handles' wait(). A wait is for the wire and for a slower peer alike: a rank that reaches an
+all-reduce first waits there for the others, and a pipeline stage waits out the bubble (chapter 6)
+in a receive.
+
+Every torch.distributed call of collectives.py goes through `Group._call`, which hands it to the
+ledger's clock when one is set (run/run_log.py sets one for training). The clock times the call
+and wraps the work handles it returns, so that their wait() is timed too. How it times:
+
+  - gloo (CPU): a blocking call returns once its work is done, and wait() once the handle's is;
+    the host's time inside them is the wait (time.perf_counter).
+  - NCCL (GPU): a call returns as soon as its kernel is queued, and wait() only makes the current
+    stream wait for it; the host waits for nothing. What the step loses is the time the current
+    (compute) stream stands still, so the clock records a CUDA event on it before and after each
+    call and wait(), and reads the events' elapsed time at the log line, after the step's own
+    synchronize (run_log.py): no host wait is added. (Only tests/gpu can check it.)
+
+The figure is kept per group and summed per kind of parallelism (`KINDS`): tp, cp, ep, pp (its
+two channels) and dp (every group that averages gradients: dp, dp_cp, edp, ZeRO++'s dp_intra and
+dp_cross). The run's own gather of per-step metrics travels over a group whose ledger has no
+clock: it is not the model's communication, and is not counted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+KINDS = {"dp": "dp", "dp_cp": "dp", "edp": "dp", "dp_intra": "dp", "dp_cross": "dp", "tp": "tp", "cp": "cp",
+         "pp": "pp", "pp_grad": "pp", "ep": "ep"}
+ORDER = ("dp", "tp", "cp", "pp", "ep")  # the log's order; a group of another name follows, as itself
+
+
+class WaitClock:
+    """The time this rank has waited in communication since `reset`, per group name."""
+
+    def __init__(self, cuda: bool = False):
+        self.cuda = cuda
+        self.spans: list[tuple[str, Any, Any]] = []  # (group, start, end): perf_counter seconds, or CUDA events
+
+    def reset(self) -> None:
+        self.spans.clear()
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()  # on the current stream: it fires when the stream gets there
+        return event
+
+    def waited(self, group: str, call: Callable, /, *args, **kwargs):
+        """call(*args, **kwargs), its time kept as a wait of `group`."""
+        start = self._now()
+        result = call(*args, **kwargs)
+        self.spans.append((group, start, self._now()))
+        return result
+
+    def run(self, group: str, call: Callable, /, *args, **kwargs):
+        """A torch.distributed call, timed; the work handle(s) it returns, if any, wrapped so that
+        their wait() is timed as well."""
+        result = self.waited(group, call, *args, **kwargs)
+        if result is None:  # a blocking call
+            return None
+        return [Timed(self, group, w) for w in result] if isinstance(result, list) else Timed(self, group, result)
+
+    def seconds(self) -> dict[str, float]:
+        """Seconds waited per group. On CUDA, read it once the stream has passed the events."""
+        waited: dict[str, float] = defaultdict(float)
+        for group, start, end in self.spans:
+            waited[group] += start.elapsed_time(end) / 1e3 if self.cuda else end - start
+        return dict(waited)
+
+    def by_kind(self) -> dict[str, float]:
+        """Seconds waited per kind of parallelism, in the log's order: every kind that had a message."""
+        waited: dict[str, float] = defaultdict(float)
+        for group, seconds in self.seconds().items():
+            waited[KINDS.get(group, group)] += seconds
+        return {k: waited[k] for k in sorted(waited, key=lambda k: (ORDER.index(k) if k in ORDER else len(ORDER), k))}
+
+
+class Timed:
+    """A work handle whose wait() the clock times; anything else is the handle's own."""
+
+    def __init__(self, clock: WaitClock, group: str, work):
+        self.clock, self.group, self.work = clock, group, work
+
+    def wait(self, *args, **kwargs):
+        return self.clock.waited(self.group, self.work.wait, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.work, name)
+
+
+def exposed_line(by_kind: dict[str, float], step: float) -> str:
+    """'comm exposed 38 ms of 120 ms (32%): dp 13 ms, tp 25 ms': the seconds waited, per kind, in a
+    step of `step` seconds (a training log line, and train.py --plan's prediction beside it)."""
+    def ms(seconds: float) -> str:  # 1,234 ms, 38 ms, 3.4 ms, 0.052 ms
+        return f"{seconds * 1e3:,.0f} ms" if seconds >= 0.01 else f"{seconds * 1e3:.2g} ms"
+    total = sum(by_kind.values())
+    kinds = ", ".join(f"{k} {ms(s)}" for k, s in by_kind.items())
+    return f"comm exposed {ms(total)} of {ms(step)} ({total / step:.0%})" + (f": {kinds}" if kinds else "")
