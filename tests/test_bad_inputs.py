@@ -267,6 +267,9 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     (["--steps=0"], 1, "--steps 0: give 1 or more"),
     (["--max-bad-steps=0"], 1, "--max-bad-steps 0:"),
     (["--virtual-stages=2"], 1, "--virtual-stages 2: give 1, or more with --pp > 1"),
+    (["--pp=2", "--micro-batch=2", "--pp-layers=2,1"], 2, "--pp-layers 2,1: give 2 counts of 1 or more, one per "
+     "pipeline stage (--pp x chunks per rank), adding up to the model's 2 layers"),
+    (["--pp=2", "--micro-batch=2", "--pp-layers=one,1"], 2, "--pp-layers one,1: give whole numbers separated by commas"),
     (["--pp=2", "--virtual-stages=0", "--micro-batch=2"], 2, "--virtual-stages 0:"),
     # flags argparse cannot read
     (["--dtype=bad"], 1, "argument --dtype: invalid choice: 'bad'"),
@@ -303,6 +306,7 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     (["--aux-loss-coef=0.05"], 1, "--aux-loss-coef 0.05 acts only with a model with experts"),
     (["--capacity-factor=1.25"], 1, "--capacity-factor 1.25 acts only with a model with experts"),
     (["--zero=3", "--zeropp=qwz"], 1, "--zeropp qwz acts only with --dp 2 or more"),
+    (["--pp-layers=1,1"], 1, "--pp-layers 1,1 acts only with --pp 2 or more"),
     # places the run cannot write
     (["--out="], 1, "--out is empty"),
     (["--out={t}/a_file"], 1, "a_file is a file: give a folder"),

@@ -90,6 +90,7 @@ LAYOUTS = [
     (4, dict(model="tiny-moe", dp=4, ep=2, zero=1)),
     (2, dict(model="tiny-moe", dp=2, ep=2)),
     (2, dict(dp=2, zero=3, recompute=True)),
+    (2, dict(pp=2, n_layers=3, pp_layers="2,1")),  # --pp-layers: stages of their own sizes
 ]
 
 
@@ -99,7 +100,7 @@ def _measure(rank, world, layout):
 
     cfg = TrainConfig(**{"model": "tiny", "seq_len": 16, "global_batch": 4, "micro_batch": 2, "dtype": "float64",
                          "bucket_mb": 0.01, **layout})
-    model_cfg = get_config(cfg.model, vocab_size=250)  # 250: a vocabulary tp must pad
+    model_cfg = get_config(cfg.model, vocab_size=250, n_layers=cfg.n_layers or 2)  # 250: a vocabulary tp must pad
     with Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp) as mesh:
         if cfg.ep > 1:
             mesh.unflatten(("dp", "cp"), edp=cfg.dp * cfg.cp // cfg.ep, ep=cfg.ep)

@@ -33,11 +33,16 @@ def test_stage_layers_are_balanced_contiguous_and_refuse_too_many_stages():
     assert stage_layers(7, 3) == [[0, 1, 2], [3, 4], [5, 6]]  # the extra layer goes to the front
     with pytest.raises(ValueError, match="9 pipeline stages .* the model has 8 layers"):
         stage_layers(8, 9)
+    assert stage_layers(8, 2, (5, 3)) == [[0, 1, 2, 3, 4], [5, 6, 7]]  # --pp-layers 5,3
+    for wrong in ((4, 3), (8, 0), (2, 3, 3)):  # not adding up, an empty stage, a count too many
+        with pytest.raises(ValueError, match=f"--pp-layers {','.join(map(str, wrong))}: give 2 counts of 1 or more"):
+            stage_layers(8, 2, wrong)
 
 
-def _one_step(rank, world, schedule, m, v):
+def _one_step(rank, world, schedule, m, v, counts=None):
     with Mesh.build(pp=world) as mesh:
-        pipeline = Pipeline(mesh.groups().pp, schedule, CFG.n_layers, v, grad_group=mesh.group("pp", channel="grad"))
+        pipeline = Pipeline(mesh.groups().pp, schedule, CFG.n_layers, v, grad_group=mesh.group("pp", channel="grad"),
+                            layer_counts=counts)
         model = stage_model(pipeline)
         x, y = batch()
         loss = pipeline.run(model, list(zip(x.chunk(m), y.chunk(m))), y.numel())  # the batch's mean
@@ -71,6 +76,17 @@ def test_every_schedule_gives_single_device_loss_and_gradients(pp, schedule, m, 
         assert not grads.keys() & r["grads"].keys()  # each parameter lives on exactly one stage
         grads.update(r["grads"])
     assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, **TIGHT, msg=name)
+
+
+def test_stages_of_their_own_sizes_give_the_single_device_loss_and_gradients():
+    ref_loss, ref_grads = reference()
+    out = run_ranks(2, _one_step, "1f1b", 4, 1, (6, 2))  # --pp-layers 6,2: the head's stage holds 2 layers
+    assert [r["loss"] for r in out][1] == pytest.approx(ref_loss, rel=1e-12)
+    assert sorted(n for n in out[1]["grads"] if n.startswith("layers.")) == sorted(
+        n for n in ref_grads if n.startswith(("layers.6.", "layers.7.")))
+    grads = {n: g for r in out for n, g in r["grads"].items()}
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, **TIGHT, msg=name)
 

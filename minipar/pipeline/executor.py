@@ -9,7 +9,9 @@ Chapter 6 of the course, second half (the schedules themselves are in schedules.
 Stages. `stage_layers` cuts n_layers into n_stages contiguous blocks (n_stages = pp x virtual
 stages): each gets n_layers // n_stages layers, and the first n_layers % n_stages stages one more.
 The extra layers go to the front because the last stage also carries the LM head and the loss,
-the costliest part of a small model, while the first stage's embedding is only a lookup. Each rank
+the costliest part of a small model, while the first stage's embedding is only a lookup; where the
+head weighs more than a layer, `--pp-layers 3,1` gives each stage its own count (chapter 6 measures
+the stages' costs). Each rank
 keeps only the parameters of its own stages: parallelize.py deletes the other layers, and the
 embedding or the head where another stage holds them (`my_layers`, `holds_first`, `holds_last`);
 `Llama.forward_stage` runs any contiguous part of the model.
@@ -56,21 +58,24 @@ from minipar.pipeline.schedules import Action, Message, build, messages_of, plac
 from minipar.pipeline.timeline import Timeline
 
 
-def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
-    """Contiguous, balanced blocks of layer ids, one per (virtual) stage."""
+def stage_layers(n_layers: int, n_stages: int, counts: tuple[int, ...] | None = None) -> list[list[int]]:
+    """Contiguous blocks of layer ids, one per (virtual) stage: balanced, or `counts` layers each (--pp-layers)."""
+    if counts is not None and (len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 1):
+        raise ValueError(f"--pp-layers {','.join(map(str, counts))}: give {n_stages} counts of 1 or more, one per "
+                         f"pipeline stage (--pp x chunks per rank), adding up to the model's {n_layers} layers")
     if n_stages > n_layers:
         raise ValueError(f"{n_stages} pipeline stages (--pp x chunks per rank) but the model has {n_layers} "
                          "layers: every stage needs at least one layer")
     base, extra = divmod(n_layers, n_stages)
-    sizes = [base + (1 if k < extra else 0) for k in range(n_stages)]
+    sizes = list(counts or [base + (1 if k < extra else 0) for k in range(n_stages)])
     starts = [sum(sizes[:k]) for k in range(n_stages)]
     return [list(range(start, start + size)) for start, size in zip(starts, sizes)]
 
 
-def check_pipeline(schedule: str, pp: int, m: int, virtual: int, n_layers: int) -> None:
+def check_pipeline(schedule: str, pp: int, m: int, virtual: int, n_layers: int, counts: tuple | None = None) -> None:
     """ValueError, one line (ScheduleError: the schedule's), unless pp ranks run m micro-batches, a layer a stage."""
     if pp > 1:
-        stage_layers(n_layers, len(placement(schedule, pp, virtual)))  # zbv: two stages a rank
+        stage_layers(n_layers, len(placement(schedule, pp, virtual)), counts)  # zbv: two stages a rank
         build(schedule, pp, m, virtual)
 
 
@@ -84,6 +89,7 @@ class Pipeline:
     virtual: int = 1
     grad_group: Group | None = None  # the same ranks, a second channel for gradients (see above)
     seq_shards: int = 1  # tp under sequence parallelism: stages pass on [b, s/tp, d]
+    layer_counts: tuple[int, ...] | None = None  # layers per stage (--pp-layers); None: balanced
     timeline: Timeline | None = None  # the last run's measured actions on this rank
     bubble: float = 0.0  # and the fraction of that run this rank spent waiting for its neighbours
 
@@ -106,7 +112,7 @@ class Pipeline:
         return [k for k, r in enumerate(self.placement) if r == self.group.rank]
 
     def layers_of(self, stage: int) -> list[int]:
-        return stage_layers(self.n_layers, self.n_stages)[stage]
+        return stage_layers(self.n_layers, self.n_stages, self.layer_counts)[stage]
 
     def my_layers(self) -> list[int]:
         return [i for k in self.my_stages for i in self.layers_of(k)]

@@ -63,7 +63,8 @@ def rank_model(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> Llama:
     Every tp (and ep) rank holds pieces of the same shapes, so their index does not matter."""
     layers, first, last = list(range(model_cfg.n_layers)), True, True
     if cfg.pp > 1:
-        pipeline = Pipeline(paper_group("pp", cfg.pp, pp_rank), cfg.schedule, model_cfg.n_layers, cfg.virtual_stages)
+        pipeline = Pipeline(paper_group("pp", cfg.pp, pp_rank), cfg.schedule, model_cfg.n_layers, cfg.virtual_stages,
+                            layer_counts=cfg.stage_counts)
         layers, first, last = pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last()
     if not model_cfg.n_experts:  # dense layers are all alike: build only as many as the rank holds
         model_cfg, layers = replace(model_cfg, n_layers=len(layers)), list(range(len(layers)))
@@ -356,12 +357,14 @@ def activation_bytes(c: ModelConfig, cfg: Layout, pp_rank: int = 0, worst: bool 
                       - kept * moe) if moe else 0) + (weight_casts(c, plain) - weight_casts(c, cfg)) * kept
     casts = weight_casts(c, cfg) * (1 if cfg.recompute else len(rank_model(c, cfg, pp_rank).layers))
     first_moe = c.dense_layers if c.n_experts else c.n_layers
-    states = _alive(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages, c.n_layers, first_moe, pp_rank)
+    states = _alive(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages, c.n_layers, first_moe, pp_rank,
+                    cfg.stage_counts)
     return max(d * dense + e * moe + h * head for d, e, h in states) + rebuilt + casts
 
 
 @lru_cache(maxsize=1024)
-def _alive(schedule: str, pp: int, m: int, virtual: int, n_layers: int, first_moe: int, pp_rank: int) -> frozenset:
+def _alive(schedule: str, pp: int, m: int, virtual: int, n_layers: int, first_moe: int, pp_rank: int,
+           counts: tuple | None = None) -> frozenset:
     """Every (dense layers, MoE layers, heads) whose activations pp rank `pp_rank` holds at once
     during the schedule: a stage's live from its F until its B (or W, when the backward is split).
     Without a pipeline: one micro-batch's, the whole model."""
@@ -371,7 +374,7 @@ def _alive(schedule: str, pp: int, m: int, virtual: int, n_layers: int, first_mo
     actions = plan.actions[pp_rank]
     split, last = any(a.kind == "W" for a in actions), plan.n_stages - 1
     sizes = [(sum(i < first_moe for i in ls), sum(i >= first_moe for i in ls))
-             for ls in stage_layers(n_layers, plan.n_stages)]
+             for ls in stage_layers(n_layers, plan.n_stages, counts)]
     dense, moe, heads, states = 0, 0, 0, {(0, 0, 0)}
     for a in actions:
         sign = 1 if a.kind == "F" else -1 if a.kind == ("W" if split else "B") else 0

@@ -39,6 +39,7 @@ class Layout:
     tp_overlap: bool = False  # tp regions send f's backward message while computing weight gradients
     schedule: str = "1f1b"  # pipeline schedule, used when pp > 1
     virtual_stages: int = 1
+    pp_layers: str | None = None  # layers per pipeline stage, "3,1" (--pp-layers); None: balanced
     cp_attention: str = "ring"  # ring (K/V blocks round the cp ring) or ulysses (all-to-all to whole heads)
     zero: int = 0  # ZeRO stage over the dp group: 0 (plain data parallelism), 1, 2, 3
     zeropp: str | None = None  # ZeRO++ on ZeRO-3: any of qwz,hpz,qgz (zeropp.py)
@@ -74,6 +75,17 @@ class Layout:
         """Micro-batches per optimizer step on each rank (gradient accumulation)."""
         return self.global_batch // (self.dp * self.micro_batch)
 
+    @property
+    def stage_counts(self) -> tuple[int, ...] | None:
+        """--pp-layers as numbers: the layers of each pipeline stage, or None (balanced)."""
+        if self.pp_layers is None:
+            return None
+        try:
+            return tuple(int(n) for n in self.pp_layers.split(","))
+        except ValueError:
+            raise ValueError(f"--pp-layers {self.pp_layers}: give whole numbers separated by commas, "
+                             "one per pipeline stage, e.g. 3,1") from None
+
     def model_config(self) -> ModelConfig:
         """--model's preset with every model setting this config gives (not None) in its place."""
         return config_from(asdict(self))
@@ -91,7 +103,7 @@ class Layout:
                                  f"--micro-batch {self.micro_batch}: every rank must run whole micro-batches")
             check_cp_layout(self.seq_len, self.cp, self.cp_attention, m.n_heads, m.n_kv_heads, self.tp)
             check_expert_layout(m.n_experts, self.ep, self.dp * self.cp)
-            check_pipeline(self.schedule, self.pp, self.accum_steps, self.virtual_stages, m.n_layers)
+            check_pipeline(self.schedule, self.pp, self.accum_steps, self.virtual_stages, m.n_layers, self.stage_counts)
             check_parallelize(m.tie_embeddings, self.pp > 1, self.recompute, self.recompute_mlp)
             zeropp = parse_zeropp(self.zeropp) if self.zeropp is not None else ()
             check_zero(self.zero, self.offload, zeropp, self.pp)

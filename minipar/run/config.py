@@ -188,7 +188,8 @@ def parse_args(argv=None) -> TrainConfig:
         cfg.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     cfg.validate(world)
     moe = cfg.model_config().n_experts > 0
-    acting = {"tp_overlap": cfg.tp > 1, "cp_attention": cfg.cp > 1, "schedule": cfg.pp > 1, "zeropp": cfg.dp > 1,
+    acting = {"tp_overlap": cfg.tp > 1, "cp_attention": cfg.cp > 1, "schedule": cfg.pp > 1, "pp_layers": cfg.pp > 1,
+              "zeropp": cfg.dp > 1,
               "aux_loss_coef": moe, "capacity_factor": moe}
     idle = sorted(k for k in named if not acting[k])
     if idle:

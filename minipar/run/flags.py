@@ -24,7 +24,7 @@ BPE_VOCAB = 4096  # the BPE's default size, when the model's vocabulary is large
 # Settings that act only with another (the help gives their defaults): set without it, to anything
 # but the default, they would change nothing, and are refused, as --sp without --tp is.
 ACTS_WITH = {"tp_overlap": "--tp 2 or more", "cp_attention": "--cp 2 or more", "schedule": "--pp 2 or more",
-             "zeropp": "--dp 2 or more", "aux_loss_coef": "a model with experts",
+             "pp_layers": "--pp 2 or more", "zeropp": "--dp 2 or more", "aux_loss_coef": "a model with experts",
              "capacity_factor": "a model with experts"}
 
 
@@ -96,6 +96,8 @@ def add_layout_flags(p: argparse.ArgumentParser, d) -> None:
                    "--sp, one more all-gather of the input per region: only its shard is kept)")
     g.add_argument("--schedule", default=d.schedule, choices=SCHEDULES, help=f"pipeline schedule ({d.schedule})")
     g.add_argument("--virtual-stages", type=int, default=1, help="chunks per pipeline rank (interleaved)")
+    g.add_argument("--pp-layers", default=None, help="layers per pipeline stage, e.g. 3,1 (the last stage also "
+                   "carries the LM head and the loss); default: balanced, the extra ones to the first stages"),
     g.add_argument("--ranks-per-node", type=int, help="ranks that share a node (its fast links): the ledger counts "
                    "what crosses between nodes; less than the world simulates several nodes on one machine "
                    "(default: torchrun's LOCAL_WORLD_SIZE, else every rank on one node)")

@@ -108,7 +108,7 @@ def build_model(cfg: TrainConfig, mesh: Mesh, model_cfg, device, param_dtype):
     """The plain model, parallelized for this rank: (model, pipeline or None)."""
     groups, grad_channel = mesh.groups(), mesh.group("pp", channel="grad")
     pipeline = Pipeline(groups.pp, cfg.schedule, model_cfg.n_layers, cfg.virtual_stages, grad_group=grad_channel,
-                        seq_shards=cfg.tp if cfg.sp else 1) if cfg.pp > 1 else None
+                        seq_shards=cfg.tp if cfg.sp else 1, layer_counts=cfg.stage_counts) if cfg.pp > 1 else None
     stage = (pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last()) if pipeline else None
     model = parallelize(Llama(model_cfg, seed=cfg.seed), tp=groups.tp, cp=groups.cp, ep=groups.ep, sp=cfg.sp,
                         stage=stage, recompute=cfg.recompute, cp_attention=cfg.cp_attention, tp_overlap=cfg.tp_overlap,
