@@ -269,7 +269,8 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     (["--virtual-stages=2"], 1, "--virtual-stages 2: give 1, or more with --pp > 1"),
     (["--pp=2", "--micro-batch=2", "--pp-layers=2,1"], 2, "--pp-layers 2,1: give 2 counts of 1 or more, one per "
      "pipeline stage (--pp x chunks per rank), adding up to the model's 2 layers"),
-    (["--pp=2", "--micro-batch=2", "--pp-layers=one,1"], 2, "--pp-layers one,1: give whole numbers separated by commas"),
+    (["--pp=2", "--micro-batch=2", "--pp-layers=one,1"], 2, "--pp-layers one,1: give whole numbers separated by "
+     "commas"),
     (["--pp=2", "--virtual-stages=0", "--micro-batch=2"], 2, "--virtual-stages 0:"),
     # flags argparse cannot read
     (["--dtype=bad"], 1, "argument --dtype: invalid choice: 'bad'"),
