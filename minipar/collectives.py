@@ -92,12 +92,12 @@ class Ledger:
     """Calls and bytes per (group name, op), shared by all groups of one mesh. `trace`: None, or a
     list that receives (communicator, op, peer, bytes) for every operation in posting order
     (communicator: (name, ranks); peer: the other rank's global number for send/recv, else None).
-    `listeners`: functions called with (group, op, its ranks, peer or None) for each operation asked
-    of other ranks; the ledger only counts, whoever needs more listens (run/hang.py's HangWatch)."""
+    `listeners`: functions called with (group, op, its ranks, peer or None, payload bytes) for each
+    operation asked of other ranks; the ledger only counts, whoever needs more listens (run/hang.py)."""
 
     entries: dict[tuple[str, str], Entry] = field(default_factory=lambda: defaultdict(Entry))
     trace: list[tuple] | None = None
-    listeners: list[Callable[[str, str, tuple, int | None], None]] = field(default_factory=list)
+    listeners: list[Callable[[str, str, tuple, int | None, int], None]] = field(default_factory=list)
     clock: WaitClock | None = None  # times how long this rank waits in each group's calls (Group._call)
 
     def record(self, group: str, op: str, nbytes: int, sent: int, cross: int = 0) -> None:
@@ -178,7 +178,7 @@ class Group:
         cross = (sent if self.crosses(to) else 0) if cross is None else cross
         self.ledger.record(self.name, op, nbytes, sent, cross=cross)
         for listen in self.ledger.listeners if self.size > 1 else ():
-            listen(self.name, op, tuple(self.ranks), None if peer is None else self.ranks[peer])
+            listen(self.name, op, tuple(self.ranks), None if peer is None else self.ranks[peer], nbytes)
         if self.ledger.trace is not None and self.size > 1:
             self.ledger.trace.append((self.communicator, op, None if peer is None else self.ranks[peer], nbytes))
 

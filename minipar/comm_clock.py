@@ -25,6 +25,13 @@ The figure is kept per group and summed per kind of parallelism (`KINDS`): tp, c
 two channels) and dp (every group that averages gradients: dp, dp_cp, edp, ZeRO++'s dp_intra and
 dp_cross). The run's own gather of per-step metrics travels over a group whose ledger has no
 clock: it is not the model's communication, and is not counted.
+
+Under a profiler (train.py --profile-steps, run/profiling.py) the clock also names each message in
+the trace: the ledger tells it (`note`, a listener) what is about to be posted, and the call runs
+inside a range 'minipar dp: dp/all_reduce 65536 B' (kind: group/op payload); a posted message's
+range ends ', posted #7' and the range of its handle's wait() ', wait #7', so that a reader of the
+trace sees what travelled hidden (from the post to the wait) and what was exposed (the waits, and
+blocking calls whole).
 """
 
 from __future__ import annotations
@@ -32,13 +39,16 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 KINDS = {"dp": "dp", "dp_cp": "dp", "edp": "dp", "dp_intra": "dp", "dp_cross": "dp", "tp": "tp", "cp": "cp",
          "pp": "pp", "pp_grad": "pp", "ep": "ep"}
 ORDER = ("dp", "tp", "cp", "pp", "ep")  # the log's order; a group of another name follows, as itself
+POSTING = ("isend", "irecv", "batch_isend_irecv")  # torch.distributed's calls that always return handles
 
 
 class WaitClock:
@@ -47,6 +57,8 @@ class WaitClock:
     def __init__(self, cuda: bool = False):
         self.cuda = cuda
         self.spans: list[tuple[str, Any, Any]] = []  # (group, start, end): perf_counter seconds, or CUDA events
+        self.noted: list[str] | None = None  # profiling: the messages the ledger wrote since the last call
+        self.posts = 0  # profiling: posted messages so far, to pair each with its wait in the trace
 
     def reset(self) -> None:
         self.spans.clear()
@@ -65,13 +77,26 @@ class WaitClock:
         self.spans.append((group, start, self._now()))
         return result
 
+    def note(self, group: str, op: str, ranks: tuple, peer: int | None, nbytes: int) -> None:
+        """A ledger listener while profiling: the message (one of a batch) the next call posts."""
+        self.noted.append(f"{group}/{op} {nbytes} B")
+
     def run(self, group: str, call: Callable, /, *args, **kwargs):
         """A torch.distributed call, timed; the work handle(s) it returns, if any, wrapped so that
-        their wait() is timed as well."""
-        result = self.waited(group, call, *args, **kwargs)
+        their wait() is timed as well. Profiling: the call and the wait inside named ranges."""
+        call_range = wait_range = None
+        if self.noted is not None:
+            call_range = f"minipar {KINDS.get(group, group)}: {' + '.join(self.noted)}"
+            self.noted.clear()
+            if kwargs.get("async_op") or getattr(call, "__name__", "") in POSTING:  # a handle's wait() comes later
+                self.posts += 1
+                call_range, wait_range = f"{call_range}, posted #{self.posts}", f"{call_range}, wait #{self.posts}"
+        with named(call_range):
+            result = self.waited(group, call, *args, **kwargs)
         if result is None:  # a blocking call
             return None
-        return [Timed(self, group, w) for w in result] if isinstance(result, list) else Timed(self, group, result)
+        return [Timed(self, group, w, wait_range) for w in result] if isinstance(result, list) else \
+            Timed(self, group, result, wait_range)
 
     def seconds(self) -> dict[str, float]:
         """Seconds waited per group. On CUDA, read it once the stream has passed the events."""
@@ -91,14 +116,20 @@ class WaitClock:
 class Timed:
     """A work handle whose wait() the clock times; anything else is the handle's own."""
 
-    def __init__(self, clock: WaitClock, group: str, work):
-        self.clock, self.group, self.work = clock, group, work
+    def __init__(self, clock: WaitClock, group: str, work, name: str | None = None):
+        self.clock, self.group, self.work, self.name = clock, group, work, name  # name: its wait's range
 
     def wait(self, *args, **kwargs):
-        return self.clock.waited(self.group, self.work.wait, *args, **kwargs)
+        with named(self.name):
+            return self.clock.waited(self.group, self.work.wait, *args, **kwargs)
 
     def __getattr__(self, name: str):
         return getattr(self.work, name)
+
+
+def named(name: str | None):
+    """A range of that name in the profiler's trace (None: no range, nothing done)."""
+    return nullcontext() if name is None else record_function(name)
 
 
 def exposed_line(by_kind: dict[str, float], step: float) -> str:

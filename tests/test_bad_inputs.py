@@ -114,6 +114,7 @@ def t(tmp_path_factory):
     (t / "a_folder").mkdir()
     (t / "a_file").write_text("not a folder")
     (t / "read_only").mkdir(mode=0o500)
+    (t / "traced" / "traces" / "steps_2-3").mkdir(parents=True)  # an --out whose steps 2-3 were profiled
     for name, text in (("unknown_key", "dpp = 2"), ("wrong_type", 'steps = "ten"'), ("bool_for_int", "dp = true"),
                        ("bad_choice", 'model = "huge"'), ("table", "[layout]\ndp = 2"), ("not_toml", "steps = "),
                        ("nested", 'config = "other.toml"'), ("bad_range", "min-lr-ratio = 2"),
@@ -308,6 +309,12 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     (["--capacity-factor=1.25"], 1, "--capacity-factor 1.25 acts only with a model with experts"),
     (["--zero=3", "--zeropp=qwz"], 1, "--zeropp qwz acts only with --dp 2 or more"),
     (["--pp-layers=1,1"], 1, "--pp-layers 1,1 acts only with --pp 2 or more"),
+    # --profile-steps: steps this run takes, traced into a folder of its own
+    (["--profile-steps=2:30"], 1, "--profile-steps 2:30: give steps A <= B from 1 to --steps 20 (a step outside"),
+    ([RUN, "--profile-steps=3:5"], 1, "--profile-steps 3:5: this run resumes after step 4: give steps it runs, "
+     "from 5"),
+    (["--out={t}/traced", "--profile-steps=2:3"], 1, "{t}/traced/traces/steps_2-3 exists (an earlier run's traces) "
+     "and nothing is written over it"),
     # places the run cannot write
     (["--out="], 1, "--out is empty"),
     (["--out={t}/a_file"], 1, "a_file is a file: give a folder"),

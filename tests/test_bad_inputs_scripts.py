@@ -1,6 +1,7 @@
-"""The scripts around training refuse bad input like train.py: convert.py, sample.py, eval.py and
-plan.py each end a bad flag or file with exactly one `minipar: error:` line on stderr, exit code 2
-and no traceback, naming the flag or file; no path they read leaves the folder they were given.
+"""The scripts around training refuse bad input like train.py: convert.py, sample.py, eval.py,
+plan.py and trace_report.py each end a bad flag or file with exactly one `minipar: error:` line on
+stderr, exit code 2 and no traceback, naming the flag or file; no path they read leaves the folder
+they were given.
 
 Each case runs the script's main() in this process (a subprocess costs seconds of torch import);
 one case per script also runs as `python scripts/X.py`, so the exit code and the stream are the
@@ -39,7 +40,7 @@ def script(name: str):
     return module
 
 
-SCRIPTS = {name: script(name) for name in ("convert", "sample", "eval", "plan")}
+SCRIPTS = {name: script(name) for name in ("convert", "sample", "eval", "plan", "trace_report")}
 
 
 def tokenizer_json(path: Path, text: str | None = None) -> None:
@@ -105,6 +106,9 @@ def inputs(t: Path) -> Path:
     (t / "latin1.toml").write_bytes('steps = 3\nmodel = "tiny" # Größe\n'.encode("latin-1"))
     (t / "a_folder").mkdir()
     (t / "broken").symlink_to(t / "nowhere")
+    for name, text in (("cut_trace", '{"traceEvents": [{"ph": "X"'), ("unstepped_trace", '{"traceEvents": []}')):
+        (t / name).mkdir()
+        (t / name / "rank0.pt.trace.json").write_text(text)
     return t
 
 
@@ -154,6 +158,10 @@ CASES = [  # (script, argv, a fragment of the one line)
     ("eval", ["{t}/run", "--data", "{t}/fifo"], "--data {t}/fifo is not a regular file"),
     ("eval", ["{t}/run", "--data", "{t}/broken"], "--data {t}/broken: a broken link"),
     ("eval", ["{t}/climbs", "--data", str(TEXT)], "leads outside {t}/cache"),
+    ("trace_report", ["{t}/missing"], "argument folder: {t}/missing: no such file or directory"),
+    ("trace_report", ["{t}/a_folder"], "{t}/a_folder holds no rank*.pt.trace.json: give a folder train.py"),
+    ("trace_report", ["{t}/cut_trace"], "cut_trace/rank0.pt.trace.json is not a Chrome trace of torch.profiler"),
+    ("trace_report", ["{t}/unstepped_trace"], "has no ProfilerStep# ranges: it is not a trace of train.py"),
 ]
 
 
@@ -174,11 +182,12 @@ def test_a_script_refuses_bad_input_in_one_line_with_exit_2(t, name, argv, fragm
 
 
 def test_each_script_as_a_program_exits_2_with_one_line_and_no_traceback(t):
-    """One case per script through `python scripts/X.py`, all four at once (each imports torch)."""
+    """One case per script through `python scripts/X.py`, all at once (most import torch)."""
     cases = {"plan": (["--gpu-memory", "80"], "has no unit"),
              "convert": (["import", f"{t}/hf_escape", f"{t}/out"], "leads outside"),
              "sample": ([f"{t}/climbs"], "leads outside"),
-             "eval": ([f"{t}/run", "--data", f"{t}/me"], "links back to")}
+             "eval": ([f"{t}/run", "--data", f"{t}/me"], "links back to"),
+             "trace_report": ([f"{t}/fifo"], "is not a folder")}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     running = {name: subprocess.Popen([sys.executable, str(ROOT / "scripts" / f"{name}.py"), *argv], cwd=t, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

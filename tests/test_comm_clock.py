@@ -5,6 +5,7 @@ collectives.py goes through it (a call that did not would be missing from every 
 A real run's waits, group by group against the ledger, are checked in test_ledger.py."""
 
 import ast
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,34 @@ def test_the_line_says_the_exposed_time_its_share_and_each_kind():
     assert exposed_line({"dp": 0.013, "tp": 0.025}, 0.120) == "comm exposed 38 ms of 120 ms (32%): dp 13 ms, tp 25 ms"
     assert exposed_line({"dp": 0.0034}, 2.5) == "comm exposed 3.4 ms of 2,500 ms (0%): dp 3.4 ms"
     assert exposed_line({}, 0.1) == "comm exposed 0 ms of 100 ms (0%)"  # one rank: nothing to wait for
+
+
+def test_under_a_profiler_each_call_and_wait_is_a_range_named_for_its_messages(monkeypatch):
+    ranges = []
+    monkeypatch.setattr(comm_clock, "record_function", lambda name: ranges.append(name) or nullcontext())
+    clock, now = WaitClock(), Clock()
+
+    def batch_isend_irecv():  # torch.distributed's, by name: it always returns handles, waited later
+        return [FakeWork(now, 0.01), FakeWork(now, 0.02)]
+
+    def all_reduce(async_op):
+        return FakeWork(now, 0.1) if async_op else None
+    clock.run("tp", now.sleep, 0.01)
+    clock.run("dp", all_reduce, async_op=True).wait()
+    assert ranges == []  # no profiler: no names, no ranges
+    clock.noted = []  # as profiling.StepProfiler sets it, with clock.note listening to the ledger
+    clock.note("tp", "all_reduce", (0, 1), None, 128)
+    clock.run("tp", now.sleep, 0.01)
+    clock.note("dp_cp", "all_reduce", (0, 1), None, 4096)
+    clock.run("dp_cp", all_reduce, async_op=True).wait()
+    clock.note("cp", "send", (0, 1), 1, 64)
+    clock.note("cp", "recv", (0, 1), 1, 64)
+    [w.wait() for w in clock.run("cp", batch_isend_irecv)]
+    batch = "minipar cp: cp/send 64 B + cp/recv 64 B"  # one call, two messages, two handles
+    assert ranges == ["minipar tp: tp/all_reduce 128 B",  # a blocking call: exposed whole
+                      "minipar dp: dp_cp/all_reduce 4096 B, posted #1", "minipar dp: dp_cp/all_reduce 4096 B, wait #1",
+                      f"{batch}, posted #2", f"{batch}, wait #2", f"{batch}, wait #2"]
+    assert clock.noted == []
 
 
 class FakeEvent:

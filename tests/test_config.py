@@ -1,9 +1,10 @@
 """The configuration: a TOML file (`--config`) gives the config of the equivalent flags and the same
 run bitwise, the command line overrides it; the shape flags override the preset, whose vocabulary
 the model keeps (the BPE fits inside it); the effective config is printed and saved with each
-checkpoint; `--help` states each default once."""
+checkpoint; `--help` states each default once; `--profile-steps` takes steps of the run, A:B."""
 
 import json
+import re
 from dataclasses import asdict, replace
 
 import pytest
@@ -172,3 +173,20 @@ def test_a_checkpoint_from_before_the_shape_flags_resumes_with_its_model_and_bpe
     with pytest.raises(ConfigError, match="--dim 48 differs from the checkpoint's 32"):
         check_resume(parse_args(argv + ["--vocab-size=512", "--dim=48", "--n-heads=6", "--steps=10"]), state,
                      tmp_path)
+
+
+def test_profile_steps_is_in_the_effective_config_and_a_file_gives_it_back(tmp_path):
+    cfg = parse_args(["--steps=3", "--profile-steps=2:3"])
+    assert cfg.profiled() == (2, 3) and 'profile-steps = "2:3"' in effective(cfg)
+    (tmp_path / "run.toml").write_text(as_toml(asdict(cfg)))
+    assert parse_args([f"--config={tmp_path / 'run.toml'}"]).profiled() == (2, 3)
+
+
+@pytest.mark.parametrize("flag, words", [
+    ("5", "give the first and last step to profile as A:B"), ("3:2", "give steps A <= B from 1 to --steps 3"),
+    ("2:4", "a step outside the run would profile nothing"), ("0:1", "from 1 to --steps 3"), ("", "as A:B")])
+def test_profile_steps_the_run_does_not_take_are_refused(flag, words):
+    from minipar.run.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        parse_args(["--steps=3", f"--profile-steps={flag}"])

@@ -86,7 +86,7 @@ def interrupt_at_tick(n, monkeypatch):
     """A SIGINT to this process as step n begins (RunLog.tick), as Ctrl-C would send it."""
     ticks = []
 
-    def tick(self):
+    def tick(self, step):
         ticks.append(1)
         if len(ticks) == n:
             os.kill(os.getpid(), signal.SIGINT)

@@ -146,7 +146,8 @@ def test_train_refuses_an_out_holding_another_runs_checkpoints(made, tmp_path, m
 
 def test_a_runs_own_files_and_its_json_log_do_not_make_its_out_foreign(tmp_path):
     out = tmp_path / "out"
-    for name in ("step_000004", "step_000008.corrupt", "step_000008.corrupt-2", ".tmp-12-step_000012", "wandb"):
+    for name in ("step_000004", "step_000008.corrupt", "step_000008.corrupt-2", ".tmp-12-step_000012", "wandb",
+                 "traces"):
         (out / name).mkdir(parents=True)
     for name in (".lock", "wandb_run_id", "log.jsonl"):
         (out / name).write_text("")

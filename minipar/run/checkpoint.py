@@ -63,7 +63,7 @@ def checkpoints(folder: str | Path) -> list[Path]:
 
 def not_a_runs(out: str | Path) -> list[str]:
     """The names in an --out folder that no run of minipar writes there (sorted)."""
-    own = re.compile(r"step_\d+(\.corrupt(-\d+)?)?|\.tmp-.*|\.lock|wandb|wandb_run_id")
+    own = re.compile(r"step_\d+(\.corrupt(-\d+)?)?|\.tmp-.*|\.lock|wandb|wandb_run_id|traces")
     folder = Path(out).expanduser()
     return sorted(p.name for p in folder.iterdir() if not own.fullmatch(p.name)) if folder.is_dir() else []
 

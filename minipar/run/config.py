@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, fields, replace
 
 from minipar.model import ModelConfig
@@ -73,6 +74,7 @@ class TrainConfig(Layout):
     wandb: bool = True
     log_json: str | None = None
     log_every: int = 10
+    profile_steps: str | None = None  # "A:B": torch.profiler over steps A to B (run/profiling.py)
     allow_config_change: bool = False  # --resume: accept a changed data, batch, seed or learning-rate schedule
     plan: bool = False  # print what each rank will hold (estimate.py) and exit
     config: str | None = None  # the TOML file the settings came from, if any
@@ -130,6 +132,7 @@ class TrainConfig(Layout):
         for name in ("data", "tokenizer", "cache_dir", "out", "resume", "init_from", "log_json", "config"):
             if getattr(self, name) == "":
                 raise ConfigError(f"--{name.replace('_', '-')} is empty: give a path, or leave the flag out")
+        self.profiled()
 
     def validate(self, world_size: int) -> None:
         """Ranges first, then the layout (Layout.validate), what the data can take, where the weights come from."""
@@ -139,6 +142,20 @@ class TrainConfig(Layout):
         self.check_vocab(m)
         if self.init_from and self.resume:
             raise ConfigError("--init-from and --resume: choose one (--resume continues a run, --init-from starts one)")
+
+    def profiled(self) -> tuple[int, int] | None:
+        """--profile-steps A:B as (A, B), both profiled, or None; steps the run does not reach are refused."""
+        if self.profile_steps is None:
+            return None
+        steps = re.fullmatch(r"([0-9]{1,12}):([0-9]{1,12})", self.profile_steps)
+        if steps is None:
+            raise ConfigError(f"--profile-steps {self.profile_steps!r}: give the first and last step to profile "
+                              f"as A:B, e.g. 2:3")
+        first, last = int(steps[1]), int(steps[2])
+        if not 1 <= first <= last <= self.steps:
+            raise ConfigError(f"--profile-steps {self.profile_steps}: give steps A <= B from 1 to --steps "
+                              f"{self.steps} (a step outside the run would profile nothing)")
+        return first, last
 
     def check_vocab(self, m: ModelConfig) -> None:
         """The trained BPE's tokens are rows of the model's embedding: it must fit. (A --tokenizer

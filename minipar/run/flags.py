@@ -149,4 +149,6 @@ def parser(d) -> argparse.ArgumentParser:
     g.add_argument("--wandb", action=switch, default=True, help="log to wandb (offline unless you have logged in)")
     g.add_argument("--log-json", default=None, help="write one JSON object per step to this file (default: none)")
     g.add_argument("--log-every", type=int, default=d.log_every, help="print a log line every N steps")
+    g.add_argument("--profile-steps", default=None, help="A:B: torch.profiler over steps A to B (from 1) on every "
+                   "rank, a Chrome trace per rank in --out/traces/steps_A-B (scripts/trace_report.py reads them)")
     return p

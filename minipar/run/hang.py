@@ -38,7 +38,7 @@ class HangWatch:
         self.posted: dict[str, int] = defaultdict(int)
         ledger.listeners.append(self.heard)
 
-    def heard(self, group: str, op: str, ranks: tuple, peer: int | None) -> None:
+    def heard(self, group: str, op: str, ranks: tuple, peer: int | None, nbytes: int) -> None:
         self.posted[group] += 1
         self.last = (group, op, ranks, peer)
 

@@ -43,6 +43,7 @@ from minipar.run.config import ConfigError, TrainConfig, effective, parse_args
 from minipar.run.data import DataError, find_files, prepare
 from minipar.run.hang import HangWatch, RankTimeout, hang_report, stopped_answering
 from minipar.run.preflight import check_files
+from minipar.run.profiling import trace_folder
 from minipar.run.run_log import RunLog
 from minipar.run.saving import Interrupt, TrainingStopped
 from minipar.run.validation import validation_batches
@@ -126,13 +127,33 @@ def check_paths(cfg: TrainConfig, lock: bool = True) -> Path | None:
             f"({later[0]}{f' ... {later[-1]}' if len(later) > 1 else ''}): continue the newest with --resume "
             f"{cfg.out}, or choose another --out (nothing is overwritten)"
         )
+    profile_note = check_profiled_steps(cfg, start) if cfg.profile_steps else None
     if lock and os.environ.get("RANK", "0") == "0":
         notes = checkpoint.lock(cfg.out)  # first: only the holder of --out moves anything in it
         notes += [set_aside_note(p, why) for p, why in zip(corrupt, skipped) if p in ours]
         notes += [f"skipped {why}" for p, why in zip(corrupt, skipped) if p not in ours]
+        notes += [profile_note] if profile_note else []
         for note in notes:
             print(f"minipar: {note}", flush=True)
     return resume
+
+
+def check_profiled_steps(cfg: TrainConfig, start: int) -> str | None:
+    """--profile-steps must name steps this run takes (a resumed run starts after `start`), and its
+    traces' folder must be new. A restart of --resume auto drops the flag instead and returns the note
+    that says so: the attempt before it profiled those steps, or never reached them (folder new)."""
+    if cfg.profiled()[0] <= start:
+        why = f"this run resumes after step {start}: give steps it runs, from {start + 1}"
+    elif os.path.lexists(trace_folder(cfg)):
+        why = (f"{trace_folder(cfg)} exists (an earlier run's traces) and nothing is written over it: move it "
+               f"away, or give other steps or another --out")
+    else:
+        return None
+    if cfg.resume != "auto":
+        raise ConfigError(f"--profile-steps {cfg.profile_steps}: {why}")
+    note = f"this restart profiles nothing (--profile-steps {cfg.profile_steps}: {why.split(': ')[0]})"
+    cfg.profile_steps = None
+    return note
 
 
 def set_aside_note(folder: Path, why: str) -> str:

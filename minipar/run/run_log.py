@@ -11,6 +11,7 @@ in --out, so a resumed run (same --out) continues the same wandb run.
 Exposed communication (comm_clock.py): the time rank 0 waited in the model's collectives during
 the step, by kind (dp, tp, cp, pp, ep), and its share of the step; the metrics' own gather is not
 counted. Every rank has its own figure; the log shows rank 0's.
+With --profile-steps, `tick` and `step` also begin and end each profiled step's trace (profiling.py).
 
 Peak memory is the GPU's peak allocation; on the CPU, the rise of the process's peak resident set
 over its size once the data is ready (Linux resets the peak there: the tokenizer's is not the run's).
@@ -36,6 +37,7 @@ from minipar.collectives import Group, Ledger, all_gather
 from minipar.comm_clock import WaitClock, exposed_line
 from minipar.mesh import Mesh
 from minipar.run.config import TrainConfig
+from minipar.run.profiling import StepProfiler
 from minipar.run.step import take_expert_load
 
 # Dense bfloat16 peak FLOP/s, for model FLOPs utilisation (MFU) on known GPUs.
@@ -54,6 +56,7 @@ class RunLog:
         # shows only the traffic of training itself.
         self.group = Group("log", dist.group.WORLD, list(range(self.world)), Ledger())
         self.clock = mesh.ledger.clock = WaitClock(cuda=device.type == "cuda")  # the model's waits, each step
+        self.profiler = StepProfiler(cfg, self.clock, mesh.ledger, device) if cfg.profile_steps else None
         self.losses: list[float] = []
         self.wandb: Any = None  # rank 0's wandb run, JSON log file and progress bar, from start()
         self.file: Any = None
@@ -86,9 +89,12 @@ class RunLog:
             self.file = open_json_log(cfg.log_json, start) if cfg.log_json else None
             self.bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
 
-    def tick(self) -> None:
+    def tick(self, step: int) -> None:
+        """Step `step` (from 0) begins: its clocks start (and, with --profile-steps, its trace)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+        if self.profiler:
+            self.profiler.begin(step)
         self.clock.reset()
         self.t0 = time.perf_counter()
 
@@ -96,7 +102,10 @@ class RunLog:
         """Gather, print and publish the step's record. True if any rank heard Ctrl-C: all stop here."""
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        record = self.record(step, loss, grad_norm, lr, time.perf_counter() - self.t0, wrapper, pipeline)
+        dt = time.perf_counter() - self.t0
+        if self.profiler:
+            self.profiler.end(step)
+        record = self.record(step, loss, grad_norm, lr, dt, wrapper, pipeline)
         self.losses.append(record["loss"])
         if not self.is_main:
             return self.stop

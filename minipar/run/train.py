@@ -173,7 +173,7 @@ def train_loop(job: Job, start: int, consumed: int) -> bool:
         rows = data.rank_batch(consumed, cfg.global_batch, mesh.coord("dp"), cfg.dp)
         micro = micro_batches_of(rows, mesh, cfg.micro_batch, job.device)
         mesh.ledger.reset()
-        log.tick()
+        log.tick(step)
         loss, grad_norm = train_step(model, micro, cfg.grad_clip, job.autocast, pipeline)
         consumed += cfg.global_batch
         stop = log.step(step, loss, grad_norm, lr_at(step, cfg), model, pipeline)  # a rank heard Ctrl-C
