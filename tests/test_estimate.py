@@ -279,7 +279,7 @@ def _activations(rank, world, layout, whole_model):
     with Mesh.build(tp=cfg.tp, cp=cfg.cp) as mesh, autocast:
         model = parallelize(Llama(c, 0), tp=mesh.groups().tp, cp=mesh.groups().cp, sp=cfg.sp,
                             recompute=cfg.recompute, cp_attention=cfg.cp_attention,
-                            recompute_mlp=cfg.recompute_mlp).to(dtype)
+                            recompute_mlp=cfg.recompute_mlp, tp_overlap=cfg.tp_overlap).to(dtype)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         tokens = torch.randint(0, 250, (2, 33), generator=torch.Generator().manual_seed(0))
         x, y = (split_sequence(t, mesh.groups().cp) for t in (tokens[:, :-1], tokens[:, 1:]))
@@ -304,6 +304,13 @@ SELECTIVE = dict(recompute_mlp=True)
 ACTIVATION_LAYOUTS += [(1, SELECTIVE), (2, dict(tp=2, **SELECTIVE)), (2, dict(tp=2, sp=True, **SELECTIVE)),
                        (2, dict(cp=2, **SELECTIVE)), (2, dict(tp=2, sp=True, dtype="bfloat16", **SELECTIVE)),
                        (2, dict(tp=2, sp=True, **MIXED, **SELECTIVE))]
+# --tp-overlap: under sp a region keeps its input's shard, not the gathered input (gathered again in backward)
+OVERLAP = dict(tp_overlap=True)
+ACTIVATION_LAYOUTS += [(2, dict(tp=2, **OVERLAP)), (2, dict(tp=2, sp=True, **OVERLAP)),
+                       (2, dict(tp=2, dtype="bfloat16", **OVERLAP)),
+                       (2, dict(tp=2, sp=True, dtype="bfloat16", **OVERLAP)),
+                       (2, dict(tp=2, sp=True, **MIXED, **OVERLAP)), (2, dict(tp=2, sp=True, **SELECTIVE, **OVERLAP)),
+                       (2, dict(tp=2, sp=True, dtype="bfloat16", **SELECTIVE, **OVERLAP))]
 
 
 @pytest.mark.parametrize("world,layout", tiers(ACTIVATION_LAYOUTS, fast=[9, len(ACTIVATION_LAYOUTS) - 4]),
@@ -315,8 +322,11 @@ def test_a_layers_activation_estimate_is_exactly_what_autograd_keeps(world, layo
 
 @pytest.mark.parametrize("world,layout", tiers([(1, dict()), (2, dict(tp=2, sp=True)), (1, dict(recompute=True)),
                                                 (1, dict(dtype="bfloat16")),
-                                                (2, dict(tp=2, sp=True, dtype="bfloat16")), (1, SELECTIVE)], fast=4),
-                         ids=["one", "tp2-sp", "recompute", "bf16", "tp2-sp-bf16", "recompute-mlp"])
+                                                (2, dict(tp=2, sp=True, dtype="bfloat16")), (1, SELECTIVE),
+                                                (2, dict(tp=2, sp=True, **OVERLAP)),
+                                                (2, dict(tp=2, sp=True, dtype="bfloat16", **OVERLAP))], fast=4),
+                         ids=["one", "tp2-sp", "recompute", "bf16", "tp2-sp-bf16", "recompute-mlp", "tp2-sp-overlap",
+                              "tp2-sp-bf16-overlap"])
 def test_the_whole_models_activation_estimate_is_within_one_percent(world, layout):
     for measured, estimated in run_ranks(world, _activations, layout, True):
         assert abs(estimated - measured) <= 0.01 * measured, (estimated, measured)

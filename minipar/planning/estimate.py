@@ -10,10 +10,10 @@ gradient and K = 12 of optimizer state per parameter (zero.model_state_bytes):
 
 minipar's figures follow the same shape, but this module does not re-derive which parameter lands
 where. It builds the rank's part of the model *on paper*: the plain Llama on PyTorch's meta device
-(shapes, no memory), cut by the same `parallelize` that training uses, with groups that have a
-size and a rank but no processes (layout.py's `PaperGroup`): the exact shapes the rank will hold (tp shards
-padded, experts cut over ep, its pipeline stages only), and ZeRO's buckets planned by ZeRO's own
-`bucket_plan`. So the estimate follows the code; tests/test_estimate.py checks it byte for byte.
+(shapes, no memory), cut by the same `parallelize` that training uses, with groups that have a size
+and a rank but no processes (layout.py's `PaperGroup`): the exact shapes the rank will hold (tp
+shards padded, experts cut over ep, its pipeline stages only), and ZeRO's buckets planned by ZeRO's
+own `bucket_plan`. So the estimate follows the code; tests/test_estimate.py checks it byte for byte.
 
 Held bytes are given at the moment `GradSync.held_bytes()` measures: gradients synced, no step yet.
 
@@ -26,10 +26,10 @@ Held bytes are given at the moment `GradSync.held_bytes()` measures: gradients s
 
 Bytes sent per step, by group and operation (`bytes_sent`; the dp groups' part: `dp_bytes_sent`),
 equal to the ledger (experts' all-to-all rows depend on the router: estimate_moe.py). planner.py
-uses these figures: `check_memory`, `--plan` and the layout planner.
-The fit check's total (`peak_bytes`) adds model states, activations and ZeRO's buffers at their
-peaks, as if they fell at one moment. Not estimated: the logits' gradient, what a kernel or the
-allocator takes for itself, and mixture-of-experts layers under bf16 autocast to the byte.
+uses these figures: `check_memory`, `--plan` and the layout planner. The fit check's total
+(`peak_bytes`) adds model states, activations and ZeRO's buffers at their peaks, as if they fell at
+one moment. Not estimated: the logits' gradient, what a kernel or the allocator takes for itself,
+and mixture-of-experts layers under bf16 autocast to the byte.
 """
 
 from __future__ import annotations
@@ -282,10 +282,11 @@ def layer_activation_bytes(c: ModelConfig, cfg: Layout) -> int:
         MLP        gate, silu(gate), up and their product                       4 ffn/tp
         small      1/rms of both norms; RoPE's cos and sin tables (per sequence position)
     With --recompute a layer keeps only its input (and rebuilds the rest in backward); with --recompute-mlp
-    the MLP its input (the normed stream as it arrives: d/tp under sp, fp32 under autocast), not 4 ffn/tp."""
+    the MLP its input (the normed stream as it arrives: d/tp under sp, fp32 under autocast), not 4 ffn/tp.
+    With --tp-overlap a region keeps its input as it arrives (d/tp under sp), in no bf16 copy."""
     t, w, b = cfg.tp, of_config(cfg).activation_width, cfg.micro_batch
     s, d, e = cfg.seq_len // cfg.cp, c.dim, c.head_dim
-    tokens, sp = b * s, (t if cfg.sp else 1)
+    tokens, sp, overlap = b * s, (t if cfg.sp else 1), cfg.tp_overlap and t > 1
     if cfg.recompute:  # the layer's input: the residual stream, in the weights' dtype
         return tokens * d * widths(cfg)[1] // sp
     heads, kv = c.n_heads // t, max(1, c.n_kv_heads // t)
@@ -303,10 +304,11 @@ def layer_activation_bytes(c: ModelConfig, cfg: Layout) -> int:
         qo, width_k, width_v = tokens * d // t, tokens * e * heads, tokens * e * (heads if repeated else kv)
         ring = cfg.cp > 1 and not ulysses
         attention_bytes = 10 * qo + 6 * tokens * e * kv if ring else 2 * ((2 + ulysses) * qo + width_k + width_v)
-        return 4 * ((4 + r) * tokens * d // sp + small) + 2 * ((5 - 2 * r) * tokens * d + mlp) + attention_bytes + \
-            orders  # --recompute-mlp: the MLP's input in fp32, and not the bf16 copies gate and up read
-    norms, lse = (2 - r) * tokens * d + (4 + r) * tokens * d // sp, (max(w, 4) - w) * tokens * heads * (
-        cfg.cp == 1 or ulysses)
+        inputs = 4 * (2 - r) * tokens * d // sp if overlap else 2 * (5 - 2 * r) * tokens * d  # overlap: fp32 as it came
+        # --recompute-mlp: the MLP's input in fp32, and not the bf16 copies gate and up read
+        return 4 * ((4 + r) * tokens * d // sp + small) + inputs + 2 * mlp + attention_bytes + orders
+    inputs = (2 - r) * tokens * d // (sp if overlap else 1)  # what the projections keep of their normed inputs
+    norms, lse = inputs + (4 + r) * tokens * d // sp, (max(w, 4) - w) * tokens * heads * (cfg.cp == 1 or ulysses)
     return w * (norms + attention + mlp + small) + orders + lse  # lse: SDPA keeps its log-sum-exp in fp32 at least
 
 
@@ -316,6 +318,8 @@ def weight_casts(c: ModelConfig, cfg: Layout) -> int:
     if of_config(cfg).autocast is None:  # bf16-mixed: the weights are bf16 already, no copies
         return 0
     t, d, kv = cfg.tp, c.dim, c.n_kv_heads * c.head_dim
+    if cfg.tp_overlap and t > 1:  # a region's column layers cast inside one autograd node, keeping no copy
+        return 2 * (d * d // t + (0 if cfg.recompute_mlp else d * c.ffn_dim // t))  # wo's and w_down's
     mlp = 0 if cfg.recompute_mlp else 3 * d * c.ffn_dim // t  # --recompute-mlp: made again in its replay, not kept
     return 2 * (2 * d * d // t + mlp + 2 * d * kv // (t if c.n_kv_heads % t == 0 else 1))
 
@@ -323,12 +327,13 @@ def weight_casts(c: ModelConfig, cfg: Layout) -> int:
 def head_activation_bytes(c: ModelConfig, cfg: Layout) -> int:
     """The final norm, the LM head's logits (kept by the loss in at least fp32) and the targets."""
     w, t, tokens = of_config(cfg).activation_width, cfg.tp, cfg.micro_batch * cfg.seq_len // cfg.cp
-    sp = t if cfg.sp else 1
+    sp, overlap = (t if cfg.sp else 1), cfg.tp_overlap and t > 1  # overlap: the head keeps its input as it arrives
     vocab = -(-c.vocab_size // t)
     logits = tokens * vocab * max(w, 4) + 8 * tokens  # kept by the loss in at least fp32; the targets
     if of_config(cfg).autocast is not None:  # x, x/rms in fp32; bf16 copies of the normed input and head weight
-        return 4 * (2 * tokens * c.dim // sp + tokens // sp) + 2 * (tokens * c.dim + vocab * c.dim) + logits
-    return w * (tokens * c.dim + 2 * tokens * c.dim // sp + tokens // sp) + logits
+        kept = 4 * tokens * c.dim // sp if overlap else 2 * (tokens * c.dim + vocab * c.dim)
+        return 4 * (2 * tokens * c.dim // sp + tokens // sp) + kept + logits
+    return w * (tokens * c.dim // (sp if overlap else 1) + 2 * tokens * c.dim // sp + tokens // sp) + logits
 
 
 def moe_layer_activation_bytes(c: ModelConfig, cfg: Layout, worst: bool = False) -> int:
@@ -338,7 +343,8 @@ def moe_layer_activation_bytes(c: ModelConfig, cfg: Layout, worst: bool = False)
     if cfg.recompute:
         return layer_activation_bytes(c, cfg)  # its input only
     tokens, t = cfg.micro_batch * cfg.seq_len // cfg.cp, cfg.tp
-    shared_input = of_config(cfg).activation_width * tokens * c.dim * (t - 1) // t if cfg.sp else 0
+    shared = cfg.sp and not cfg.tp_overlap  # --tp-overlap: the dense layer's formula keeps the shard already
+    shared_input = of_config(cfg).activation_width * tokens * c.dim * (t - 1) // t if shared else 0
     block = 0 if cfg.recompute_mlp else moe_block_bytes(c, cfg, worst)  # --recompute-mlp: its input, in the norms
     return layer_activation_bytes(replace(c, ffn_dim=0), replace(cfg, recompute_mlp=False)) - shared_input + block
 
