@@ -207,7 +207,7 @@ def bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[st
                     sent["tp/all_reduce"] += (m if cfg.zero >= 2 else 1) * ring_bytes_sent(
                         "all_reduce", numel * weight_width, t)
     if cfg.pp > 1:
-        _pipeline_bytes(sent, model_cfg, cfg, pp_rank, stream // (cfg.tp if cfg.sp else 1))  # the stream
+        sent.update(pipeline_bytes_sent(model_cfg, cfg, pp_rank))
         sent["pp/all_reduce"] += ring_bytes_sent("all_reduce", grad_width, cfg.pp)  # the norm, over stages
     if cfg.cp > 1:  # ring: K/V round the ring; ulysses: four all-to-alls (each replayed under --recompute)
         heads, kv_heads = model_cfg.n_heads // cfg.tp, max(1, model_cfg.n_kv_heads // cfg.tp)
@@ -222,15 +222,21 @@ def _grad_width(cfg: Layout) -> int:
     return torch.promote_types(prec.built, torch.float32).itemsize if cfg.zero or prec.mixed else prec.built.itemsize
 
 
-def _pipeline_bytes(sent: Counter, model_cfg: ModelConfig, cfg: Layout, pp_rank: int, act: int) -> None:
-    """What this rank's actions send (schedules.messages_of, as the executor posts them): each
+def pipeline_bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> Counter:
+    """What pp rank `pp_rank`'s actions send (schedules.messages_of, as the executor posts them): each
     stage's output on (pp) and its input's gradient back (pp_grad), once per micro-batch, unless
-    the neighbouring stage is on this rank too (zbv's turn)."""
+    the neighbouring stage is on this rank too (zbv's turn); each a micro-batch's residual stream
+    (sp: a tp rank's share of its tokens). No model is built: the planner's clock asks per layout."""
+    sent, tokens = Counter(), cfg.micro_batch * cfg.seq_len // cfg.cp
+    if cfg.pp == 1:
+        return sent
+    act = tokens * model_cfg.dim * widths(cfg)[1] // (cfg.tp if cfg.sp else 1)
     schedule = _schedule(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages)
     for a in schedule.actions[pp_rank]:
         _, outgoing = messages_of(a, schedule.placement)
         if outgoing is not None and not outgoing.local:
             sent[f"{outgoing.channel}/send"] += act
+    return sent
 
 
 def temporary_bytes(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[str, int]:
