@@ -119,7 +119,7 @@ class ModelConfig:
 
 # Named sizes. Toy shapes, no real model's: "tiny" for tests, "small" the CPU default, "125m" a GPT-2-small-sized
 # Llama for GPU benchmarks. Real models' shapes (their config.json): "1b" Llama-3.2-1B, "8b" Llama-3.1-8B, "70b"
-# Llama-3.1-70B, all with Llama-3 RoPE scaling.
+# Llama-3.1-70B, "405b" Llama-3.1-405B (for the planner: never built), all with Llama-3 RoPE scaling.
 LLAMA3: dict = dict(vocab_size=128256, max_seq_len=131072, rope_theta=500000.0, rope_factor=8.0)
 CONFIGS = {
     "tiny": ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=256, max_seq_len=128),
@@ -130,6 +130,7 @@ CONFIGS = {
                       tie_embeddings=True),
     "8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, **LLAMA3),
     "70b": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, **LLAMA3),
+    "405b": ModelConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248, **LLAMA3),
     # Mixtures of experts: toys "tiny-moe" (tests) and "small-moe" (CPU); Mixtral-8x7B's shapes; DeepSeek-MoE-16B's
     # (64 narrow experts, 6 per token, 2 shared, the first layer dense).
     "tiny-moe": ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=256, max_seq_len=128,

@@ -95,12 +95,13 @@ def part_b() -> None:
 def part_c() -> None:
     for model, gpus, batch in (("8b", 8, 1024), ("70b", 64, 256)):
         fits, too_big = plan(model, Cluster(gpus), seq_len=8192, global_batch=batch)
-        say(f"\n(c) {model} on {gpus} H100s (80 GB, 8 per node), seq 8192, {batch} sequences per step: "
-            f"{len(fits)} layouts fit, {too_big} do not; the fastest:")
+        say(f"\n(c) {model} on {gpus} H100s (80 GB less 10% headroom, 8 per node), seq 8192, {batch} sequences "
+            f"per step: {len(fits)} layouts fit, {too_big} do not; the fastest:")
         for ch in fits[:4]:
             t = ch.time
             say(f"  {ch.flags():<40} {t['total']:8.1f} s (compute {t['compute']:.1f}, tp {t['tp']:.1f}, "
-                f"cp {t['cp']:.1f}, dp {t['dp']:.1f}, bubble {t['bubble']:.1f})   {ch.memory / 1e9:5.1f} GB")
+                f"cp {t['cp']:.1f}, pp {t['pp']:.1f}, dp {t['dp']:.1f}, bubble {t['bubble']:.1f})   "
+                f"{ch.memory / 1e9:5.1f} GB")
 
 
 def main() -> None:

@@ -129,6 +129,8 @@ CASES = [  # (script, argv, a fragment of the one line)
     ("plan", ["--gpus", "0"], "argument --gpus: 0 is out of range: give 1 or more"),
     ("plan", ["--gpu-memory", "-80GB"], "argument --gpu-memory: -80GB is out of range"),  # a value, not a flag
     ("plan", ["--mfu", "0"], "argument --mfu: 0 is out of range: give a fraction above 0"),
+    ("plan", ["--headroom", "1"], "argument --headroom: 1 is out of range: give a share of the memory, 0 or more"),
+    ("plan", ["--headroom", "-0.1"], "argument --headroom: -0.1 is out of range: give 0 or more"),
     ("plan", ["--global-batch", "0"], "argument --global-batch: 0 is out of range"),
     ("plan", ["--gpus-per-node", "0"], "argument --gpus-per-node: 0 is out of range"),
     ("plan", ["--seq-len", "-1"], "argument --seq-len: -1 is out of range"),

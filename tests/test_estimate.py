@@ -189,7 +189,9 @@ def test_a_layout_too_big_is_refused_naming_layouts_of_the_same_ranks_that_fit()
     cfg = TrainConfig(model="1b", dp=4, micro_batch=2, dtype="bfloat16")
     c = cfg.model_config()  # the preset, its vocabulary included
     need = peak_bytes(c, cfg)
-    check_memory(cfg, limit=need)  # exactly enough
+    check_memory(cfg, limit=need, headroom=0)  # exactly enough, with nothing kept free
+    with pytest.raises(ValueError, match="less 10% headroom"):  # the default keeps a tenth free
+        check_memory(cfg, limit=need)
     with pytest.raises(ValueError, match="with these ranks, ") as refused:
         check_memory(cfg, limit=need // 2)
     named = [alt for alt in _alternatives(cfg, c) if f"{_flags(alt)} would fit" in str(refused.value)
@@ -239,7 +241,7 @@ def test_the_fit_check_counts_zeros_temporary_buffers_in_the_total():
     temporary = temporary_bytes(c, cfg)
     assert set(temporary) == {"flattened", "gathered"}
     assert peak_bytes(c, cfg) == without + sum(temporary.values())
-    check_memory(cfg, limit=peak_bytes(c, cfg))
+    check_memory(cfg, limit=peak_bytes(c, cfg), headroom=0)
     with pytest.raises(ValueError, match="and ZeRO's buffers"):
         check_memory(cfg, limit=without)
 

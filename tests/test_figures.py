@@ -103,7 +103,7 @@ def test_the_buckets_figure_draws_data_parallels_buckets_and_the_estimators_all_
 
 def test_the_layouts_figure_draws_what_the_planner_weighs_and_its_pick():
     script = _script()
-    points, limit = script.layout_points(), script.PLANNED["cluster"].memory
+    points, limit = script.layout_points(), script.PLANNED["cluster"].usable
     fits, too_big = plan("8b", Cluster(8), seq_len=8192, global_batch=1024)
     assert (sum(p[1] <= limit for p in points), sum(p[1] > limit for p in points)) == (len(fits), too_big)
     assert sorted(p[1] for p in points if p[1] <= limit) == sorted(ch.memory for ch in fits)

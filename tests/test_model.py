@@ -82,6 +82,7 @@ def test_named_configs_have_real_shapes():
     assert CONFIGS["1b"].num_params() == 1_235_814_400  # Llama-3.2-1B (tied embeddings)
     assert CONFIGS["8b"].num_params() == 8_030_261_248  # Llama-3.1-8B
     assert CONFIGS["70b"].num_params() == 70_553_706_496  # Llama-3.1-70B
+    assert CONFIGS["405b"].num_params() == 405_853_388_800  # Llama-3.1-405B
     with pytest.raises(ValueError, match="unknown model"):
         get_config("nope")
 

@@ -12,22 +12,33 @@ from minipar.model import get_config
 from minipar.pipeline.schedules import build
 from minipar.pipeline.timeline import simulate
 from minipar.planning.estimate import bytes_sent, peak_bytes
-from minipar.planning.planner import Cluster, layouts, plan, report, step_time
+from minipar.planning.planner import Cluster, check_memory, layouts, plan, report, step_time
 from minipar.run.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_an_8b_llama_on_one_node_of_8_gpus_is_sharded_data_parallelism():
-    fits, _ = plan("8b", Cluster(8), seq_len=8192, global_batch=1024)
-    best = fits[0].cfg  # FSDP-like: no model cut (tp, pp); the 8K sequence may be split (cp)
-    assert (best.tp, best.pp) == (1, 1) and best.dp * best.cp == 8 and best.zero == 3, fits[0].flags()
+@functools.cache
+def plan_8b(headroom: float = 0.1):
+    """Chapter 8's 8b question: one node of 8 H100s of 80 GB, 8,192 tokens, 1,024 sequences a step."""
+    return plan("8b", Cluster(8, headroom=headroom), seq_len=8192, global_batch=1024)
+
+
+def test_an_8b_llama_on_one_node_of_8_gpus_is_sharded_data_parallelism_where_the_whole_80_gb_may_be_used():
+    every, _ = plan_8b(headroom=0)
+    best = every[0]  # FSDP-like: no model cut (tp, pp); the 8K sequence split (cp)
+    assert best.flags() == "--dp 4 --cp 2 --zero 3" and 72e9 < best.memory <= 80e9
+    # It needs 73.7 GB: with a tenth of the memory kept free, the fastest of the rest cuts the model
+    # into 4 pipeline stages (ZeRO-1), paying a bubble and the stages' messages instead of ZeRO-3's gathers.
+    fits, _ = plan_8b()
+    assert [ch.flags() for ch in fits] == [ch.flags() for ch in every if ch.memory <= 72e9]
+    assert fits[0].flags() == "--pp 4 --cp 2 --zero 1", fits[0].flags()
 
 
 def test_the_planner_weighs_zero3_with_recompute_torchtitans_8b_shape_fits_where_zero3_alone_does_not():
     # torchtitan's Llama-3 8B recipe: FSDP over 8 GPUs, 8,192 tokens, no tp, pp or cp, activation
     # checkpointing. Without recompute a step's activations do not fit beside ZeRO-3's states.
-    fits, _ = plan("8b", Cluster(8), seq_len=8192, global_batch=1024)
+    fits, _ = plan_8b()
     fsdp = [ch for ch in fits if ch.cfg.dp == 8 and ch.cfg.zero == 3]
     # With recompute of the MLPs only (torchtitan's is selective too) it fits, and is the faster of the two.
     assert [ch.flags() for ch in fsdp] == ["--dp 8 --zero 3 --recompute-mlp", "--dp 8 --zero 3 --recompute"]
@@ -58,7 +69,7 @@ def test_for_70b_on_64_gpus_recomputing_only_the_mlps_fits_a_layout_faster_than_
     mlp = next(ch for ch in fits if ch.cfg.recompute_mlp)
     assert mlp.flags() == "--tp 2 --pp 8 --cp 4 --sp --zero 1 --recompute-mlp", mlp.flags()
     assert full.flags() == "--dp 2 --pp 8 --cp 4 --zero 1 --recompute", full.flags()
-    assert full.time["total"] - mlp.time["total"] > 10  # seconds a step: 194.3 against 183.8
+    assert full.time["total"] - mlp.time["total"] > 10  # seconds a step: 195.7 against 185.2
     c = get_config("70b")
     tokens, mlps = 1024 * 8192, 80 * 6 * c.dim * c.ffn_dim  # the MLPs' forward again: 2 x 3·d·ffn a token and layer
     flops = tokens * c.flops_per_token(8192) + tokens * mlps
@@ -66,8 +77,12 @@ def test_for_70b_on_64_gpus_recomputing_only_the_mlps_fits_a_layout_faster_than_
     # The same layout without its recompute needs 99 GB, more than the GPU's 80: it fits only with it.
     plain = replace(mlp.cfg, recompute_mlp=False)
     assert peak_bytes(c, plain) > 80e9 >= mlp.memory and plain not in [ch.cfg for ch in fits]
-    # Still not the fastest: the pick keeps every activation and cuts the model 64 ways (tp x pp x cp).
-    assert not (fits[0].cfg.recompute or fits[0].cfg.recompute_mlp) and fits[0].time["total"] < mlp.time["total"]
+    # It is the pick: what kept every activation (tp 4, pp 4, cp 4: 77.9 GB) no longer fits in 80 GB less
+    # the 10% headroom, and the fastest that does keeps every activation but pays tp 8 and cp 4 over it.
+    assert fits[0] is mlp and 72e9 > mlp.memory
+    kept_all = next(ch for ch in fits if not (ch.cfg.recompute or ch.cfg.recompute_mlp))
+    assert kept_all.flags() == "--tp 8 --pp 2 --cp 4 --sp --zero 1", kept_all.flags()
+    assert kept_all.time["tp"] + kept_all.time["cp"] > mlp.time["compute"] - kept_all.time["compute"]
 
 
 def test_tensor_parallelism_never_leaves_a_node():
@@ -84,13 +99,17 @@ def test_the_clock_is_the_stated_arithmetic():
     flops = 6 * (c.num_params() - 128256 * 4096) + 12 * 32 * 4096 * 4096  # the input embedding is a lookup
     assert t["compute"] == pytest.approx(tokens * flops / (16 * 989e12 * 0.5))
     m = 64 // 4  # micro-batches per rank
-    assert t["bubble"] == pytest.approx((2 - 1) / m * t["compute"])  # the bubble ratio, (p-1)/m
+    turns = t["compute"] + t["tp"] + t["cp"] + t["pp"]  # what the stages wait out: each micro-batch's turn
+    assert t["bubble"] == pytest.approx((2 - 1) / m * turns)  # the bubble ratio, (p-1)/m
     sent = bytes_sent(c, cfg)  # pp rank 0: 16 layers and the embedding, m micro-batches
     stream, product = 4096 * 4096 * 4, 4096 * 4096 * 2  # a layer's input (fp32) and output (bf16) in bytes
     # Per layer: 2 all-gathers of a normed input, 2 of an output's gradient; plus the embedding's.
     # Each rank sends half of every message at tp 2.
     assert sent["tp/all_gather"] == sent["tp/reduce_scatter"] == m * (2 * 16 * (stream + product) + stream) // 2
     assert t["tp"] == pytest.approx(sum(v for k, v in sent.items() if k.startswith("tp/")) / 450e9)
+    # pp: pp rank 1's (here the last stage: each micro-batch's gradient back, m of a layer's input in fp32
+    # over tp's 2 ranks under sp) across nodes: the two stages are 8 ranks apart
+    assert t["pp"] == pytest.approx(m * stream / 2 / 50e9)
     assert t["total"] == pytest.approx(sum(v for k, v in t.items() if k != "total"))
 
 
@@ -98,7 +117,7 @@ def test_train_py_plan_predicts_the_exposed_communication_in_the_words_of_the_tr
     cfg = TrainConfig(model="8b", dp=4, tp=2, pp=2, sp=True, seq_len=4096, global_batch=64, micro_batch=1,
                       dtype="bfloat16")
     t = step_time(get_config("8b"), cfg, Cluster(16))  # H100s, 8 to a node: the planner's defaults
-    expected = exposed_line({"dp": t["dp"], "tp": t["tp"], "pp": t["bubble"]}, t["total"])
+    expected = exposed_line({"dp": t["dp"], "tp": t["tp"], "pp": t["pp"] + t["bubble"]}, t["total"])
     assert report(cfg).splitlines()[-1] == f"predicted on 16 H100s (the planner's clock, MFU 45%): {expected}"
     assert expected.startswith("comm exposed ") and ": dp " in expected and ", pp " in expected  # no cp: cp is 1
 
@@ -112,9 +131,10 @@ def test_the_planners_bubble_is_the_schedules_own_simulated_idle_fraction(schedu
     idle = simulate(build(schedule, p, m, v)).idle_fraction()
     # idle is the share of the whole step; beside the compute the wait is idle / (1 - idle), the bubble
     # ratio: (p - 1) / m for 1F1B (Narayanan et al.), not the idle fraction (which undercounts it)
-    assert t["bubble"] == pytest.approx(idle / (1 - idle) * t["compute"], rel=1e-12)
+    turns = t["compute"] + t["tp"] + t["cp"] + t["pp"]  # a micro-batch's turn on a stage: its work and messages
+    assert t["bubble"] == pytest.approx(idle / (1 - idle) * turns, rel=1e-12)
     if schedule in ("gpipe", "1f1b"):
-        assert t["bubble"] == pytest.approx((p - 1) / m * t["compute"], rel=1e-12)
+        assert t["bubble"] == pytest.approx((p - 1) / m * turns, rel=1e-12)
     # The simulation is the published figure where there is one, so the planner no longer gives
     # every schedule 1F1B's bubble: interleaved's is about 1/v of it, ZB-H1's about 1/3, ZB-V's less.
     published = {"gpipe": (p - 1) / (m + p - 1), "1f1b": (p - 1) / (m + p - 1),
@@ -131,5 +151,46 @@ def test_plan_py_prints_the_choice_and_why_the_usual_alternatives_lose(capsys):
     spec.loader.exec_module(script)
     script.main(["--model", "8b", "--gpus", "8", "--gpu-memory", "80GB", "--seq-len", "8192", "--global-batch", "512"])
     out = capsys.readouterr().out
-    assert "The choice: --dp " in out and "plain data parallelism:" in out and "recompute of whole layers:" in out
-    assert "recompute of the MLPs only (selective):" in out
+    assert "The choice: --pp " in out and "plain data parallelism:" in out and "recompute of whole layers:" in out
+    assert "recompute of the MLPs only (selective):" in out and "interleaved pipeline stages:" in out
+    assert " + pp " in out and "72.0 GB of it usable: 10% headroom" in out
+
+
+def test_interleaved_stages_are_weighed_and_picked_where_the_bubble_costs_more_than_the_extra_messages():
+    # 8B on 8 GPUs of 24 GB, 32 sequences of 4,096: it fits only cut into tp 2 x pp 4 with recompute,
+    # and 8 micro-batches leave 1F1B idle 3/11 of the step. v stages a rank cut the bubble about v-fold
+    # and send each micro-batch's activations v times; the search stops at the first v that does not pay.
+    fits, _ = plan("8b", Cluster(8, memory=24e9), seq_len=4096, global_batch=32)
+    best = fits[0]
+    assert best.flags() == "--tp 2 --pp 4 --sp --recompute --schedule interleaved --virtual-stages 4", best.flags()
+    by_v = {ch.cfg.virtual_stages: ch for ch in fits if replace(ch.cfg, schedule="1f1b", virtual_stages=1)
+            == replace(best.cfg, schedule="1f1b", virtual_stages=1)}
+    assert sorted(by_v) == [1, 2, 4]  # v = 8 (one layer a stage) was slower or too big
+    assert by_v[1].time["bubble"] > by_v[2].time["bubble"] > by_v[4].time["bubble"]
+    assert by_v[1].time["pp"] < by_v[2].time["pp"] < by_v[4].time["pp"]
+    for ch in fits:  # every layout it offers is one train.py accepts
+        ch.cfg.validate(8)
+        assert ch.cfg.schedule == ("interleaved" if ch.cfg.virtual_stages > 1 else "1f1b")
+
+
+def test_a_layout_that_fits_the_whole_memory_but_not_nine_tenths_is_refused_unless_the_headroom_is_0(capsys):
+    spec = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "plan.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    case = ["--model", "8b", "--gpus", "8", "--gpu-memory", "24GB", "--seq-len", "4096", "--global-batch", "32"]
+    kept, _ = plan("8b", Cluster(8, memory=24e9), seq_len=4096, global_batch=32)  # 10% kept free: the default
+    every, _ = plan("8b", Cluster(8, memory=24e9, headroom=0), seq_len=4096, global_batch=32)
+    between = [ch for ch in every if ch.memory > 0.9 * 24e9]
+    assert between and all(ch.memory <= 0.9 * 24e9 for ch in kept)
+    assert {ch.flags() for ch in kept} < {ch.flags() for ch in every}
+    script.main(case)
+    assert f"{len(kept)} layouts fit" in capsys.readouterr().out
+    script.main([*case, "--headroom", "0"])
+    assert f"{len(every)} layouts fit" in capsys.readouterr().out
+    # train.py's pre-flight check keeps the same headroom, and says so
+    with pytest.raises(ValueError, match=r"more than the limit \(22.4 GiB\) less 10% headroom \(20.1 GiB\)"):
+        check_memory(between[0].cfg, limit=int(24e9))
+    check_memory(between[0].cfg, limit=int(24e9), headroom=0)
+    with pytest.raises(SystemExit):
+        script.main([*case, "--headroom", "1"])  # a share below 1: one line, exit code 2
+    assert "--headroom: 1 is out of range" in capsys.readouterr().err

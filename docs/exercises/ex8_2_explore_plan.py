@@ -1,6 +1,6 @@
 """Exercise 8.2 (chapter 8, "Choosing a layout"), explore: which layout the planner picks.
 
-Llama-3.1-8B on G H100s (80 GB, 8 a node), B sequences of s tokens a step; `make exercise N=8.2`
+Llama-3.1-8B on G H100s (80 GB, 10% kept free, 8 a node), B sequences of s tokens a step; `make exercise N=8.2`
 prints your G, B and s (drawn from SEED below) and four layouts of those G GPUs:
 
     A  plain FSDP: --dp G --zero 3          B  --dp G/2 --cp 2 --zero 3

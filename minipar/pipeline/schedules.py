@@ -331,6 +331,18 @@ def messages_of(a: Action, placement: tuple[int, ...]) -> tuple[Message | None, 
     return None, None
 
 
+def bytes_sent_per_step(schedule: Schedule, rank: int, message_bytes: int) -> dict[str, int]:
+    """What `rank`'s actions send in one step, by the ledger's "channel/send" keys, as the executor
+    posts them: each outgoing message of `messages_of` carries `message_bytes`, unless the stage it
+    goes to is on the same rank (zbv's turn of the V), where it is handed over in memory."""
+    sent: dict[str, int] = {}
+    for a in schedule.actions[rank]:
+        _, outgoing = messages_of(a, schedule.placement)
+        if outgoing is not None and not outgoing.local:
+            sent[f"{outgoing.channel}/send"] = sent.get(f"{outgoing.channel}/send", 0) + message_bytes
+    return sent
+
+
 # ----------------------------------------------------------------------------------------------
 # Memory and bubble, read off the actions (the clock itself is timeline.simulate)
 # ----------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from minipar.moe import MoE
 from minipar.parallelize import parallelize
 from minipar.pipeline.executor import Pipeline, stage_layers
 from minipar.pipeline.schedules import build as build_schedule
-from minipar.pipeline.schedules import messages_of
+from minipar.pipeline.schedules import bytes_sent_per_step
 from minipar.placement import DENSE, placement_of
 from minipar.planning.estimate_moe import moe_block_bytes, moe_bytes_sent
 from minipar.planning.estimate_zeropp import bucket_sent, secondary_bytes
@@ -207,7 +207,7 @@ def bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[st
                     sent["tp/all_reduce"] += (m if cfg.zero >= 2 else 1) * ring_bytes_sent(
                         "all_reduce", numel * weight_width, t)
     if cfg.pp > 1:
-        _pipeline_bytes(sent, model_cfg, cfg, pp_rank, stream // (cfg.tp if cfg.sp else 1))  # the stream
+        sent.update(pipeline_bytes_sent(model_cfg, cfg, pp_rank))
         sent["pp/all_reduce"] += ring_bytes_sent("all_reduce", grad_width, cfg.pp)  # the norm, over stages
     if cfg.cp > 1:  # ring: K/V round the ring; ulysses: four all-to-alls (each replayed under --recompute)
         heads, kv_heads = model_cfg.n_heads // cfg.tp, max(1, model_cfg.n_kv_heads // cfg.tp)
@@ -222,15 +222,14 @@ def _grad_width(cfg: Layout) -> int:
     return torch.promote_types(prec.built, torch.float32).itemsize if cfg.zero or prec.mixed else prec.built.itemsize
 
 
-def _pipeline_bytes(sent: Counter, model_cfg: ModelConfig, cfg: Layout, pp_rank: int, act: int) -> None:
-    """What this rank's actions send (schedules.messages_of, as the executor posts them): each
-    stage's output on (pp) and its input's gradient back (pp_grad), once per micro-batch, unless
-    the neighbouring stage is on this rank too (zbv's turn)."""
+def pipeline_bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> Counter:
+    """What pp rank `pp_rank` sends between stages in a step (schedules.bytes_sent_per_step): a micro-batch's
+    residual stream a message (sp: a tp rank's share of its tokens). No model is built: the planner's clock asks."""
+    if cfg.pp == 1:
+        return Counter()
+    stream = cfg.micro_batch * cfg.seq_len // cfg.cp * model_cfg.dim * widths(cfg)[1] // (cfg.tp if cfg.sp else 1)
     schedule = _schedule(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages)
-    for a in schedule.actions[pp_rank]:
-        _, outgoing = messages_of(a, schedule.placement)
-        if outgoing is not None and not outgoing.local:
-            sent[f"{outgoing.channel}/send"] += act
+    return Counter(bytes_sent_per_step(schedule, pp_rank, stream))
 
 
 def temporary_bytes(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[str, int]:

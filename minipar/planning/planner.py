@@ -6,7 +6,14 @@ Chapter 8 of the course. The method is the one practitioners follow by hand:
        tensor and pipeline parallelism, and recompute as far as needed;
     2. keep tensor parallelism inside a node: it talks twice per layer in forward and twice in
        backward, and only NVLink is fast enough for that; data parallelism talks once per step;
-    3. among what fits, take what the clock says is fastest.
+    3. among what fits, take what the clock says is fastest. A pipelined layout that fits is weighed
+       interleaved too (`interleaved_twins`): v = 2, 3, ... stages a rank, while the clock finds each
+       faster than the last (the bubble shrinks about v-fold, the messages between stages grow v-fold).
+
+A layout fits when its fullest rank (estimate.peak_bytes) stays within the GPU's memory less a
+headroom (Cluster.headroom, 10% unless told; scripts/plan.py --headroom) for what the estimate does
+not count and real runs need: the CUDA context and NCCL's buffers (a few hundred MB each) and the
+caching allocator's fragmentation. `check_memory` keeps the same headroom.
 
 The clock (`step_time`) is arithmetic, stated here so that its answer can be argued with:
 
@@ -19,14 +26,17 @@ The clock (`step_time`) is arithmetic, stated here so that its answer can be arg
               node, else the inter-node one:
     tp        4 messages of a layer's activations per layer and micro-batch; not overlapped
     cp        ring attention's K/V blocks, forward and backward; counted as not overlapped
+    pp        each micro-batch's activations sent on to the next stage and gradients sent back, once
+              per stage a rank holds (v times interleaved), as pp rank 1 sends them (a middle stage's,
+              the most); not overlapped: the next stage waits for them
     dp        the gradients' all-reduce (ZeRO: reduce-scatter + all-gather, ZeRO-3 per micro-batch);
               overlapped with backward (2/3 of compute), only what is left over counts
     bubble    the time the pipeline's ranks wait: its schedule's idle fraction f of the step, from
               its own simulation (pipeline.timeline.simulate: F = 1, B = 2, or F = B = W = 1 when
               B is split), so 1F1B's and GPipe's (pp-1)/(m+pp-1), interleaved's
-              (pp-1)/(v·m+pp-1), ZB-H1's (pp-1)/(3m+pp-1); of the compute, that is f / (1 - f),
-              the bubble ratio ((pp-1)/m for 1F1B); the activations sent between stages are small
-              beside the above and not counted
+              (pp-1)/(v·m+pp-1), ZB-H1's (pp-1)/(3m+pp-1); beside the rest of the step, that is
+              f / (1 - f), the bubble ratio ((pp-1)/m for 1F1B), of what a micro-batch's turn holds:
+              its compute and its tp, cp and pp messages, which the waiting stages wait out too
 
 It scales to any number of GPUs instantly: nothing is built but one meta-device model per layout.
 The same figures answer a single run's question first: `check_memory` refuses, before anything is
@@ -36,6 +46,7 @@ built, a run whose fullest rank would not fit, and `report` is `train.py --plan`
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from itertools import islice
@@ -51,6 +62,7 @@ from minipar.planning.estimate import (
     bytes_sent,
     held_bytes,
     peak_bytes,
+    pipeline_bytes_sent,
     temporary_bytes,
 )
 from minipar.planning.layout import Layout
@@ -60,6 +72,7 @@ RECOMPUTE = ((False, False), (False, True), (True, False))  # (recompute, recomp
 PRECISION_NOTE = {"float64": "float64 throughout", "fp32": "fp32 throughout",
                   "bf16-autocast": "bf16-autocast (fp32 weights; backward keeps a bf16 copy of each layer's weights)",
                   "bf16-mixed": "bf16-mixed (bf16 weights and gradients, fp32 master and Adam state)"}
+HEADROOM = 0.10  # of each GPU's memory kept free: CUDA context, NCCL's buffers, the allocator's fragmentation
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,12 @@ class Cluster:
     intra_bandwidth: float = 450e9  # bytes/s per GPU inside a node (NVLink, one direction)
     inter_bandwidth: float = 50e9  # bytes/s per GPU between nodes (400 Gb/s InfiniBand)
     memory_bandwidth: float = 3.35e12  # bytes/s per GPU (H100 SXM HBM3)
+    headroom: float = HEADROOM
+
+    @property
+    def usable(self) -> float:
+        """The bytes a rank's estimate may reach: the memory less the headroom."""
+        return self.memory * (1 - self.headroom)
 
 
 def layouts(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_batch: int = 1):
@@ -113,9 +132,11 @@ def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]
     def over(prefix: str, span: int) -> float:
         return sum(v for k, v in sent.items() if k.split("/")[0] == prefix) / _bandwidth(cluster, span)
     idle = pipeline_idle(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages)  # of the whole step
-    parts = {"compute": compute, "tp": over("tp", cfg.tp), "cp": over("cp", cfg.tp * cfg.cp),
-             "dp": max(0.0, over("dp_cp" if cfg.cp > 1 else "dp", cfg.tp * cfg.cp * cfg.dp) - 2 / 3 * compute),
-             "bubble": idle / (1 - idle) * compute}  # idle f of the step is f / (1 - f) of its compute
+    stages = sum(pipeline_bytes_sent(c, cfg, min(1, cfg.pp - 1)).values())  # a middle stage's: the most
+    turns = {"compute": compute, "tp": over("tp", cfg.tp), "cp": over("cp", cfg.tp * cfg.cp),
+             "pp": stages / _bandwidth(cluster, cfg.dp * cfg.tp * cfg.pp * cfg.cp)}  # the micro-batches' turns
+    parts = {**turns, "dp": max(0.0, over("dp_cp" if cfg.cp > 1 else "dp", cfg.tp * cfg.cp * cfg.dp) - 2 / 3 * compute),
+             "bubble": idle / (1 - idle) * sum(turns.values())}  # idle f of the step is f / (1 - f) of the turns
     return {**parts, "total": sum(parts.values())}
 
 
@@ -134,29 +155,66 @@ def _bandwidth(cluster: Cluster, span: int) -> float:
 @dataclass
 class Choice:
     cfg: Layout
-    time: dict[str, float]
+    time: dict[str, float] | None  # None: not timed (it does not fit)
     memory: int  # bytes on the fullest rank
 
     def flags(self) -> str:
         c = self.cfg
         parts = [f"--{k} {v}" for k, v in (("dp", c.dp), ("tp", c.tp), ("pp", c.pp), ("cp", c.cp)) if v > 1]
         return " ".join(parts + ["--sp"] * c.sp + [f"--zero {c.zero}"] * (c.zero > 0) + ["--recompute"] * c.recompute
-                        + ["--recompute-mlp"] * c.recompute_mlp)
+                        + ["--recompute-mlp"] * c.recompute_mlp
+                        + [f"--schedule interleaved --virtual-stages {c.virtual_stages}"] * (c.virtual_stages > 1))
 
 
 def plan(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_batch: int = 1):
     """(the layouts that fit, fastest first; how many did not fit)."""
-    c, fits, too_big = get_config(model), [], 0
+    c = get_config(model)
     if c.n_experts:
         raise ValueError(f"--model {model}: the planner does not search expert-parallel layouts yet (ep "
                          f"and the all-to-all's time); choose a dense model, or ask train.py --plan about one layout")
+    weighed = list(weigh(model, cluster, seq_len, global_batch, micro_batch))
+    fits = [ch for ch in weighed if ch.time is not None]
+    return sorted(fits, key=lambda ch: (round(ch.time["total"], 6), ch.cfg.tp * ch.cfg.pp * ch.cfg.cp,
+                                        ch.cfg.virtual_stages)), len(weighed) - len(fits)
+
+
+def weigh(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_batch: int = 1) -> Iterator[Choice]:
+    """Every layout the planner weighs, with its fullest rank's bytes, timed where they fit the usable
+    memory: those of `layouts`, and each pipelined one that fits interleaved too."""
+    c = get_config(model)
     for cfg in layouts(model, cluster, seq_len, global_batch, micro_batch):
-        memory = peak_bytes(c, cfg)
-        if memory > cluster.memory:
-            too_big += 1
-            continue
-        fits.append(Choice(cfg, step_time(c, cfg, cluster), memory))
-    return sorted(fits, key=lambda ch: (round(ch.time["total"], 6), ch.cfg.tp * ch.cfg.pp * ch.cfg.cp)), too_big
+        choice = _weighed(c, cfg, cluster)
+        yield choice
+        if cfg.pp > 1 and choice.time is not None:
+            yield from interleaved_twins(c, choice, cluster)
+
+
+def _weighed(c: ModelConfig, cfg: Layout, cluster: Cluster) -> Choice:
+    memory = peak_bytes(c, cfg)
+    return Choice(cfg, step_time(c, cfg, cluster) if memory <= cluster.usable else None, memory)
+
+
+def interleaved_twins(c: ModelConfig, choice: Choice, cluster: Cluster) -> Iterator[Choice]:
+    """A pipelined layout with v = 2, 3, ... stages a rank (pp·v dividing the layers: stages of equal
+    work, as the clock assumes) while each is faster than the one before and fits: the clock's step
+    falls, then rises with v (fewer idle turns, more messages), and memory only grows with v (more
+    micro-batches in flight), so the search stops at the first v that is slower or too big."""
+    pp, best = choice.cfg.pp, choice.time["total"]
+    for v in (v for v in range(2, c.n_layers // pp + 1) if c.n_layers % (pp * v) == 0):
+        cfg = replace(choice.cfg, schedule="interleaved", virtual_stages=v)
+        try:
+            cfg.validate(cluster.gpus)
+        except ValueError:  # the micro-batches not a multiple of pp: so for every v
+            return
+        time = step_time(c, cfg, cluster)
+        if time["total"] >= best:
+            return
+        twin = Choice(cfg, time, peak_bytes(c, cfg))
+        if twin.memory > cluster.usable:
+            yield replace(twin, time=None)
+            return
+        yield twin
+        best = time["total"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,22 +233,23 @@ def device_memory() -> tuple[int, str]:
     return available // ranks, f"available memory / {ranks} local ranks"
 
 
-def check_memory(cfg: Layout, limit: int | None = None) -> None:
-    """Raises ValueError (one line) when a rank would hold more than its memory, naming up to
-    three layouts of the same ranks that would fit."""
+def check_memory(cfg: Layout, limit: int | None = None, headroom: float = HEADROOM) -> None:
+    """Raises ValueError (one line) when a rank would hold more than its memory less the headroom,
+    naming up to three layouts of the same ranks that would fit."""
     model_cfg = cfg.model_config()
     limit, what = (limit, "the limit") if limit is not None else device_memory()
-    need = peak_bytes(model_cfg, cfg)
-    if need <= limit:
+    need, usable = peak_bytes(model_cfg, cfg), limit * (1 - headroom)
+    if need <= usable:
         return
     fits = list(islice((_flags(alt) for alt in _alternatives(cfg, model_cfg)
-                        if peak_bytes(model_cfg, alt) <= limit), 3))
+                        if peak_bytes(model_cfg, alt) <= usable), 3))
     held = "weights, gradients, optimizer state, activations and ZeRO's buffers" if cfg.zero else \
         "weights, gradients, optimizer state and activations"
+    kept = f" less {headroom:.0%} headroom ({usable / 2**30:.1f} GiB)" if headroom else ""
     raise ValueError(f"--model {cfg.model} needs {need / 2**30:.1f} GiB per rank for {held}, more than {what} "
-                     f"({limit / 2**30:.1f} GiB): " + (f"with these ranks, {' or '.join(fits)} would fit" if fits else
-                                                       "no layout of these ranks fits: use more ranks or a smaller "
-                                                       "--model, --micro-batch or --seq-len"))
+                     f"({limit / 2**30:.1f} GiB){kept}: " + (f"with these ranks, {' or '.join(fits)} would fit" if fits
+                                                              else "no layout of these ranks fits: use more ranks or a "
+                                                              "smaller --model, --micro-batch or --seq-len"))
 
 
 def _alternatives(cfg: Layout, model_cfg: ModelConfig):
@@ -230,7 +289,8 @@ def report(cfg: Layout) -> str:
     for r in range(cfg.pp):
         held = [*held_bytes(c, cfg, r).values(), activation_bytes(c, cfg, r), sum(temporary_bytes(c, cfg, r).values())]
         lines.append(f"{r:>8} " + " ".join(f"{v / 2**20:>12,.1f}" for v in (*held, sum(held))))
-    lines.append(f"the fullest rank needs {peak_bytes(c, cfg) / 2**30:.2f} GiB ({what}: {limit / 2**30:.1f} GiB)"
+    lines.append(f"the fullest rank needs {peak_bytes(c, cfg) / 2**30:.2f} GiB ({what}: {limit / 2**30:.1f} GiB, "
+                 f"less {HEADROOM:.0%} headroom: {limit * (1 - HEADROOM) / 2**30:.1f} GiB)"
                  + (": expert layers' activations for dropless routing spread evenly over the experts"
                     if c.n_experts and not c.capacity_factor else ""))
     if cfg.zero:
@@ -253,11 +313,11 @@ def report(cfg: Layout) -> str:
 
 def predicted_exposed(c: ModelConfig, cfg: Layout) -> str:
     """The clock's step on H100s (Cluster's defaults) in the words of the training log's line: the
-    time spent in the communication it does not hide (dp's beyond backward) and, for pp, the bubble
-    (a stage waits out its neighbours in a receive, so the log counts it as pp's wait)."""
+    time spent in the communication it does not hide (dp's beyond backward) and, for pp, its messages
+    and the bubble (a stage waits out its neighbours in a receive, so the log counts it as pp's wait)."""
     gpus = cfg.dp * cfg.tp * cfg.pp * cfg.cp
     t = step_time(c, cfg, Cluster(gpus))
     kinds = {"dp": cfg.dp * cfg.cp, "tp": cfg.tp, "cp": cfg.cp, "pp": cfg.pp}
-    exposed = {k: t["bubble" if k == "pp" else k] for k, degree in kinds.items() if degree > 1}
+    exposed = {k: t[k] + (t["bubble"] if k == "pp" else 0) for k, degree in kinds.items() if degree > 1}
     return (f"predicted on {gpus} H100s (the planner's clock, MFU {Cluster.mfu:.0%}): "
             f"{exposed_line(exposed, t['total'])}" + (" (ep's all-to-all not predicted)" if cfg.ep > 1 else ""))

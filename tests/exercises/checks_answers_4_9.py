@@ -205,19 +205,19 @@ def _flags(layout: dict) -> str:
 
 @lru_cache
 def truth_plan_choice(gpus: int, seq_len: int, global_batch: int) -> str:
-    """The letter of the fastest layout that fits in 80 GB a GPU: the planner's own figures."""
+    """The letter of the fastest layout that fits in 80 GB a GPU less the planner's 10% headroom: its own figures."""
     from minipar.planning.estimate import peak_bytes
     from minipar.planning.planner import Cluster, step_time
     figures = {}
     for letter, layout in plan_choices(gpus).items():
         c, cfg = _cfg("8b", seq_len=seq_len, global_batch=global_batch, dtype="bfloat16", **layout)
-        figures[letter] = (peak_bytes(c, cfg) <= Cluster(gpus).memory, step_time(c, cfg, Cluster(gpus))["total"])
+        figures[letter] = (peak_bytes(c, cfg) <= Cluster(gpus).usable, step_time(c, cfg, Cluster(gpus))["total"])
     return min((k for k, (fits, _) in figures.items() if fits), key=lambda k: figures[k][1])
 
 
 def _plan_question(v: dict) -> str:
     letters = "   ".join(f"{k} {_flags(x)}" for k, x in plan_choices(v["gpus"]).items())
-    return (f"Llama-3.1-8B on {v['gpus']} H100s (80 GB, 8 a node), {v['global_batch']:,} sequences of "
+    return (f"Llama-3.1-8B on {v['gpus']} H100s (80 GB, 10% kept free, 8 a node), {v['global_batch']:,} sequences of "
             f"{v['seq_len']:,} tokens a step: of   {letters}   which does the planner rank fastest among those "
             f"that fit? (python scripts/plan.py --model 8b --gpus {v['gpus']} --seq-len {v['seq_len']} "
             f"--global-batch {v['global_batch']} --top 60)")

@@ -15,6 +15,6 @@ def ANSWER(v):  # noqa: N802 - a function of the variant (v.gpus, v.seq_len, v.g
     for letter, layout in layouts.items():
         cfg = TrainConfig(model="8b", vocab_size=c.vocab_size, seq_len=v.seq_len, global_batch=v.global_batch,
                           micro_batch=1, dtype="bfloat16", **layout)
-        if peak_bytes(c, cfg) <= Cluster(v.gpus).memory:
+        if peak_bytes(c, cfg) <= Cluster(v.gpus).usable:
             timed[letter] = step_time(c, cfg, Cluster(v.gpus))["total"]
     return min(timed, key=timed.get)
