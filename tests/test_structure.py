@@ -62,8 +62,9 @@ LIBRARY = sorted((ROOT / "minipar").rglob("*.py"))
 # Issue 30 item 5's clock against published runs (+67): the planner's memory headroom (Cluster.headroom,
 # check_memory's), interleaved stages in its search, pp's messages in the clock and the bubble over a whole turn,
 # and the 405b preset. Issue 28 item 3: the pipeline's bytes a step asked of schedules.py, which posts them (+2).
+# A trace written under a temporary name and renamed once whole (+2).
 LINE_BUDGET = (4000 + 400 + 500 + 500 + 400 + 500 + 300 + 150 + 100 + 300 + 350 + 100 + 300 + 200 + 330 + 90 + 210
-               + 74 + 105 + 30 + 13 + 1 + 138 + 24 + 151 + 6 + 67 + 2)
+               + 74 + 105 + 30 + 13 + 1 + 138 + 24 + 151 + 6 + 67 + 2 + 2)
 
 
 def test_the_library_stays_within_its_line_budget_and_400_lines_per_file():

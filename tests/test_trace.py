@@ -121,6 +121,7 @@ def test_train_py_profile_steps_writes_a_trace_per_rank_that_the_report_reads(tm
     run(common(tmp_path, dp=2, steps=3, out=out, log_json=tmp_path / "log.jsonl") + ["--profile-steps=2:3"], nproc=2)
     records = {r["step"]: r for r in map(json.loads, (tmp_path / "log.jsonl").read_text().splitlines())}
     folder = out / "traces" / "steps_2-3"
+    assert sorted(f.name for f in folder.iterdir()) == ["rank0.pt.trace.json", "rank1.pt.trace.json"]  # no part left
     for rank in (0, 1):  # dp: the ranks send alike, so rank 0's ledger in the log is each rank's
         trace = json.loads((folder / f"rank{rank}.pt.trace.json").read_text())
         assert trace["traceEvents"]

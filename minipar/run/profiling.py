@@ -67,5 +67,7 @@ class StepProfiler:
             self.ledger.listeners.remove(self.clock.note)
             self.clock.noted = None
             self.folder.mkdir(parents=True, exist_ok=True)  # every rank writes its own file into it
-            self.profiler.export_chrome_trace(str(self.folder / f"rank{dist.get_rank()}.pt.trace.json"))
+            final = self.folder / f"rank{dist.get_rank()}.pt.trace.json"
+            self.profiler.export_chrome_trace(str(final.with_suffix(".part")))  # renamed once whole: never half a trace
+            final.with_suffix(".part").rename(final)
             self.profiler = None
