@@ -8,12 +8,38 @@ time is the stated model of minipar/planning/planner.py (compute at --mfu of --p
 at the given bandwidths). A layout fits when its fullest rank stays within --gpu-memory less --headroom.
 Nothing runs on a GPU: it is arithmetic, for any number of GPUs. A flag out of its range is one line and
 exit code 2 (minipar/run/args.py).
+
+    .venv/bin/python scripts/plan.py --calibrate
+
+checks that clock here instead (chapter 8, docs/benchmarks.md): it measures this machine (the plain
+model's forward and backward on one thread: its FLOP rate; all-reduces of 4 KiB to 4 MiB in groups of
+2, 4 and 8 ranks, every group at once: α and β per group size on 2, 4 and 8 processes), predicts with
+planner.step_time the step of each layout of CALIBRATED (the small model, train.py's batch in
+micro-batches of 2, one thread a rank), then runs each with train.py and tables prediction against
+measurement: a few minutes. Everything it writes goes into a temporary folder, removed at the end.
 """
 
 import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from minipar.collectives import ring_bytes_sent
+from minipar.model import Llama
+from minipar.parallelize import adamw
+from minipar.planning.layout import Layout
 
 from minipar.model import CONFIGS, get_config
-from minipar.planning.planner import HEADROOM, Cluster, plan, step_time
+from minipar.planning.planner import HEADROOM, Cluster, plan, step_flops, step_time
 from minipar.run.args import (
     HelpFormatter,
     InputError,
@@ -52,6 +78,11 @@ def parse_args(argv=None):
     p.add_argument("--intra-gbps", type=positive_float, default=450.0, help="GB/s per GPU inside a node (NVLink)")
     p.add_argument("--inter-gbps", type=positive_float, default=50.0, help="GB/s per GPU between nodes (InfiniBand)")
     p.add_argument("--top", type=positive_int, default=8, help="how many layouts to list")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine, predict and run the layouts of --calibrate-layouts (minutes)")
+    p.add_argument("--calibrate-layouts", default=";".join(CALIBRATED), metavar="FLAGS;FLAGS",
+                   help="train.py's layout flags of each layout, ';' between layouts")
+    p.add_argument("--calibrate-steps", type=positive_int, default=15, help="steps of each run (the first 5 unmeasured)")
     return p.parse_args(argv)
 
 
@@ -92,9 +123,156 @@ def why_not(best, fits, args, cluster) -> list[str]:
     return lines
 
 
+# ----------------------------------------------------------------------------------------------
+# --calibrate: the clock against this machine
+# ----------------------------------------------------------------------------------------------
+
+HERE = dict(model="small", seq_len=128, global_batch=16, micro_batch=2)  # train.py's, in micro-batches of 2
+CALIBRATED = ("", "--dp 2", "--tp 2", "--pp 2", "--cp 2", "--dp 4", "--tp 4", "--dp 2 --tp 2", "--dp 2 --pp 2",
+              "--tp 2 --pp 2", "--dp 8", "--dp 4 --tp 2", "--dp 2 --tp 2 --pp 2")
+SIZES = (2**12, 2**16, 2**20, 2**22)  # bytes of the timed all-reduces
+WARMUP = 5  # unmeasured steps of each run: the allocator, the first messages of each group
+
+
+def layout_of(flags: str) -> Layout:
+    """The Layout of train.py's degree flags ("--dp 2 --tp 2") under HERE; anything else is refused."""
+    words = flags.split()
+    if len(words) % 2 or any(k not in ("--dp", "--tp", "--pp", "--cp") or not v.isdigit()
+                             for k, v in zip(words[::2], words[1::2])):
+        raise InputError(f"--calibrate-layouts: {flags!r} is not a layout: give degrees, e.g. '--dp 2 --tp 2'")
+    return Layout(**HERE, **{k[2:]: int(v) for k, v in zip(words[::2], words[1::2])})
+
+
+def ranks(cfg: Layout) -> int:
+    return cfg.dp * cfg.tp * cfg.pp * cfg.cp
+
+
+def compute_rate(reps: int = 3) -> float:
+    """FLOP/s (by step_flops) of the small model's whole step on one thread: HERE's global batch in its
+    micro-batches, forward and backward, then the norm's clip and AdamW: the rate the matmuls and all
+    between them reach here, the data's and the log's work left out."""
+    torch.set_num_threads(1)
+    c, gen = get_config(HERE["model"]), torch.Generator().manual_seed(0)
+    model = Llama(c)
+    optimizer = adamw([{"params": list(model.parameters())}], lr=1e-3)
+    tokens = torch.randint(c.vocab_size, (HERE["global_batch"], HERE["seq_len"] + 1), generator=gen)
+    times = []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        for batch in tokens.split(HERE["micro_batch"]):
+            model(batch[:, :-1], batch[:, 1:]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    return step_flops(c, layout_of("")) / statistics.median(times[1:])
+
+
+def _time_links(rank: int, world: int, store: str, out: dict) -> None:
+    """One process of link_costs: all-reduces of each size in groups of 2, 4, ... (every group at once)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    for size in (g for g in (2, 4, 8) if g <= world):
+        groups = [dist.new_group(list(range(i, i + size))) for i in range(0, world, size)]
+        for nbytes in SIZES:
+            x = torch.zeros(nbytes // 4)
+            for _ in range(3):
+                dist.all_reduce(x, group=groups[rank // size])
+            dist.barrier()
+            start, reps = time.perf_counter(), 20
+            for _ in range(reps):
+                dist.all_reduce(x, group=groups[rank // size])
+            if rank == 0:
+                out[(size, nbytes)] = (time.perf_counter() - start) / reps
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def link_costs(world: int) -> tuple[tuple[int, float, float], ...]:
+    """(group size, α, β) on `world` processes: the least-squares line t = α + sent / β through the timed
+    all-reduces, sent being what a rank sends of a ring all-reduce (collectives.ring_bytes_sent)."""
+    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_time_links, (world, f"{tmp}/store", out), nprocs=world)
+        times = dict(out)
+    links = []
+    for size in sorted({g for g, _ in times}):
+        xs = [ring_bytes_sent("all_reduce", n, size) for n in SIZES]
+        ys = [times[(size, n)] for n in SIZES]
+        slope, alpha = _line(xs, ys)
+        links.append((size, max(alpha, 0.0), 1 / slope))
+    return tuple(links)
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return slope, my - slope * mx
+
+
+def measured_step(flags: str, steps: int, tmp: Path) -> float:
+    """The median step time of train.py under `flags` (steps after WARMUP), one thread a rank."""
+    world = ranks(layout_of(flags))
+    log, out = tmp / f"log{abs(hash(flags))}.json", tmp / f"run{abs(hash(flags))}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               str(Path(__file__).parent / "train.py"), *flags.split(), "--model", HERE["model"],
+               "--seq-len", str(HERE["seq_len"]), "--global-batch", str(HERE["global_batch"]),
+               "--micro-batch", str(HERE["micro_batch"]), "--steps", str(steps), "--no-wandb",
+               "--log-json", str(log), "--out", str(out)]
+    subprocess.run(command, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    return statistics.median(r["step_time_s"] for r in records if "step_time_s" in r and r["step"] > WARMUP)
+
+
+def calibrate(args) -> None:
+    layouts = [f.strip() for f in args.calibrate_layouts.split(";")]
+    cores, rate = len(os.sched_getaffinity(0)), compute_rate()
+    worlds = sorted({ranks(layout_of(f)) for f in layouts})
+    links = {w: link_costs(w) for w in worlds if w > 1}
+    print(f"this machine: {cores} cores; the small model's forward and backward on one thread: "
+          f"{rate / 1e9:.1f} GFLOP/s")
+    for w, measured in links.items():
+        print(f"  {w} processes: " + ", ".join(f"groups of {g}: α {a * 1e6:.0f} µs, β {b / 1e9:.2f} GB/s"
+                                                for g, a, b in measured))
+    c, rows = get_config(HERE["model"]), []
+    with tempfile.TemporaryDirectory() as tmp:
+        for flags in layouts:
+            cfg = layout_of(flags)
+            world = ranks(cfg)
+            here = Cluster(world, world, flops=rate, mfu=1.0, cores=cores, links=links.get(world, ()))
+            rows.append((flags or "one rank", world, step_time(c, cfg, here), measured_step(flags, args.calibrate_steps,
+                                                                                             Path(tmp))))
+            print(calibration_row(*rows[-1]), flush=True)
+    print(calibration_verdict(rows))
+
+
+def calibration_row(name: str, world: int, predicted: dict, measured: float) -> str:
+    parts = " + ".join(f"{k} {v * 1e3:.0f}" for k, v in predicted.items() if k != "total" and v >= 5e-4)
+    return (f"  {name:<22} {world} ranks: predicted {predicted['total'] * 1e3:6.0f} ms ({parts}), measured "
+            f"{measured * 1e3:6.0f} ms: {predicted['total'] / measured:.2f}x")
+
+
+def calibration_verdict(rows: list) -> str:
+    ratios = [p["total"] / m for _, _, p, m in rows]
+    order = [sorted(rows, key=lambda r: r[2]["total"]) == sorted(rows, key=lambda r: r[3])]
+    within = sum(0.75 <= r <= 1.25 for r in ratios)
+    ranked = {w: [r[0] for r in sorted((r for r in rows if r[1] == w), key=lambda r: r[2]["total"])]
+              == [r[0] for r in sorted((r for r in rows if r[1] == w), key=lambda r: r[3])]
+              for w in sorted({r[1] for r in rows})}
+    return (f"{within} of {len(rows)} layouts within 25% (ratios {min(ratios):.2f}x to {max(ratios):.2f}x); the "
+            f"ranking right on " + ", ".join(f"{w} ranks: {'yes' if ok else 'no'}" for w, ok in ranked.items())
+            + f"; over all: {'yes' if order[0] else 'no'}")
+
+
 def main(argv=None) -> None:
     with refusals():  # a flag out of its range, or a layout the planner refuses: one line
         args = parse_args(argv)
+        if args.calibrate:
+            for cfg in (layout_of(f.strip()) for f in args.calibrate_layouts.split(";")):
+                cfg.validate(ranks(cfg))  # before anything is measured
+    if args.calibrate:
+        return calibrate(args)
+    with refusals():
         if args.seq_len > get_config(args.model).max_seq_len:  # as train.py refuses it
             raise InputError(f"--seq-len {args.seq_len} is above --model {args.model}'s max_seq_len "
                              f"{get_config(args.model).max_seq_len}: give {get_config(args.model).max_seq_len} or less")

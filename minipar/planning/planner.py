@@ -46,6 +46,7 @@ built, a run whose fullest rank would not fit, and `report` is `train.py --plan`
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -63,6 +64,7 @@ from minipar.planning.estimate import (
     held_bytes,
     peak_bytes,
     pipeline_bytes_sent,
+    rank_model,
     temporary_bytes,
 )
 from minipar.planning.layout import Layout
@@ -86,6 +88,10 @@ class Cluster:
     inter_bandwidth: float = 50e9  # bytes/s per GPU between nodes (400 Gb/s InfiniBand)
     memory_bandwidth: float = 3.35e12  # bytes/s per GPU (H100 SXM HBM3)
     headroom: float = HEADROOM
+    # Measured here (scripts/plan.py --calibrate): a CPU's ranks share `cores` (0: a device each), and each
+    # group size's (size, α seconds a message, β bytes/s) replaces the bandwidths above and adds latency.
+    cores: int = 0
+    links: tuple[tuple[int, float, float], ...] = ()
 
     @property
     def usable(self) -> float:
@@ -126,18 +132,36 @@ def step_flops(c: ModelConfig, cfg: Layout) -> float:
 
 def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]:
     """Seconds of one optimizer step under the clock of the module docstring, by part."""
-    compute = step_flops(c, cfg) / (cluster.gpus * cluster.flops * cluster.mfu)
-    sent = bytes_sent(c, cfg)  # pp rank 0's, by group: equal to the ledger's on CPU
+    shared = max(1.0, cluster.gpus / cluster.cores) if cluster.cores else 1.0  # ranks beyond the cores wait turns
+    compute = step_flops(c, cfg) / (cluster.gpus * cluster.flops * cluster.mfu) * shared
+    sent, calls = bytes_sent(c, cfg), messages(c, cfg)  # pp rank 0's, by group: equal to the ledger's on CPU
 
-    def over(prefix: str, span: int) -> float:
-        return sum(v for k, v in sent.items() if k.split("/")[0] == prefix) / _bandwidth(cluster, span)
+    def over(prefix: str, span: int, size: int) -> float:
+        latency, bandwidth = _link(cluster, span, size)
+        return calls[prefix] * latency + sum(v for k, v in sent.items() if k.split("/")[0] == prefix) / bandwidth
     idle = pipeline_idle(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages)  # of the whole step
     stages = sum(pipeline_bytes_sent(c, cfg, min(1, cfg.pp - 1)).values())  # a middle stage's: the most
-    turns = {"compute": compute, "tp": over("tp", cfg.tp), "cp": over("cp", cfg.tp * cfg.cp),
-             "pp": stages / _bandwidth(cluster, cfg.dp * cfg.tp * cfg.pp * cfg.cp)}  # the micro-batches' turns
-    parts = {**turns, "dp": max(0.0, over("dp_cp" if cfg.cp > 1 else "dp", cfg.tp * cfg.cp * cfg.dp) - 2 / 3 * compute),
+    latency, bandwidth = _link(cluster, cfg.dp * cfg.tp * cfg.pp * cfg.cp, 2)
+    turns = {"compute": compute, "tp": over("tp", cfg.tp, cfg.tp), "cp": over("cp", cfg.tp * cfg.cp, cfg.cp),
+             "pp": calls["pp"] * latency + stages / bandwidth}  # the micro-batches' turns
+    dp = over("dp_cp" if cfg.cp > 1 else "dp", cfg.tp * cfg.cp * cfg.dp, cfg.dp * cfg.cp)
+    parts = {**turns, "dp": max(0.0, dp - 2 / 3 * compute),
              "bubble": idle / (1 - idle) * sum(turns.values())}  # idle f of the step is f / (1 - f) of the turns
     return {**parts, "total": sum(parts.values())}
+
+
+def messages(c: ModelConfig, cfg: Layout) -> Counter:
+    """The messages of a step by kind, for the latency of each (Cluster.links), as pp rank 0 sends them (pp: a
+    middle stage): tp's four a layer and micro-batch, the embedding's, and the head's and loss's four;
+    ring attention's 2(cp-1)+1 a layer (Ulysses' four); one or two a micro-batch and stage held; dp's buckets
+    (ZeRO: a reduce-scatter and an all-gather each, ZeRO-3 a micro-batch) and the norm."""
+    model, m, v, middle = rank_model(c, cfg), cfg.accum_steps, cfg.virtual_stages, min(1, cfg.pp - 1)
+    layers, buckets = len(model.layers), sum(p.numel() * 4 for p in model.parameters()) // (25 * 2**20) + 1
+    dp = 1 + buckets * ((1, 2, 2, 3 * m)[cfg.zero] if cfg.dp * cfg.cp > 1 else 0)
+    return Counter({"tp": (m * (4 * layers + 1 + 4 * (cfg.pp == 1)) + 1) * (cfg.tp > 1),
+                    "cp": m * layers * (2 * cfg.cp - 1 if cfg.cp_attention == "ring" else 4) * (cfg.cp > 1),
+                    "pp": m * v * ((middle < cfg.pp - 1) + (middle > 0)) * (cfg.pp > 1),
+                    "dp": dp, "dp_cp": dp})
 
 
 @lru_cache(maxsize=256)  # many layouts share a schedule
@@ -146,10 +170,14 @@ def pipeline_idle(schedule: str, pp: int, m: int, virtual: int = 1) -> float:
     return simulate(build_schedule(schedule, pp, m, virtual)).idle_fraction() if pp > 1 else 0.0
 
 
-def _bandwidth(cluster: Cluster, span: int) -> float:
-    """A group whose ranks lie within `span` consecutive ranks (mesh.py: tp varies fastest, then
-    cp, dp, pp) stays inside a node when span <= gpus_per_node."""
-    return cluster.intra_bandwidth if span <= cluster.gpus_per_node else cluster.inter_bandwidth
+def _link(cluster: Cluster, span: int, size: int) -> tuple[float, float]:
+    """A message's latency and a group's bytes/s: measured for its size where Cluster.links has it, else
+    no latency, and a group whose ranks lie within `span` consecutive ranks (mesh.py: tp varies fastest,
+    then cp, dp, pp) stays inside a node's bandwidth when span <= gpus_per_node."""
+    measured = {n: (alpha, beta) for n, alpha, beta in cluster.links}
+    if size in measured:
+        return measured[size]
+    return 0.0, cluster.intra_bandwidth if span <= cluster.gpus_per_node else cluster.inter_bandwidth
 
 
 @dataclass
