@@ -34,11 +34,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from minipar.collectives import ring_bytes_sent
-from minipar.model import Llama
+from minipar.model import CONFIGS, Llama, get_config
 from minipar.parallelize import adamw
 from minipar.planning.layout import Layout
-
-from minipar.model import CONFIGS, get_config
 from minipar.planning.planner import HEADROOM, Cluster, plan, step_flops, step_time
 from minipar.run.args import (
     HelpFormatter,
@@ -82,7 +80,8 @@ def parse_args(argv=None):
                    help="measure this machine, predict and run the layouts of --calibrate-layouts (minutes)")
     p.add_argument("--calibrate-layouts", default=";".join(CALIBRATED), metavar="FLAGS;FLAGS",
                    help="train.py's layout flags of each layout, ';' between layouts")
-    p.add_argument("--calibrate-steps", type=positive_int, default=15, help="steps of each run (the first 5 unmeasured)")
+    p.add_argument("--calibrate-steps", type=positive_int, default=15,
+                   help="steps of each run (the first 5 unmeasured)")
     return p.parse_args(argv)
 
 

@@ -491,9 +491,16 @@ def test_a_pipeline_ranks_activation_estimate_is_its_peak_in_a_real_step(world, 
 
 def _dp_traffic(rank, world, layout, model_settings=None, device: str = "cpu"):
     """(bytes sent per group as the ledger counts them in a step, the estimate). tests/gpu runs it on CUDA."""
+    from minipar.planning.estimate import bytes_sent
+
+    snapshot, c, cfg, pp_rank = _a_steps_ledger(layout, model_settings, device)
+    return {k: v["sent"] for k, v in snapshot.items() if v["sent"]}, bytes_sent(c, cfg, pp_rank)
+
+
+def _a_steps_ledger(layout, model_settings=None, device: str = "cpu"):
+    """The ledger's snapshot of a step like every other under layout, the model, the config and the pp rank."""
     from minipar.context_parallel import split_sequence
     from minipar.mesh import Mesh
-    from minipar.planning.estimate import bytes_sent
     from minipar.run.train import build_model, precision, train_step
 
     cfg = TrainConfig(**{"model": "small", "seq_len": 16, "global_batch": 8, "micro_batch": 2, "dtype": "float64",
@@ -514,8 +521,7 @@ def _dp_traffic(rank, world, layout, model_settings=None, device: str = "cpu"):
         train_step(wrapper, micro, 1.0, autocast, pipeline=pipeline)
         mesh.ledger.reset()
         train_step(wrapper, micro, 1.0, autocast, pipeline=pipeline)  # a step like every other
-        measured = {k: v["sent"] for k, v in mesh.ledger.snapshot().items() if v["sent"]}
-        return measured, bytes_sent(c, cfg, pipeline.group.rank if pipeline else 0)
+        return mesh.ledger.snapshot(), c, cfg, pipeline.group.rank if pipeline else 0
 
 
 TRAFFIC_LAYOUTS = [(2, dict(dp=2)), (4, dict(dp=4)), (2, dict(dp=2, zero=1)), (2, dict(dp=2, zero=2)),
@@ -551,6 +557,32 @@ TRAFFIC_LAYOUTS = [(2, dict(dp=2)), (4, dict(dp=4)), (2, dict(dp=2, zero=1)), (2
 def test_the_traffic_estimate_equals_the_ledger_group_by_group(world, layout):
     for measured, estimated in run_ranks(world, _dp_traffic, layout, timeout=300):
         assert measured == estimated
+
+
+def _messages(rank, world, layout):
+    """(the messages each kind sent in a step, by the ledger; planner.messages' count)."""
+    from minipar.planning.planner import messages
+
+    snapshot, c, cfg, pp_rank = _a_steps_ledger({"bucket_mb": 25.0, **layout})
+    counted = Counter()
+    for key, figures in snapshot.items():
+        group, op = key.split("/")
+        if op != "recv":  # a receive sends nothing; pipeline gradients travel in their own group, pp_grad
+            counted["pp" if group == "pp_grad" else group] += figures["calls"]
+    return counted, +messages(c, cfg, pp_rank)
+
+
+MESSAGE_LAYOUTS = [(4, dict(tp=2, pp=2)), (2, dict(dp=2)), (2, dict(cp=2)), (4, dict(cp=4)),
+                   (2, dict(cp=2, cp_attention="ulysses")), (2, dict(dp=2, zero=1)), (2, dict(dp=2, zero=2)),
+                   (2, dict(dp=2, zero=3)), (4, dict(dp=2, pp=2)), (4, dict(tp=2, cp=2, sp=True)),
+                   (2, dict(pp=2, schedule="interleaved", virtual_stages=2))]
+
+
+@pytest.mark.parametrize("world,layout", tiers(MESSAGE_LAYOUTS, fast=[0]),
+                         ids=["-".join(f"{k}{v}" for k, v in c[1].items()) for c in MESSAGE_LAYOUTS])
+def test_the_clocks_message_count_equals_the_ledgers_calls_kind_by_kind(world, layout):
+    for counted, predicted in run_ranks(world, _messages, layout, timeout=300):
+        assert counted == predicted
 
 
 # ----------------------------------------------------------------------------------------------

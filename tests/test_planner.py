@@ -12,7 +12,7 @@ from minipar.model import get_config
 from minipar.pipeline.schedules import build
 from minipar.pipeline.timeline import simulate
 from minipar.planning.estimate import bytes_sent, peak_bytes
-from minipar.planning.planner import Cluster, check_memory, layouts, plan, report, step_time
+from minipar.planning.planner import Cluster, check_memory, layouts, messages, plan, report, step_time
 from minipar.run.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,6 +111,36 @@ def test_the_clock_is_the_stated_arithmetic():
     # over tp's 2 ranks under sp) across nodes: the two stages are 8 ranks apart
     assert t["pp"] == pytest.approx(m * stream / 2 / 50e9)
     assert t["total"] == pytest.approx(sum(v for k, v in t.items() if k != "total"))
+
+
+def test_a_calibrated_clock_shares_the_cores_and_adds_each_messages_latency_at_its_groups_measured_bandwidth():
+    # plan.py --calibrate's cluster: 4 ranks on 2 cores, groups of 2 measured at 1 ms and 1 GB/s, of 4 at 2 ms, 0.5 GB/s
+    c, links = get_config("small"), ((2, 1e-3, 1e9), (4, 2e-3, 0.5e9))
+    cfg = TrainConfig(model="small", dp=2, tp=2, seq_len=128, global_batch=16, micro_batch=2)
+    here, alone = Cluster(4, 4, flops=50e9, mfu=1.0, cores=2, links=links), Cluster(4, 4, flops=50e9, mfu=1.0)
+    t, calls, sent = step_time(c, cfg, here), messages(c, cfg), bytes_sent(c, cfg)
+    assert t["compute"] == pytest.approx(2 * step_time(c, cfg, alone)["compute"])  # 4 ranks take turns on 2 cores
+    assert calls["tp"] == 4 * (4 * 4 + 1 + 1 + 3) + 1  # 4 micro-batches: a block's message each way, the loss's 3
+    assert t["tp"] == pytest.approx(calls["tp"] * 1e-3 + sum(v for k, v in sent.items() if k.startswith("tp/")) / 1e9)
+    dp = calls["dp"] * 1e-3 + sum(v for k, v in sent.items() if k.startswith("dp/")) / 1e9
+    assert t["dp"] == pytest.approx(max(0.0, dp - 2 / 3 * t["compute"]))
+    four = TrainConfig(model="small", dp=4, seq_len=128, global_batch=16, micro_batch=2)
+    fast = replace(here, flops=1e15)
+    dp = step_time(c, four, fast)["dp"]  # a group of 4 costs what groups of 4 measured, no backward to hide behind
+    assert dp == pytest.approx(messages(c, four)["dp"] * 2e-3 + bytes_sent(c, four)["dp/all_reduce"] / 0.5e9, rel=1e-3)
+    assert step_time(c, four, replace(fast, links=links[1:]))["dp"] == dp
+
+
+def test_plan_py_calibrate_refuses_a_layout_it_cannot_read_in_one_line_before_measuring_anything(capsys):
+    spec = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "plan.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for bad, says in (("--dp 2;--zero 3", "'--zero 3' is not a layout"), ("--tp 3", "--tp 3")):
+        with pytest.raises(SystemExit) as stop:
+            script.main(["--calibrate", "--calibrate-layouts", bad])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and says in err, err
 
 
 def test_train_py_plan_predicts_the_exposed_communication_in_the_words_of_the_training_log():

@@ -92,7 +92,7 @@ def held_bytes(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[st
         buffers = sum(p.numel() for p in params if _replicas(placement_of(p).grad_mean, cfg) > 1) * wire
         return {"params": numel * (width + master * prec.mixed), "grads": numel * width + buffers,
                 "optimizer": 2 * numel * master}
-    plan = _zero_plan(model, cfg)
+    plan = zero_buckets(model, cfg)
     slices = sum(-(-sum(p.numel() for p in chunk) // _replicas(dims, cfg)) for _, dims, chunk in plan)
     weights = numel * width if cfg.zero < 3 else slices * width * prec.mixed  # ZeRO-3: the bf16 shard it gathers
     weights += secondary_bytes(plan, cfg, width) if cfg.zero == 3 else 0  # ZeRO++'s hpZ (planning/estimate_zeropp.py)
@@ -122,7 +122,7 @@ def dp_bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict
                 sent[f"{_dp_name(dims, cfg)}/all_reduce"] += ring_bytes_sent(
                     "all_reduce", sum(p.numel() for p in chunk) * wire, _replicas(dims, cfg))
         return {k: v for k, v in sent.items() if v}
-    for _, dims, chunk in _zero_plan(model, cfg):
+    for _, dims, chunk in zero_buckets(model, cfg):
         r, group = _replicas(dims, cfg), _dp_name(dims, cfg)
         padded = -(-sum(p.numel() for p in chunk) // r) * r
         if cfg.zero == 3 and cfg.zeropp:  # ZeRO++ sends its own messages (planning/estimate_zeropp.py)
@@ -146,7 +146,7 @@ def _norm_sums(model, cfg: Layout) -> dict[str, tuple[int, int]]:
     gradient (those whose other pieces lie on the same groups: tp, ep, ZeRO's) over those groups."""
     sizes = {"tp": cfg.tp, "ep": cfg.ep}
     kinds = set()
-    for _, dims, chunk in _zero_plan(model, cfg) if cfg.zero else [((), (), [p]) for p in model.parameters()]:
+    for _, dims, chunk in zero_buckets(model, cfg) if cfg.zero else [((), (), [p]) for p in model.parameters()]:
         groups = [(d, sizes[d]) for d, _ in placement_of(chunk[0]).shards]
         groups += [(_dp_name(dims, cfg), _replicas(dims, cfg))] if cfg.zero else []
         kinds.add(tuple(g for g in groups if g[1] > 1))
@@ -201,7 +201,7 @@ def bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[st
         if partial and cfg.zero == 0:  # sp's norm weights: summed over tp once per step (one message)
             sent["tp/all_reduce"] += ring_bytes_sent("all_reduce", sum(partial) * weight_width, t)
         elif partial:  # ZeRO: per bucket that holds some, as it is reduced (stage 2-3: each micro-batch)
-            for _, _, chunk in _zero_plan(model, cfg):
+            for _, _, chunk in zero_buckets(model, cfg):
                 numel = sum(p.numel() for p in chunk if "tp" in placement_of(p).partial)
                 if numel:
                     sent["tp/all_reduce"] += (m if cfg.zero >= 2 else 1) * ring_bytes_sent(
@@ -243,7 +243,7 @@ def temporary_bytes(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> di
     if cfg.zero == 0:
         return {}
     model, (_, width, wire) = rank_model(model_cfg, cfg, pp_rank), widths(cfg)
-    plan = _zero_plan(model, cfg)
+    plan = zero_buckets(model, cfg)
     padded = [-(-sum(p.numel() for p in chunk) // _replicas(dims, cfg)) * _replicas(dims, cfg) * max(width, wire)
               for _, dims, chunk in plan]
     if cfg.zero < 3:
@@ -255,7 +255,8 @@ def temporary_bytes(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> di
     return {"flattened": max(padded), "gathered": max(units[i] + units[i + 1] for i in range(len(units)))}
 
 
-def _zero_plan(model, cfg: Layout):
+def zero_buckets(model, cfg: Layout):
+    """ZeRO's buckets of the rank's model (zero.bucket_plan): ZeRO-3's units, else bucket_mb's chunks."""
     units = units_of(model)
     return bucket_plan(param_groups(model, cfg), (lambda ps: unit_chunks(units, ps)) if cfg.zero == 3
                        else (lambda ps: bucket_params(ps, cfg.bucket_mb)))

@@ -55,6 +55,7 @@ from itertools import islice
 import torch
 
 from minipar.comm_clock import exposed_line
+from minipar.data_parallel import bucket_params
 from minipar.model import ModelConfig, get_config
 from minipar.pipeline.schedules import build as build_schedule
 from minipar.pipeline.timeline import simulate
@@ -66,6 +67,7 @@ from minipar.planning.estimate import (
     pipeline_bytes_sent,
     rank_model,
     temporary_bytes,
+    zero_buckets,
 )
 from minipar.planning.layout import Layout
 from minipar.precision import of_config
@@ -135,33 +137,36 @@ def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]
     shared = max(1.0, cluster.gpus / cluster.cores) if cluster.cores else 1.0  # ranks beyond the cores wait turns
     compute = step_flops(c, cfg) / (cluster.gpus * cluster.flops * cluster.mfu) * shared
     sent, calls = bytes_sent(c, cfg), messages(c, cfg)  # pp rank 0's, by group: equal to the ledger's on CPU
+    middle = min(1, cfg.pp - 1)  # a middle stage's messages between stages: the most
 
     def over(prefix: str, span: int, size: int) -> float:
         latency, bandwidth = _link(cluster, span, size)
         return calls[prefix] * latency + sum(v for k, v in sent.items() if k.split("/")[0] == prefix) / bandwidth
     idle = pipeline_idle(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages)  # of the whole step
-    stages = sum(pipeline_bytes_sent(c, cfg, min(1, cfg.pp - 1)).values())  # a middle stage's: the most
-    latency, bandwidth = _link(cluster, cfg.dp * cfg.tp * cfg.pp * cfg.cp, 2)
+    latency, bandwidth = _link(cluster, cfg.dp * cfg.tp * cfg.pp * cfg.cp, 2)  # one rank to the next
     turns = {"compute": compute, "tp": over("tp", cfg.tp, cfg.tp), "cp": over("cp", cfg.tp * cfg.cp, cfg.cp),
-             "pp": calls["pp"] * latency + stages / bandwidth}  # the micro-batches' turns
+             "pp": messages(c, cfg, middle)["pp"] * latency
+             + sum(pipeline_bytes_sent(c, cfg, middle).values()) / bandwidth}  # the micro-batches' turns
     dp = over("dp_cp" if cfg.cp > 1 else "dp", cfg.tp * cfg.cp * cfg.dp, cfg.dp * cfg.cp)
     parts = {**turns, "dp": max(0.0, dp - 2 / 3 * compute),
              "bubble": idle / (1 - idle) * sum(turns.values())}  # idle f of the step is f / (1 - f) of the turns
     return {**parts, "total": sum(parts.values())}
 
 
-def messages(c: ModelConfig, cfg: Layout) -> Counter:
-    """The messages of a step by kind, for the latency of each (Cluster.links), as pp rank 0 sends them (pp: a
-    middle stage): tp's four a layer and micro-batch, the embedding's, and the head's and loss's four;
-    ring attention's 2(cp-1)+1 a layer (Ulysses' four); one or two a micro-batch and stage held; dp's buckets
-    (ZeRO: a reduce-scatter and an all-gather each, ZeRO-3 a micro-batch) and the norm."""
-    model, m, v, middle = rank_model(c, cfg), cfg.accum_steps, cfg.virtual_stages, min(1, cfg.pp - 1)
-    layers, buckets = len(model.layers), sum(p.numel() * 4 for p in model.parameters()) // (25 * 2**20) + 1
-    dp = 1 + buckets * ((1, 2, 2, 3 * m)[cfg.zero] if cfg.dp * cfg.cp > 1 else 0)
-    return Counter({"tp": (m * (4 * layers + 1 + 4 * (cfg.pp == 1)) + 1) * (cfg.tp > 1),
-                    "cp": m * layers * (2 * cfg.cp - 1 if cfg.cp_attention == "ring" else 4) * (cfg.cp > 1),
-                    "pp": m * v * ((middle < cfg.pp - 1) + (middle > 0)) * (cfg.pp > 1),
-                    "dp": dp, "dp_cp": dp})
+def messages(c: ModelConfig, cfg: Layout, pp_rank: int = 0) -> Counter:
+    """The messages pp rank `pp_rank` sends in a step by kind, for the clock's latency (Cluster.links): tp's
+    one each way a block and micro-batch (sp: two), the embedding's and the head's too, the loss's three and
+    the norms'; ring attention's 2(cp-1)+1 a layer (Ulysses: four each way); one or two a micro-batch and stage
+    held; dp's count, a message a bucket (ZeRO: estimate.zero_buckets' reduce-scatters and all-gathers) and
+    the norm. Recompute's replays are not counted."""
+    model, m, v, many = rank_model(c, cfg, pp_rank), cfg.accum_steps, cfg.virtual_stages, cfg.dp * cfg.cp > 1
+    first, last, layers = model.tok_emb is not None, model.lm_head is not None, len(model.layers)
+    buckets = len(zero_buckets(model, cfg)) if cfg.zero else len(bucket_params(list(model.parameters()), cfg.bucket_mb))
+    dp = 1 + many * (buckets * (1, 2, m + 1, 3 * m)[cfg.zero] + (cfg.zero > 0))
+    tp = m * ((4 * layers + first + last) * (1 + cfg.sp) + 3 * last) + 1 + (cfg.sp and not cfg.zero)
+    return Counter({"tp": tp * (cfg.tp > 1), "dp_cp" if cfg.cp > 1 else "dp": dp,
+                    "cp": m * layers * (2 * cfg.cp - 1 if cfg.cp_attention == "ring" else 8) * (cfg.cp > 1),
+                    "pp": (m * (2 * v - (pp_rank == 0) - (pp_rank == cfg.pp - 1)) + 1) * (cfg.pp > 1)})
 
 
 @lru_cache(maxsize=256)  # many layouts share a schedule
