@@ -210,9 +210,7 @@ def rope_frequencies(config: ModelConfig) -> torch.Tensor:
     freqs = 1.0 / config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device="cpu") / hd)
     if config.rope_factor == 1:
         return freqs
-    # How many wavelengths fit in the original context: many (>= high_freq_factor): keep; few (<= low_freq_factor):
-    # slow down by rope_factor; in between, blend linearly in that count.
-    fits = config.rope_original_max_len * freqs / (2 * math.pi)
+    fits = config.rope_original_max_len * freqs / (2 * math.pi)  # wavelengths in the original context (ModelConfig)
     keep = ((fits - config.rope_low_freq_factor) / (config.rope_high_freq_factor - config.rope_low_freq_factor))
     keep = keep.clamp(0.0, 1.0)
     return keep * freqs + (1 - keep) * freqs / config.rope_factor

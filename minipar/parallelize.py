@@ -22,11 +22,8 @@ the part of a parallel model that one rank holds, in five steps, always in this 
                   a token (gate, silu(gate), up, their product) are rebuilt for about 2/3 of a
                   layer's matmul FLOPs, where full recompute redoes them all
 
-Where the messages are sent, read in the forwards: ParallelAttention and ParallelMLP enter the
-parallel region once (f) for the layers that read their input (q, k and v; gate and up); the
-row-parallel wo and w_down leave it (g), and so does the embedding; the LM head enters it itself.
-ParallelAttention with a cp group runs ring attention (or Ulysses' all-to-alls). With every degree
-1 the model is returned as it came.
+The messages are sent in the forwards of the layers installed here (tensor_parallel.py's f and g,
+context_parallel.py's ring or all-to-alls). With every degree 1 the model is returned as it came.
 
 Then the wrapper that syncs gradients goes around the result, chosen in one place (`build_grad_sync`,
 at the end) so the loop, the benchmarks and the course scripts build alike: zero 0 DataParallel

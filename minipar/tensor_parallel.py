@@ -37,10 +37,9 @@ per token, so the [b, s, V] logits never exist on any rank. A vocabulary that tp
 padded to the next multiple: padded embedding rows are never looked up, and padded logits are set
 to -inf before the softmax, so they change neither the loss nor any gradient.
 
-Sharding. Each parameter's `Placement` (placement.py) records which tensor dimension tp splits
-and its full, unpadded shape; `shard` and `unshard` turn a single-device tensor into this rank's
-piece and back. `parallelize` builds these layers from the plain model's own layers, cutting each
-shard from the single-device weight, so a shard always equals the slice of the plain parameter.
+Sharding. `shard` and `unshard` turn a single-device tensor into this rank's piece and back, as
+each parameter's `Placement` says (placement.py). `parallelize` cuts each layer's shard from the
+plain model's own weight, so a shard always equals the slice of the plain parameter.
 """
 
 from __future__ import annotations

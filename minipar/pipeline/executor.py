@@ -25,11 +25,10 @@ The executor walks this rank's action list in order, receiving and sending what
     W(i, k)  (zero-bubble schedules only) B computed only dL/dx; W now computes the weight
              gradients of stage k from the graph B kept
 
-Sends are non-blocking (isend), receives wait for their data. Messages carry no tags: as NCCL
-does, a receive takes the next message its peer posted on that channel, so every schedule must
-make each rank post its receives in the order its neighbour posts the matching sends
-(tests/test_order_check.py proves it from the ledger's trace for every schedule; with no tags,
-gloo matches by order too, so every CPU test runs under NCCL's rule). Activations and gradients
+Sends are non-blocking (isend), receives wait for their data. Messages carry no tags: a receive
+takes the next message its peer posted on that channel (NCCL's rule: order_check.py), so every
+schedule must make each rank post its receives in the order its neighbour posts the matching
+sends, as tests/test_order_check.py proves for every schedule. Activations and gradients
 travel on two process groups over the same ranks (mesh.groups().pp and mesh.group("pp",
 channel="grad"), always distinct), so for the non-interleaved schedules each channel carries messages one way
 (interleaved at pp = 2 still sends both ways: its ring wraps from the last rank to the first). On
@@ -122,8 +121,7 @@ class Pipeline:
         send its neighbour posted for it, in order, and no rank waits on one that waits on it."""
         return [Action("F", i, k) for i in range(n_micro) for k in self.my_stages]
 
-    # Messages between stages (schedules.messages_of). Two stages on one rank (zbv's turn of the V)
-    # hand tensors over in memory; every other message goes on its channel to the placement's rank.
+    # Messages between stages (schedules.messages_of): in memory when local, else on their channel.
     def _channel(self, msg: Message) -> Group:
         return self.group if msg.channel == "pp" else self.grad_group or self.group
 

@@ -161,14 +161,10 @@ def interleaved(p: int, m: int, v: int) -> list[list[Action]]:
 
 
 def zero_bubble_h1(p: int, m: int) -> list[list[Action]]:
-    """ZB-H1: 1F1B's order of F and B, with each W placed where its stage would otherwise wait.
-
-    Built by simulating unit-time actions: a rank runs its next F or B when its inputs have
-    arrived; when it would idle, it runs the oldest pending W instead. Activations are freed by W,
-    and a rank holds at most p micro-batches between F and W: the peak of 1F1B (its first stage),
-    now on every stage. With F = B = W the idle fraction is then (p-1) / (3m + p-1): the paper's
-    bubble rate (p-1)/(3m), as a share of the whole step.
-    """
+    """ZB-H1: 1F1B's order of F and B, with each W placed where its stage would otherwise wait
+    (`_fill_with_w`). W frees the activations, and a rank holds at most p micro-batches between F
+    and W: 1F1B's peak (its first stage), now on every stage. With F = B = W the idle fraction is
+    (p-1) / (3m + p-1): the paper's bubble rate (p-1)/(3m), as a share of the whole step."""
     def next_in_plan(r, todo, ready, held):  # 1F1B's order; a new F waits while p are held
         nxt = todo[0] if todo else None
         return nxt if nxt in ready and not (nxt.kind == "F" and held >= p) else None
@@ -313,8 +309,7 @@ def messages_of(a: Action, placement: tuple[int, ...]) -> tuple[Message | None, 
 
 def bytes_sent_per_step(schedule: Schedule, rank: int, message_bytes: int) -> dict[str, int]:
     """What `rank`'s actions send in one step, by the ledger's "channel/send" keys, as the executor
-    posts them: each outgoing message of `messages_of` carries `message_bytes`, unless the stage it
-    goes to is on the same rank (zbv's turn of the V), where it is handed over in memory."""
+    posts them: `message_bytes` for each outgoing message that leaves the rank."""
     sent: dict[str, int] = {}
     for a in schedule.actions[rank]:
         _, outgoing = messages_of(a, schedule.placement)

@@ -91,11 +91,7 @@ class Timeline:
 def simulate(schedule: Schedule, durations: dict | None = None) -> Timeline:
     """Run the schedule with fixed action times (default F=1, B=2, or B=1 and W=1 when split),
     given by kind ("F") or, for stages of unequal cost, by kind and stage (("F", 3): Timeline.costs).
-
-    An action starts when its rank is free and the actions it needs are done. A rank whose next
-    action needs one not done yet waits for it, and resumes once it finishes; if some ranks are
-    still waiting when no rank can go on, they deadlock: ScheduleError names where.
-    """
+    Ranks still waiting when no rank can go on are deadlocked: ScheduleError names where."""
     split = any(a.kind == "W" for acts in schedule.actions for a in acts)
     durations = durations or ({"F": 1.0, "B": 1.0, "W": 1.0} if split else {"F": 1.0, "B": 2.0})
     actions, n = schedule.actions, schedule.n_stages
