@@ -44,14 +44,6 @@ def _summed(t: torch.Tensor, group: Group) -> torch.Tensor:
     return t
 
 
-def _gathered(t: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    return all_gather(t.contiguous(), group, dim=dim)
-
-
-def _scattered(t: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    return reduce_scatter(t.contiguous(), group, dim=dim)
-
-
 def copy_to_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:
     """f: identity forward, all-reduce backward."""
     return x if group.size == 1 else _Conjugate.apply(x, lambda t: t, lambda t: _summed(t, group))
@@ -65,14 +57,14 @@ def reduce_from_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:
 def gather_from_sequence_parallel(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """Sequence parallelism's f: all-gather the sequence forward, reduce-scatter backward (each
     rank's gradient of the gathered sequence is partial: it saw only its own weight shard)."""
-    return x if group.size == 1 else _Conjugate.apply(x, lambda t: _gathered(t, group, dim),
-                                                       lambda t: _scattered(t, group, dim))
+    return x if group.size == 1 else _Conjugate.apply(x, lambda t: all_gather(t.contiguous(), group, dim=dim),
+                                                       lambda t: reduce_scatter(t.contiguous(), group, dim=dim))
 
 
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """Sequence parallelism's g: reduce-scatter the partial sums forward, all-gather backward."""
-    return x if group.size == 1 else _Conjugate.apply(x, lambda t: _scattered(t, group, dim),
-                                                       lambda t: _gathered(t, group, dim))
+    return x if group.size == 1 else _Conjugate.apply(x, lambda t: reduce_scatter(t.contiguous(), group, dim=dim),
+                                                       lambda t: all_gather(t.contiguous(), group, dim=dim))
 
 
 # ----------------------------------------------------------------------------------------------
