@@ -10,7 +10,11 @@ forward and its conjugate in backward, so that autograd carries gradients across
                                 travels while the weight gradients are computed
     all_to_all_with_grad        an all-to-all forward, the reverse all-to-all backward
 
-Every byte still goes through collectives.py, so the ledger counts both directions.
+Why these pairs: a column-parallel linear needs its input on every tp rank (forward: nothing to
+do), but each rank's backward only produces the input-gradient of its own output columns, so the
+gradients must be summed (f). A row-parallel linear produces partial sums that must be added
+(forward all-reduce), while the gradient of a sum reaches every addend unchanged (g). Every byte
+still goes through collectives.py, so the ledger counts both directions.
 """
 
 from __future__ import annotations
@@ -20,84 +24,47 @@ import torch.nn.functional as F
 
 from minipar.collectives import Group, all_gather, all_gather_into, all_reduce, all_to_all, reduce_scatter
 
-# ----------------------------------------------------------------------------------------------
-# Autograd-aware operators (Megatron-LM's f and g, and their sequence-parallel versions).
-#
-# A column-parallel linear needs its input on every tp rank (forward: nothing to do) but each
-# rank's backward only produces the input-gradient of its own output columns, so the gradients
-# must be summed: identity forward, all-reduce backward ("f", copy_to_parallel). A row-parallel
-# linear produces partial sums that must be added (forward all-reduce), while the gradient of a
-# sum reaches every addend unchanged (identity backward): "g", reduce_from_parallel.
-# ----------------------------------------------------------------------------------------------
 
+class _Conjugate(torch.autograd.Function):
+    """`forward_op(x)` in forward, `backward_op(grad)` in backward: each operator but the overlapped one."""
 
-class _CopyToParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
+    def forward(ctx, x, forward_op, backward_op):
+        ctx.backward_op = backward_op
+        return forward_op(x)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        all_reduce(grad, ctx.group)
-        return grad, None
+        return ctx.backward_op(grad), None, None
 
 
-class _ReduceFromParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous().clone()
-        all_reduce(x, group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherFromSequenceParallel(torch.autograd.Function):
-    # Each rank's gradient of the gathered sequence is partial (it saw only its own weight
-    # shard), so backward must sum over ranks *and* split: a reduce-scatter.
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x.contiguous(), group, dim=dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad.contiguous(), ctx.group, dim=ctx.dim), None, None
-
-
-class _ReduceScatterToSequenceParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter(x.contiguous(), group, dim=dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad.contiguous(), ctx.group, dim=ctx.dim), None, None
+def _summed(t: torch.Tensor, group: Group) -> torch.Tensor:
+    t = t.contiguous().clone()
+    all_reduce(t, group)
+    return t
 
 
 def copy_to_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:
     """f: identity forward, all-reduce backward."""
-    return x if group.size == 1 else _CopyToParallel.apply(x, group)
+    return x if group.size == 1 else _Conjugate.apply(x, lambda t: t, lambda t: _summed(t, group))
 
 
 def reduce_from_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:
     """g: all-reduce forward, identity backward."""
-    return x if group.size == 1 else _ReduceFromParallel.apply(x, group)
+    return x if group.size == 1 else _Conjugate.apply(x, lambda t: _summed(t, group), lambda t: t)
 
 
 def gather_from_sequence_parallel(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    """Sequence parallelism's f: all-gather the sequence forward, reduce-scatter backward."""
-    return x if group.size == 1 else _GatherFromSequenceParallel.apply(x, group, dim)
+    """Sequence parallelism's f: all-gather the sequence forward, reduce-scatter backward (each
+    rank's gradient of the gathered sequence is partial: it saw only its own weight shard)."""
+    return x if group.size == 1 else _Conjugate.apply(x, lambda t: all_gather(t.contiguous(), group, dim=dim),
+                                                       lambda t: reduce_scatter(t.contiguous(), group, dim=dim))
 
 
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """Sequence parallelism's g: reduce-scatter the partial sums forward, all-gather backward."""
-    return x if group.size == 1 else _ReduceScatterToSequenceParallel.apply(x, group, dim)
+    return x if group.size == 1 else _Conjugate.apply(x, lambda t: reduce_scatter(t.contiguous(), group, dim=dim),
+                                                       lambda t: all_gather(t.contiguous(), group, dim=dim))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,10 +102,9 @@ class _OverlappedColumns(torch.autograd.Function):
             pieces = x.new_empty((group.size, *x.shape))
             gathering = all_gather_into(pieces.view(-1), x.reshape(-1), group, async_op=True)
         dys = [dy.reshape(-1, dy.shape[-1]) for dy in dys]  # [b s, out_i/tp]
-        dx = None
-        for dy, w, r in reversed(list(zip(dys, weights, rows))):  # the last layer's part first, as autograd
-            part = dy.mm((w if r is None else w[r]).to(dy.dtype)).to(x.dtype)  # [b s, h]
-            dx = part if dx is None else dx + part
+        parts = [dy.mm((w if r is None else w[r]).to(dy.dtype)).to(x.dtype)  # [b s, h] each
+                 for dy, w, r in reversed(list(zip(dys, weights, rows)))]  # the last layer's part first, as autograd
+        dx = sum(parts[1:], parts[0])
         if ctx.sp:
             gathering.wait()
             x = pieces.movedim(0, 1).flatten(1, 2)  # [b, s, h], as the forward's all-gather made it
@@ -166,20 +132,9 @@ def overlapped_columns(x: torch.Tensor, group: Group, sp: bool, layers) -> tuple
     return _OverlappedColumns.apply(x, group, sp, rows, *(t for w, _, b in layers for t in (w, b)))
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim, send_splits, recv_splits):
-        ctx.group, ctx.dim, ctx.splits = group, dim, (send_splits, recv_splits)
-        return all_to_all(x, group, dim, send_splits, recv_splits)
-
-    @staticmethod
-    def backward(ctx, grad):
-        send_splits, recv_splits = ctx.splits
-        # What came from rank j goes back to rank j: the same exchange with the splits swapped.
-        return all_to_all(grad.contiguous(), ctx.group, ctx.dim, recv_splits, send_splits), None, None, None, None
-
-
 def all_to_all_with_grad(x: torch.Tensor, group: Group, dim: int = 0, send_splits: list[int] | None = None,
                          recv_splits: list[int] | None = None) -> torch.Tensor:
-    """collectives.all_to_all (uneven splits allowed) that autograd can differentiate."""
-    return _AllToAll.apply(x, group, dim, send_splits, recv_splits)
+    """collectives.all_to_all (uneven splits allowed) that autograd can differentiate. What came from
+    rank j goes back to rank j: its backward is the same exchange with the splits swapped."""
+    return _Conjugate.apply(x, lambda t: all_to_all(t, group, dim, send_splits, recv_splits),
+                            lambda t: all_to_all(t.contiguous(), group, dim, recv_splits, send_splits))

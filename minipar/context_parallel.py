@@ -3,7 +3,8 @@
 Chapter 5 of the course. Everything in a transformer layer but attention treats each token on its
 own, so a long sequence can simply be cut into pieces, one per cp rank. Attention needs every
 earlier token's key and value: ring attention passes the K/V blocks around the cp group, one hop
-per step, and each rank attends its queries to each block as it passes by:
+per step (one batched send-and-receive, collectives.send_recv), and each rank attends its queries
+to each block as it passes by:
 
     step 0: rank r attends to its own K/V block      send it right, receive from the left
     step 1: the block of rank r-1                    ...
@@ -16,37 +17,32 @@ No rank ever holds the whole sequence's K/V, nor its [s, s] scores.
 Load balance (zigzag). With a causal mask the last tokens attend to the most keys; cut the
 sequence contiguously and the last rank works cp times longer than the first. Cut it instead into
 2 cp chunks and give rank i chunks i and 2cp-1-i: every rank holds one early and one late chunk,
-and all do the same work.
+and all do the same work. RoPE and the causal mask use the tokens' global positions
+(`zigzag_positions`); labels are shifted before the split (the data's targets are the next tokens).
 
     cp = 2, 8 tokens, 4 chunks:   [0 1][2 3][4 5][6 7]   rank 0: chunks 0, 3   rank 1: chunks 1, 2
-
-RoPE and the causal mask use the tokens' global positions (`zigzag_positions`); labels are shifted
-before the split (the data pipeline's targets are already the next tokens).
 
 Backward, by hand: the K/V blocks go around the ring once more, each carrying its own running dK
 and dV; every rank adds the gradient of its queries' attention to that block, and after the last
 hop each block comes home with its complete dK and dV. (Unlike the forward, the backward does not
 overlap a hop with compute: the block's dK and dV must be updated before it leaves.)
 
-Every hop is one batched send-and-receive (collectives.send_recv).
-
 Gradients of everything outside attention are partial too (each cp rank saw only its tokens), so
-replicated parameters are reduced over cp as well as dp: data parallelism runs over the dp x cp
-group (mesh.groups().dp_cp), and so does ZeRO.
+replicated parameters are reduced over cp as well as dp: data parallelism and ZeRO run over the
+dp x cp group (mesh.groups().dp_cp).
 
-Ulysses (DeepSpeed-Ulysses, `--cp-attention ulysses`): the other way to attend over a split
-sequence. Attention is independent per head, so instead of moving K/V blocks past the queries,
-swap which dimension is split: an all-to-all turns "s/cp tokens of all h heads" into "all s tokens
-of h/cp heads", each rank runs plain causal attention for its heads, and a second all-to-all
-turns the output back. Four all-to-alls forward (q, k, v in, the output back), four backward:
+Ulysses (DeepSpeed-Ulysses, `--cp-attention ulysses`): attention is independent per head, so
+instead of moving K/V blocks past the queries, swap which dimension is split: an all-to-all turns
+"s/cp tokens of all h heads" into "all s tokens of h/cp heads", each rank runs plain causal
+attention for its heads, and a second all-to-all turns the output back. Four all-to-alls forward
+(q, k, v in, the output back), four backward:
 
     rank r holds  [b, h, s/cp, hd]  --all-to-all-->  [b, h/cp, s, hd]  --attention-->  back the same way
 
-The tokens keep the zigzag order the data pipeline gives (RoPE has already rotated them by their
-global positions): after the first all-to-all the rank orders the s tokens by position, so that
-the causal mask is the plain triangle, and puts them back in the received order before returning
-them. No load balancing is needed (every rank attends the whole sequence for its heads). The
-heads and the kv heads of a tp rank must both divide by cp (check_cp_layout).
+The tokens keep the zigzag order (RoPE has already rotated them by their global positions): after
+the first all-to-all the rank sorts the s tokens by position, so that the causal mask is the plain
+triangle, and puts them back in the received order before returning them. No load balancing is
+needed. The heads and the kv heads of a tp rank must both divide by cp (check_cp_layout).
 
 `ParallelAttention`, at the end, is one rank's attention layer: its heads (tensor parallelism,
 chapter 4) over its share of the sequence, by the ring or by Ulysses; parallelize.py puts it in.
@@ -101,11 +97,15 @@ def split_sequence(t: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
     return torch.cat([chunks[group.rank], chunks[2 * group.size - 1 - group.rank]], dim=dim)
 
 
+def _block_scores(q, k, q_pos, k_pos, scale):
+    """q k^T * scale against one K/V block [b, h, sq, sk], -inf where the causal mask hides a key."""
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    return scores.masked_fill(q_pos[:, None] < k_pos[None, :], float("-inf"))
+
+
 def _block_attention(q, k, v, q_pos, k_pos, scale):
     """Causal attention of q to one K/V block: (output, lse). Rows that see no key get lse = -inf."""
-    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale  # [b, h, sq, sk]
-    visible = q_pos[:, None] >= k_pos[None, :]
-    scores = scores.masked_fill(~visible, float("-inf"))
+    scores = _block_scores(q, k, q_pos, k_pos, scale)
     lse = torch.logsumexp(scores, dim=-1)  # [b, h, sq]
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))  # 0 where masked
     return torch.einsum("bhqk,bhkd->bhqd", probs, v), lse
@@ -135,8 +135,7 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:  # start passing the block on before computing with it: overlap
                 incoming = torch.empty_like(kv)
                 works = send_recv(kv, (r + 1) % cp, incoming, (r - 1) % cp, group)
-            owner = (r - step) % cp
-            k_pos = zigzag_positions(owner, cp, seq_len, q.device)
+            k_pos = zigzag_positions((r - step) % cp, cp, seq_len, q.device)  # the block of rank r - step
             block_k, block_v = (repeat(t, "b h s d -> b (h g) s d", g=g) for t in kv)
             block_out, block_lse = _block_attention(q, block_k, block_v, q_pos, k_pos, scale)
             out, lse = _merge(out, lse, block_out, block_lse)
@@ -151,8 +150,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, seq_len = ctx.group, ctx.seq_len
-        cp, r = group.size, group.rank
+        group, seq_len, cp, r = ctx.group, ctx.seq_len, ctx.group.size, ctx.group.rank
         scale = q.shape[-1] ** -0.5
         g = q.shape[1] // k.shape[1]
         q_pos = zigzag_positions(r, cp, seq_len, q.device)
@@ -162,12 +160,9 @@ class _RingAttention(torch.autograd.Function):
         # The block, with its running gradients, travels the ring once and comes home complete.
         block = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])
         for step in range(cp):
-            owner = (r - step) % cp
-            k_pos = zigzag_positions(owner, cp, seq_len, q.device)
+            k_pos = zigzag_positions((r - step) % cp, cp, seq_len, q.device)  # the block of rank r - step
             bk, bv = (repeat(t, "b h s d -> b (h g) s d", g=g) for t in block[:2])
-            scores = torch.einsum("bhqd,bhkd->bhqk", q, bk) * scale
-            visible = q_pos[:, None] >= k_pos[None, :]
-            probs = torch.exp(scores - safe_lse).masked_fill(~visible, 0.0)  # the forward's softmax, this block
+            probs = torch.exp(_block_scores(q, bk, q_pos, k_pos, scale) - safe_lse)  # the forward's softmax, this block
             dv = torch.einsum("bhqk,bhqd->bhkd", probs, d_out)
             dp = torch.einsum("bhqd,bhkd->bhqk", d_out, bv)
             ds = probs * (dp - delta) * scale
@@ -184,18 +179,14 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q, k, v, group: Group, seq_len: int) -> torch.Tensor:
-    """Causal attention over the whole sequence, each cp rank holding its zigzag share of it.
-
-    q [b, h, s/cp, d], k and v [b, h_kv, s/cp, d] -> [b, h, s/cp, d]. `seq_len` is the full length.
-    """
+    """Causal attention over the whole sequence, each cp rank holding its zigzag share of it:
+    q [b, h, s/cp, d], k and v [b, h_kv, s/cp, d] -> [b, h, s/cp, d]. `seq_len` is the full length."""
     return _RingAttention.apply(q, k, v, group, seq_len)
 
 
 def ulysses_attention(q, k, v, group: Group, seq_len: int) -> torch.Tensor:
-    """Causal attention over the whole sequence by two all-to-alls (see the module docstring).
-
-    q [b, h, s/cp, d], k and v [b, h_kv, s/cp, d], this rank's zigzag tokens -> [b, h, s/cp, d].
-    """
+    """Causal attention over the whole sequence by two all-to-alls (see the module docstring):
+    q [b, h, s/cp, d], k and v [b, h_kv, s/cp, d], this rank's zigzag tokens -> [b, h, s/cp, d]."""
     cp = group.size
     # Rank i's tokens arrive i-th: their positions in the received order, and the order that sorts them.
     received = torch.cat([zigzag_positions(i, cp, seq_len, q.device) for i in range(cp)])  # [s]
@@ -212,14 +203,9 @@ def ulysses_attention(q, k, v, group: Group, seq_len: int) -> torch.Tensor:
 
 
 class ParallelAttention(nn.Module):
-    """model.Attention on one rank: its heads (tp) over its share of the sequence (cp).
-
-    tp: wq, wk, wv column-parallel by whole heads (with fewer kv heads than tp ranks, each rank
-    keeps the whole wk and wv and uses the kv head its query heads read), wo row-parallel.
-    cp: this rank's tokens are two zigzag chunks of the sequence; the K/V go around the ring, or
-    (cp_attention "ulysses") two all-to-alls give this rank all the tokens of h/cp of its heads.
-    tp or cp None: not split that way (the plain layers; causal attention on the whole sequence).
-    """
+    """model.Attention on one rank: its heads (tp: wq, wk, wv column-parallel by whole heads, wo
+    row-parallel) over its share of the sequence (cp: two zigzag chunks; the ring, or Ulysses'
+    all-to-alls). tp or cp None: not split that way (the plain layers; attention on the whole sequence)."""
 
     def __init__(self, plain: Attention, config: ModelConfig, tp: Group | None, sp: bool, cp: Group | None,
                  cp_attention: str = "ring", project=project_after_f):
@@ -249,10 +235,9 @@ class ParallelAttention(nn.Module):
         else:  # two zigzag chunks of the sequence, RoPE'd at their global positions
             seq_len = local_len * self.cp.size
             positions = zigzag_positions(self.cp.rank, self.cp.size, seq_len, x.device)
-            if self.cp_attention == "ulysses":  # all-to-all: all s tokens of h/cp heads, and back
-                attend = partial(ulysses_attention, group=self.cp, seq_len=seq_len)
-            else:  # every rank's K/V pass by on the cp ring
-                attend = partial(ring_attention, group=self.cp, seq_len=seq_len)
+            # Ulysses: all s tokens of h/cp heads by all-to-all, and back; ring: every rank's K/V pass by
+            attend = partial(ulysses_attention if self.cp_attention == "ulysses" else ring_attention,
+                             group=self.cp, seq_len=seq_len)
         cos, sin = rope_cos_sin(positions, self.rope_freqs, x.dtype)
         out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)  # [b, h/tp, s/cp, hd]
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))  # tp: wo sums the heads' parts (g)

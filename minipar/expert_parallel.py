@@ -28,12 +28,11 @@ brought them), so it is divided by ep here (a hook on the parameter) and average
 (its Placement says grad_mean=("edp",)): together, the same 1/(dp*cp) mean as a dense weight.
 
 With tensor parallelism the experts are replicated over tp, not cut (a small expert's matmuls are
-not worth splitting; Megatron-LM cuts them by default, expert tp = tp, and allows 1, as here).
-With --sp each tp rank routes its own share of the tokens, so expert, router and shared-expert
-gradients are partial sums over tp; without --sp every tp rank holds all tokens and does the
-same expert work (correct, redundant).
-With context parallelism (or sp) a rank holds part of each sequence: the load-balancing loss
-pools its sums over those ranks first, so it is the loss of the whole micro-batch.
+not worth splitting; Megatron-LM cuts them by default, and allows expert tp = 1, as here). With
+--sp each tp rank routes its own share of the tokens, so expert, router and shared-expert
+gradients are partial sums over tp; without --sp every tp rank does the same expert work on all
+tokens. With cp (or sp) a rank holds part of each sequence: the load-balancing loss pools its sums
+over those ranks first, so it is the loss of the whole micro-batch.
 """
 
 from __future__ import annotations

@@ -108,11 +108,10 @@ class ModelConfig:
         """Training FLOPs per token: 6 x (N - input embedding) + 12 x L x d x s (PaLM appendix B, torchtitan).
 
         6 per parameter (2 forward, 4 backward), N the parameters one token uses (k routed experts of E;
-        the norms' weights counted too, as the convention does). The input embedding is a lookup, not a
-        product: its [V, d] table is left out, unless tied, where the one shared matrix counts once, as the
-        output projection (always counted). Attention adds q k^T and its weighted sum of v, 2 x 2·s·d per
-        layer forward, x3 with backward: 12·L·d·s (L layers, width d, s tokens a sequence), not halved for
-        the causal mask. The one figure for MFU (run_log, bench_gpu) and the planner's clock."""
+        norms included, as the convention does). The input embedding is a lookup: its [V, d] table is left
+        out, unless tied (then it counts once, as the output projection). Attention adds q k^T and its
+        weighted sum of v, 2 x 2·s·d per layer forward, x3 with backward: 12·L·d·s, not halved for the
+        causal mask. The one figure for MFU (run_log, bench_gpu) and the planner's clock."""
         input_embedding = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return 6 * (self.num_params(active=True) - input_embedding) + 12 * self.n_layers * self.dim * seq_len
 
@@ -163,20 +162,16 @@ def config_from(settings: dict) -> ModelConfig:
 
 
 def init_tensor(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
-    """The full, single-device value of parameter `name`: N(0, std^2) from its own generator.
-
-    Drawn in float32 whatever the training dtype, so float32 and float64 runs start alike.
-    """
+    """The full, single-device value of parameter `name`: N(0, std^2) from its own generator, drawn
+    in float32 whatever the training dtype, so float32 and float64 runs start alike."""
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
     return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
 
 def init_std(name: str, config: ModelConfig) -> float | None:
-    """Standard deviation for a parameter by name; None means 'ones' (the norm gains).
-
-    Projections that write into the residual stream (wo, w_down) are scaled by 1/sqrt(2 n_layers)
-    so the residual's variance does not grow with depth (GPT-2's rule).
-    """
+    """Standard deviation for a parameter by name; None means 'ones' (the norm gains). Projections
+    that write into the residual stream (wo, w_down) are scaled by 1/sqrt(2 n_layers) so the
+    residual's variance does not grow with depth (GPT-2's rule)."""
     if name.endswith("norm.weight"):
         return None
     if name.endswith(("wo.weight", "w_down.weight", ".w_down")):
@@ -215,21 +210,16 @@ def rope_frequencies(config: ModelConfig) -> torch.Tensor:
     freqs = 1.0 / config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device="cpu") / hd)
     if config.rope_factor == 1:
         return freqs
-    # How many wavelengths fit in the original context: many (>= high_freq_factor): keep; few (<= low_freq_factor):
-    # slow down by rope_factor; in between, blend linearly in that count.
-    fits = config.rope_original_max_len * freqs / (2 * math.pi)
+    fits = config.rope_original_max_len * freqs / (2 * math.pi)  # wavelengths in the original context (ModelConfig)
     keep = ((fits - config.rope_low_freq_factor) / (config.rope_high_freq_factor - config.rope_low_freq_factor))
     keep = keep.clamp(0.0, 1.0)
     return keep * freqs + (1 - keep) * freqs / config.rope_factor
 
 
 def rope_cos_sin(positions: torch.Tensor, freqs: torch.Tensor, dtype) -> tuple:
-    """cos and sin of position * frequency, [s, head_dim], computed in float64 then cast.
-    freqs: rope_frequencies(config).
-
+    """cos and sin of position * frequency (rope_frequencies), [s, head_dim], in float64 then cast.
     Positions are passed in (not assumed to be 0..s-1) so a rank holding a slice of the sequence
-    (context parallelism) rotates by the tokens' global positions.
-    """
+    (context parallelism) rotates by the tokens' global positions."""
     freqs = freqs.to(positions.device)
     angles = positions.to(torch.float64)[:, None] * freqs[None, :]  # [s, hd/2]
     angles = torch.cat([angles, angles], dim=-1)  # [s, hd]
@@ -247,8 +237,7 @@ def causal_attention(q, k, v):
     """softmax(q k^T / sqrt(hd)) v over earlier positions. Grouped-query: each kv head serves
     q's heads / k's heads query heads. q [b, h, s, hd]; k, v [b, h_kv, s, hd]."""
     group = q.shape[1] // k.shape[1]
-    k = repeat(k, "b h s d -> b (h g) s d", g=group)
-    v = repeat(v, "b h s d -> b (h g) s d", g=group)
+    k, v = (repeat(t, "b h s d -> b (h g) s d", g=group) for t in (k, v))
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -271,9 +260,7 @@ class Attention(nn.Module):
         self.positions = sequence_positions  # ... and the positions after them
 
     def forward(self, x):
-        q = rearrange(self.wq(x), "b s (h d) -> b h s d", d=self.head_dim)
-        k = rearrange(self.wk(x), "b s (h d) -> b h s d", d=self.head_dim)
-        v = rearrange(self.wv(x), "b s (h d) -> b h s d", d=self.head_dim)
+        q, k, v = (rearrange(w(x), "b s (h d) -> b h s d", d=self.head_dim) for w in (self.wq, self.wk, self.wv))
         cos, sin = rope_cos_sin(self.positions(x.shape[1], x.device), self.rope_freqs, x.dtype)
         out = self.attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)  # [b, h, s, hd]
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))
@@ -343,18 +330,14 @@ class Llama(nn.Module):
         init_weights(self, config, seed)
 
     def forward(self, tokens, targets=None, divisor=None):
-        """tokens [b, s] -> logits [b, s, V], or, given targets, the next-token loss: the sum of the
-        token losses / divisor, by default their count (the mean; see cross_entropy).
-
-        targets are the tokens shifted by one (the data pipeline does the shift); -100 is ignored.
-        """
+        """tokens [b, s] -> logits [b, s, V], or, given targets (the tokens shifted by one; -100 is
+        ignored), the next-token loss: the sum of the token losses / divisor (see cross_entropy)."""
         return self.forward_stage(tokens, list(self.layers), first=True, last=True, targets=targets,
                                   divisor=divisor)
 
     def forward_stage(self, x, layer_ids, first: bool, last: bool, targets=None, divisor=None):
         """Run layers `layer_ids` on x: tokens if `first` (embed them), else the activations [b, s, d]
-        from the layer before. If `last`, finish with the norm, the LM head and (given targets)
-        the loss."""
+        from the layer before. If `last`, finish with the norm, the LM head and (given targets) the loss."""
         if first:
             x = self.tok_emb(x)
         for i in layer_ids:

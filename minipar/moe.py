@@ -7,18 +7,16 @@ the experts, and a router that picks k of them for each token:
     chosen  = the k most probable experts        and their probabilities, renormalised to sum to 1
     y_t     = sum over t's k experts e of weight_te * expert_e(x_t)   (+ shared_expert(x_t))
 
-Parameters grow with E, the work per token only with k: that is the point of experts. The plain
-model (model.py) knows none of this: this module adds its block to the model's FEED_FORWARD, and a
-config with experts (n_experts > 0) then builds one in place of the MLP of each layer after its
-first `dense_layers`.
+Parameters grow with E, the work per token only with k: that is the point of experts. model.py
+knows none of this: this module adds its block to the model's FEED_FORWARD, and a config with
+experts builds one in place of the MLP of each layer after its first `dense_layers`.
 
 How the work is laid out. The T*k (token, expert) assignments are sorted by expert (a stable
 sort: an expert's tokens stay in token order), so each expert's tokens are one contiguous run;
-`dispatch` runs each expert on its run; the results are put back in assignment order and each
-token's k results are added with their weights, always in the same order (deterministic).
-`MoE.dispatch` is the seam expert parallelism uses: given the sorted tokens and the count per
-expert it returns the experts' outputs in the same order. Here the experts are all local;
-expert_parallel.py swaps in a version that sends each run to the rank holding its expert.
+`MoE.dispatch` runs each expert on its run and returns the outputs in the same order (the seam:
+expert_parallel.py swaps in a version that sends each run to the rank holding its expert); the
+results are put back in assignment order and each token's k results are added with their
+weights, always in the same order (deterministic).
 
 Load balance. Nothing stops a router from sending every token to one expert (which then does all
 the work while the rest idle). The Switch/GShard auxiliary loss E * sum_i f_i * P_i (f_i: the
@@ -69,8 +67,8 @@ def local_dispatch(x_sorted: torch.Tensor, counts: torch.Tensor, experts: Expert
 
 
 class _AttachAuxLoss(torch.autograd.Function):
-    """Forward: y as it is. Backward: y's gradient, and `weight` as the auxiliary loss's own
-    gradient, so that d(weight * aux)/d(router) joins the backward pass where the block is."""
+    """Forward: y as it is. Backward: y's gradient, and `weight` as aux's, so that
+    d(weight * aux)/d(router) joins the backward pass where the block is."""
 
     @staticmethod
     def forward(ctx, y, aux, weight):
@@ -174,9 +172,8 @@ def set_aux_scale(model: nn.Module, scale: float) -> None:
 
 def take_load(model: nn.Module) -> list[list[int]]:
     """Assignments per expert in each MoE block since the last call (this rank's tokens), reset."""
-    loads = []
-    for m in model.modules():
-        if isinstance(m, MoE):
-            loads.append(m.load.tolist())
-            m.load.zero_()
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    loads = [m.load.tolist() for m in moes]
+    for m in moes:
+        m.load.zero_()
     return loads

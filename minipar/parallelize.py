@@ -22,20 +22,14 @@ the part of a parallel model that one rank holds, in five steps, always in this 
                   a token (gate, silu(gate), up, their product) are rebuilt for about 2/3 of a
                   layer's matmul FLOPs, where full recompute redoes them all
 
-Where the messages are sent, read in the forwards: ParallelAttention and ParallelMLP enter the
-parallel region once (f) for the layers that read their input (q, k and v; gate and up), so one
-all-reduce of that input's gradient in backward, not one per projection; the row-parallel wo and
-w_down leave it (g), and so does the embedding; the LM head enters it itself. ParallelAttention
-with a cp group runs ring attention (or Ulysses' all-to-alls) on this rank's zigzag positions.
+The messages are sent in the forwards of the layers installed here (tensor_parallel.py's f and g,
+context_parallel.py's ring or all-to-alls). With every degree 1 the model is returned as it came.
 
 Then the wrapper that syncs gradients goes around the result, chosen in one place (`build_grad_sync`,
 at the end) so the loop, the benchmarks and the course scripts build alike: zero 0 DataParallel
 (data_parallel.py), 1 and 2 ZeroDataParallel (zero.py), 3 Zero3DataParallel (zero3.py; `zeropp`
 hands it ZeRO++'s transport), each with the same precision policy (precision.py). `adamw` holds
 AdamW's settings once: betas (0.9, 0.95) and eps 1e-8, as GPT-3 and Llama train.
-Initialisation stays exact: the plain model draws every weight at its full shape from (seed,
-name), and a shard is cut from it, so every layout starts from the single-device weights.
-With every degree 1 the model is returned as it came.
 """
 
 from __future__ import annotations
@@ -88,8 +82,8 @@ def parallelize(model: Llama, *, tp: Group | None = None, cp: Group | None = Non
     if tp is not None or cp is not None:
         for layer in model.layers.values():
             layer.attn = ParallelAttention(layer.attn, model.config, tp, sp, cp, cp_attention, project)
-    if cp is not None:
-        context_parallel(model, cp)
+    if cp is not None:  # each rank's loss weighed by its share of the tokens
+        model.loss_fn = partial(_token_weighted_loss, loss_fn=model.loss_fn, group=cp)
     if model.config.n_experts:
         parallelize_experts(model, ep, tp, cp, sp)
     if recompute:
@@ -155,10 +149,6 @@ def _vocab_parallel_loss(logits, targets, divisor=None, *, group: Group, vocab_s
 # ----------------------------------------------------------------------------------------------
 # 3. Context parallelism (each attention's heads and tokens: context_parallel.ParallelAttention)
 # ----------------------------------------------------------------------------------------------
-
-
-def context_parallel(model: Llama, cp: Group) -> None:
-    model.loss_fn = partial(_token_weighted_loss, loss_fn=model.loss_fn, group=cp)
 
 
 def _token_weighted_loss(logits, targets, divisor=None, *, loss_fn, group: Group):

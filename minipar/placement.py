@@ -61,7 +61,5 @@ def sync_partial_grads(params, group: Group) -> None:
         return
     flat = torch.cat([p.grad.reshape(-1) for p in params])
     all_reduce(flat, group)
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-        offset += p.numel()
+    for p, summed in zip(params, flat.split([p.numel() for p in params])):
+        p.grad.copy_(summed.view_as(p))

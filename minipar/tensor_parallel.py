@@ -17,11 +17,9 @@ wo row). These are Megatron's conjugate operators, from autograd_ops.py:
     g = reduce_from_parallel  all-reduce forward, identity backward   (leaving it: RowParallelLinear)
 
 so per transformer layer: 2 all-reduces of [b, s, h] forward and 2 backward. f is one per region,
-not one per column layer: attention's q, k and v read one input, and so do the MLP's gate and up
-(Megatron fuses each group into one column-parallel layer). ColumnParallelLinear enters itself (the
-LM head); ColumnParallelLinearInRegion's caller enters once for the layers that share the input
-(ParallelMLP, ParallelAttention): project_after_f (f, then each layer; f's backward waits for them
-all), or project_overlapped (--tp-overlap: one node that sends f's message while computing dW).
+not one per column layer: q, k and v read one input, and so do gate and up (Megatron fuses each
+group into one layer), so the caller enters once for them: project_after_f (f, then each layer), or
+project_overlapped (--tp-overlap: one node that sends f's message while computing dW).
 
 Sequence parallelism (`sequence_parallel=True`) notices that between the regions (norms,
 residual adds) every tp rank does the same work on the same [b, s, h]. Shard those along the
@@ -39,10 +37,9 @@ per token, so the [b, s, V] logits never exist on any rank. A vocabulary that tp
 padded to the next multiple: padded embedding rows are never looked up, and padded logits are set
 to -inf before the softmax, so they change neither the loss nor any gradient.
 
-Sharding. Each parameter's `Placement` (placement.py) records which tensor dimension tp splits
-and its full, unpadded shape; `shard` and `unshard` turn a single-device tensor into this rank's
-piece and back. `parallelize` builds these layers from the plain model's own layers, cutting each
-shard from the single-device weight, so a shard always equals the slice of the plain parameter.
+Sharding. `shard` and `unshard` turn a single-device tensor into this rank's piece and back, as
+each parameter's `Placement` says (placement.py). `parallelize` cuts each layer's shard from the
+plain model's own weight, so a shard always equals the slice of the plain parameter.
 """
 
 from __future__ import annotations
@@ -99,9 +96,8 @@ def mark(p: nn.Parameter, full_shape, dim: int | None = None, partial_grad: bool
 
 
 def shard(full: torch.Tensor, p: nn.Parameter, groups: Groups | Group) -> torch.Tensor:
-    """This rank's piece of a single-device tensor, cut along each mesh dimension that shards p.
-    groups: the mesh's Groups (experts are cut over ep too), or the tp group alone. A tp piece is
-    padded with zeros to a multiple of tp."""
+    """This rank's piece of a single-device tensor, cut along each mesh dimension that shards p
+    (groups: the mesh's Groups, or the tp group alone), padded with zeros to a multiple of tp."""
     index, pad = piece_of(tuple(full.shape), p, groups)
     return padded(full[index], pad)
 
@@ -128,8 +124,7 @@ def padded(piece: torch.Tensor, pad: dict[int, int]) -> torch.Tensor:
 
 
 def unshard(local: torch.Tensor, p: nn.Parameter, groups: Groups | Group) -> torch.Tensor:
-    """The single-device tensor, gathered from every rank's piece (a collective over each group).
-    groups: as for `shard`."""
+    """The single-device tensor, gathered from every rank's piece (groups: as for `shard`)."""
     groups = groups if isinstance(groups, Groups) else Groups(tp=groups)
     placement = placement_of(p)
     for mesh_dim, dim in reversed(placement.shards):
@@ -139,9 +134,7 @@ def unshard(local: torch.Tensor, p: nn.Parameter, groups: Groups | Group) -> tor
 
 def enter_parallel_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
     """f: make the full input available to every tp rank (once per attention, MLP or LM head)."""
-    if sequence_parallel:
-        return gather_from_sequence_parallel(x, group, SEQ_DIM)
-    return copy_to_parallel(x, group)
+    return gather_from_sequence_parallel(x, group, SEQ_DIM) if sequence_parallel else copy_to_parallel(x, group)
 
 
 def project_after_f(x: torch.Tensor, layers, group: Group, sequence_parallel: bool) -> list[torch.Tensor]:
@@ -171,8 +164,8 @@ def leave_parallel_region(x: torch.Tensor, group: Group, sequence_parallel: bool
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y_r = X A_r: this rank's block of output features. Every rank needs all of X: f on entry.
-    project: how the region is entered, project_after_f or project_overlapped."""
+    """Y_r = X A_r: this rank's block of output features. Every rank needs all of X: f on entry
+    (`project`)."""
 
     rows = None  # every row of the weight is used (ReplicatedRowsLinear: some)
 
@@ -217,12 +210,9 @@ class RowParallelLinear(nn.Module):
 
 
 class ReplicatedRowsLinear(nn.Module):
-    """A linear whose full weight every tp rank holds but uses only some output rows of.
-
-    For grouped-query attention with fewer kv heads than tp ranks: each rank needs the one kv head
-    that its query heads read. The gradient of the shared weight is then a partial sum (nonzero only
-    in the rows this rank used) and is all-reduced over tp after backward.
-    """
+    """A linear whose full weight every tp rank holds but uses only some output rows of: with fewer
+    kv heads than tp ranks, the one kv head this rank's query heads read. Its gradient is then a
+    partial sum (nonzero only in the rows this rank used), all-reduced over tp after backward."""
 
     bias = None
 
@@ -247,8 +237,6 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = mark(nn.Parameter(torch.empty(self.rows, dim)), (vocab_size, dim), dim=0)
 
     def forward(self, ids):
-        if self.group.size == 1:
-            return F.embedding(ids, self.weight)
         outside = (ids < self.first) | (ids >= self.first + self.rows)
         x = F.embedding((ids - self.first).masked_fill(outside, 0), self.weight)
         x = x.masked_fill(outside.unsqueeze(-1), 0.0)  # [b, s, d], zeros where another rank owns the id
@@ -269,9 +257,8 @@ def cut(plain: nn.Module, layer: nn.Module, tp: Group) -> nn.Module:
 
 
 class ParallelMLP(nn.Module):
-    """model.MLP on one tp rank: w_gate and w_up column-parallel (ffn/tp features each), w_down
-    row-parallel. One f for the two layers that read x (`project`: project_after_f or
-    project_overlapped); g in w_down."""
+    """model.MLP on one tp rank: w_gate and w_up column-parallel (ffn/tp features each, one f for
+    both), w_down row-parallel (g)."""
 
     def __init__(self, plain: nn.Module, tp: Group, sp: bool, project=project_after_f):
         super().__init__()
@@ -334,8 +321,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: Group, vocab_size: int,
                                  ignore_index: int = -100, divisor: float | None = None) -> torch.Tensor:
-    """Cross-entropy of the non-ignored tokens, their sum / divisor (model.cross_entropy's one
-    convention; the divisor defaults to their count); logits [..., V/tp], targets [...]."""
+    """model.cross_entropy (their sum / divisor, by default their count) from logits [..., V/tp]."""
     return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), group, vocab_size,
                                             ignore_index, divisor)
 

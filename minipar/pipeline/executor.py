@@ -7,11 +7,10 @@ Chapter 6 of the course, second half (the schedules themselves are in schedules.
                                                  <-- dx --
 
 Stages. `stage_layers` cuts n_layers into n_stages contiguous blocks (n_stages = pp x virtual
-stages): each gets n_layers // n_stages layers, and the first n_layers % n_stages stages one more.
-The extra layers go to the front because the last stage also carries the LM head and the loss,
-the costliest part of a small model, while the first stage's embedding is only a lookup; where the
-head weighs more than a layer, `--pp-layers 3,1` gives each stage its own count (chapter 6 measures
-the stages' costs). Each rank
+stages): each gets n_layers // n_stages layers, and the first n_layers % n_stages stages one more,
+because the last stage also carries the LM head and the loss, the costliest part of a small model,
+while the first stage's embedding is only a lookup; where the head weighs more than a layer,
+`--pp-layers 3,1` gives each stage its own count (chapter 6 measures the stages' costs). Each rank
 keeps only the parameters of its own stages: parallelize.py deletes the other layers, and the
 embedding or the head where another stage holds them (`my_layers`, `holds_first`, `holds_last`);
 `Llama.forward_stage` runs any contiguous part of the model.
@@ -26,23 +25,21 @@ The executor walks this rank's action list in order, receiving and sending what
     W(i, k)  (zero-bubble schedules only) B computed only dL/dx; W now computes the weight
              gradients of stage k from the graph B kept
 
-Sends are non-blocking (isend), receives wait for their data. Messages carry no tags: as NCCL
-does, a receive takes the next message its peer posted on that channel, so every schedule must
-make each rank post its receives in the order its neighbour posts the matching sends.
-tests/test_order_check.py proves it from the ledger's trace for every schedule, and because no
-tags are used, gloo also matches by order and every CPU test of the pipeline runs under NCCL's
-rule. Activations and gradients travel on two process groups over the same ranks
-(mesh.groups().pp and mesh.group("pp", channel="grad"), always distinct), so for the non-interleaved schedules
-each channel carries messages one way only (interleaved at pp = 2 still sends both ways on each:
-its ring wraps from the last rank to the first). On NCCL, where a send and a receive between the
-same two ranks on one communicator queue behind each other, a stage sending forward while its
-neighbour sends backward could otherwise wait on each other.
+Sends are non-blocking (isend), receives wait for their data. Messages carry no tags: a receive
+takes the next message its peer posted on that channel (NCCL's rule: order_check.py), so every
+schedule must make each rank post its receives in the order its neighbour posts the matching
+sends, as tests/test_order_check.py proves for every schedule. Activations and gradients
+travel on two process groups over the same ranks (mesh.groups().pp and mesh.group("pp",
+channel="grad"), always distinct), so for the non-interleaved schedules each channel carries messages one way
+(interleaved at pp = 2 still sends both ways: its ring wraps from the last rank to the first). On
+NCCL, where a send and a receive between two ranks on one communicator queue behind each other, a
+stage sending forward while its neighbour sends backward could otherwise wait on each other.
 
 The loss is the mean over all micro-batches (each micro-batch's loss is divided by m), gradients
 accumulate over micro-batches, and the data-parallel reduction runs once, after the last backward
-(train.py). The executor records each
-action's start and end, so a measured run draws the same timeline as the simulation. Validation
-runs the F actions alone (`forward_actions`), in the same (micro-batch, stage) order on every rank.
+(train.py). The executor records each action's start and end, so a measured run draws the same
+timeline as the simulation. Validation runs the F actions alone (`forward_actions`), in the same
+(micro-batch, stage) order on every rank.
 """
 
 from __future__ import annotations
@@ -93,11 +90,6 @@ class Pipeline:
     timeline: Timeline | None = None  # the last run's measured actions on this rank
     bubble: float = 0.0  # and the fraction of that run this rank spent waiting for its neighbours
 
-    @property
-    def back(self) -> Group:
-        """Where gradients travel: grad_group if given, else the pp group itself."""
-        return self.grad_group or self.group
-
     @cached_property
     def placement(self) -> tuple[int, ...]:
         """placement[k]: the pp rank of stage k (the schedule's: looped, or a V for zbv)."""
@@ -123,19 +115,15 @@ class Pipeline:
     def holds_last(self) -> bool:
         return self.n_stages - 1 in self.my_stages
 
-    def actions(self, n_micro: int) -> list[Action]:
-        return build(self.schedule, self.group.size, n_micro, self.virtual).actions[self.group.rank]
-
     def forward_actions(self, n_micro: int) -> list[Action]:
         """Forward only (validation, no gradient): each micro-batch through this rank's stages in
         turn. Every rank walks (micro-batch, stage) in the same order, so each receive meets the
         send its neighbour posted for it, in order, and no rank waits on one that waits on it."""
         return [Action("F", i, k) for i in range(n_micro) for k in self.my_stages]
 
-    # Messages between stages (schedules.messages_of). Two stages on one rank (zbv's turn of the V)
-    # hand tensors over in memory; every other message goes on its channel to the placement's rank.
+    # Messages between stages (schedules.messages_of): in memory when local, else on their channel.
     def _channel(self, msg: Message) -> Group:
-        return self.group if msg.channel == "pp" else self.back
+        return self.group if msg.channel == "pp" else self.grad_group or self.group
 
     def _receive(self, msg: Message, like: torch.Tensor, local: dict) -> torch.Tensor:
         if msg.local:
@@ -151,7 +139,8 @@ class Pipeline:
 
     def run(self, model, micro_batches, divisor: float):
         """A training step's pipeline: this rank's actions on its stages of `model` (see `execute`)."""
-        return self.execute(model, micro_batches, self.actions(len(micro_batches)), divisor)
+        actions = build(self.schedule, self.group.size, len(micro_batches), self.virtual).actions[self.group.rank]
+        return self.execute(model, micro_batches, actions, divisor)
 
     def run_forward(self, model, micro_batches, divisor: float):
         """Its forward actions alone, in the schedule's order (validation: no backward)."""

@@ -25,14 +25,11 @@ executor.py has the one executor that runs any of them. The schedules, p = 4 ran
                  2p-1-r), so the first and the last stage share rank 0: the forward goes down the
                  ranks and back up, the backward the same, and W's fill what is left
 
-A `Schedule` is the actions of every rank *and* the placement of the stages on the ranks. An
-action carries its (virtual) stage; `placement[k]` is the rank that runs stage k: k % p for the
-looped schedules (with v chunks per rank, rank r holds stages r, r+p, r+2p, ...), a V for zbv.
-The executor and the message check read the placement; nothing assumes "stage k on rank k".
-
-`build(name, p, m, v)` makes a Schedule. `messages_of(action, placement)` says what an action
-receives and sends: the executor posts exactly those, the estimator counts their bytes, and the
-order check traces them, so the pattern is written once.
+A `Schedule` (`build(name, p, m, v)`) is the actions of every rank *and* the placement of the
+stages on the ranks: an action carries its (virtual) stage, and `placement[k]` is the rank that
+runs stage k: k % p for the looped schedules, a V for zbv; nothing assumes "stage k on rank k".
+`messages_of(action, placement)` says what an action receives and sends: the executor posts
+exactly those, the estimator counts their bytes, and the order check traces them.
 """
 
 from __future__ import annotations
@@ -125,7 +122,7 @@ def interleaved(p: int, m: int, v: int) -> list[list[Action]]:
     """Megatron's interleaved 1F1B: v chunks per rank, micro-batches in groups of p.
 
     Rank s holds the virtual stages s, s+p, ..., s+(v-1)p (chunk c is stage c*p + s). Its k-th
-    forward is worked out by `unit`: k counts through groups of p*v forwards; inside a group, the
+    forward is worked out by `action`: k counts through groups of p*v forwards; inside a group, the
     first p run chunk 0 on micro-batches group*p .. group*p+p-1, the next p chunk 1 on the same
     micro-batches, and so on. Backwards walk the same order with the chunks reversed (the last
     chunk's backward comes first). Rank s warms up with 2(p-s-1) + (v-1)p forwards, then
@@ -134,8 +131,8 @@ def interleaved(p: int, m: int, v: int) -> list[list[Action]]:
     p = 2, v = 2, m = 4 (stages 0 and 2 on rank 0, 1 and 3 on rank 1), written F<micro-batch>/<stage>:
 
         k           0    1    2    3    4    5    6    7
-        forward   F0/0 F1/0 F0/2 F1/2 F2/0 F3/0 F2/2 F3/2     (rank 0; unit(k, True))
-        backward  B0/2 B1/2 B0/0 B1/0 B2/2 B3/2 B2/0 B3/0     (rank 0; unit(k, False))
+        forward   F0/0 F1/0 F0/2 F1/2 F2/0 F3/0 F2/2 F3/2     (rank 0; action("F", k, 0))
+        backward  B0/2 B1/2 B0/0 B1/0 B2/2 B3/2 B2/0 B3/0     (rank 0; action("B", k, 0))
 
         rank 0 (warm-up 2*1 + 1*2 = 4):  F0/0 F1/0 F0/2 F1/2 | F2/0 B0/2 F3/0 B1/2 F2/2 B0/0 ...
         rank 1 (warm-up 0 + 1*2 = 2):    F0/1 F1/1 | F0/3 B0/3 F1/3 B1/3 F2/1 B0/1 ...
@@ -146,42 +143,28 @@ def interleaved(p: int, m: int, v: int) -> list[list[Action]]:
         raise ScheduleError(f"the interleaved schedule needs micro-batches ({m}) divisible by pp ({p})")
     total = m * v
 
-    def unit(k: int, forward: bool) -> tuple[int, int]:
-        # The k-th forward (or backward) of a rank: which micro-batch, and which chunk.
+    def action(kind: str, k: int, s: int) -> Action:  # rank s's k-th forward (or backward)
         group, within = divmod(k, p * v)
-        chunk = within // p
-        return group * p + within % p, chunk if forward else v - 1 - chunk
+        chunk = within // p if kind == "F" else v - 1 - within // p
+        return Action(kind, group * p + within % p, chunk * p + s)
 
     out = []
     for s in range(p):
         warmup = min((p - s - 1) * 2 + (v - 1) * p, total)
-        acts = []
-        f = b = 0
-        for _ in range(warmup):
-            i, c = unit(f, True)
-            acts.append(Action("F", i, c * p + s))
-            f += 1
-        while b < total:
-            if f < total:
-                i, c = unit(f, True)
-                acts.append(Action("F", i, c * p + s))
-                f += 1
-            i, c = unit(b, False)
-            acts.append(Action("B", i, c * p + s))
-            b += 1
+        acts = [action("F", f, s) for f in range(warmup)]
+        for b in range(total):  # then the next forward (while any are left) and the next backward
+            if warmup + b < total:
+                acts.append(action("F", warmup + b, s))
+            acts.append(action("B", b, s))
         out.append(acts)
     return out
 
 
 def zero_bubble_h1(p: int, m: int) -> list[list[Action]]:
-    """ZB-H1: 1F1B's order of F and B, with each W placed where its stage would otherwise wait.
-
-    Built by simulating unit-time actions: a rank runs its next F or B when its inputs have
-    arrived; when it would idle, it runs the oldest pending W instead. Activations are freed by W,
-    and a rank holds at most p micro-batches between F and W: the peak of 1F1B (its first stage),
-    now on every stage. With F = B = W the idle fraction is then (p-1) / (3m + p-1): the paper's
-    bubble rate (p-1)/(3m), as a share of the whole step.
-    """
+    """ZB-H1: 1F1B's order of F and B, with each W placed where its stage would otherwise wait
+    (`_fill_with_w`). W frees the activations, and a rank holds at most p micro-batches between F
+    and W: 1F1B's peak (its first stage), now on every stage. With F = B = W the idle fraction is
+    (p-1) / (3m + p-1): the paper's bubble rate (p-1)/(3m), as a share of the whole step."""
     def next_in_plan(r, todo, ready, held):  # 1F1B's order; a new F waits while p are held
         nxt = todo[0] if todo else None
         return nxt if nxt in ready and not (nxt.kind == "F" and held >= p) else None
@@ -199,7 +182,6 @@ def _fill_with_w(todo: list[list[Action]], n_stages: int, choose) -> list[list[A
     pending_w: list[list[Action]] = [[] for _ in range(p)]
     t = 0
     while any(todo) or any(pending_w):
-        finished_now = {}
         for r in range(p):
             held = sum(a.kind == "F" for a in out[r]) - sum(a.kind == "W" for a in out[r])
             ready = [a for a in todo[r] if all(x in done and done[x] <= t for x in inputs_of(a, n_stages))]
@@ -213,8 +195,7 @@ def _fill_with_w(todo: list[list[Action]], n_stages: int, choose) -> list[list[A
             else:
                 continue
             out[r].append(act)
-            finished_now[act] = t + 1
-        done.update(finished_now)
+            done[act] = t + 1  # not ready for another rank until the next step
         t += 1
         if t > 20 * (sum(map(len, out)) + n_stages) + 100:
             raise ScheduleError("zero-bubble schedule construction did not finish")  # cannot happen; a guard
@@ -225,13 +206,12 @@ def zero_bubble_v(p: int, m: int) -> list[list[Action]]:
     """ZB-V: 2p stages in a V over p ranks, split backward, built by simulating unit-time actions.
 
     At each time step a rank runs, among the actions whose inputs are done: a B (the stages
-    before it wait for its input gradient), else an F, else its oldest pending W. Among B's or
-    F's, the lowest micro-batch first, so that each stage handles micro-batches in order (its
-    neighbours' messages then arrive in the order it asks for them). A rank runs an F on its
-    first chunk only while it holds fewer than 2p chunk activations (p micro-batches of all its
-    layers: 1F1B's peak on its first stage); F's on the way back up are never held up, or the
-    loss could never be reached. So the peak can pass 2p (about 1.4x at m >= 2p): the paper's
-    hand-made ZB-V keeps 1F1B's peak exactly, this greedy one spends memory for fewer idle slots.
+    before it wait for its input gradient), else an F, else its oldest pending W; the lowest
+    micro-batch first, so that each stage's neighbours send in the order it receives. An F on a
+    rank's first chunk waits while it holds 2p chunk activations (1F1B's peak on its first stage);
+    F's on the way back up never wait, or the loss could never be reached, so the peak can pass 2p
+    (about 1.4x at m >= 2p): the paper's hand-made ZB-V keeps 1F1B's peak, this greedy one spends
+    memory for fewer idle slots.
 
     p = 2, m = 2: rank 0 holds stages 0 and 3 (a, b), rank 1 stages 1 and 2; stage 1 hands its
     output to stage 2 on the same rank. F = B = W = 1 (timeline.simulate):
@@ -312,13 +292,9 @@ class Message:
 
 
 def messages_of(a: Action, placement: tuple[int, ...]) -> tuple[Message | None, Message | None]:
-    """(what `a` receives before it runs, what it sends once done); None where it has nothing:
-
-        F(i, k)  receives stage k-1's output (stage 0 reads the tokens), sends its own to k+1
-                 (the last stage computes the loss instead)
-        B(i, k)  receives the gradient of its output from k+1 (the last stage starts from the
-                 loss), sends the gradient of its input to k-1 (stage 0's input is the tokens)
-        W(i, k)  neither: the weight gradients stay on the rank"""
+    """(what `a` receives before it runs, what it sends once done), as the executor's docstring
+    lists them; None past an end of the pipeline (stage 0 reads the tokens, the last stage computes
+    the loss and starts backward from it), and for W, whose weight gradients stay on the rank."""
     i, k, n = a.microbatch, a.stage, len(placement)
 
     def message(channel: str, src: int, dst: int) -> Message | None:  # None past an end of the pipeline
@@ -333,8 +309,7 @@ def messages_of(a: Action, placement: tuple[int, ...]) -> tuple[Message | None, 
 
 def bytes_sent_per_step(schedule: Schedule, rank: int, message_bytes: int) -> dict[str, int]:
     """What `rank`'s actions send in one step, by the ledger's "channel/send" keys, as the executor
-    posts them: each outgoing message of `messages_of` carries `message_bytes`, unless the stage it
-    goes to is on the same rank (zbv's turn of the V), where it is handed over in memory."""
+    posts them: `message_bytes` for each outgoing message that leaves the rank."""
     sent: dict[str, int] = {}
     for a in schedule.actions[rank]:
         _, outgoing = messages_of(a, schedule.placement)
@@ -349,10 +324,8 @@ def bytes_sent_per_step(schedule: Schedule, rank: int, message_bytes: int) -> di
 
 
 def peak_activations(actions: list[Action]) -> int:
-    """The most micro-batches whose activations a rank holds at once (F done, not yet released).
-
-    Activations are released by B, or by W when the schedule splits the backward.
-    """
+    """The most micro-batches whose activations a rank holds at once: from F until B releases
+    them, or W when the schedule splits the backward."""
     split = any(a.kind == "W" for a in actions)
     held = peak = 0
     for a in actions:

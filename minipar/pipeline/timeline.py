@@ -48,12 +48,8 @@ class Timeline:
         return f"{a}{'abcdefgh'[a.stage // len(self.rows)]}" if self._virtual() else str(a)
 
     def ascii(self, unit: float = 1.0) -> str:
-        """One line per rank, one cell per time unit: "F3" forward of micro-batch 3, "." idle.
-
-        With virtual stages the cell names the chunk too: "F3a" on a rank's first chunk, "F3b" its second.
-        """
+        """One line per rank, one cell per time unit, named by `label` ("." idle)."""
         width = 4 if self._virtual() else 3
-        label = self.label
         t0 = min(s for row in self.rows for s, _, _ in row)
         cells_per_rank = round(self.makespan / unit)
         lines = []
@@ -63,7 +59,7 @@ class Timeline:
                 first = min(round((start - t0) / unit), cells_per_rank - 1)
                 last = max(round((end - t0) / unit), first + 1)  # an action shorter than a cell keeps one
                 for k in range(first, min(last, cells_per_rank)):
-                    cells[k] = label(a).rjust(width)
+                    cells[k] = self.label(a).rjust(width)
             lines.append(f"rank {r}: " + "".join(cells))
         return "\n".join(lines)
 
@@ -76,7 +72,8 @@ class Timeline:
 
         colours = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
         t0 = min(s for row in self.rows for s, _, _ in row)
-        width = min(40.0, max(6.0, self.makespan / self._unit() * 0.35))  # measured runs have tiny actions
+        unit = min(end - start for row in self.rows for start, end, _ in row) or 1.0  # measured runs: tiny actions
+        width = min(40.0, max(6.0, self.makespan / unit * 0.35))
         fig, ax = plt.subplots(figsize=(width, 0.6 * len(self.rows) + 1))
         for r, row in enumerate(self.rows):
             for start, end, a in row:
@@ -90,18 +87,11 @@ class Timeline:
         fig.savefig(path, dpi=120)
         plt.close(fig)
 
-    def _unit(self) -> float:
-        return min(end - start for row in self.rows for start, end, _ in row) or 1.0
-
 
 def simulate(schedule: Schedule, durations: dict | None = None) -> Timeline:
     """Run the schedule with fixed action times (default F=1, B=2, or B=1 and W=1 when split),
     given by kind ("F") or, for stages of unequal cost, by kind and stage (("F", 3): Timeline.costs).
-
-    An action starts when its rank is free and the actions it needs are done. A rank whose next
-    action needs one not done yet waits for it, and resumes once it finishes; if some ranks are
-    still waiting when no rank can go on, they deadlock: ScheduleError names where.
-    """
+    Ranks still waiting when no rank can go on are deadlocked: ScheduleError names where."""
     split = any(a.kind == "W" for acts in schedule.actions for a in acts)
     durations = durations or ({"F": 1.0, "B": 1.0, "W": 1.0} if split else {"F": 1.0, "B": 2.0})
     actions, n = schedule.actions, schedule.n_stages
