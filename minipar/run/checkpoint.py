@@ -51,10 +51,6 @@ from minipar.tensor_parallel import padded, piece_of, unshard
 FILES = ("model.safetensors", "optimizer.safetensors", "train_state.json")
 
 
-def step_dir(out: str | Path, step: int) -> Path:
-    return Path(out) / f"step_{step:06d}"
-
-
 def checkpoints(folder: str | Path) -> list[Path]:
     """The step_* checkpoints in a folder, oldest first."""
     found = [p for p in Path(folder).glob("step_*") if p.name[5:].isdigit()]
@@ -99,11 +95,8 @@ def resolve(path: str | Path, skipped: list[str] | None = None, flag: str = "--r
 
 
 def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def verify(path: Path) -> dict:
@@ -178,7 +171,7 @@ def save(out: str | Path, step: int, weights: dict, optimizer_tensors: dict, hyp
          tokenizer: Path | None = None) -> Path:
     """Write one checkpoint from `gather_full`'s output (call on one rank), with a copy of the
     `tokenizer` file if given. Never replaces one."""
-    final = step_dir(out, step)
+    final = Path(out) / f"step_{step:06d}"
     if final.exists():
         raise CheckpointError(f"{final} exists already: a checkpoint is never overwritten")
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -283,12 +276,13 @@ def load(path: Path, model: nn.Module, groups: Groups | None = None) -> tuple[di
     """
     groups, state = groups or Groups(), verify(path)
     params = dict(model.named_parameters())  # a pipeline stage has only some of them
+    source, fix = f"checkpoint {path}", "resume with the same --model and data"
     with safe_open(path / "model.safetensors", "pt") as f, torch.no_grad():
         missing = set(params) - set(f.keys())
         if missing:
             raise CheckpointError(f"checkpoint {path} does not match the model (lacks {sorted(missing)[:3]}...)")
         for name, p in params.items():
-            piece = read_shard(f, name, p, groups, f"checkpoint {path}", "resume with the same --model and data")
+            piece = read_shard(f, name, p, groups, source, fix)
             if not torch.isfinite(piece).all():  # saved so by another tool: refuse rather than train on
                 raise CheckpointError(f"checkpoint {path}: {name} in model.safetensors is not finite; "
                                       f"resume from an earlier one")
@@ -297,12 +291,10 @@ def load(path: Path, model: nn.Module, groups: Groups | None = None) -> tuple[di
     with safe_open(path / "optimizer.safetensors", "pt") as f:
         for key in f.keys():
             name, slot = key.rsplit("/", 1)
-            if name not in params:
-                continue  # another pipeline stage's
-            p = params[name]
-            value = f.get_tensor(key) if slot == "step" else read_shard(f, key, p, groups, f"checkpoint {path}",
-                                                                        "resume with the same --model and data")
-            states.setdefault(name, {})[slot] = value if slot == "step" else value.to(p.device, p.dtype).clone()
+            if name in params:  # else another pipeline stage's
+                p = params[name]
+                states.setdefault(name, {})[slot] = f.get_tensor(key) if slot == "step" else \
+                    read_shard(f, key, p, groups, source, fix).to(p.device, p.dtype).clone()
     return state, states
 
 

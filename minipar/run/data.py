@@ -28,7 +28,7 @@ import os
 import re
 import shutil
 import sysconfig
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 
 import numpy as np
@@ -257,11 +257,6 @@ def text_pieces(f: Path, size: int = PIECE):
         yield carry
 
 
-def corpus_pieces(files: list[Path]):
-    for f in files:
-        yield from text_pieces(f)
-
-
 def encode_files(tok, files: list[Path], eot: int, batch: int = 16):
     """Each file's ids, then <|endoftext|>, as numpy arrays of a few pieces' worth at a time."""
     for f in files:
@@ -295,7 +290,8 @@ def prepare(data: str | None, vocab_size: int, cache_dir: str | Path = DEFAULT_C
         out = cache / corpus_key(files, f"tokenizer {file_hash(tokenizer)}")
     if cached(out, files):
         return out
-    tok = read_tokenizer(tokenizer, separator=True) if tokenizer else train_tokenizer(corpus_pieces(files), vocab_size)
+    corpus = chain.from_iterable(map(text_pieces, files))  # pieces of text, file after file, as they are read
+    tok = read_tokenizer(tokenizer, separator=True) if tokenizer else train_tokenizer(corpus, vocab_size)
     dtype, eot = np.uint16 if tok.get_vocab_size() <= 2**16 else np.uint32, tok.token_to_id(EOT)
     check_encodes(tok, tokenizer)
     tmp, count = building(out), 0

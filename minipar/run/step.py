@@ -34,13 +34,9 @@ def micro_batches_of(rows: tuple[torch.Tensor, torch.Tensor], mesh: Mesh, micro_
 
 
 def loss_divisor(micro_batches, group) -> float:
-    """The global batch's count of real targets / the replicas that average the gradients.
-
-    `group` is the dense parameters' reduction group (dp x cp): summed over it, the count covers
-    the global batch once; the wrappers then divide the summed gradient by group.size, so dividing
-    each token loss by count / size here makes the whole a single division by the count. An
-    all-ignored batch divides by 1: its loss and gradients are 0, not NaN.
-    """
+    """The global batch's count of real targets (summed over `group`, dp x cp) / group.size: the
+    wrappers divide the summed gradient by that size, so the whole is one division by the count.
+    An all-ignored batch divides by 1: its loss and gradients are 0, not NaN."""
     count = sum((y != -100).sum() for _, y in micro_batches).to(torch.float64).reshape(1)
     all_reduce(count, group)  # 8 bytes, once per step
     return max(float(count.item()), 1.0) / group.size

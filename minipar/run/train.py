@@ -78,10 +78,9 @@ def train_step(model: GradSync, micro_batches, grad_clip: float = 0.0, autocast=
         with model.no_sync(), autocast():
             total = pipeline.run(model.module, micro_batches, divisor)
     else:
-        n = len(micro_batches)
         total = 0.0  # becomes a device tensor: no host sync until the step's end
         for i, (x, y) in enumerate(micro_batches):
-            with model.no_sync() if i < n - 1 else nullcontext():
+            with model.no_sync() if i < len(micro_batches) - 1 else nullcontext():
                 with autocast():
                     loss = model(x, y, divisor)
                 loss.backward()
@@ -93,15 +92,6 @@ def train_step(model: GradSync, micro_batches, grad_clip: float = 0.0, autocast=
 # ----------------------------------------------------------------------------------------------
 # This rank's model
 # ----------------------------------------------------------------------------------------------
-
-
-def precision(cfg: TrainConfig, device: torch.device):
-    """(the run's Precision, the dtype the model is built in, autocast context). Default: fp32 on CPU,
-    bf16-autocast on CUDA. bf16-mixed builds the model in fp32: the wrapper keeps those weights as
-    its masters and turns the model's own into bf16 copies (precision.py)."""
-    chosen = of_config(cfg, device.type)
-    autocast = nullcontext if chosen.autocast is None else lambda: torch.autocast(device.type, dtype=chosen.autocast)
-    return chosen, chosen.built, autocast
 
 
 def build_model(cfg: TrainConfig, mesh: Mesh, model_cfg, device, param_dtype):
@@ -124,10 +114,12 @@ def build_model(cfg: TrainConfig, mesh: Mesh, model_cfg, device, param_dtype):
 def run(cfg: TrainConfig, resume: Path | None, mesh: Mesh, data: TokenData, log: RunLog, device) -> bool:
     """This rank's model, from the seed, --init-from's weights or the checkpoint it resumes; then the
     steps. True if Ctrl-C stopped them early."""
-    chosen, param_dtype, autocast = precision(cfg, device)
+    chosen = of_config(cfg, device.type)  # default: fp32 on CPU, bf16-autocast on CUDA (precision.py)
+    autocast = nullcontext if chosen.autocast is None else lambda: torch.autocast(device.type, dtype=chosen.autocast)
     # The preset with the shape flags (the tokenizer fits its vocabulary); weights to start from bring their RoPE.
     model_cfg = init_model_config(cfg) if cfg.init_from else cfg.model_config()
-    model, pipeline = build_model(cfg, mesh, model_cfg, device, param_dtype)
+    # bf16-mixed builds in fp32: the wrapper keeps those weights as its masters, the model's become bf16 copies.
+    model, pipeline = build_model(cfg, mesh, model_cfg, device, chosen.built)
     if cfg.init_from:  # each rank reads only its shards of the weights
         checkpoint.load_weights(Path(cfg.init_from), model, mesh.groups())
         log.say(f"started from the weights of {cfg.init_from}")
