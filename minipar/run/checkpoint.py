@@ -143,13 +143,9 @@ def hyper_params(optimizer: torch.optim.Optimizer) -> list[dict]:
 
 def gather_full(model: nn.Module, states: dict, hyper: list, groups: Groups) -> tuple[dict, dict, list]:
     """Every parameter and optimizer state (`states`: {name: {slot: tensor}}, this rank's shards) at
-    its single-device shape, by name.
-
-    A collective over the groups that cut parameters (tp, ep: shards joined) and the pp group
-    (stages collected on pp rank 0): call it on every rank; the result on global rank 0 is the
-    whole model.
-    Returns (weights, optimizer tensors, optimizer hyper-parameters), the arguments of `save`.
-    """
+    its single-device shape, by name: a collective over the groups that cut parameters (tp, ep:
+    shards joined) and pp (stages collected on pp rank 0), so call it on every rank; global rank 0
+    gets the whole model. Returns (weights, optimizer tensors, `hyper`), the arguments of `save`."""
     weights, tensors = {}, {}
     for name, p in model.named_parameters():
         # A copy, not a view: under ZeRO-3 the weights vanish again once gathered() ends.
@@ -270,10 +266,8 @@ def unlock(out: str | Path) -> None:
 def load(path: Path, model: nn.Module, groups: Groups | None = None) -> tuple[dict, dict]:
     """Load weights into an already built model, each rank reading only its shard (tp, ep:
     `groups`; None: one device) of the single-device tensors, of its pipeline stage's parameters.
-
     Returns (the train state, this rank's optimizer state {name: {slot: tensor}}, sharded like the
-    parameters) for the gradient-sync wrapper's `load_state_by_name`.
-    """
+    parameters) for the gradient-sync wrapper's `load_state_by_name`."""
     groups, state = groups or Groups(), verify(path)
     params = dict(model.named_parameters())  # a pipeline stage has only some of them
     source, fix = f"checkpoint {path}", "resume with the same --model and data"

@@ -270,12 +270,9 @@ def encode_files(tok, files: list[Path], eot: int, batch: int = 16):
 def prepare(data: str | None, vocab_size: int, cache_dir: str | Path = DEFAULT_CACHE, tokenizer: str | None = None,
             token_dtype: str = "uint16") -> Path:
     """Tokenise the corpus once; return the folder with meta.json, tokenizer.json and tokens.bin
-    (token files: meta.json, and tokenizer.json if given; the ids stay where they are).
-
-    Call it on one process per machine (train.py uses local rank 0) while the others wait. The
-    folder is built under a temporary name and renamed into place, so an interrupted run never
-    leaves a half-written cache behind.
-    """
+    (token files: meta.json, and tokenizer.json if given; the ids stay where they are). One process
+    per machine calls it (launch.load_data: local rank 0) while the others wait; the folder is built
+    under a temporary name and renamed into place, so an interrupted run leaves no half-written cache."""
     files, cache = find_files(data), Path(cache_dir).expanduser()
     fingerprint = data_key(data, vocab_size, token_dtype)
     if are_token_files(data, files):

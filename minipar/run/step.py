@@ -1,5 +1,5 @@
 """What a step is made of under any layout: the one place that knows how context parallelism and
-experts change a step. The training loop (train.py) and validation (validation.py) both use it.
+experts change a step. The training loop (train.py) uses it, validation (validation.py) forward only.
 
     this dp rank's rows       [b, s]         (batches.TokenData)
       cp: its zigzag share    [b, s/cp]      (context_parallel.split_sequence)
@@ -9,9 +9,6 @@ experts change a step. The training loop (train.py) and validation (validation.p
       wrappers average gradients over dp x cp, each cp rank having seen part of every sequence)
     experts: each micro-batch's load-balancing loss weighs 1/micro-batches (the step's mean), and
       the tokens each expert was given are counted in forward, taken for the log after a step
-
-Validation runs the same micro-batches and divisor, forward only: no gradient, so no auxiliary
-loss; it drops the expert counts of its forwards so that the log shows training tokens only.
 """
 
 from __future__ import annotations

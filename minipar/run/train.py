@@ -64,15 +64,13 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def train_step(model: GradSync, micro_batches, grad_clip: float = 0.0, autocast=nullcontext,
                pipeline: Pipeline | None = None):
     """One optimizer step over this rank's micro-batches. Returns (loss, gradient norm); a
-    pipeline keeps the measured timeline of its step in `pipeline.timeline`.
-
-    The loss is the mean over every real (not -100) target of the *global* batch, whatever the
-    layout: each micro-batch contributes its sum of token losses / loss_divisor, so accumulation,
-    pipeline micro-batches, the dp average and cp's split sequences add up to one division by
-    the global count. With a pipeline the schedule runs the micro-batches (the loss is known on
-    the last stage only) and the data-parallel average waits until its last backward. `model`
-    is any gradient-sync wrapper (DataParallel, ZeRO 1/2/3): they share one protocol.
-    """
+    pipeline keeps the measured timeline of its step in `pipeline.timeline`. The loss is the mean
+    over every real (not -100) target of the *global* batch, whatever the layout: each micro-batch
+    contributes its sum of token losses / loss_divisor, so accumulation, pipeline micro-batches,
+    the dp average and cp's split sequences add up to one division by the global count. With a
+    pipeline the schedule runs the micro-batches (the loss is known on the last stage only) and the
+    data-parallel average waits until its last backward. `model` is any gradient-sync wrapper
+    (DataParallel, ZeRO 1/2/3): they share one protocol."""
     divisor = begin_step(model, micro_batches)  # and MoE: the step's mean load-balancing loss (step.py)
     if pipeline is not None:
         with model.no_sync(), autocast():
