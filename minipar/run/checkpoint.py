@@ -53,8 +53,7 @@ FILES = ("model.safetensors", "optimizer.safetensors", "train_state.json")
 
 def checkpoints(folder: str | Path) -> list[Path]:
     """The step_* checkpoints in a folder, oldest first."""
-    found = [p for p in Path(folder).glob("step_*") if p.name[5:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[5:]))
+    return sorted((p for p in Path(folder).glob("step_*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
 
 
 def not_a_runs(out: str | Path) -> list[str]:

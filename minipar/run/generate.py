@@ -41,8 +41,7 @@ class KVCache:
 
     def positions(self, local_len: int, device, layer: int) -> torch.Tensor:
         """The new tokens come after those already cached."""
-        start = self.seen(layer)
-        return torch.arange(start, start + local_len, device=device)
+        return self.seen(layer) + torch.arange(local_len, device=device)
 
     def attend(self, q, k, v, layer: int) -> torch.Tensor:
         if layer in self.keys:

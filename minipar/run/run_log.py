@@ -227,9 +227,7 @@ def flatten(record, prefix: str = "") -> dict:
 
 
 def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""  # the CPU: none
     return next((f for key, f in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
