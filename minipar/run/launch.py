@@ -128,8 +128,10 @@ def check_paths(cfg: TrainConfig, lock: bool = True) -> Path | None:
     profile_note = check_profiled_steps(cfg, start) if cfg.profile_steps else None
     if lock and os.environ.get("RANK", "0") == "0":
         notes = checkpoint.lock(cfg.out)  # first: only the holder of --out moves anything in it
-        notes += [set_aside_note(p, why) for p, why in zip(corrupt, skipped) if p in ours]
-        notes += [f"skipped {why}" for p, why in zip(corrupt, skipped) if p not in ours]
+        for folder, why in zip(corrupt, skipped):  # --out's own set aside by name (unless an earlier attempt did)
+            moved = checkpoint.set_aside(folder).name if folder in ours and folder.exists() else None
+            notes.append(f"{why.split(';')[0]}: moved it aside to {moved}, resuming from an earlier one" if moved
+                         else f"skipped {why}")
         notes += [profile_note] if profile_note else []
         for note in notes:
             print(f"minipar: {note}", flush=True)
@@ -152,13 +154,6 @@ def check_profiled_steps(cfg: TrainConfig, start: int) -> str | None:
     note = f"this restart profiles nothing (--profile-steps {cfg.profile_steps}: {why.split(': ')[0]})"
     cfg.profile_steps = None
     return note
-
-
-def set_aside_note(folder: Path, why: str) -> str:
-    """Move a corrupt checkpoint of --out aside by name (never deleted), and say so in one line."""
-    if not folder.exists():  # set aside already, by the rank 0 of an earlier attempt
-        return f"skipped {why}"
-    return f"{why.split(';')[0]}: moved it aside to {checkpoint.set_aside(folder).name}, resuming from an earlier one"
 
 
 # torchrun's options that train.py takes itself: `python scripts/train.py --nproc-per-node 2 --dp 2`.

@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -133,27 +132,15 @@ def run(cfg: TrainConfig, resume: Path | None, mesh: Mesh, data: TokenData, log:
     if saved_states is not None:
         wrapper.load_state_by_name(saved_states)
     log.start(model_cfg, data, chosen.name, start)
-    return train_loop(Job(cfg, mesh, data, wrapper, pipeline, autocast, device, log), start, consumed)
+    return train_loop(cfg, mesh, data, wrapper, pipeline, autocast, device, log, start, consumed)
 
 
-@dataclass
-class Job:
-    """This rank's part of the run, as `run` built it: everything the steps read."""
-
-    cfg: TrainConfig
-    mesh: Mesh
-    data: TokenData
-    model: GradSync  # the parallelized model in its gradient-sync wrapper, which holds the optimizer
-    pipeline: Pipeline | None  # None: no pp
-    autocast: Callable[[], AbstractContextManager]
-    device: torch.device
-    log: RunLog
-
-
-def train_loop(job: Job, start: int, consumed: int) -> bool:
+def train_loop(cfg: TrainConfig, mesh: Mesh, data: TokenData, model: GradSync, pipeline: Pipeline | None,
+               autocast: Callable[[], AbstractContextManager], device: torch.device, log: RunLog, start: int,
+               consumed: int) -> bool:
     """The steps, from `start` (`consumed` samples in): batch, step, log; validate and save when due.
-    True if Ctrl-C stopped them (saving.Interrupt): after the step where the log's gather said so."""
-    cfg, mesh, data, model, pipeline, log = job.cfg, job.mesh, job.data, job.model, job.pipeline, job.log
+    `model`: the parallelized model in its gradient-sync wrapper, which holds the optimizer. True if
+    Ctrl-C stopped them (saving.Interrupt): after the step where the log's gather said so."""
     bad = 0  # consecutive steps skipped for a non-finite gradient norm
     if log.interrupt:
         log.interrupt.stepping = True  # from here a Ctrl-C waits for the end of the step
@@ -161,14 +148,14 @@ def train_loop(job: Job, start: int, consumed: int) -> bool:
         for group in model.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         rows = data.rank_batch(consumed, cfg.global_batch, mesh.coord("dp"), cfg.dp)
-        micro = micro_batches_of(rows, mesh, cfg.micro_batch, job.device)
+        micro = micro_batches_of(rows, mesh, cfg.micro_batch, device)
         mesh.ledger.reset()
         log.tick(step)
-        loss, grad_norm = train_step(model, micro, cfg.grad_clip, job.autocast, pipeline)
+        loss, grad_norm = train_step(model, micro, cfg.grad_clip, autocast, pipeline)
         consumed += cfg.global_batch
         stop = log.step(step, loss, grad_norm, lr_at(step, cfg), model, pipeline)  # a rank heard Ctrl-C
         if validation.is_due(cfg, step + 1):
-            log.validation(step, validation.validate(cfg, data, mesh, model, pipeline, job.autocast, job.device),
+            log.validation(step, validation.validate(cfg, data, mesh, model, pipeline, autocast, device),
                            pipeline, validation.validation_batches(cfg, data) * cfg.global_batch)
         bad = 0 if math.isfinite(grad_norm) else bad + 1  # the norm is global: every rank agrees
         if bad:
