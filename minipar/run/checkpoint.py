@@ -18,8 +18,7 @@ place only when complete, so a crash while saving never damages an earlier check
 last, holds the sha256 of both tensor files (and of the tokenizer) and of its own contents:
 loading checks them and fails with one line naming the bad file; checkpoint_checks.py checks what
 a checksum cannot (ranges, names, shapes, finite values). A corrupt checkpoint is never deleted:
-`set_aside` moves it out of the way by name. Folders and files take the user's umask, like any file the user
-writes.
+`set_aside` moves it out of the way by name. Folders and files take the user's umask.
 
 One run at a time writes into an --out folder: rank 0 holds `out/.lock` (host and pid) for the run.
 """

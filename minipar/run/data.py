@@ -311,9 +311,8 @@ def prepare(data: str | None, vocab_size: int, cache_dir: str | Path = DEFAULT_C
 
 
 def scan_token_files(files: list[Path], dtype: str, tok, tokenizer: str | None) -> dict:
-    """What meta.json says of token files, read through memory maps a block at a time. Ids
-    outside the tokenizer's vocabulary are refused; without one, the vocabulary is the largest
-    id + 1."""
+    """What meta.json says of token files, read through memory maps a block at a time. Ids outside
+    the tokenizer's vocabulary are refused; without one, the vocabulary is the largest id + 1."""
     parts, count, top = [], 0, (-1, "")
     for f in files:
         size, width = f.stat().st_size, np.dtype(dtype).itemsize

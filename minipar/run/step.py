@@ -40,9 +40,8 @@ def loss_divisor(micro_batches, group) -> float:
 
 
 def begin_step(model: GradSync, micro: list) -> float:
-    """Ready the wrapped model for a step over these micro-batches: each MoE block's auxiliary loss
-    weighs 1/len(micro). Returns the divisor of each micro-batch's sum of token losses (one 8-byte
-    all-reduce over dp x cp)."""
+    """Ready the wrapped model for a step over `micro`: each MoE block's auxiliary loss weighs
+    1/len(micro). Returns the divisor of each micro-batch's sum of token losses (`loss_divisor`)."""
     set_aux_scale(model.module, 1 / len(micro))
     return loss_divisor(micro, model.group)
 
