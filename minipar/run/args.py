@@ -28,9 +28,10 @@ import re
 import shutil
 import stat
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 
 class InputError(ValueError):
@@ -103,32 +104,21 @@ def _number(text: str, kind):
     return value
 
 
-def _checked(text: str, kind, fine, want: str):
-    value = _number(text, kind)
-    if not fine(value):
-        raise argparse.ArgumentTypeError(f"{text} is out of range: give {want}")
-    return value
+def _ranged(kind: type, fine: Callable, want: str) -> Callable[[str], Any]:
+    """An argparse type: a number of `kind` that `fine` accepts, else "out of range: give `want`"."""
+    def parse(text: str) -> Any:
+        value = _number(text, kind)
+        if not fine(value):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give {want}")
+        return value
+    return parse
 
 
-def positive_int(text: str) -> int:
-    return _checked(text, int, lambda v: v >= 1, "1 or more")
-
-
-def non_negative_int(text: str) -> int:
-    return _checked(text, int, lambda v: v >= 0, "0 or more")
-
-
-def positive_float(text: str) -> float:
-    return _checked(text, float, lambda v: v > 0, "a number above 0")
-
-
-def non_negative_float(text: str) -> float:
-    return _checked(text, float, lambda v: v >= 0, "0 or more")
-
-
-def fraction(text: str) -> float:
-    """A share or probability above 0, at most 1."""
-    return _checked(text, float, lambda v: 0 < v <= 1, "a fraction above 0, at most 1 (0.45 is 45%)")
+positive_int = _ranged(int, lambda v: v >= 1, "1 or more")
+non_negative_int = _ranged(int, lambda v: v >= 0, "0 or more")
+positive_float = _ranged(float, lambda v: v > 0, "a number above 0")
+non_negative_float = _ranged(float, lambda v: v >= 0, "0 or more")
+fraction = _ranged(float, lambda v: 0 < v <= 1, "a fraction above 0, at most 1 (0.45 is 45%)")  # a share, a probability
 
 
 UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -218,7 +208,6 @@ def inside(base: str | Path, relative: str | Path, name: str) -> Path:
         raise InputError(f"{name}: {str(relative)!r} leads outside {base}; the paths a file names must stay in "
                          f"its folder")
     return joined
-
 
 
 def unoccupied(path: str | Path, name: str, source: str | Path | None = None) -> Path:

@@ -74,8 +74,7 @@ def windows_in(docs: np.ndarray, keep: np.ndarray, seq_len: int) -> np.ndarray:
 
 @dataclass
 class TokenData:
-    """Windows of the token files in a seeded order, and the held-out windows. See the module
-    docstring."""
+    """Windows of the token files in a seeded order, and the held-out windows (module docstring)."""
 
     folder: Path
     seq_len: int

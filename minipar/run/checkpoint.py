@@ -18,8 +18,7 @@ place only when complete, so a crash while saving never damages an earlier check
 last, holds the sha256 of both tensor files (and of the tokenizer) and of its own contents:
 loading checks them and fails with one line naming the bad file; checkpoint_checks.py checks what
 a checksum cannot (ranges, names, shapes, finite values). A corrupt checkpoint is never deleted:
-`set_aside` moves it out of the way by name. Folders and files take the user's umask, like any file the user
-writes.
+`set_aside` moves it out of the way by name. Folders and files take the user's umask.
 
 One run at a time writes into an --out folder: rank 0 holds `out/.lock` (host and pid) for the run.
 """
@@ -51,14 +50,9 @@ from minipar.tensor_parallel import padded, piece_of, unshard
 FILES = ("model.safetensors", "optimizer.safetensors", "train_state.json")
 
 
-def step_dir(out: str | Path, step: int) -> Path:
-    return Path(out) / f"step_{step:06d}"
-
-
 def checkpoints(folder: str | Path) -> list[Path]:
     """The step_* checkpoints in a folder, oldest first."""
-    found = [p for p in Path(folder).glob("step_*") if p.name[5:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[5:]))
+    return sorted((p for p in Path(folder).glob("step_*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
 
 
 def not_a_runs(out: str | Path) -> list[str]:
@@ -99,11 +93,8 @@ def resolve(path: str | Path, skipped: list[str] | None = None, flag: str = "--r
 
 
 def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def verify(path: Path) -> dict:
@@ -150,13 +141,9 @@ def hyper_params(optimizer: torch.optim.Optimizer) -> list[dict]:
 
 def gather_full(model: nn.Module, states: dict, hyper: list, groups: Groups) -> tuple[dict, dict, list]:
     """Every parameter and optimizer state (`states`: {name: {slot: tensor}}, this rank's shards) at
-    its single-device shape, by name.
-
-    A collective over the groups that cut parameters (tp, ep: shards joined) and the pp group
-    (stages collected on pp rank 0): call it on every rank; the result on global rank 0 is the
-    whole model.
-    Returns (weights, optimizer tensors, optimizer hyper-parameters), the arguments of `save`.
-    """
+    its single-device shape, by name: a collective over the groups that cut parameters (tp, ep:
+    shards joined) and pp (stages collected on pp rank 0), so call it on every rank; global rank 0
+    gets the whole model. Returns (weights, optimizer tensors, `hyper`), the arguments of `save`."""
     weights, tensors = {}, {}
     for name, p in model.named_parameters():
         # A copy, not a view: under ZeRO-3 the weights vanish again once gathered() ends.
@@ -178,7 +165,7 @@ def save(out: str | Path, step: int, weights: dict, optimizer_tensors: dict, hyp
          tokenizer: Path | None = None) -> Path:
     """Write one checkpoint from `gather_full`'s output (call on one rank), with a copy of the
     `tokenizer` file if given. Never replaces one."""
-    final = step_dir(out, step)
+    final = Path(out) / f"step_{step:06d}"
     if final.exists():
         raise CheckpointError(f"{final} exists already: a checkpoint is never overwritten")
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -277,18 +264,17 @@ def unlock(out: str | Path) -> None:
 def load(path: Path, model: nn.Module, groups: Groups | None = None) -> tuple[dict, dict]:
     """Load weights into an already built model, each rank reading only its shard (tp, ep:
     `groups`; None: one device) of the single-device tensors, of its pipeline stage's parameters.
-
     Returns (the train state, this rank's optimizer state {name: {slot: tensor}}, sharded like the
-    parameters) for the gradient-sync wrapper's `load_state_by_name`.
-    """
+    parameters) for the gradient-sync wrapper's `load_state_by_name`."""
     groups, state = groups or Groups(), verify(path)
     params = dict(model.named_parameters())  # a pipeline stage has only some of them
+    source, fix = f"checkpoint {path}", "resume with the same --model and data"
     with safe_open(path / "model.safetensors", "pt") as f, torch.no_grad():
         missing = set(params) - set(f.keys())
         if missing:
             raise CheckpointError(f"checkpoint {path} does not match the model (lacks {sorted(missing)[:3]}...)")
         for name, p in params.items():
-            piece = read_shard(f, name, p, groups, f"checkpoint {path}", "resume with the same --model and data")
+            piece = read_shard(f, name, p, groups, source, fix)
             if not torch.isfinite(piece).all():  # saved so by another tool: refuse rather than train on
                 raise CheckpointError(f"checkpoint {path}: {name} in model.safetensors is not finite; "
                                       f"resume from an earlier one")
@@ -297,12 +283,10 @@ def load(path: Path, model: nn.Module, groups: Groups | None = None) -> tuple[di
     with safe_open(path / "optimizer.safetensors", "pt") as f:
         for key in f.keys():
             name, slot = key.rsplit("/", 1)
-            if name not in params:
-                continue  # another pipeline stage's
-            p = params[name]
-            value = f.get_tensor(key) if slot == "step" else read_shard(f, key, p, groups, f"checkpoint {path}",
-                                                                        "resume with the same --model and data")
-            states.setdefault(name, {})[slot] = value if slot == "step" else value.to(p.device, p.dtype).clone()
+            if name in params:  # else another pipeline stage's
+                p = params[name]
+                states.setdefault(name, {})[slot] = f.get_tensor(key) if slot == "step" else \
+                    read_shard(f, key, p, groups, source, fix).to(p.device, p.dtype).clone()
     return state, states
 
 

@@ -60,7 +60,6 @@ def check_state(path: Path, state: dict) -> None:
                               f"another one")
 
 
-
 def checked_model_config(path: Path, saved: dict) -> ModelConfig:
     """A checkpoint's model_config, refused in one line when it names a setting this minipar lacks
     (from a newer version, or edited) or holds sizes no model has."""
@@ -83,9 +82,7 @@ def checked_model_config(path: Path, saved: dict) -> ModelConfig:
 
 
 def check_tensors(path: Path, config: ModelConfig, optimizer: bool = True, one_step: bool = False) -> None:
-    """Before any process group: model.safetensors holds exactly the parameters of `config`'s
-    model, at their single-device shapes, every value finite; optimizer.safetensors (optimizer:
-    checked too, by `check_optimizer`) holds AdamW's state for every parameter or for none.
+    """The module docstring's checks of model.safetensors, and of optimizer.safetensors if `optimizer`.
     Every tensor is read, one at a time (memory: the largest tensor), every rank: as long as
     verify's checksum, which reads the files once already."""
     with torch.device("meta"):  # names and shapes only: nothing is allocated

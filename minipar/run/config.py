@@ -194,8 +194,7 @@ def parse_args(argv=None) -> TrainConfig:
     saved = checkpoint.saved_model(args.init_from) if args.init_from and not (args.model or args.resume) else None
     if saved is not None:  # the weights state their model, as from_pretrained reads it; a flag given must agree
         args.model, model = saved  # an imported model's preset: the default (its shape says all)
-        for name in (*SHAPE_FLAGS, "tie_embeddings"):
-            setattr(args, name, getattr(model, name) if getattr(args, name) is None else getattr(args, name))
+        vars(args).update({n: getattr(model, n) for n in (*SHAPE_FLAGS, "tie_embeddings") if getattr(args, n) is None})
     d = TrainConfig()  # a setting named at its default asks for nothing (the effective config names them all)
     named = {k for k in ACTS_WITH if getattr(args, k) not in (None, getattr(d, k))}
     cfg = TrainConfig(**{**vars(args), **{k: getattr(d, k) for k in ("model", *ACTS_WITH) if getattr(args, k) is None}})
@@ -206,8 +205,7 @@ def parse_args(argv=None) -> TrainConfig:
     cfg.validate(world)
     moe = cfg.model_config().n_experts > 0
     acting = {"tp_overlap": cfg.tp > 1, "cp_attention": cfg.cp > 1, "schedule": cfg.pp > 1, "pp_layers": cfg.pp > 1,
-              "zeropp": cfg.dp > 1,
-              "aux_loss_coef": moe, "capacity_factor": moe}
+              "zeropp": cfg.dp > 1, "aux_loss_coef": moe, "capacity_factor": moe}
     idle = sorted(k for k in named if not acting[k])
     if idle:
         raise ConfigError(f"--{idle[0].replace('_', '-')} {getattr(cfg, idle[0])} acts only with {ACTS_WITH[idle[0]]}, "

@@ -28,7 +28,7 @@ import os
 import re
 import shutil
 import sysconfig
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 
 import numpy as np
@@ -257,11 +257,6 @@ def text_pieces(f: Path, size: int = PIECE):
         yield carry
 
 
-def corpus_pieces(files: list[Path]):
-    for f in files:
-        yield from text_pieces(f)
-
-
 def encode_files(tok, files: list[Path], eot: int, batch: int = 16):
     """Each file's ids, then <|endoftext|>, as numpy arrays of a few pieces' worth at a time."""
     for f in files:
@@ -275,12 +270,9 @@ def encode_files(tok, files: list[Path], eot: int, batch: int = 16):
 def prepare(data: str | None, vocab_size: int, cache_dir: str | Path = DEFAULT_CACHE, tokenizer: str | None = None,
             token_dtype: str = "uint16") -> Path:
     """Tokenise the corpus once; return the folder with meta.json, tokenizer.json and tokens.bin
-    (token files: meta.json, and tokenizer.json if given; the ids stay where they are).
-
-    Call it on one process per machine (train.py uses local rank 0) while the others wait. The
-    folder is built under a temporary name and renamed into place, so an interrupted run never
-    leaves a half-written cache behind.
-    """
+    (token files: meta.json, and tokenizer.json if given; the ids stay where they are). One process
+    per machine calls it (launch.load_data: local rank 0) while the others wait; the folder is built
+    under a temporary name and renamed into place, so an interrupted run leaves no half-written cache."""
     files, cache = find_files(data), Path(cache_dir).expanduser()
     fingerprint = data_key(data, vocab_size, token_dtype)
     if are_token_files(data, files):
@@ -295,7 +287,8 @@ def prepare(data: str | None, vocab_size: int, cache_dir: str | Path = DEFAULT_C
         out = cache / corpus_key(files, f"tokenizer {file_hash(tokenizer)}")
     if cached(out, files):
         return out
-    tok = read_tokenizer(tokenizer, separator=True) if tokenizer else train_tokenizer(corpus_pieces(files), vocab_size)
+    corpus = chain.from_iterable(map(text_pieces, files))  # pieces of text, file after file, as they are read
+    tok = read_tokenizer(tokenizer, separator=True) if tokenizer else train_tokenizer(corpus, vocab_size)
     dtype, eot = np.uint16 if tok.get_vocab_size() <= 2**16 else np.uint32, tok.token_to_id(EOT)
     check_encodes(tok, tokenizer)
     tmp, count = building(out), 0
@@ -318,9 +311,8 @@ def prepare(data: str | None, vocab_size: int, cache_dir: str | Path = DEFAULT_C
 
 
 def scan_token_files(files: list[Path], dtype: str, tok, tokenizer: str | None) -> dict:
-    """What meta.json says of token files, read through memory maps a block at a time. Ids
-    outside the tokenizer's vocabulary are refused; without one, the vocabulary is the largest
-    id + 1."""
+    """What meta.json says of token files, read through memory maps a block at a time. Ids outside
+    the tokenizer's vocabulary are refused; without one, the vocabulary is the largest id + 1."""
     parts, count, top = [], 0, (-1, "")
     for f in files:
         size, width = f.stat().st_size, np.dtype(dtype).itemsize

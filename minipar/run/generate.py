@@ -16,7 +16,7 @@ length of a `with` block.
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -41,8 +41,7 @@ class KVCache:
 
     def positions(self, local_len: int, device, layer: int) -> torch.Tensor:
         """The new tokens come after those already cached."""
-        start = self.seen(layer)
-        return torch.arange(start, start + local_len, device=device)
+        return self.seen(layer) + torch.arange(local_len, device=device)
 
     def attend(self, q, k, v, layer: int) -> torch.Tensor:
         if layer in self.keys:
@@ -89,18 +88,13 @@ def generate(model: Llama, prompt: torch.Tensor, new_tokens: int, temperature: f
     """prompt [b, s] -> [b, s + new_tokens]. cache=False recomputes the whole sequence each step
     (the reference the tests hold the cache to)."""
     tokens = prompt
-    if not cache:
-        for _ in range(new_tokens):
-            step = next_token(model(tokens)[:, -1], temperature, top_k, generator)
-            tokens = torch.cat([tokens, step[:, None]], dim=1)
-        return tokens
-    with kv_cache(model):
+    with kv_cache(model) if cache else nullcontext():
         logits = model(tokens)[:, -1]  # prefill
         for i in range(new_tokens):
             step = next_token(logits, temperature, top_k, generator)
             tokens = torch.cat([tokens, step[:, None]], dim=1)
             if i < new_tokens - 1:
-                logits = model(step[:, None])[:, -1]  # decode: the new token only
+                logits = model(step[:, None] if cache else tokens)[:, -1]  # decode: the new token only, if cached
     return tokens
 
 

@@ -46,8 +46,7 @@ NAMES += [(f"model.layers.{{}}.{hf}.weight", f"layers.{{}}.{ours}.weight") for h
 CONFIG_KEYS = {"hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
                "intermediate_size": "ffn_dim", "vocab_size": "vocab_size", "rms_norm_eps": "norm_eps",
                "max_position_embeddings": "max_seq_len", "tie_word_embeddings": "tie_embeddings"}
-SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
-             "max_position_embeddings")
+SIZE_KEYS = [key for key in CONFIG_KEYS if key not in ("rms_norm_eps", "tie_word_embeddings")]  # required
 SCALING_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
                 "high_freq_factor": "rope_high_freq_factor",
                 "original_max_position_embeddings": "rope_original_max_len"}
@@ -78,7 +77,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise HFError(f"rope type {kind!r} is not supported (only default and llama3)")
     if kind == "llama3" and not SCALING_KEYS.keys() <= rope.keys():
         raise HFError(f"llama3 rope scaling without {', '.join(SCALING_KEYS.keys() - rope.keys())}")
-    missing = [k for k in CONFIG_KEYS if k not in hf and k not in ("rms_norm_eps", "tie_word_embeddings")]
+    missing = [k for k in SIZE_KEYS if k not in hf]
     if missing:
         raise HFError(f"lacks {', '.join(missing)}")
     optional = [k for k in ("num_key_value_heads", "head_dim") if hf.get(k) is not None]  # null: derived

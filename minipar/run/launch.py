@@ -44,7 +44,7 @@ from minipar.run.data import DataError, find_files, prepare
 from minipar.run.hang import HangWatch, RankTimeout, hang_report, stopped_answering
 from minipar.run.preflight import check_files
 from minipar.run.profiling import trace_folder
-from minipar.run.run_log import RunLog
+from minipar.run.run_log import RunLog, memory_baseline
 from minipar.run.saving import Interrupt, TrainingStopped
 from minipar.run.validation import validation_batches
 
@@ -106,8 +106,7 @@ def check_paths(cfg: TrainConfig, lock: bool = True) -> Path | None:
     resume = checkpoint.resolve(source, skipped, corrupt=corrupt) if source else None
     if cfg.out is None:  # continue where we resume, else a fresh numbered folder
         cfg.out = str(resume.parent) if resume else next(
-            f"runs/run_{i:03d}" for i in range(1, 10**4) if not Path(f"runs/run_{i:03d}").exists()
-        )
+            f"runs/run_{i:03d}" for i in range(1, 10**4) if not Path(f"runs/run_{i:03d}").exists())
     if cfg.init_from:  # weights to start from: a checkpoint folder, or the newest in an --out folder
         cfg.init_from = str(checkpoint.resolve(cfg.init_from, flag="--init-from"))
     check_files(cfg, resume)  # the data is text, --out and the logs writable, the checkpoint of this run
@@ -125,13 +124,14 @@ def check_paths(cfg: TrainConfig, lock: bool = True) -> Path | None:
         raise ConfigError(
             f"--out {cfg.out} already holds checkpoints {f'after {resume}' if resume else 'of an earlier run'} "
             f"({later[0]}{f' ... {later[-1]}' if len(later) > 1 else ''}): continue the newest with --resume "
-            f"{cfg.out}, or choose another --out (nothing is overwritten)"
-        )
+            f"{cfg.out}, or choose another --out (nothing is overwritten)")
     profile_note = check_profiled_steps(cfg, start) if cfg.profile_steps else None
     if lock and os.environ.get("RANK", "0") == "0":
         notes = checkpoint.lock(cfg.out)  # first: only the holder of --out moves anything in it
-        notes += [set_aside_note(p, why) for p, why in zip(corrupt, skipped) if p in ours]
-        notes += [f"skipped {why}" for p, why in zip(corrupt, skipped) if p not in ours]
+        for folder, why in zip(corrupt, skipped):  # --out's own set aside by name (unless an earlier attempt did)
+            moved = checkpoint.set_aside(folder).name if folder in ours and folder.exists() else None
+            notes.append(f"{why.split(';')[0]}: moved it aside to {moved}, resuming from an earlier one" if moved
+                         else f"skipped {why}")
         notes += [profile_note] if profile_note else []
         for note in notes:
             print(f"minipar: {note}", flush=True)
@@ -154,13 +154,6 @@ def check_profiled_steps(cfg: TrainConfig, start: int) -> str | None:
     note = f"this restart profiles nothing (--profile-steps {cfg.profile_steps}: {why.split(': ')[0]})"
     cfg.profile_steps = None
     return note
-
-
-def set_aside_note(folder: Path, why: str) -> str:
-    """Move a corrupt checkpoint of --out aside by name (never deleted), and say so in one line."""
-    if not folder.exists():  # set aside already, by the rank 0 of an earlier attempt
-        return f"skipped {why}"
-    return f"{why.split(';')[0]}: moved it aside to {checkpoint.set_aside(folder).name}, resuming from an earlier one"
 
 
 # torchrun's options that train.py takes itself: `python scripts/train.py --nproc-per-node 2 --dp 2`.
@@ -236,9 +229,9 @@ def agent_options(agent: list[str]):
     if "RANK" in os.environ:
         raise ConfigError(f"{agent[0]} is torchrun's option: a worker of torchrun takes only the run's flags")
     for name, _, value in (a.partition("=") for a in agent):
+        least = 0 if name in ("--node-rank", "--max-restarts") else 1
         if name in ("--nproc-per-node", "--nnodes", "--node-rank", "--max-restarts", "--master-port") and \
-                not (value.isdigit() and (int(value) > 0 or name in ("--node-rank", "--max-restarts"))):
-            least = 0 if name in ("--node-rank", "--max-restarts") else 1
+                not (value.isdigit() and int(value) >= least):
             raise ConfigError(f"{name} {value!r}: give a whole number, at least {least} (this launcher takes no "
                               "ranges or 'gpu'; torchrun itself does)")
     if not any(a.startswith("--nproc-per-node=") for a in agent):
@@ -275,7 +268,7 @@ def launch(cfg: TrainConfig, resume: Path | None, interrupt: Interrupt | None = 
         log.say(f"experts: the dp x cp ranks as edp {cfg.dp * cfg.cp // cfg.ep} x ep {cfg.ep}; this rank's ep group "
                 f"{mesh.group('ep').ranks}, edp group {mesh.group('edp').ranks}")
     data = load_data(cfg, resume, log.group)
-    log.measure_memory_from_here()  # the run's own memory: not the tokenizer's peak
+    log.memory_base = memory_baseline(device)  # the run's own memory: not the tokenizer's peak
     try:
         stopped = train.run(cfg, resume, mesh, data, log, device)
     except RuntimeError as e:  # DistBackendError too: a rank stopped answering or died? name what we waited for

@@ -93,9 +93,8 @@ def check_resume(cfg: TrainConfig, state: dict, path: Path) -> None:
         old, new, flag = before[name], getattr(cfg, name), "--" + name.replace("_", "-")
         same = old == new or (name == "data" and old and new and Path(old).resolve() == Path(new).resolve())
         if not same and (name in WEIGHT_SETTINGS or not cfg.allow_config_change):
-            keep = f"pass {flag} {old}" if old is not None else f"leave {flag} out"
-            if isinstance(old, bool):
-                keep = f"pass {flag if old else '--no-' + flag[2:]}"
+            keep = f"pass {flag if old else '--no-' + flag[2:]}" if isinstance(old, bool) else \
+                f"pass {flag} {old}" if old is not None else f"leave {flag} out"
             also = "" if name in WEIGHT_SETTINGS else ", or --allow-config-change to accept the change"
             raise ConfigError(f"{flag} {new} differs from the checkpoint's {old} ({path}): {keep} to continue it{also}")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # a default precision is the device's

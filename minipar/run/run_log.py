@@ -50,21 +50,15 @@ class RunLog:
     def __init__(self, cfg: TrainConfig, mesh: Mesh, device: torch.device, interrupt=None):
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.interrupt = interrupt  # saving.Interrupt: whether this rank heard Ctrl-C travels in each step's gather
-        self.world = dist.get_world_size()
-        self.is_main = dist.get_rank() == 0
-        # Per-step metrics travel over their own group with its own ledger, so the model's ledger
-        # shows only the traffic of training itself.
-        self.group = Group("log", dist.group.WORLD, list(range(self.world)), Ledger())
+        self.world, self.is_main = dist.get_world_size(), dist.get_rank() == 0
+        self.group = Group("log", dist.group.WORLD, list(range(self.world)), Ledger())  # module docstring
         self.clock = mesh.ledger.clock = WaitClock(cuda=device.type == "cuda")  # the model's waits, each step
         self.profiler = StepProfiler(cfg, self.clock, mesh.ledger, device) if cfg.profile_steps else None
         self.losses: list[float] = []
         self.wandb: Any = None  # rank 0's wandb run, JSON log file and progress bar, from start()
         self.file: Any = None
         self.bar: Any = None
-        self.memory_base = 0  # CPU: resident bytes when measuring began
-
-    def measure_memory_from_here(self) -> None:
-        self.memory_base = memory_baseline(self.device)
+        self.memory_base = 0  # CPU: resident bytes when measuring began (launch: memory_baseline)
 
     def say(self, text: str) -> None:
         if self.is_main and text:
@@ -233,9 +227,7 @@ def flatten(record, prefix: str = "") -> dict:
 
 
 def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""  # the CPU: none
     return next((f for key, f in PEAK_BF16_FLOPS.items() if key in name), None)
 
 

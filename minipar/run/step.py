@@ -1,5 +1,5 @@
 """What a step is made of under any layout: the one place that knows how context parallelism and
-experts change a step. The training loop (train.py) and validation (validation.py) both use it.
+experts change a step. The training loop (train.py) uses it, validation (validation.py) forward only.
 
     this dp rank's rows       [b, s]         (batches.TokenData)
       cp: its zigzag share    [b, s/cp]      (context_parallel.split_sequence)
@@ -9,9 +9,6 @@ experts change a step. The training loop (train.py) and validation (validation.p
       wrappers average gradients over dp x cp, each cp rank having seen part of every sequence)
     experts: each micro-batch's load-balancing loss weighs 1/micro-batches (the step's mean), and
       the tokens each expert was given are counted in forward, taken for the log after a step
-
-Validation runs the same micro-batches and divisor, forward only: no gradient, so no auxiliary
-loss; it drops the expert counts of its forwards so that the log shows training tokens only.
 """
 
 from __future__ import annotations
@@ -34,22 +31,17 @@ def micro_batches_of(rows: tuple[torch.Tensor, torch.Tensor], mesh: Mesh, micro_
 
 
 def loss_divisor(micro_batches, group) -> float:
-    """The global batch's count of real targets / the replicas that average the gradients.
-
-    `group` is the dense parameters' reduction group (dp x cp): summed over it, the count covers
-    the global batch once; the wrappers then divide the summed gradient by group.size, so dividing
-    each token loss by count / size here makes the whole a single division by the count. An
-    all-ignored batch divides by 1: its loss and gradients are 0, not NaN.
-    """
+    """The global batch's count of real targets (summed over `group`, dp x cp) / group.size: the
+    wrappers divide the summed gradient by that size, so the whole is one division by the count.
+    An all-ignored batch divides by 1: its loss and gradients are 0, not NaN."""
     count = sum((y != -100).sum() for _, y in micro_batches).to(torch.float64).reshape(1)
     all_reduce(count, group)  # 8 bytes, once per step
     return max(float(count.item()), 1.0) / group.size
 
 
 def begin_step(model: GradSync, micro: list) -> float:
-    """Ready the wrapped model for a step over these micro-batches: each MoE block's auxiliary loss
-    weighs 1/len(micro). Returns the divisor of each micro-batch's sum of token losses (one 8-byte
-    all-reduce over dp x cp)."""
+    """Ready the wrapped model for a step over `micro`: each MoE block's auxiliary loss weighs
+    1/len(micro). Returns the divisor of each micro-batch's sum of token losses (`loss_divisor`)."""
     set_aux_scale(model.module, 1 / len(micro))
     return loss_divisor(micro, model.group)
 
