@@ -95,7 +95,6 @@ class ZeroBucket:
         self.full = self._flatten([p.detach() for p in params])  # [padded]
         dtype = torch.promote_types(self.full.dtype, torch.float32)
         device = "cpu" if offload else self.full.device  # CPU offload: state and update live in host memory
-        # This rank's slice of the weights, in fp32 (float64 stays float64): what the optimizer updates.
         self.master = nn.Parameter(self.full[self.slice].to(device=device, dtype=dtype).clone())  # [padded // N]
         if precision.mixed:
             self.full = self.full.to(precision.working)  # the working weights: bf16
@@ -106,10 +105,8 @@ class ZeroBucket:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """A flat [padded] vector seen as this bucket's parameters, in order, without copies."""
-        offsets = [0]
-        for p in self.params:
-            offsets.append(offsets[-1] + p.numel())
-        return [flat[a:b].view(p.shape) for p, a, b in zip(self.params, offsets, offsets[1:])]
+        sizes = [p.numel() for p in self.params]
+        return [t.view(p.shape) for p, t in zip(self.params, flat.split([*sizes, flat.numel() - sum(sizes)]))]
 
     def _flatten(self, tensors) -> torch.Tensor:
         flat = torch.cat([t.reshape(-1) for t in tensors])  # [numel]
@@ -118,14 +115,10 @@ class ZeroBucket:
     def reduce_scatter_grads(self) -> None:
         """Add this rank's slice of the dp-mean of the bucket's gradients to grad_slice; free them."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = self._flatten(grads)  # [padded]
-        flat = flat.to(self.reduce) if self.reduce is not None else flat  # --grad-reduce fp32: twice the bytes
-        mine = self._reduce_scatter(flat.div_(self.group.size))  # [padded] -> [padded // N]
-        mine = mine.to(self.master.device, self.full.dtype)
-        if self.grad_slice is None:
-            self.grad_slice = mine
-        else:
-            self.grad_slice += mine  # accumulation: one reduce-scatter per micro-batch (stage 2)
+        flat = self._flatten(grads).to(self.reduce or self.full.dtype)  # [padded]; --grad-reduce fp32: twice the bytes
+        mine = self._reduce_scatter(flat.div_(self.group.size)).to(self.master.device, self.full.dtype)  # [padded // N]
+        # Accumulation (stage 2): one reduce-scatter per micro-batch, each added to the slice.
+        self.grad_slice = mine if self.grad_slice is None else self.grad_slice.add_(mine)
         for p in self.params:
             p.grad = None  # the full gradient is gone: only the slice remains
         self.ready.clear()
@@ -170,7 +163,7 @@ class ZeroDataParallel(GradSync):
         self.buckets: list = []  # ZeroBucket, or ZeRO-3's ShardedBucket
         masters: list[list[nn.Parameter]] = [[] for _ in param_groups]
         for i, dims, chunk in bucket_plan(param_groups, lambda params: self._chunks(params, bucket_mb)):
-            bucket = self._new_bucket(chunk, groups.reduction(dims), self.spread_of(chunk[0]))
+            bucket = self._new_bucket(chunk, groups.reduction(dims), groups.shards(placement_of(chunk[0])))
             self.buckets.append(bucket)
             masters[i].append(bucket.master)
         self.optimizer = make_optimizer([{**{k: v for k, v in pg.items() if k != "params"}, "params": ms}
@@ -259,12 +252,9 @@ class ZeroDataParallel(GradSync):
         out: dict[str, dict] = {}
         for b in self.buckets:
             for slot, value in self.optimizer.state.get(b.master, {}).items():
-                full = all_gather(value.detach(), b.group) if value.dim() else value
-                offset = 0
-                for p in b.params:
-                    piece = full if not value.dim() else full[offset : offset + p.numel()].view_as(p)
+                pieces = b.views(all_gather(value.detach(), b.group)) if value.dim() else [value] * len(b.params)
+                for p, piece in zip(b.params, pieces):
                     out.setdefault(names[id(p)], {})[slot] = piece.clone()
-                    offset += p.numel()
         return out
 
     def load_state_by_name(self, states: dict) -> None:
