@@ -55,13 +55,9 @@ from minipar.zero import ZeroBucket, ZeroDataParallel
 def units_of(model: nn.Module) -> list[nn.Module]:
     """The model's top-level modules that hold parameters, in forward order (the embedding, each
     transformer layer, the final norm, the LM head): what stage 3 gathers and frees as a whole."""
-    units = []
-    for child in model.children():
-        if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
-            units += [m for m in child.children() if any(True for _ in m.parameters())]
-        elif any(True for _ in child.parameters()):
-            units.append(child)
-    return units
+    layers = (nn.ModuleDict, nn.ModuleList)  # each module inside is a unit of its own
+    modules = [m for child in model.children() for m in (child.children() if isinstance(child, layers) else [child])]
+    return [m for m in modules if any(True for _ in m.parameters())]
 
 
 def unit_chunks(units: list[nn.Module], params: list[nn.Parameter]) -> list[list[nn.Parameter]]:

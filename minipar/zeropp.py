@@ -234,10 +234,8 @@ def quantized_exchange(rows: torch.Tensor, group: Group, bits: int, dtype: torch
     n, length = rows.shape
     wire = torch.stack([pack(row, bits, block) for row in rows])  # [n, q] uint8
     received = all_to_all(wire, group)  # [n, q]: row i came from group rank i
-    total = torch.zeros(length, dtype=dtype, device=rows.device)
-    for piece in received:
-        total += unpack(piece, length, bits, dtype, block)
-    return total
+    return sum((unpack(piece, length, bits, dtype, block) for piece in received),
+               torch.zeros(length, dtype=dtype, device=rows.device))
 
 
 def quantized_reduce_scatter(flat: torch.Tensor, intra: Group, cross: Group, bits: int,
