@@ -315,12 +315,9 @@ class DataParallel(GradSync):
             self._next_to_launch += 1
 
     def finish_grad_sync(self) -> None:
-        """Launch what backward did not, then wait for all.
-
-        "What backward did not" is the buckets of parameters that got no gradient, or every bucket
-        when all backwards ran inside no_sync() (as a pipeline step does: its micro-batches'
-        backwards interleave with forwards, so it averages once at the very end).
-        """
+        """Launch what backward did not, then wait for all: the buckets of parameters that got no
+        gradient, or every bucket when all backwards ran inside no_sync() (a pipeline step's do: its
+        micro-batches' backwards interleave with forwards, so it averages once at the very end)."""
         if all(b.group.size == 1 for b in self.buckets) or not self._grads_pending:
             return  # no backward since the last call: nothing to average
         self._grads_pending = False

@@ -206,11 +206,8 @@ GROUP_DIMS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "pp_gr
 
 @dataclass
 class Mesh:
-    """This rank's view of the layout, with a process group for each of its lines.
-
-    Every rank must construct the Mesh at the same time: creating a process group is itself a
-    collective over the whole world.
-    """
+    """This rank's view of the layout, with a process group for each of its lines. Every rank must
+    construct the Mesh at the same time: creating a process group is a collective over the world."""
 
     layout: MeshLayout
     rank: int

@@ -24,13 +24,12 @@ until the last micro-batch is exactly the memory it exists to save. So in stage 
 micro-batch's gradients are reduce-scattered and added into this rank's gradient slice;
 `no_sync()` has no effect, and accumulation costs one reduce-scatter per micro-batch.
 
-With tensor parallelism, each tp rank runs its own ZeRO over its dp group on its own shards (the
-layouts agree across tp ranks because their shards have the same shapes).
+With tensor parallelism each tp rank runs its own ZeRO over its dp group, on its own shards (of
+the same shapes on every tp rank, so the layouts agree).
 
 CPU offload (`offload=True`, stages 1-2): the slices of master weights, gradients and Adam's
-moments live in host memory and the optimizer step runs on the CPU; only the reduce-scattered
-gradient slice goes down and the updated slice comes back up. On a machine without a GPU the
-"device" is the CPU already, so offload changes nothing there but where the code says it is.
+moments live in host memory and the optimizer steps on the CPU; only the reduce-scattered gradient
+slice goes down and the updated slice comes back up (without a GPU, nothing moves).
 """
 
 from __future__ import annotations
@@ -49,13 +48,11 @@ from minipar.precision import FULL, Precision
 
 
 def bucket_plan(param_groups: list[dict], chunks) -> list[tuple[int, tuple[str, ...], list[nn.Parameter]]]:
-    """ZeRO's buckets, before any is made: (optimizer group index, grad_mean dimensions, params).
-
-    A bucket never mixes weight-decay settings, parameters cut over different mesh dimensions
-    (tp, ep), nor reduction groups: each slice then has one decay, one group, and knows over which
-    groups its norm adds up. `chunks(params)` cuts a run of parameters into buckets. Pure: the
-    estimator (estimate.py) plans the same buckets on parameters that hold no memory.
-    """
+    """ZeRO's buckets, before any is made: (optimizer group index, grad_mean dimensions, params). A
+    bucket never mixes weight-decay settings, parameters cut over different mesh dimensions (tp, ep),
+    nor reduction groups: each slice then has one decay, one group, and knows over which groups its
+    norm adds up. `chunks(params)` cuts a run of parameters into buckets. Pure: the estimator
+    (estimate.py) plans the same buckets on parameters that hold no memory."""
     plan = []
     for i, pg in enumerate(param_groups):
         for cut in sorted({tuple(d for d, _ in placement_of(p).shards) for p in pg["params"]}):
@@ -73,13 +70,11 @@ def model_state_bytes(psi: float, n: int, stage: int, weight: float = 2, grad: f
 
 
 class ZeroBucket:
-    """Some parameters as one flat vector, padded to a multiple of N; this rank owns 1/N of it.
-
-    The parameters become views into that flat vector (`full`), so the all-gather after the step
-    writes the new weights straight into them, with no copy. `master`: this rank's slice in fp32
-    (float64 stays float64), what the optimizer updates; `grad_slice`: its gradient, in the
-    weights' dtype. bf16-mixed: `full` (and the gradients) become bf16 once the master is taken.
-    """
+    """Some parameters as one flat vector, padded to a multiple of N; this rank owns 1/N of it. The
+    parameters become views into that flat vector (`full`), so the all-gather after the step writes
+    the new weights straight into them, with no copy. `master`: this rank's slice in fp32 (float64
+    stays float64), what the optimizer updates; `grad_slice`: its gradient, in the weights' dtype.
+    bf16-mixed: `full` (and the gradients) become bf16 once the master is taken."""
 
     def __init__(self, params: list[nn.Parameter], group: Group, spread: tuple[Group, ...] = (),
                  offload: bool = False, precision: Precision = FULL):
@@ -131,21 +126,15 @@ class ZeroBucket:
         return [self.master]
 
     def all_gather_params(self) -> None:
-        """Every rank's updated slice, gathered straight into the parameters' flat vector.
-
-        Written through `.data`: a second handle on the same memory, so autograd does not count
-        it as an in-place change of the parameters.
-        """
-        # N slices of [padded // N] -> [padded], in rank order: slice r lands at self.slice of rank r
+        """Every rank's updated slice (N x [padded // N], in rank order) gathered straight into the
+        parameters' flat vector, through `.data`: a second handle on the same memory, which autograd
+        does not count as an in-place change of the parameters."""
         all_gather_into(self.full.data, self.master.detach().to(self.full.device, self.full.dtype), self.group)
 
 
 class ZeroDataParallel(GradSync):
-    """Wraps a model like DataParallel; owns the optimizer, which sees only this rank's slices.
-
-    `make_optimizer(param_groups)` builds the torch optimizer (AdamW) for a list of param groups;
-    the wrapper calls it on its master slices, one group per weight-decay setting.
-    """
+    """Wraps a model like DataParallel; owns the optimizer, which sees only this rank's slices:
+    `make_optimizer(param_groups)` builds it (AdamW) on the master slices, a group per weight decay."""
 
     STAGES: tuple[int, ...] = (1, 2)  # stage 3 is zero3.Zero3DataParallel, a subclass
 
@@ -154,8 +143,7 @@ class ZeroDataParallel(GradSync):
         super().__init__()
         if stage not in self.STAGES:
             raise ValueError(f"ZeRO stage {stage} is not built by {type(self).__name__}: choose from {self.STAGES}")
-        self.module, self.groups, self.stage, self.offload = module, groups, stage, offload
-        self.precision = precision
+        self.module, self.groups, self.stage, self.offload, self.precision = module, groups, stage, offload, precision
         self.group = groups.reduction(DENSE)  # the dense parameters' group
         with torch.no_grad():  # start identical, as in DataParallel
             for p in module.parameters():
@@ -261,13 +249,11 @@ class ZeroDataParallel(GradSync):
         """The inverse: take this rank's slice of each bucket's state."""
         names = {id(p): n for n, p in self.module.named_parameters()}
         for b in self.buckets:
-            slots = states.get(names[id(b.params[0])], {})
-            for slot, value in slots.items():
-                if not value.dim():  # Adam's step count, the same for every parameter
-                    self.optimizer.state[b.master][slot] = value.clone()
-                    continue
-                flat = b._flatten([states[names[id(p)]][slot].to(b.master.device, b.master.dtype) for p in b.params])
-                self.optimizer.state[b.master][slot] = flat[b.slice].clone()
+            for slot, value in states.get(names[id(b.params[0])], {}).items():
+                if value.dim():  # a moment, flattened as the bucket is (else Adam's step count, one for all)
+                    whole = [states[names[id(p)]][slot].to(b.master.device, b.master.dtype) for p in b.params]
+                    value = b._flatten(whole)[b.slice]
+                self.optimizer.state[b.master][slot] = value.clone()
 
     # -- what each rank holds, measured on the real tensors ----------------------------------------
     def param_bytes(self) -> int:
@@ -275,8 +261,7 @@ class ZeroDataParallel(GradSync):
         what its transport keeps)."""
         held = [*self.module.parameters(), *(t for b in self.buckets for t in b.held())]
         # By storage: a bucket's parameters share one buffer (ZeRO-3: of 0 bytes once freed), a shard may be its master.
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
-        return sum(storages.values())
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}.values())
 
     def gradient_bytes(self) -> int:
         """Full gradients not yet reduce-scattered, plus this rank's gradient slices."""

@@ -65,8 +65,7 @@ BLOCK = 256  # numbers per scale: 4 scale bytes per 256 codes, 1.6% more than th
 def parse(text: str) -> tuple[str, ...]:
     """'qwz,hpz' -> ('qwz', 'hpz'); ValueError for a name that is none of OPTIONS."""
     names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    unknown = [n for n in names if n not in OPTIONS]
-    if unknown or not names:
+    if not names or not set(names) <= set(OPTIONS):
         raise ValueError(f"--zeropp {text}: choose any of {', '.join(OPTIONS)}, separated by commas")
     return names
 
