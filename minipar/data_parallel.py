@@ -156,10 +156,8 @@ class GradBucket:
         if self.buffer is None:  # allocated once, reused every step
             self.buffer = torch.empty(sum(p.numel() for p in self.params), dtype=self.reduce or grads[0].dtype,
                                       device=grads[0].device)
-        if self.buffer.dtype == grads[0].dtype:
-            torch.cat([g.reshape(-1) for g in grads], out=self.buffer)
-        else:  # --grad-reduce fp32: the bf16 gradients widened, so the sum is rounded once, at the end
-            self.buffer.copy_(torch.cat([g.reshape(-1) for g in grads]))
+        # --grad-reduce fp32: cat widens the bf16 gradients into the buffer, so the sum is rounded once, at the end
+        torch.cat([g.reshape(-1) for g in grads], out=self.buffer)
         self.buffer.div_(self.group.size)
         self.work = all_reduce(self.buffer, self.group, async_op=True)
 
