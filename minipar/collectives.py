@@ -170,7 +170,7 @@ class Group:
               sent: int | None = None, cross: int | None = None) -> None:
         """Write the ledger line of one operation (peer: a group rank, for send and recv; cross: the
         bytes that leave the node, when they go elsewhere than to the peer or the ring's next rank)."""
-        nbytes = t.numel() * t.element_size() if nbytes is None else nbytes
+        nbytes = t.nbytes if nbytes is None else nbytes
         sent = ring_bytes_sent(op, nbytes, self.size) if sent is None else sent
         if cross is None:  # a ring's bytes all go to the next rank of the ring (the docstring's model)
             cross = sent if self.crosses(peer if peer is not None else (self.rank + 1) % self.size) else 0
@@ -202,7 +202,7 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", async_op: bool = 
 
 def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's t along `dim`, in group order. The ledger counts the output, S."""
-    group._note("all_gather", t, nbytes=t.numel() * t.element_size() * group.size)
+    group._note("all_gather", t, nbytes=t.nbytes * group.size)
     if group.size == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(group.size)]
@@ -275,8 +275,7 @@ def reduce(t: torch.Tensor, group: Group, dst: int = 0, op: str = "sum") -> torc
 def gather(t: torch.Tensor, group: Group, dst: int = 0) -> torch.Tensor | None:
     """Every rank's t concatenated along dim 0, in group order, on group rank `dst`; None elsewhere.
     The ledger counts the output, S; each other rank sends its own S/N, the root nothing."""
-    nbytes = t.numel() * t.element_size()
-    group._note("gather", t, nbytes=nbytes * group.size, sent=0 if group.rank == dst else nbytes)
+    group._note("gather", t, nbytes=t.nbytes * group.size, sent=0 if group.rank == dst else t.nbytes)
     if group.size == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(group.size)] if group.rank == dst else None
@@ -287,8 +286,7 @@ def gather(t: torch.Tensor, group: Group, dst: int = 0) -> torch.Tensor | None:
 def scatter(t: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
     """Group rank `src` cuts its t along dim 0 into N chunks and rank i receives chunk i (every rank
     passes a t of the same shape; only the root's is read). The root sends the other N-1 chunks."""
-    nbytes = t.numel() * t.element_size()
-    group._note("scatter", t, sent=(group.size - 1) * nbytes // group.size if group.rank == src else 0)
+    group._note("scatter", t, sent=(group.size - 1) * t.nbytes // group.size if group.rank == src else 0)
     if group.size == 1:
         return t
     if t.shape[0] % group.size:

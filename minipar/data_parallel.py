@@ -88,7 +88,7 @@ def bucket_params(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.
     chunks, current, size = [], [], 0
     for p in params:
         current.append(p)
-        size += p.numel() * p.element_size()
+        size += p.nbytes
         if size >= bucket_mb * 2**20:
             chunks.append(current)
             current, size = [], 0
@@ -210,7 +210,7 @@ class GradSync(nn.Module):
         yield
 
     def optimizer_state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
+        return sum(t.nbytes for s in self.optimizer.state.values() for t in s.values()
                    if torch.is_tensor(t) and t.dim() > 0)
 
     def sum_partial_grads(self, params: list[nn.Parameter]) -> None:
@@ -361,10 +361,10 @@ class DataParallel(GradSync):
 
     def param_bytes(self) -> int:
         """The weights, and bf16-mixed's fp32 masters."""
-        weights = sum(p.numel() * p.element_size() for p in self.module.parameters())
-        return weights + sum(m.numel() * m.element_size() for p, m in self.master.items() if m is not p)
+        weights = sum(p.nbytes for p in self.module.parameters())
+        return weights + sum(m.nbytes for p, m in self.master.items() if m is not p)
 
     def gradient_bytes(self) -> int:
         """A full gradient per parameter, plus the flat bucket buffers (kept between steps)."""
-        grads = sum(p.numel() * p.element_size() for p in self.module.parameters())
-        return grads + sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets if b.buffer is not None)
+        grads = sum(p.nbytes for p in self.module.parameters())
+        return grads + sum(b.buffer.nbytes for b in self.buckets if b.buffer is not None)

@@ -265,6 +265,5 @@ class ZeroDataParallel(GradSync):
 
     def gradient_bytes(self) -> int:
         """Full gradients not yet reduce-scattered, plus this rank's gradient slices."""
-        full = sum(p.grad.numel() * p.grad.element_size() for p in self.module.parameters() if p.grad is not None)
-        return full + sum(b.grad_slice.numel() * b.grad_slice.element_size() for b in self.buckets
-                          if b.grad_slice is not None)
+        full = sum(p.grad.nbytes for p in self.module.parameters() if p.grad is not None)
+        return full + sum(b.grad_slice.nbytes for b in self.buckets if b.grad_slice is not None)
