@@ -32,19 +32,19 @@ S bytes costs each rank:
 
 `ring_all_reduce` below writes the all-reduce with send/recv, so the 2(N-1)/N can be counted.
 
-Intra-node and cross-node bytes. Ranks of one node talk over NVLink, ranks of different nodes
-over the network (ten times slower or more), so the ledger splits each rank's sent bytes by the
-link they take (node = global rank // ranks per node, mesh.py). A ring runs over the group's ranks
-in group order and a rank sends its whole share to the next one: across when that one lives on
-another node. A group over M nodes has M crossing links, so each node sends (N-1)/N * S out per
-all-gather, whatever its size. All-to-all sends piece j straight to rank j; send and gather go to
-their one peer (chapter 1 works the forms out; tests/test_nodes.py checks them).
+Intra-node and cross-node bytes. Ranks of one node talk over NVLink, of different nodes over the
+network (ten times slower or more), so the ledger splits each rank's sent bytes by the link they
+take (node = global rank // ranks per node, mesh.py). A ring runs in group order and a rank sends
+its whole share to the next rank: across when that one lives on another node. A group over M nodes
+has M crossing links, so each node sends (N-1)/N * S out per all-gather, whatever its size.
+All-to-all sends piece j straight to rank j; send and gather go to their one peer (chapter 1 works
+the forms out; tests/test_nodes.py checks them).
 
 The `Ledger` counts, per (group, op), the calls, the payload bytes and the bytes this rank sends
 by the formulas above; tests assert on it, the training log shows it per step. Its debug mode
 (`ledger.trace = []`) keeps every operation in posting order: NCCL matches point-to-point messages
 by posting order alone and needs every rank of a communicator to issue the same collectives in the
-same order, and `order_check.py` proves both from the traces of a gloo run.
+same order; `order_check.py` proves both from the traces of a gloo run.
 
 The autograd-aware operators built on these (a collective in forward whose conjugate runs in
 backward: Megatron-LM's f and g, and the all-to-all of expert parallelism) are in autograd_ops.py.
@@ -167,15 +167,13 @@ class Group:
         return ("world" if self.pg is dist.group.WORLD else self.name), tuple(self.ranks)
 
     def _note(self, op: str, t: torch.Tensor | None, peer: int | None = None, nbytes: int | None = None,
-              sent: int | None = None, to: int | None = None, cross: int | None = None) -> None:
-        """Write the ledger line of one operation (peer: a group rank, for send and recv; to: the
-        group rank the bytes go to, when neither the peer nor the ring's next rank; cross: the
-        bytes that leave the node, when they go to several ranks)."""
-        nbytes = t.numel() * t.element_size() if nbytes is None else nbytes
+              sent: int | None = None, cross: int | None = None) -> None:
+        """Write the ledger line of one operation (peer: a group rank, for send and recv; cross: the
+        bytes that leave the node, when they go elsewhere than to the peer or the ring's next rank)."""
+        nbytes = t.nbytes if nbytes is None else nbytes
         sent = ring_bytes_sent(op, nbytes, self.size) if sent is None else sent
-        if to is None:  # a ring's bytes all go to the next rank of the ring (the docstring's model)
-            to = peer if peer is not None else (self.rank + 1) % self.size
-        cross = (sent if self.crosses(to) else 0) if cross is None else cross
+        if cross is None:  # a ring's bytes all go to the next rank of the ring (the docstring's model)
+            cross = sent if self.crosses(peer if peer is not None else (self.rank + 1) % self.size) else 0
         self.ledger.record(self.name, op, nbytes, sent, cross=cross)
         for listen in self.ledger.listeners if self.size > 1 else ():
             listen(self.name, op, tuple(self.ranks), None if peer is None else self.ranks[peer], nbytes)
@@ -204,7 +202,7 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", async_op: bool = 
 
 def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's t along `dim`, in group order. The ledger counts the output, S."""
-    group._note("all_gather", t, nbytes=t.numel() * t.element_size() * group.size)
+    group._note("all_gather", t, nbytes=t.nbytes * group.size)
     if group.size == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(group.size)]
@@ -250,8 +248,7 @@ def all_to_all(t: torch.Tensor, group: Group, dim: int = 0, send_splits: list[in
     the pieces received (of sizes `recv_splits`: what each rank sends this one) are concatenated.
     The ledger counts the pieces this rank sends to others, whatever their sizes."""
     if send_splits is None:
-        send_splits = [t.shape[dim] // group.size] * group.size
-        recv_splits = send_splits
+        send_splits = recv_splits = [t.shape[dim] // group.size] * group.size
     row_bytes = t.numel() // max(1, t.shape[dim]) * t.element_size()
     payload = t.shape[dim] * row_bytes
     across = sum(rows for j, rows in enumerate(send_splits) if group.crosses(j))  # piece j goes to rank j
@@ -278,8 +275,7 @@ def reduce(t: torch.Tensor, group: Group, dst: int = 0, op: str = "sum") -> torc
 def gather(t: torch.Tensor, group: Group, dst: int = 0) -> torch.Tensor | None:
     """Every rank's t concatenated along dim 0, in group order, on group rank `dst`; None elsewhere.
     The ledger counts the output, S; each other rank sends its own S/N, the root nothing."""
-    nbytes = t.numel() * t.element_size()
-    group._note("gather", t, nbytes=nbytes * group.size, sent=0 if group.rank == dst else nbytes)
+    group._note("gather", t, nbytes=t.nbytes * group.size, sent=0 if group.rank == dst else t.nbytes)
     if group.size == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(group.size)] if group.rank == dst else None
@@ -290,8 +286,7 @@ def gather(t: torch.Tensor, group: Group, dst: int = 0) -> torch.Tensor | None:
 def scatter(t: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
     """Group rank `src` cuts its t along dim 0 into N chunks and rank i receives chunk i (every rank
     passes a t of the same shape; only the root's is read). The root sends the other N-1 chunks."""
-    nbytes = t.numel() * t.element_size()
-    group._note("scatter", t, sent=(group.size - 1) * nbytes // group.size if group.rank == src else 0)
+    group._note("scatter", t, sent=(group.size - 1) * t.nbytes // group.size if group.rank == src else 0)
     if group.size == 1:
         return t
     if t.shape[0] % group.size:
@@ -359,7 +354,8 @@ def gather_object(obj, group: Group, dst: int = 0) -> list | None:
     all_reduce(longest, group, op="max")
     raw.extend(bytes(int(longest.item()) - len(raw)))  # pickle.loads ignores what follows the object
     mine = torch.frombuffer(raw, dtype=torch.uint8).to(device)  # [longest]
-    group._note("gather", mine, sent=0 if group.rank == dst else len(raw), to=dst)  # dst keeps its own
+    sent = 0 if group.rank == dst else len(raw)  # dst keeps its own
+    group._note("gather", mine, sent=sent, cross=sent if group.crosses(dst) else 0)
     parts = [torch.empty_like(mine) for _ in range(group.size)] if group.rank == dst else None
     group._call(dist.gather, mine, parts, dst=group.ranks[dst], group=group.pg)
     return None if parts is None else [pickle.loads(p.cpu().numpy().tobytes()) for p in parts]

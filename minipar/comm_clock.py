@@ -2,12 +2,11 @@
 
 Chapter 1 of the course, after the ledger. The ledger says how many bytes a step sends, not what
 they cost: a message costs the step only while the rank waits for it. An all-reduce posted with
-async_op=True while backward goes on (data_parallel.py's buckets) travels while the rank computes,
-hidden; what is left of it when the rank calls the handle's wait() is exposed, and so is a blocking
-collective, whole. A step's exposed communication is its time inside blocking calls and inside
+async_op=True while backward goes on (data_parallel.py's buckets) travels hidden while the rank
+computes; what is left of it when the rank calls the handle's wait() is exposed, and so is a
+blocking collective, whole: a step's exposed communication is its time inside blocking calls and
 handles' wait(). A wait is for the wire and for a slower peer alike: a rank that reaches an
-all-reduce first waits there for the others, and a pipeline stage waits out the bubble (chapter 6)
-in a receive.
+all-reduce first waits there for the others, a pipeline stage waits out the bubble (chapter 6).
 
 Every torch.distributed call of collectives.py goes through `Group._call`, which hands it to the
 ledger's clock when one is set (run/run_log.py sets one for training). The clock times the call
@@ -16,22 +15,20 @@ and wraps the work handles it returns, so that their wait() is timed too. How it
   - gloo (CPU): a blocking call returns once its work is done, and wait() once the handle's is;
     the host's time inside them is the wait (time.perf_counter).
   - NCCL (GPU): a call returns as soon as its kernel is queued, and wait() only makes the current
-    stream wait for it; the host waits for nothing. What the step loses is the time the current
-    (compute) stream stands still, so the clock records a CUDA event on it before and after each
-    call and wait(), and reads the events' elapsed time at the log line, after the step's own
-    synchronize (run_log.py): no host wait is added. (Only tests/gpu can check it.)
+    stream wait for it. What the step loses is the time the compute stream stands still, so the
+    clock records a CUDA event on it before and after each call and wait(), and reads their elapsed
+    time after the step's own synchronize (run_log.py): no host wait is added (tests/gpu checks it).
 
 The figure is kept per group and summed per kind of parallelism (`KINDS`): tp, cp, ep, pp (its
 two channels) and dp (every group that averages gradients: dp, dp_cp, edp, ZeRO++'s dp_intra and
-dp_cross). The run's own gather of per-step metrics travels over a group whose ledger has no
-clock: it is not the model's communication, and is not counted.
+dp_cross). The run's own gather of per-step metrics goes over a group whose ledger has no clock:
+not the model's communication, it is not counted.
 
 Under a profiler (train.py --profile-steps, run/profiling.py) the clock also names each message in
 the trace: the ledger tells it (`note`, a listener) what is about to be posted, and the call runs
 inside a range 'minipar dp: dp/all_reduce 65536 B' (kind: group/op payload); a posted message's
-range ends ', posted #7' and the range of its handle's wait() ', wait #7', so that a reader of the
-trace sees what travelled hidden (from the post to the wait) and what was exposed (the waits, and
-blocking calls whole).
+range ends ', posted #7' and the range of its handle's wait() ', wait #7': the trace shows what
+travelled hidden (from the post to the wait) and what was exposed (the waits, blocking calls whole).
 """
 
 from __future__ import annotations
@@ -93,10 +90,9 @@ class WaitClock:
                 call_range, wait_range = f"{call_range}, posted #{self.posts}", f"{call_range}, wait #{self.posts}"
         with named(call_range):
             result = self.waited(group, call, *args, **kwargs)
-        if result is None:  # a blocking call
-            return None
-        return [Timed(self, group, w, wait_range) for w in result] if isinstance(result, list) else \
-            Timed(self, group, result, wait_range)
+        if isinstance(result, list):  # batch_isend_irecv's handles
+            return [Timed(self, group, w, wait_range) for w in result]
+        return None if result is None else Timed(self, group, result, wait_range)  # None: a blocking call
 
     def seconds(self) -> dict[str, float]:
         """Seconds waited per group. On CUDA, read it once the stream has passed the events."""

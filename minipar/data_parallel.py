@@ -42,11 +42,10 @@ averages every gradient over the group its Placement names (`groups.reduction`):
     gathered()             a block inside which every full weight is present (ZeRO-3 gathers)
 
 Why wrappers, not an optimizer that shards itself (DeepSpeed's and nanochat's ZeRO-1/2): the
-reduction must start inside backward (overlap, ZeRO-2's freeing), which only a wrapper that
-owns the gradient hooks can do, and ZeRO-3 must gather weights before each forward, which only
-a wrapper can do. One shape for all four keeps the loop one shape. The pieces they share live
-here: `bucket_params` (consecutive parameters of about bucket_mb) and `clip_grads` (the global
-norm of gradients some of which are tp shards, clipped).
+reduction must start inside backward (overlap, ZeRO-2's freeing) and ZeRO-3 must gather weights
+before each forward, which only a wrapper that owns the hooks can do; one shape for all four keeps
+the loop one shape. What they share lives here: `bucket_params`, `clip_grads` (a global norm over
+gradients some of which are tp shards) and `GradSync`.
 """
 
 from __future__ import annotations
@@ -89,7 +88,7 @@ def bucket_params(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.
     chunks, current, size = [], [], 0
     for p in params:
         current.append(p)
-        size += p.numel() * p.element_size()
+        size += p.nbytes
         if size >= bucket_mb * 2**20:
             chunks.append(current)
             current, size = [], 0
@@ -107,14 +106,10 @@ def by_grad_mean(params: list[nn.Parameter]) -> dict[tuple[str, ...], list[nn.Pa
 def clip_grads(grads: list[torch.Tensor], spread: list[tuple[Group, ...]], max_norm: float,
                stages: list[Group | None] | tuple = ()) -> float:
     """The global norm of `grads`, scaled in place to at most max_norm (0: no clipping); returns it.
-
-    `spread[i]`: the groups whose ranks hold the other pieces of gradient i (tp for a tensor-
-    parallel shard, ep for experts, ZeRO's group for a flat slice): its squares are summed over
-    them. A replicated gradient (no such group) is counted once. The total is then added over
-    `stages`, groups whose ranks hold different parameters (pp stages; None: one stage). The
-    same formula as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that
-    is below 1.
-    """
+    `spread[i]`: the groups whose ranks hold the other pieces of gradient i (tp or ep shards, ZeRO's
+    flat slices), over which its squares are summed; a replicated gradient is counted once. The total
+    is then summed over `stages`, groups of ranks that hold different parameters (pp stages; None: one
+    stage). As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1."""
     sq = grads[0].new_zeros(()) if grads else torch.zeros((), dtype=torch.float64)
     parts: dict[tuple[str, ...], tuple] = {}  # squares by the groups they are summed over
     for g, gs in zip(grads, spread):
@@ -157,34 +152,27 @@ class GradBucket:
 
     def launch(self) -> None:
         """Copy the gradients into the bucket's flat buffer, pre-divided by dp, and start its all-reduce."""
-        group = self.group
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         if self.buffer is None:  # allocated once, reused every step
             self.buffer = torch.empty(sum(p.numel() for p in self.params), dtype=self.reduce or grads[0].dtype,
                                       device=grads[0].device)
-        if self.buffer.dtype == grads[0].dtype:
-            torch.cat([g.reshape(-1) for g in grads], out=self.buffer)
-        else:  # --grad-reduce fp32: the bf16 gradients widened, so the sum is rounded once, at the end
-            self.buffer.copy_(torch.cat([g.reshape(-1) for g in grads]))
-        self.buffer.div_(group.size)
-        self.work = all_reduce(self.buffer, group, async_op=True)
+        # --grad-reduce fp32: cat widens the bf16 gradients into the buffer, so the sum is rounded once, at the end
+        torch.cat([g.reshape(-1) for g in grads], out=self.buffer)
+        self.buffer.div_(self.group.size)
+        self.work = all_reduce(self.buffer, self.group, async_op=True)
 
     def finish(self) -> None:
         """Wait for the all-reduce, then write the averaged gradients back into .grad."""
+        self.ready.clear()
         if self.work is None:  # a group of one: the gradients are already the mean
-            self.ready.clear()
             return
         self.work.wait()
-        offset = 0
-        for p in self.params:
-            averaged = self.buffer[offset : offset + p.numel()].view_as(p)
+        for p, averaged in zip(self.params, self.buffer.split([p.numel() for p in self.params])):
             if p.grad is None:
-                p.grad = averaged.to(p.dtype, copy=True)
+                p.grad = averaged.view_as(p).to(p.dtype, copy=True)
             else:
-                p.grad.copy_(averaged)  # held in the weights' dtype, whatever the wire's
-            offset += p.numel()
+                p.grad.copy_(averaged.view_as(p))  # held in the weights' dtype, whatever the wire's
         self.work = None
-        self.ready.clear()
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, master: dict | None = None) -> dict:
@@ -201,17 +189,6 @@ def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, stat
     for name, slots in states.items():
         for slot, value in slots.items():
             optimizer.state[(master or {}).get(params[name], params[name])][slot] = value
-
-
-def master_copies(params: list[nn.Parameter], precision: Precision | None) -> dict[nn.Parameter, nn.Parameter]:
-    """bf16-mixed: each parameter's fp32 master, a copy, and the parameter itself becomes its bf16
-    working copy (the model computes with it). Otherwise each parameter is its own master."""
-    if precision is None or not precision.mixed:
-        return {p: p for p in params}
-    masters = {p: nn.Parameter(p.detach().clone()) for p in params}
-    for p in params:
-        p.data = p.data.to(precision.working)
-    return masters
 
 
 class GradSync(nn.Module):
@@ -233,12 +210,8 @@ class GradSync(nn.Module):
         yield
 
     def optimizer_state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
+        return sum(t.nbytes for s in self.optimizer.state.values() for t in s.values()
                    if torch.is_tensor(t) and t.dim() > 0)
-
-    def spread_of(self, p: nn.Parameter) -> tuple[Group, ...]:
-        """The groups whose ranks hold p's other pieces (its Placement.shards: tp, ep)."""
-        return self.groups.shards(placement_of(p))
 
     def sum_partial_grads(self, params: list[nn.Parameter]) -> None:
         """Add up, over its group, each gradient that its Placement says is a partial sum (chapter 4)."""
@@ -291,10 +264,13 @@ class DataParallel(GradSync):
                     broadcast(p.data, b.group, src=0)
             for t in module.buffers():
                 broadcast(t.data, self.group, src=0)
-        # bf16-mixed: the optimizer, built on the model's fp32 parameters, steps their fp32 masters.
-        self.master = master_copies(list(module.parameters()), precision)
-        if optimizer is not None and self.mixed:
-            for g in optimizer.param_groups:
+        # bf16-mixed: each parameter gets an fp32 master, a copy, which the optimizer (built on the model's
+        # fp32 parameters) steps; the parameter becomes its bf16 working copy. Else each is its own master.
+        self.master = {p: nn.Parameter(p.detach().clone()) if self.mixed else p for p in module.parameters()}
+        if precision is not None and precision.mixed:
+            for p in module.parameters():
+                p.data = p.data.to(precision.working)
+            for g in optimizer.param_groups if optimizer is not None else ():
                 g["params"] = [self.master[p] for p in g["params"]]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next_to_launch = 0
@@ -330,20 +306,16 @@ class DataParallel(GradSync):
                                "gradient accumulation, run all but the last micro-batch inside model.no_sync()")
         bucket.ready.add(id(p))
         # Launch in index order only, so every rank issues the same all-reduces in the same order.
-        while (
-            self._next_to_launch < len(self.buckets)
-            and len(self.buckets[self._next_to_launch].ready) == len(self.buckets[self._next_to_launch].params)
-        ):
-            self.buckets[self._next_to_launch].launch()
+        for b in self.buckets[self._next_to_launch :]:
+            if len(b.ready) < len(b.params):
+                break
+            b.launch()
             self._next_to_launch += 1
 
     def finish_grad_sync(self) -> None:
-        """Launch what backward did not, then wait for all.
-
-        "What backward did not" is the buckets of parameters that got no gradient, or every bucket
-        when all backwards ran inside no_sync() (as a pipeline step does: its micro-batches'
-        backwards interleave with forwards, so it averages once at the very end).
-        """
+        """Launch what backward did not, then wait for all: the buckets of parameters that got no
+        gradient, or every bucket when all backwards ran inside no_sync() (a pipeline step's do: its
+        micro-batches' backwards interleave with forwards, so it averages once at the very end)."""
         if all(b.group.size == 1 for b in self.buckets) or not self._grads_pending:
             return  # no backward since the last call: nothing to average
         self._grads_pending = False
@@ -363,7 +335,7 @@ class DataParallel(GradSync):
         for p in params:
             self.master[p].grad = p.grad.to(self.master[p].dtype)  # the same tensor unless bf16-mixed
         grads = [self.master[p].grad for p in params]
-        norm = clip_grads(grads, [self.spread_of(p) for p in params], max_norm, [pp_group])
+        norm = clip_grads(grads, [self.groups.shards(placement_of(p)) for p in params], max_norm, [pp_group])
         if math.isfinite(norm):  # every rank has the same norm, so every rank skips a bad step alike
             self.optimizer.step()
             if self.mixed:
@@ -389,10 +361,10 @@ class DataParallel(GradSync):
 
     def param_bytes(self) -> int:
         """The weights, and bf16-mixed's fp32 masters."""
-        weights = sum(p.numel() * p.element_size() for p in self.module.parameters())
-        return weights + sum(m.numel() * m.element_size() for p, m in self.master.items() if m is not p)
+        weights = sum(p.nbytes for p in self.module.parameters())
+        return weights + sum(m.nbytes for p, m in self.master.items() if m is not p)
 
     def gradient_bytes(self) -> int:
         """A full gradient per parameter, plus the flat bucket buffers (kept between steps)."""
-        grads = sum(p.numel() * p.element_size() for p in self.module.parameters())
-        return grads + sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets if b.buffer is not None)
+        grads = sum(p.nbytes for p in self.module.parameters())
+        return grads + sum(b.buffer.nbytes for b in self.buckets if b.buffer is not None)

@@ -46,9 +46,11 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import torch
 import torch.distributed as dist
 
 from minipar.collectives import Group, Ledger
@@ -104,11 +106,7 @@ class MeshLayout:
 
     def coords(self, rank: int) -> dict[str, int]:
         """Rank -> {"pp": i, "dp": j, "cp": k, "tp": l}."""
-        out = {}
-        for dim, size in zip(reversed(DIMS), reversed(self.shape)):
-            out[dim] = rank % size
-            rank //= size
-        return {d: out[d] for d in DIMS}
+        return {d: int(c) for d, c in zip(DIMS, torch.unravel_index(torch.tensor(rank), self.shape))}
 
     def rank(self, **coords: int) -> int:
         """{"pp": i, ...} -> rank; missing coordinates count as 0."""
@@ -120,40 +118,26 @@ class MeshLayout:
             r = r * size + c
         return r
 
-    def groups(self, *dims: str) -> list[list[int]]:
-        """All groups that vary along `dims` (e.g. "tp", or "dp", "cp"), each a sorted rank list.
+    def grid(self) -> torch.Tensor:
+        """Every rank at its place in the grid: grid[pp, dp, cp, tp] = rank."""
+        return torch.arange(self.world_size).view(self.shape)
 
-        Ranks that agree on every other coordinate form one group; the groups partition the world.
-        """
-        others = [d for d in DIMS if d not in dims]
-        result = []
-        for fixed in itertools.product(*(range(getattr(self, d)) for d in others)):
-            base = dict(zip(others, fixed))
-            members = [
-                self.rank(**base, **dict(zip(dims, varying)))
-                for varying in itertools.product(*(range(getattr(self, d)) for d in dims))
-            ]
-            result.append(sorted(members))
-        return result
+    def groups(self, *dims: str) -> list[list[int]]:
+        """All groups that vary along `dims` (e.g. "tp", or "dp", "cp"), each a sorted rank list: the
+        grid's lines along them. Ranks that agree on every other coordinate form one group; the groups
+        partition the world."""
+        return lines_along(self.grid(), [DIMS.index(d) for d in dims])
 
     def unflatten_groups(self, dims: tuple[str, ...], sizes: dict[str, int]) -> dict[str, list[list[int]]]:
         """Each group along `dims` reshaped to `sizes` (last fastest): {new dim: its groups}."""
-        product = 1
-        for n in sizes.values():
-            product *= n
-        span = len(self.groups(*dims)[0])
+        product, span = math.prod(sizes.values()), len(self.groups(*dims)[0])
         if product != span:
             raise LayoutError(f"{' x '.join(f'{k} {v}' for k, v in sizes.items())} = {product}, but the "
                               f"{' x '.join(dims)} groups have {span} ranks: choose sizes whose product is {span}")
-        names, out = list(sizes), {name: [] for name in sizes}
+        out: dict[str, list[list[int]]] = {name: [] for name in sizes}
         for members in self.groups(*dims):
-            for i, name in enumerate(names):
-                stride = 1
-                for later in names[i + 1:]:
-                    stride *= sizes[later]
-                for start in range(product):  # a group: the members that differ only along `name`
-                    if (start // stride) % sizes[name] == 0:
-                        out[name].append([members[start + j * stride] for j in range(sizes[name])])
+            for i, name in enumerate(sizes):  # a group: the members that differ only along `name`
+                out[name] += lines_along(torch.tensor(members).view(*sizes.values()), [i])
         return out
 
     def table(self) -> str:
@@ -161,14 +145,18 @@ class MeshLayout:
         lines = [f"mesh pp{self.pp} x dp{self.dp} x cp{self.cp} x tp{self.tp} = {self.world_size} ranks"]
         if self.nodes > 1:
             lines[0] += f" on {self.nodes} nodes of {self.ranks_per_node}"
-        for p in range(self.pp):
-            for d in range(self.dp):
-                cells = []
-                for c in range(self.cp):
-                    tp_ranks = [self.rank(pp=p, dp=d, cp=c, tp=t) for t in range(self.tp)]
-                    cells.append(f"cp{c}:[" + " ".join(f"{r:>2}" for r in tp_ranks) + "]")
-                lines.append(f"  pp{p} dp{d}  " + "  ".join(cells))
+        grid = self.grid().tolist()
+        for p, d in itertools.product(range(self.pp), range(self.dp)):
+            cells = (f"cp{c}:[{' '.join(f'{r:>2}' for r in ranks)}]" for c, ranks in enumerate(grid[p][d]))
+            lines.append(f"  pp{p} dp{d}  " + "  ".join(cells))
         return "\n".join(lines)
+
+
+def lines_along(grid: torch.Tensor, axes: list[int]) -> list[list[int]]:
+    """The lines of `grid` along `axes`: its entries that differ only in those coordinates, each sorted."""
+    span = math.prod(grid.shape[a] for a in axes)
+    moved = grid.movedim(axes, list(range(grid.dim() - len(axes), grid.dim())))  # `axes` last, in their order
+    return [sorted(line) for line in moved.reshape(-1, span).tolist()]
 
 
 def _solo(name: str):
@@ -218,11 +206,8 @@ GROUP_DIMS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "pp_gr
 
 @dataclass
 class Mesh:
-    """This rank's view of the layout, with a process group for each of its lines.
-
-    Every rank must construct the Mesh at the same time: creating a process group is itself a
-    collective over the whole world.
-    """
+    """This rank's view of the layout, with a process group for each of its lines. Every rank must
+    construct the Mesh at the same time: creating a process group is a collective over the world."""
 
     layout: MeshLayout
     rank: int
@@ -288,11 +273,8 @@ class Mesh:
 
     def destroy(self) -> None:
         """Free this mesh's process groups (tests build many meshes in one world)."""
-        seen = set()
-        for g in self._groups.values():
-            if g.pg is not dist.group.WORLD and id(g.pg) not in seen:
-                seen.add(id(g.pg))
-                dist.destroy_process_group(g.pg)
+        for pg in {id(g.pg): g.pg for g in self._groups.values() if g.pg is not dist.group.WORLD}.values():
+            dist.destroy_process_group(pg)
         self._groups.clear()
 
     def __enter__(self) -> Mesh:

@@ -36,8 +36,6 @@ import math
 
 import torch
 
-SCALE_DTYPES = (torch.float32, torch.bfloat16)
-
 
 def qmax(bits: int) -> int:
     """The largest code of a symmetric `bits`-bit integer: 127 for 8 bits, 7 for 4."""
@@ -55,7 +53,7 @@ def _check(block: int, bits: int, scale_dtype: torch.dtype) -> None:
         raise ValueError(f"quantize: bits {bits}: choose 8 (int8) or 4 (int4, two codes a byte)")
     if block < 1 or (bits == 4 and block % 2):
         raise ValueError(f"quantize: block {block}: give a block of 1 or more numbers, even for 4 bits")
-    if scale_dtype not in SCALE_DTYPES:
+    if scale_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"quantize: scales in {scale_dtype}: choose torch.float32 or torch.bfloat16")
 
 

@@ -24,13 +24,12 @@ until the last micro-batch is exactly the memory it exists to save. So in stage 
 micro-batch's gradients are reduce-scattered and added into this rank's gradient slice;
 `no_sync()` has no effect, and accumulation costs one reduce-scatter per micro-batch.
 
-With tensor parallelism, each tp rank runs its own ZeRO over its dp group on its own shards (the
-layouts agree across tp ranks because their shards have the same shapes).
+With tensor parallelism each tp rank runs its own ZeRO over its dp group, on its own shards (of
+the same shapes on every tp rank, so the layouts agree).
 
 CPU offload (`offload=True`, stages 1-2): the slices of master weights, gradients and Adam's
-moments live in host memory and the optimizer step runs on the CPU; only the reduce-scattered
-gradient slice goes down and the updated slice comes back up. On a machine without a GPU the
-"device" is the CPU already, so offload changes nothing there but where the code says it is.
+moments live in host memory and the optimizer steps on the CPU; only the reduce-scattered gradient
+slice goes down and the updated slice comes back up (without a GPU, nothing moves).
 """
 
 from __future__ import annotations
@@ -49,13 +48,11 @@ from minipar.precision import FULL, Precision
 
 
 def bucket_plan(param_groups: list[dict], chunks) -> list[tuple[int, tuple[str, ...], list[nn.Parameter]]]:
-    """ZeRO's buckets, before any is made: (optimizer group index, grad_mean dimensions, params).
-
-    A bucket never mixes weight-decay settings, parameters cut over different mesh dimensions
-    (tp, ep), nor reduction groups: each slice then has one decay, one group, and knows over which
-    groups its norm adds up. `chunks(params)` cuts a run of parameters into buckets. Pure: the
-    estimator (estimate.py) plans the same buckets on parameters that hold no memory.
-    """
+    """ZeRO's buckets, before any is made: (optimizer group index, grad_mean dimensions, params). A
+    bucket never mixes weight-decay settings, parameters cut over different mesh dimensions (tp, ep),
+    nor reduction groups: each slice then has one decay, one group, and knows over which groups its
+    norm adds up. `chunks(params)` cuts a run of parameters into buckets. Pure: the estimator
+    (estimate.py) plans the same buckets on parameters that hold no memory."""
     plan = []
     for i, pg in enumerate(param_groups):
         for cut in sorted({tuple(d for d, _ in placement_of(p).shards) for p in pg["params"]}):
@@ -73,13 +70,11 @@ def model_state_bytes(psi: float, n: int, stage: int, weight: float = 2, grad: f
 
 
 class ZeroBucket:
-    """Some parameters as one flat vector, padded to a multiple of N; this rank owns 1/N of it.
-
-    The parameters become views into that flat vector (`full`), so the all-gather after the step
-    writes the new weights straight into them, with no copy. `master`: this rank's slice in fp32
-    (float64 stays float64), what the optimizer updates; `grad_slice`: its gradient, in the
-    weights' dtype. bf16-mixed: `full` (and the gradients) become bf16 once the master is taken.
-    """
+    """Some parameters as one flat vector, padded to a multiple of N; this rank owns 1/N of it. The
+    parameters become views into that flat vector (`full`), so the all-gather after the step writes
+    the new weights straight into them, with no copy. `master`: this rank's slice in fp32 (float64
+    stays float64), what the optimizer updates; `grad_slice`: its gradient, in the weights' dtype.
+    bf16-mixed: `full` (and the gradients) become bf16 once the master is taken."""
 
     def __init__(self, params: list[nn.Parameter], group: Group, spread: tuple[Group, ...] = (),
                  offload: bool = False, precision: Precision = FULL):
@@ -95,7 +90,6 @@ class ZeroBucket:
         self.full = self._flatten([p.detach() for p in params])  # [padded]
         dtype = torch.promote_types(self.full.dtype, torch.float32)
         device = "cpu" if offload else self.full.device  # CPU offload: state and update live in host memory
-        # This rank's slice of the weights, in fp32 (float64 stays float64): what the optimizer updates.
         self.master = nn.Parameter(self.full[self.slice].to(device=device, dtype=dtype).clone())  # [padded // N]
         if precision.mixed:
             self.full = self.full.to(precision.working)  # the working weights: bf16
@@ -106,10 +100,8 @@ class ZeroBucket:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """A flat [padded] vector seen as this bucket's parameters, in order, without copies."""
-        offsets = [0]
-        for p in self.params:
-            offsets.append(offsets[-1] + p.numel())
-        return [flat[a:b].view(p.shape) for p, a, b in zip(self.params, offsets, offsets[1:])]
+        sizes = [p.numel() for p in self.params]
+        return [t.view(p.shape) for p, t in zip(self.params, flat.split([*sizes, flat.numel() - sum(sizes)]))]
 
     def _flatten(self, tensors) -> torch.Tensor:
         flat = torch.cat([t.reshape(-1) for t in tensors])  # [numel]
@@ -118,14 +110,10 @@ class ZeroBucket:
     def reduce_scatter_grads(self) -> None:
         """Add this rank's slice of the dp-mean of the bucket's gradients to grad_slice; free them."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = self._flatten(grads)  # [padded]
-        flat = flat.to(self.reduce) if self.reduce is not None else flat  # --grad-reduce fp32: twice the bytes
-        mine = self._reduce_scatter(flat.div_(self.group.size))  # [padded] -> [padded // N]
-        mine = mine.to(self.master.device, self.full.dtype)
-        if self.grad_slice is None:
-            self.grad_slice = mine
-        else:
-            self.grad_slice += mine  # accumulation: one reduce-scatter per micro-batch (stage 2)
+        flat = self._flatten(grads).to(self.reduce or self.full.dtype)  # [padded]; --grad-reduce fp32: twice the bytes
+        mine = self._reduce_scatter(flat.div_(self.group.size)).to(self.master.device, self.full.dtype)  # [padded // N]
+        # Accumulation (stage 2): one reduce-scatter per micro-batch, each added to the slice.
+        self.grad_slice = mine if self.grad_slice is None else self.grad_slice.add_(mine)
         for p in self.params:
             p.grad = None  # the full gradient is gone: only the slice remains
         self.ready.clear()
@@ -138,21 +126,15 @@ class ZeroBucket:
         return [self.master]
 
     def all_gather_params(self) -> None:
-        """Every rank's updated slice, gathered straight into the parameters' flat vector.
-
-        Written through `.data`: a second handle on the same memory, so autograd does not count
-        it as an in-place change of the parameters.
-        """
-        # N slices of [padded // N] -> [padded], in rank order: slice r lands at self.slice of rank r
+        """Every rank's updated slice (N x [padded // N], in rank order) gathered straight into the
+        parameters' flat vector, through `.data`: a second handle on the same memory, which autograd
+        does not count as an in-place change of the parameters."""
         all_gather_into(self.full.data, self.master.detach().to(self.full.device, self.full.dtype), self.group)
 
 
 class ZeroDataParallel(GradSync):
-    """Wraps a model like DataParallel; owns the optimizer, which sees only this rank's slices.
-
-    `make_optimizer(param_groups)` builds the torch optimizer (AdamW) for a list of param groups;
-    the wrapper calls it on its master slices, one group per weight-decay setting.
-    """
+    """Wraps a model like DataParallel; owns the optimizer, which sees only this rank's slices:
+    `make_optimizer(param_groups)` builds it (AdamW) on the master slices, a group per weight decay."""
 
     STAGES: tuple[int, ...] = (1, 2)  # stage 3 is zero3.Zero3DataParallel, a subclass
 
@@ -161,8 +143,7 @@ class ZeroDataParallel(GradSync):
         super().__init__()
         if stage not in self.STAGES:
             raise ValueError(f"ZeRO stage {stage} is not built by {type(self).__name__}: choose from {self.STAGES}")
-        self.module, self.groups, self.stage, self.offload = module, groups, stage, offload
-        self.precision = precision
+        self.module, self.groups, self.stage, self.offload, self.precision = module, groups, stage, offload, precision
         self.group = groups.reduction(DENSE)  # the dense parameters' group
         with torch.no_grad():  # start identical, as in DataParallel
             for p in module.parameters():
@@ -170,7 +151,7 @@ class ZeroDataParallel(GradSync):
         self.buckets: list = []  # ZeroBucket, or ZeRO-3's ShardedBucket
         masters: list[list[nn.Parameter]] = [[] for _ in param_groups]
         for i, dims, chunk in bucket_plan(param_groups, lambda params: self._chunks(params, bucket_mb)):
-            bucket = self._new_bucket(chunk, groups.reduction(dims), self.spread_of(chunk[0]))
+            bucket = self._new_bucket(chunk, groups.reduction(dims), groups.shards(placement_of(chunk[0])))
             self.buckets.append(bucket)
             masters[i].append(bucket.master)
         self.optimizer = make_optimizer([{**{k: v for k, v in pg.items() if k != "params"}, "params": ms}
@@ -259,25 +240,20 @@ class ZeroDataParallel(GradSync):
         out: dict[str, dict] = {}
         for b in self.buckets:
             for slot, value in self.optimizer.state.get(b.master, {}).items():
-                full = all_gather(value.detach(), b.group) if value.dim() else value
-                offset = 0
-                for p in b.params:
-                    piece = full if not value.dim() else full[offset : offset + p.numel()].view_as(p)
+                pieces = b.views(all_gather(value.detach(), b.group)) if value.dim() else [value] * len(b.params)
+                for p, piece in zip(b.params, pieces):
                     out.setdefault(names[id(p)], {})[slot] = piece.clone()
-                    offset += p.numel()
         return out
 
     def load_state_by_name(self, states: dict) -> None:
         """The inverse: take this rank's slice of each bucket's state."""
         names = {id(p): n for n, p in self.module.named_parameters()}
         for b in self.buckets:
-            slots = states.get(names[id(b.params[0])], {})
-            for slot, value in slots.items():
-                if not value.dim():  # Adam's step count, the same for every parameter
-                    self.optimizer.state[b.master][slot] = value.clone()
-                    continue
-                flat = b._flatten([states[names[id(p)]][slot].to(b.master.device, b.master.dtype) for p in b.params])
-                self.optimizer.state[b.master][slot] = flat[b.slice].clone()
+            for slot, value in states.get(names[id(b.params[0])], {}).items():
+                if value.dim():  # a moment, flattened as the bucket is (else Adam's step count, one for all)
+                    whole = [states[names[id(p)]][slot].to(b.master.device, b.master.dtype) for p in b.params]
+                    value = b._flatten(whole)[b.slice]
+                self.optimizer.state[b.master][slot] = value.clone()
 
     # -- what each rank holds, measured on the real tensors ----------------------------------------
     def param_bytes(self) -> int:
@@ -285,11 +261,9 @@ class ZeroDataParallel(GradSync):
         what its transport keeps)."""
         held = [*self.module.parameters(), *(t for b in self.buckets for t in b.held())]
         # By storage: a bucket's parameters share one buffer (ZeRO-3: of 0 bytes once freed), a shard may be its master.
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
-        return sum(storages.values())
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}.values())
 
     def gradient_bytes(self) -> int:
         """Full gradients not yet reduce-scattered, plus this rank's gradient slices."""
-        full = sum(p.grad.numel() * p.grad.element_size() for p in self.module.parameters() if p.grad is not None)
-        return full + sum(b.grad_slice.numel() * b.grad_slice.element_size() for b in self.buckets
-                          if b.grad_slice is not None)
+        full = sum(p.grad.nbytes for p in self.module.parameters() if p.grad is not None)
+        return full + sum(b.grad_slice.nbytes for b in self.buckets if b.grad_slice is not None)

@@ -28,13 +28,11 @@ With recompute (parallelize.py) a layer runs its forward again inside its backwa
 on the layer's call and recompute wraps only its `forward`: the replay fires no hook, and runs
 after the output's hook, on backward's gather (forward: gather i, run i keeping its input, free i;
 backward: gather i, replay i, backward i, reduce-scatter, free i). Still 3 (N-1)/N Psi a step.
-Stage 3 and pipeline parallelism fit poorly: a pipeline runs each stage's forward and backward once
-per micro-batch, interleaved, so the layers would be gathered 2m times per step instead of twice.
-minipar refuses the combination.
+Pipeline parallelism runs each stage's forward and backward once per micro-batch, interleaved, so
+the layers would be gathered 2m times per step instead of twice: minipar refuses the combination.
 
 How a bucket's messages travel is its `Transport`'s business: the one here sends the plain
-all-gather and reduce-scatter above, and the wrapper may be handed another (ZeRO++, zeropp.py, the
-chapter's last section) that sends them its own way. Nothing else here changes with it.
+all-gather and reduce-scatter above; ZeRO++ (zeropp.py, the chapter's last section) is another.
 """
 
 from __future__ import annotations
@@ -55,13 +53,9 @@ from minipar.zero import ZeroBucket, ZeroDataParallel
 def units_of(model: nn.Module) -> list[nn.Module]:
     """The model's top-level modules that hold parameters, in forward order (the embedding, each
     transformer layer, the final norm, the LM head): what stage 3 gathers and frees as a whole."""
-    units = []
-    for child in model.children():
-        if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
-            units += [m for m in child.children() if any(True for _ in m.parameters())]
-        elif any(True for _ in child.parameters()):
-            units.append(child)
-    return units
+    layers = (nn.ModuleDict, nn.ModuleList)  # each module inside is a unit of its own
+    modules = [m for child in model.children() for m in (child.children() if isinstance(child, layers) else [child])]
+    return [m for m in modules if any(True for _ in m.parameters())]
 
 
 def unit_chunks(units: list[nn.Module], params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
@@ -186,8 +180,7 @@ class Zero3DataParallel(ZeroDataParallel):
         return super().clip_and_step(max_norm, pp_group)
 
     def _after_step(self) -> None:
-        """No all-gather: each layer is gathered when it is next used. bf16-mixed: the bf16 shards
-        take the updated masters."""
+        """No all-gather (see clip_and_step); bf16-mixed: the bf16 shards take the updated masters."""
         if self.precision.mixed:
             for b in self.buckets:
                 b.shard.copy_(b.master.detach())

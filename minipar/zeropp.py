@@ -65,8 +65,7 @@ BLOCK = 256  # numbers per scale: 4 scale bytes per 256 codes, 1.6% more than th
 def parse(text: str) -> tuple[str, ...]:
     """'qwz,hpz' -> ('qwz', 'hpz'); ValueError for a name that is none of OPTIONS."""
     names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    unknown = [n for n in names if n not in OPTIONS]
-    if unknown or not names:
+    if not names or not set(names) <= set(OPTIONS):
         raise ValueError(f"--zeropp {text}: choose any of {', '.join(OPTIONS)}, separated by commas")
     return names
 
@@ -234,10 +233,8 @@ def quantized_exchange(rows: torch.Tensor, group: Group, bits: int, dtype: torch
     n, length = rows.shape
     wire = torch.stack([pack(row, bits, block) for row in rows])  # [n, q] uint8
     received = all_to_all(wire, group)  # [n, q]: row i came from group rank i
-    total = torch.zeros(length, dtype=dtype, device=rows.device)
-    for piece in received:
-        total += unpack(piece, length, bits, dtype, block)
-    return total
+    return sum((unpack(piece, length, bits, dtype, block) for piece in received),
+               torch.zeros(length, dtype=dtype, device=rows.device))
 
 
 def quantized_reduce_scatter(flat: torch.Tensor, intra: Group, cross: Group, bits: int,
