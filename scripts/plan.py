@@ -129,7 +129,7 @@ def why_not(best, fits, args, cluster) -> list[str]:
 HERE = dict(model="small", seq_len=128, global_batch=16, micro_batch=2)  # train.py's, in micro-batches of 2
 CALIBRATED = ("", "--dp 2", "--tp 2", "--pp 2", "--cp 2", "--dp 4", "--tp 4", "--dp 2 --tp 2", "--dp 2 --pp 2",
               "--tp 2 --pp 2", "--dp 8", "--dp 4 --tp 2", "--dp 2 --tp 2 --pp 2")
-SIZES = (2**12, 2**16, 2**20, 2**22)  # bytes of the timed all-reduces
+SIZES = (2**12, 2**22)  # bytes of the timed all-reduces: a latency-bound one and a bandwidth-bound one
 WARMUP = 5  # unmeasured steps of each run: the allocator, the first messages of each group
 
 
@@ -150,7 +150,6 @@ def compute_rate(reps: int = 3) -> float:
     """FLOP/s (by step_flops) of the small model's whole step on one thread: HERE's global batch in its
     micro-batches, forward and backward, then the norm's clip and AdamW: the rate the matmuls and all
     between them reach here, the data's and the log's work left out."""
-    torch.set_num_threads(1)
     c, gen = get_config(HERE["model"]), torch.Generator().manual_seed(0)
     model = Llama(c)
     optimizer = adamw([{"params": list(model.parameters())}], lr=1e-3)
@@ -167,50 +166,60 @@ def compute_rate(reps: int = 3) -> float:
     return step_flops(c, layout_of("")) / statistics.median(times[1:])
 
 
-def _time_links(rank: int, world: int, store: str, out: dict) -> None:
-    """One process of link_costs: all-reduces of each size in groups of 2, 4, ... (every group at once)."""
+def _between_work(group, nbytes: int, reps: int = 30) -> float:
+    """Seconds a message adds to a loop of ~1 ms matmuls that every rank runs at once (a tp layer's
+    compute between two messages, about): the loop with an all-reduce after each matmul, less without."""
+    a, x = torch.randn(160, 160), torch.zeros(nbytes // 4)
+    loops = []
+    for message in (True, False):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(reps):
+            for _ in range(4):
+                a = torch.tanh(a @ a)
+            if message:
+                dist.all_reduce(x, group=group)
+        loops.append(time.perf_counter() - start)
+    return (loops[0] - loops[1]) / reps
+
+
+def _measure(rank: int, world: int, store: str, out: dict) -> None:
+    """One of `world` processes on this machine, one thread each, all at once: the model's FLOP rate, then
+    for each group size a message's cost of SIZES' bytes between compute, every group at once."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.barrier()
+    out[("rate", rank)] = compute_rate()
     for size in (g for g in (2, 4, 8) if g <= world):
         groups = [dist.new_group(list(range(i, i + size))) for i in range(0, world, size)]
         for nbytes in SIZES:
-            x = torch.zeros(nbytes // 4)
-            for _ in range(3):
-                dist.all_reduce(x, group=groups[rank // size])
-            dist.barrier()
-            start, reps = time.perf_counter(), 20
-            for _ in range(reps):
-                dist.all_reduce(x, group=groups[rank // size])
-            if rank == 0:
-                out[(size, nbytes)] = (time.perf_counter() - start) / reps
+            _between_work(groups[rank // size], nbytes, reps=3)  # the group's first messages
+            cost = _between_work(groups[rank // size], nbytes)
+            out[(size, nbytes, rank)] = cost
     dist.barrier()
     dist.destroy_process_group()
 
 
-def link_costs(world: int) -> tuple[tuple[int, float, float], ...]:
-    """(group size, α, β) on `world` processes: the least-squares line t = α + sent / β through the timed
-    all-reduces, sent being what a rank sends of a ring all-reduce (collectives.ring_bytes_sent)."""
+def machine_costs(world: int) -> tuple[float, tuple[tuple[int, float, float], ...]]:
+    """A rank's FLOP rate when `world` ranks share this machine (their mean), and each group size's
+    (size, α, β): α the cost of SIZES' small message, β what the large one's extra bytes sent cost
+    (a ring all-reduce: collectives.ring_bytes_sent); each the mean over the ranks."""
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_time_links, (world, f"{tmp}/store", out), nprocs=world)
-        times = dict(out)
+        mp.spawn(_measure, (world, f"{tmp}/store", out), nprocs=world)
+        got = dict(out)
+    rate = statistics.fmean(got[("rate", r)] for r in range(world))
     links = []
-    for size in sorted({g for g, _ in times}):
-        xs = [ring_bytes_sent("all_reduce", n, size) for n in SIZES]
-        ys = [times[(size, n)] for n in SIZES]
-        slope, alpha = _line(xs, ys)
-        links.append((size, max(alpha, 0.0), 1 / slope))
-    return tuple(links)
+    for size in (g for g in (2, 4, 8) if g <= world):
+        small, large = (statistics.fmean(got[(size, n, r)] for r in range(world)) for n in SIZES)
+        extra = ring_bytes_sent("all_reduce", SIZES[1], size) - ring_bytes_sent("all_reduce", SIZES[0], size)
+        links.append((size, max(small, 1e-6), extra / max(large - small, 1e-9)))
+    return rate, tuple(links)
 
 
-def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return slope, my - slope * mx
-
-
-def measured_step(flags: str, steps: int, tmp: Path) -> float:
-    """The median step time of train.py under `flags` (steps after WARMUP), one thread a rank."""
+def measured_step(flags: str, steps: int, tmp: Path) -> tuple[float, dict[str, float]]:
+    """train.py under `flags`, one thread a rank: the median step time (steps after WARMUP) and the median
+    seconds rank 0 waited on each kind of message (the log's comm_exposed_s)."""
     world = ranks(layout_of(flags))
     log, out = tmp / f"log{abs(hash(flags))}.json", tmp / f"run{abs(hash(flags))}"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
@@ -220,47 +229,49 @@ def measured_step(flags: str, steps: int, tmp: Path) -> float:
                "--log-json", str(log), "--out", str(out)]
     subprocess.run(command, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    return statistics.median(r["step_time_s"] for r in records if "step_time_s" in r and r["step"] > WARMUP)
+    timed = [r for r in records if "step_time_s" in r and r["step"] > WARMUP]
+    kinds = {k for r in timed for k in r["comm_exposed_s"]}
+    return statistics.median(r["step_time_s"] for r in timed), {
+        k: statistics.median(r["comm_exposed_s"].get(k, 0.0) for r in timed) for k in sorted(kinds)}
 
 
 def calibrate(args) -> None:
     layouts = [f.strip() for f in args.calibrate_layouts.split(";")]
-    cores, rate = len(os.sched_getaffinity(0)), compute_rate()
-    worlds = sorted({ranks(layout_of(f)) for f in layouts})
-    links = {w: link_costs(w) for w in worlds if w > 1}
-    print(f"this machine: {cores} cores; the small model's forward and backward on one thread: "
-          f"{rate / 1e9:.1f} GFLOP/s")
-    for w, measured in links.items():
-        print(f"  {w} processes: " + ", ".join(f"groups of {g}: α {a * 1e6:.0f} µs, β {b / 1e9:.2f} GB/s"
-                                                for g, a, b in measured))
+    measured = {w: machine_costs(w) for w in sorted({ranks(layout_of(f)) for f in layouts})}
+    print(f"this machine: {len(os.sched_getaffinity(0))} cores; one thread a rank, every rank at once")
+    for w, (rate, links) in measured.items():
+        print(f"  {w} rank{'s' * (w > 1)}: the small model's step {rate / 1e9:.1f} GFLOP/s a rank" + "".join(
+            f"; groups of {g}: α {a * 1e3:.2f} ms, β {b / 1e9:.2f} GB/s" for g, a, b in links))
     c, rows = get_config(HERE["model"]), []
     with tempfile.TemporaryDirectory() as tmp:
         for flags in layouts:
             cfg = layout_of(flags)
-            world = ranks(cfg)
-            here = Cluster(world, world, flops=rate, mfu=1.0, cores=cores, links=links.get(world, ()))
-            rows.append((flags or "one rank", world, step_time(c, cfg, here), measured_step(flags, args.calibrate_steps,
-                                                                                             Path(tmp))))
+            rate, links = measured[ranks(cfg)]
+            here = Cluster(ranks(cfg), ranks(cfg), flops=rate, mfu=1.0, links=links)
+            step, waits = measured_step(flags, args.calibrate_steps, Path(tmp))
+            rows.append((flags or "one rank", ranks(cfg), step_time(c, cfg, here), step, waits))
             print(calibration_row(*rows[-1]), flush=True)
     print(calibration_verdict(rows))
 
 
-def calibration_row(name: str, world: int, predicted: dict, measured: float) -> str:
+def calibration_row(name: str, world: int, predicted: dict, measured: float, waits: dict[str, float]) -> str:
+    """A layout's line: the clock's parts, then the measured step and what rank 0 waited on, in ms."""
     parts = " + ".join(f"{k} {v * 1e3:.0f}" for k, v in predicted.items() if k != "total" and v >= 5e-4)
-    return (f"  {name:<22} {world} ranks: predicted {predicted['total'] * 1e3:6.0f} ms ({parts}), measured "
-            f"{measured * 1e3:6.0f} ms: {predicted['total'] / measured:.2f}x")
+    waited = "".join(f", {k} {v * 1e3:.0f}" for k, v in waits.items() if v >= 5e-4)
+    return (f"  {name:<21} {world} rank{'s' * (world > 1)}: predicted {predicted['total'] * 1e3:4.0f} ms ({parts}); "
+            f"measured {measured * 1e3:4.0f} ms (waits{waited or ' none'}): {predicted['total'] / measured:.2f}x")
 
 
 def calibration_verdict(rows: list) -> str:
-    ratios = [p["total"] / m for _, _, p, m in rows]
-    order = [sorted(rows, key=lambda r: r[2]["total"]) == sorted(rows, key=lambda r: r[3])]
-    within = sum(0.75 <= r <= 1.25 for r in ratios)
-    ranked = {w: [r[0] for r in sorted((r for r in rows if r[1] == w), key=lambda r: r[2]["total"])]
-              == [r[0] for r in sorted((r for r in rows if r[1] == w), key=lambda r: r[3])]
-              for w in sorted({r[1] for r in rows})}
-    return (f"{within} of {len(rows)} layouts within 25% (ratios {min(ratios):.2f}x to {max(ratios):.2f}x); the "
-            f"ranking right on " + ", ".join(f"{w} ranks: {'yes' if ok else 'no'}" for w, ok in ranked.items())
-            + f"; over all: {'yes' if order[0] else 'no'}")
+    """How many layouts the clock puts within 25%, and whether it orders each world's layouts as measured."""
+    ratios = [predicted["total"] / measured for _, _, predicted, measured, _ in rows]
+    ranked = {}
+    for world in sorted({r[1] for r in rows}):
+        mine = [r for r in rows if r[1] == world]
+        ranked[world] = sorted(mine, key=lambda r: r[2]["total"]) == sorted(mine, key=lambda r: r[3])
+    return (f"{sum(0.75 <= r <= 1.25 for r in ratios)} of {len(rows)} layouts within 25% (ratios {min(ratios):.2f}x "
+            f"to {max(ratios):.2f}x); fastest to slowest as measured: "
+            + ", ".join(f"{w} rank{'s' * (w > 1)} {'yes' if ok else 'no'}" for w, ok in ranked.items()))
 
 
 def main(argv=None) -> None:

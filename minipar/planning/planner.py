@@ -23,14 +23,16 @@ The clock (`step_time`) is arithmetic, stated here so that its answer can be arg
               of their peak
     traffic   the bytes each group sends in a step, from estimate.bytes_sent (equal to the
               ledger's on CPU), over the intra-node bandwidth when the group's ranks lie in one
-              node, else the inter-node one:
+              node, else the inter-node one; where measured (Cluster.links, plan.py --calibrate)
+              over the group size's own β, plus α for each message (`messages`):
     tp        4 messages of a layer's activations per layer and micro-batch; not overlapped
     cp        ring attention's K/V blocks, forward and backward; counted as not overlapped
     pp        each micro-batch's activations sent on to the next stage and gradients sent back, once
               per stage a rank holds (v times interleaved), as pp rank 1 sends them (a middle stage's,
               the most); not overlapped: the next stage waits for them
     dp        the gradients' all-reduce (ZeRO: reduce-scatter + all-gather, ZeRO-3 per micro-batch);
-              overlapped with backward (2/3 of compute), only what is left over counts
+              overlapped with backward (2/3 of compute), only what is left over counts, and at least
+              the last bucket's share, posted when backward is done
     bubble    the time the pipeline's ranks wait: its schedule's idle fraction f of the step, from
               its own simulation (pipeline.timeline.simulate: F = 1, B = 2, or F = B = W = 1 when
               B is split), so 1F1B's and GPipe's (pp-1)/(m+pp-1), interleaved's
@@ -90,9 +92,8 @@ class Cluster:
     inter_bandwidth: float = 50e9  # bytes/s per GPU between nodes (400 Gb/s InfiniBand)
     memory_bandwidth: float = 3.35e12  # bytes/s per GPU (H100 SXM HBM3)
     headroom: float = HEADROOM
-    # Measured here (scripts/plan.py --calibrate): a CPU's ranks share `cores` (0: a device each), and each
-    # group size's (size, α seconds a message, β bytes/s) replaces the bandwidths above and adds latency.
-    cores: int = 0
+    # Measured (scripts/plan.py --calibrate): each group size's (size, α seconds a message, β bytes/s)
+    # stands for the bandwidths above and adds a latency to every message.
     links: tuple[tuple[int, float, float], ...] = ()
 
     @property
@@ -134,8 +135,7 @@ def step_flops(c: ModelConfig, cfg: Layout) -> float:
 
 def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]:
     """Seconds of one optimizer step under the clock of the module docstring, by part."""
-    shared = max(1.0, cluster.gpus / cluster.cores) if cluster.cores else 1.0  # ranks beyond the cores wait turns
-    compute = step_flops(c, cfg) / (cluster.gpus * cluster.flops * cluster.mfu) * shared
+    compute = step_flops(c, cfg) / (cluster.gpus * cluster.flops * cluster.mfu)
     sent, calls = bytes_sent(c, cfg), messages(c, cfg)  # pp rank 0's, by group: equal to the ledger's on CPU
     middle = min(1, cfg.pp - 1)  # a middle stage's messages between stages: the most
 
@@ -148,7 +148,8 @@ def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]
              "pp": messages(c, cfg, middle)["pp"] * latency
              + sum(pipeline_bytes_sent(c, cfg, middle).values()) / bandwidth}  # the micro-batches' turns
     dp = over("dp_cp" if cfg.cp > 1 else "dp", cfg.tp * cfg.cp * cfg.dp, cfg.dp * cfg.cp)
-    parts = {**turns, "dp": max(0.0, dp - 2 / 3 * compute),
+    # dp hides behind backward, but for the last bucket: it is posted once backward is done
+    parts = {**turns, "dp": max(dp / gradient_buckets(c, cfg), dp - 2 / 3 * compute),
              "bubble": idle / (1 - idle) * sum(turns.values())}  # idle f of the step is f / (1 - f) of the turns
     return {**parts, "total": sum(parts.values())}
 
@@ -161,12 +162,18 @@ def messages(c: ModelConfig, cfg: Layout, pp_rank: int = 0) -> Counter:
     the norm. Recompute's replays are not counted."""
     model, m, v, many = rank_model(c, cfg, pp_rank), cfg.accum_steps, cfg.virtual_stages, cfg.dp * cfg.cp > 1
     first, last, layers = model.tok_emb is not None, model.lm_head is not None, len(model.layers)
-    buckets = len(zero_buckets(model, cfg)) if cfg.zero else len(bucket_params(list(model.parameters()), cfg.bucket_mb))
+    buckets = gradient_buckets(c, cfg, pp_rank)
     dp = 1 + many * (buckets * (1, 2, m + 1, 3 * m)[cfg.zero] + (cfg.zero > 0))
     tp = m * ((4 * layers + first + last) * (1 + cfg.sp) + 3 * last) + 1 + (cfg.sp and not cfg.zero)
     return Counter({"tp": tp * (cfg.tp > 1), "dp_cp" if cfg.cp > 1 else "dp": dp,
                     "cp": m * layers * (2 * cfg.cp - 1 if cfg.cp_attention == "ring" else 8) * (cfg.cp > 1),
                     "pp": (m * (2 * v - (pp_rank == 0) - (pp_rank == cfg.pp - 1)) + 1) * (cfg.pp > 1)})
+
+
+def gradient_buckets(c: ModelConfig, cfg: Layout, pp_rank: int = 0) -> int:
+    """The buckets pp rank `pp_rank`'s gradients travel in: ZeRO's (estimate.zero_buckets), else bucket_params'."""
+    model = rank_model(c, cfg, pp_rank)
+    return len(zero_buckets(model, cfg)) if cfg.zero else len(bucket_params(list(model.parameters()), cfg.bucket_mb))
 
 
 @lru_cache(maxsize=256)  # many layouts share a schedule
