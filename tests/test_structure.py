@@ -63,8 +63,13 @@ LIBRARY = sorted((ROOT / "minipar").rglob("*.py"))
 # check_memory's), interleaved stages in its search, pp's messages in the clock and the bubble over a whole turn,
 # and the 405b preset. Issue 28 item 3: the pipeline's bytes a step asked of schedules.py, which posts them (+2).
 # A trace written under a temporary name and renamed once whole (+2).
+# Issue 30 item 5's clock against this machine (+42): Cluster.links (a group size's measured α and β), the clock's
+# latency a message (planner.messages, equal to the ledger's calls), plain dp's last bucket never hidden, and
+# estimate.zero_buckets named. Then issue 28's trim (-319): dead wrappers, loops the library already has (split,
+# unravel_index, hashlib.file_digest), the conjugate operators as one autograd function, and docstrings that
+# repeated their neighbours. The library is 9,066 lines: issue 28's 8,362 is not met.
 LINE_BUDGET = (4000 + 400 + 500 + 500 + 400 + 500 + 300 + 150 + 100 + 300 + 350 + 100 + 300 + 200 + 330 + 90 + 210
-               + 74 + 105 + 30 + 13 + 1 + 138 + 24 + 151 + 6 + 67 + 2 + 2)
+               + 74 + 105 + 30 + 13 + 1 + 138 + 24 + 151 + 6 + 67 + 2 + 2 + 42 - 319)
 
 
 def test_the_library_stays_within_its_line_budget_and_400_lines_per_file():

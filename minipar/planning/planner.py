@@ -31,8 +31,8 @@ The clock (`step_time`) is arithmetic, stated here so that its answer can be arg
               per stage a rank holds (v times interleaved), as pp rank 1 sends them (a middle stage's,
               the most); not overlapped: the next stage waits for them
     dp        the gradients' all-reduce (ZeRO: reduce-scatter + all-gather, ZeRO-3 per micro-batch);
-              overlapped with backward (2/3 of compute), only what is left over counts, and at least
-              the last bucket's share, posted when backward is done
+              overlapped with backward (2/3 of compute), only what is left over counts; without ZeRO
+              at least the last bucket's all-reduce, posted once backward is done
     bubble    the time the pipeline's ranks wait: its schedule's idle fraction f of the step, from
               its own simulation (pipeline.timeline.simulate: F = 1, B = 2, or F = B = W = 1 when
               B is split), so 1F1B's and GPipe's (pp-1)/(m+pp-1), interleaved's
@@ -148,8 +148,9 @@ def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]
              "pp": messages(c, cfg, middle)["pp"] * latency
              + sum(pipeline_bytes_sent(c, cfg, middle).values()) / bandwidth}  # the micro-batches' turns
     dp = over("dp_cp" if cfg.cp > 1 else "dp", cfg.tp * cfg.cp * cfg.dp, cfg.dp * cfg.cp)
-    # dp hides behind backward, but for the last bucket: it is posted once backward is done
-    parts = {**turns, "dp": max(dp / gradient_buckets(c, cfg), dp - 2 / 3 * compute),
+    # dp hides behind backward, but for plain dp's last bucket, whose all-reduce is posted once backward is done
+    last = dp / gradient_buckets(c, cfg) if cfg.zero == 0 else 0.0
+    parts = {**turns, "dp": max(last, dp - 2 / 3 * compute),
              "bubble": idle / (1 - idle) * sum(turns.values())}  # idle f of the step is f / (1 - f) of the turns
     return {**parts, "total": sum(parts.values())}
 
