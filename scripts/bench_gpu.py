@@ -16,6 +16,9 @@ one rank of the strategy's dimension (dp = world, or tp = world, ...):
     zero3     Zero3DataParallel                       FSDP2 fully_shard (per layer, then the root)
     tp        parallelize(tp=...)                     DTensor: parallelize_module with torchtitan's
                                                       plan, loss_parallel (bench_common, as bench_tp.py)
+    tp_overlap  parallelize(tp=..., tp_overlap=True)  the same: minipar's tp with each region's input
+                                                      gradient sent while its weight gradients are
+                                                      computed (chapter 4), beside tp's blocking row
     pp        Pipeline(--pp-schedule)                 torch.distributed.pipelining: PipelineStage and
                                                       Schedule1F1B / ScheduleGPipe (as bench_pp.py)
     cp        ring attention (parallelize(cp=...))    torch.distributed.tensor.experimental.
@@ -77,11 +80,12 @@ import bench_common as bench
 import torch
 import torch.distributed as dist
 
-STRATEGIES = ("dp", "zero1", "zero2", "zero3", "tp", "pp", "cp")
-NEEDS_TWO = ("tp", "pp", "cp")
-DIMENSION = {"tp": "tp", "pp": "pp", "cp": "cp"}  # the mesh dimension every rank lies along; else dp
+STRATEGIES = ("dp", "zero1", "zero2", "zero3", "tp", "tp_overlap", "pp", "cp")
+NEEDS_TWO = ("tp", "tp_overlap", "pp", "cp")
+# The mesh dimension every rank lies along; else dp.
+DIMENSION = {"tp": "tp", "tp_overlap": "tp", "pp": "pp", "cp": "cp"}
 PEER = {"dp": "DDP", "zero1": "DDP+ZeRO-1 optim", "zero2": "FSDP2 (no reshard)", "zero3": "FSDP2",
-        "tp": "DTensor TP", "pp": "pipelining", "cp": "context_parallel"}
+        "tp": "DTensor TP", "tp_overlap": "DTensor TP", "pp": "pipelining", "cp": "context_parallel"}
 MICRO_BATCH = {"125m": 8, "1b": 4}  # sequences of 2048 tokens per forward, chosen to fit 80 GB
 NO_CPU_PEER = "no CPU peer: torch's context_parallel handles only CUDA's SDPA kernels (flash, efficient, cuDNN)"
 
@@ -230,8 +234,9 @@ def torch_step(model, optimizer, micro_batches, autocast, within=None) -> float:
     return float(total)
 
 
-def build_tensor_parallel(side: str, s: Setup):
-    """tp = world: minipar's tensor-parallel layers, or the plain model under DTensor's plan."""
+def build_tensor_parallel(side: str, s: Setup, overlap: bool = False):
+    """tp = world: minipar's tensor-parallel layers (overlap: --tp-overlap's), or the plain model under
+    DTensor's plan."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from minipar.data_parallel import DataParallel
@@ -240,7 +245,8 @@ def build_tensor_parallel(side: str, s: Setup):
     from minipar.run.train import train_step
 
     if side == "minipar":
-        model = s.compiled(parallelize(Llama(s.model_cfg, seed=0), tp=s.mesh.groups().tp).to(s.device))
+        model = parallelize(Llama(s.model_cfg, seed=0), tp=s.mesh.groups().tp, tp_overlap=overlap)
+        model = s.compiled(model.to(s.device))
         wrapped = DataParallel(model, s.mesh.groups(), optimizer=s.adamw(s.groups_of(model)))
         return lambda micro: train_step(wrapped, micro, 1.0, s.autocast)[0]
     device_mesh = init_device_mesh(s.device.type, (s.mesh.groups().tp.size,), mesh_dim_names=("tp",))
@@ -314,8 +320,8 @@ def build_context_parallel(side: str, s: Setup):
 
 
 def build_side(strategy: str, side: str, s: Setup):
-    if strategy == "tp":
-        return build_tensor_parallel(side, s)
+    if strategy in ("tp", "tp_overlap"):
+        return build_tensor_parallel(side, s, overlap=strategy == "tp_overlap")
     if strategy == "pp":
         return build_pipeline(side, s)
     if strategy == "cp":
@@ -429,7 +435,7 @@ def layout_problem(strategy: str, name: str, args, world: int) -> str | None:
     if strategy in NEEDS_TWO and world < 2:
         return f"needs 2 GPUs or more ({world} here)"
     try:
-        if strategy == "tp":
+        if strategy in ("tp", "tp_overlap"):
             bench.check_dtensor_tp(m, world, name)
         if strategy == "pp" and m.n_layers < world:
             return f"{world} stages for {m.n_layers} layers"

@@ -24,7 +24,7 @@ import torch
 from harness import run_ranks, tiers
 
 ROOT = Path(__file__).resolve().parents[1]
-STRATEGIES = ["dp", "zero1", "zero2", "zero3", "tp", "pp", "cp"]
+STRATEGIES = ["dp", "zero1", "zero2", "zero3", "tp", "tp_overlap", "pp", "cp"]
 FLAGS = ["--device", "cpu", "--ranks", "2", "--models", "tiny", "--steps", "1", "--warmup", "1", "--seq-len", "16",
          "--accum", "2", "--micro-batch", "2"]
 
