@@ -57,7 +57,7 @@ from minipar.autograd_ops import (
     reduce_from_parallel,
     reduce_scatter_to_sequence_parallel,
 )
-from minipar.collectives import Group, all_gather, all_reduce
+from minipar.collectives import Group, all_gather, all_reduce, ring_bytes_sent
 from minipar.mesh import Groups
 from minipar.model import ModelError
 from minipar.placement import Placement, place, placement_of
@@ -156,6 +156,14 @@ def leave_parallel_region(x: torch.Tensor, group: Group, sequence_parallel: bool
     if sequence_parallel:
         return reduce_scatter_to_sequence_parallel(x, group, SEQ_DIM)
     return reduce_from_parallel(x, group)
+
+
+def region_bytes_sent(stream: int, product: int, tp: int, sequence_parallel: bool) -> dict[str, int]:
+    """What a region sends for a micro-batch, forward and backward, by the ledger's "tp/op" keys: f's
+    message of its input (`stream` bytes) and g's of its output (`product` bytes), an all-reduce each,
+    or under sp an all-gather and a reduce-scatter each. The planner asks here (planning/estimate.py)."""
+    ops = ("all_gather", "reduce_scatter") if sequence_parallel else ("all_reduce",)
+    return {f"tp/{op}": ring_bytes_sent(op, stream, tp) + ring_bytes_sent(op, product, tp) for op in ops}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,6 +325,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax * scale
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -mine.unsqueeze(-1).to(grad.dtype) * scale)
         return grad, None, None, None, None, None
+
+
+def loss_bytes_sent(tokens: int, width: int, tp: int) -> dict[str, int]:
+    """What vocab_parallel_cross_entropy sends for `tokens` tokens: the max, the target's logit and the
+    sum of exponentials, one all-reduce of a number per token each, at the logits' width or fp32's."""
+    return {"tp/all_reduce": 3 * ring_bytes_sent("all_reduce", tokens * max(width, 4), tp)}
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: Group, vocab_size: int,

@@ -54,6 +54,7 @@ from minipar.planning.estimate_moe import moe_block_bytes, moe_bytes_sent
 from minipar.planning.estimate_zeropp import bucket_sent, secondary_bytes
 from minipar.planning.layout import Layout, paper_group
 from minipar.precision import of_config, widths
+from minipar.tensor_parallel import loss_bytes_sent, region_bytes_sent
 from minipar.zero import bucket_plan
 from minipar.zero3 import unit_chunks, units_of
 
@@ -178,14 +179,12 @@ def bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[st
     grad_width = _grad_width(cfg)
     if cfg.tp > 1:
         t = cfg.tp
-        # Per micro-batch: each block's input (a normed stream: all-gathered under sp, its gradient
-        # all-reduced or reduce-scattered in backward) and output (a matmul product: all-reduced or
-        # reduce-scattered, its gradient all-gathered); the embedding's output and the head's input.
-        # Two blocks a layer, attention and MLP; an MoE block enters no tp region (experts are replicated).
+        # Per micro-batch: each block's region, two a layer (an MoE block enters none: its experts are
+        # replicated over tp); the embedding's output and the head's input.
         blocks = 2 * layers - moe_blocks
         ends = (first + last) * ring_bytes_sent("all_reduce" if not cfg.sp else "all_gather", stream, t)
-        for op in ("all_gather", "reduce_scatter") if cfg.sp else ("all_reduce",):
-            sent[f"tp/{op}"] += m * (blocks * (ring_bytes_sent(op, stream, t) + ring_bytes_sent(op, product, t)) + ends)
+        for key, region in region_bytes_sent(stream, product, t, cfg.sp).items():  # tensor_parallel's own count
+            sent[key] += m * (blocks * region + ends)
         if cfg.recompute or cfg.recompute_mlp:  # backward replays each layer's (MLP's) forward messages, but stops
             # once it has rebuilt what it needs (torch's early stop): not a dense MLP's output (feeding a sum).
             out_op = "reduce_scatter" if cfg.sp else "all_reduce"  # --recompute: each attention's output (g)
@@ -194,8 +193,8 @@ def bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[st
             sent["tp/all_gather"] += m * inputs * ring_bytes_sent("all_gather", stream, t) if cfg.sp else 0
         if cfg.tp_overlap and cfg.sp:  # each region (and the head) kept its input's shard: gathered again in backward
             sent["tp/all_gather"] += m * (blocks + last) * ring_bytes_sent("all_gather", stream, t)
-        if last:  # the loss: max, target logit and sum of exponentials per token, in at least fp32
-            sent["tp/all_reduce"] += m * 3 * ring_bytes_sent("all_reduce", tokens * max(w, 4), t)
+        if last:  # the loss's three numbers a token
+            sent["tp/all_reduce"] += m * loss_bytes_sent(tokens, w, t)["tp/all_reduce"]
         sent["tp/all_reduce"] += ring_bytes_sent("all_reduce", grad_width, t)  # the norm of the tp shards
         partial = [p.numel() for p in model.parameters() if "tp" in placement_of(p).partial]
         if partial and cfg.zero == 0:  # sp's norm weights: summed over tp once per step (one message)
