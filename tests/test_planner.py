@@ -237,3 +237,30 @@ def test_a_layout_that_fits_the_whole_memory_but_not_nine_tenths_is_refused_unle
     with pytest.raises(SystemExit):
         script.main([*case, "--headroom", "1"])  # a share below 1: one line, exit code 2
     assert "--headroom: 1 is out of range" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_plan_py_calibrate_measures_predicts_runs_and_tables_a_layout_leaving_nothing_behind(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, str(ROOT / "scripts" / "plan.py"), "--calibrate", "--calibrate-layouts", "--dp 2",
+           "--calibrate-steps", "7"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("  2 ranks: the small model's step ") and "groups of 2: α " in line for line in lines)
+    row = next(line for line in lines if line.startswith("  --dp 2"))
+    predicted, measured, ratio = (float(x) for x in calibration_figures(row))
+    assert predicted > 0 and measured > 0 and abs(ratio - predicted / measured) < 0.02  # ms and ratio rounded
+    assert lines[-1].startswith("1 of 1 layouts within 25%") or lines[-1].startswith("0 of 1 layouts within 25%")
+    assert list(tmp_path.iterdir()) == []  # its runs and logs went into a temporary folder, removed
+
+
+def calibration_figures(row: str) -> tuple[str, ...]:
+    """A calibration row's predicted and measured milliseconds and their ratio."""
+    import re
+
+    return re.search(r"predicted +(\d+) ms.*measured +(\d+) ms.*: ([0-9.]+)x$", row).groups()
