@@ -275,7 +275,8 @@ def reduce(t: torch.Tensor, group: Group, dst: int = 0, op: str = "sum") -> torc
 def gather(t: torch.Tensor, group: Group, dst: int = 0) -> torch.Tensor | None:
     """Every rank's t concatenated along dim 0, in group order, on group rank `dst`; None elsewhere.
     The ledger counts the output, S; each other rank sends its own S/N, the root nothing."""
-    group._note("gather", t, nbytes=t.nbytes * group.size, sent=0 if group.rank == dst else t.nbytes)
+    sent = 0 if group.rank == dst else t.nbytes  # straight to the root: it crosses when the root is elsewhere
+    group._note("gather", t, nbytes=t.nbytes * group.size, sent=sent, cross=sent if group.crosses(dst) else 0)
     if group.size == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(group.size)] if group.rank == dst else None
@@ -286,7 +287,9 @@ def gather(t: torch.Tensor, group: Group, dst: int = 0) -> torch.Tensor | None:
 def scatter(t: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
     """Group rank `src` cuts its t along dim 0 into N chunks and rank i receives chunk i (every rank
     passes a t of the same shape; only the root's is read). The root sends the other N-1 chunks."""
-    group._note("scatter", t, sent=(group.size - 1) * t.nbytes // group.size if group.rank == src else 0)
+    chunks_out = [i for i in range(group.size) if i != src] if group.rank == src else []  # the root's N-1 chunks
+    group._note("scatter", t, sent=len(chunks_out) * t.nbytes // group.size,
+                cross=sum(group.crosses(i) for i in chunks_out) * t.nbytes // group.size)
     if group.size == 1:
         return t
     if t.shape[0] % group.size:

@@ -43,6 +43,8 @@ def _every_op(rank, world, dp, tp, k):
             if n > 1:
                 for work in C.send_recv(x, (i + 1) % n, torch.empty_like(x), (i - 1) % n, g):
                     work.wait()
+            C.gather(x, g, dst=0)
+            C.scatter(torch.randn(n * E, dtype=torch.float64), g, src=0)
         return mesh.ledger.snapshot()
 
 
@@ -65,6 +67,12 @@ def test_cross_node_bytes_of_each_collective_equal_the_closed_form(k):
         piece = E * F64  # all-to-all: one piece of S/N to each other rank
         assert ledger["dp/all_to_all"]["cross"] == (n - k) * piece
         assert ledger["dp/all_to_all"]["intra"] == (k - 1) * piece
+        # gather and scatter go straight between the root (rank 0) and each rank: a byte crosses when
+        # its rank lies on another node than the root's, not when the ring's next rank does
+        assert ledger["dp/gather"]["cross"] == (piece if i >= k else 0)
+        assert ledger["dp/gather"]["intra"] == (piece if 0 < i < k else 0)
+        assert ledger["dp/scatter"]["cross"] == ((n - k) * piece if i == 0 else 0)
+        assert ledger["dp/scatter"]["intra"] == ((k - 1) * piece if i == 0 else 0)
     # Over the group: each of the m nodes (when m > 1) sends one rank's share across per collective.
     total = sum(ledger["dp/all_gather"]["cross"] for ledger in ledgers)
     assert total == (m * shares(n)["all_gather"] if m > 1 else 0)
