@@ -37,8 +37,8 @@ network (ten times slower or more), so the ledger splits each rank's sent bytes 
 take (node = global rank // ranks per node, mesh.py). A ring runs in group order and a rank sends
 its whole share to the next rank: across when that one lives on another node. A group over M nodes
 has M crossing links, so each node sends (N-1)/N * S out per all-gather, whatever its size.
-All-to-all sends piece j straight to rank j; send and gather go to their one peer (chapter 1 works
-the forms out; tests/test_nodes.py checks them).
+All-to-all and scatter's root send piece j straight to rank j; send and gather go to their one peer
+(chapter 1 works the forms out; tests/test_nodes.py checks them).
 
 The `Ledger` counts, per (group, op), the calls, the payload bytes and the bytes this rank sends
 by the formulas above; tests assert on it, the training log shows it per step. Its debug mode
