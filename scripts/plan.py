@@ -79,7 +79,7 @@ def parse_args(argv=None):
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine, predict and run the layouts of --calibrate-layouts (minutes)")
     p.add_argument("--calibrate-layouts", default=";".join(CALIBRATED), metavar="FLAGS;FLAGS",
-                   help="train.py's layout flags of each layout, ';' between layouts")
+                   help="train.py's layout flags of each layout, ';' between layouts ('' is one rank)")
     p.add_argument("--calibrate-steps", type=positive_int, default=15,
                    help="steps of each run (the first 5 unmeasured)")
     return p.parse_args(argv)
@@ -280,6 +280,9 @@ def main(argv=None) -> None:
         if args.calibrate:
             for cfg in (layout_of(f.strip()) for f in args.calibrate_layouts.split(";")):
                 cfg.validate(ranks(cfg))  # before anything is measured
+            if args.calibrate_steps <= WARMUP:
+                raise InputError(f"--calibrate-steps {args.calibrate_steps}: give more than {WARMUP}, the "
+                                 f"first {WARMUP} steps of each run are not measured")
     if args.calibrate:
         return calibrate(args)
     with refusals():

@@ -144,16 +144,18 @@ def test_a_calibrated_clock_adds_each_messages_latency_at_its_groups_measured_ba
     assert buckets > 5 and t["dp"] == pytest.approx(all_of_it / buckets, rel=1e-3)
 
 
-def test_plan_py_calibrate_refuses_a_layout_it_cannot_read_in_one_line_before_measuring_anything(capsys):
+def test_plan_py_calibrate_refuses_a_layout_it_cannot_read_or_too_few_steps_in_one_line_before_measuring(capsys):
     spec = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "plan.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    for bad, says in (("--dp 2;--zero 3", "'--zero 3' is not a layout"), ("--tp 3", "--tp 3")):
+    for flags, says in ((["--calibrate-layouts", "--dp 2;--zero 3"], "'--zero 3' is not a layout"),
+                        (["--calibrate-layouts", "--tp 3"], "--tp 3"),
+                        (["--calibrate-steps", "5"], "--calibrate-steps 5: give more than 5")):
         with pytest.raises(SystemExit) as stop:
-            script.main(["--calibrate", "--calibrate-layouts", bad])
+            script.main(["--calibrate", *flags])
         assert stop.value.code == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and says in err, err
+        assert len(err.splitlines()) == 1 and says in err, err  # before anything is measured
 
 
 def test_train_py_plan_predicts_the_exposed_communication_in_the_words_of_the_training_log():
