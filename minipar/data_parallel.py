@@ -231,6 +231,23 @@ class GradSync(nn.Module):
             for p, data in kept.items():
                 p.data = data
 
+    # -- for replica groups (run/replicas.py): the step's gradients, and what a rank keeps -------
+    def synced_grads(self) -> list[torch.Tensor]:
+        """After finish_grad_sync: the gradients clip_and_step will step on (DataParallel: whole ones)."""
+        return [p.grad for p in self.module.parameters() if p.grad is not None]
+
+    def drop_grads(self) -> None:
+        """Forget the step's gradients: a step the replica groups did not commit changes nothing."""
+        for p in self.module.parameters():
+            p.grad = None
+
+    def persistent(self) -> list[torch.Tensor]:
+        """Every tensor this rank keeps from step to step but the optimizer's state, in a fixed order."""
+        return [*self.module.state_dict().values(), *self._masters()]
+
+    def _masters(self) -> list[torch.Tensor]:
+        return [m for p, m in getattr(self, "master", {}).items() if m is not p]  # bf16-mixed's fp32 copies
+
     def held_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in weights, gradients and optimizer state, measured on its tensors."""
         return {"params": self.param_bytes(), "grads": self.gradient_bytes(), "optimizer": self.optimizer_state_bytes()}

@@ -208,6 +208,16 @@ class ZeroDataParallel(GradSync):
             self._after_step()
         return norm
 
+    def synced_grads(self) -> list[torch.Tensor]:
+        return [b.grad_slice for b in self.buckets if b.grad_slice is not None]  # this rank's slices
+
+    def drop_grads(self) -> None:
+        for b in self.buckets:
+            b.master.grad = b.grad_slice = None
+
+    def _masters(self) -> list[torch.Tensor]:
+        return [t for b in self.buckets for t in b.held()]
+
     def _after_step(self) -> None:
         """Stages 1-2: every rank needs all the new weights: all-gather the updated slices."""
         for b in self.buckets:

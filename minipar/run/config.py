@@ -76,6 +76,9 @@ class TrainConfig(Layout):
     log_every: int = 10
     profile_steps: str | None = None  # "A:B": torch.profiler over steps A to B (run/profiling.py)
     allow_config_change: bool = False  # --resume: accept a changed data, batch, seed or learning-rate schedule
+    replica_groups: int = 1  # fault-tolerant data parallelism: this many replica groups on torchft (replicas.py)
+    replica_group_id: int = 0  # which of them this torchrun job is
+    lighthouse: str | None = None  # torchft's lighthouse, host:port, where the groups agree on who takes part
     plan: bool = False  # print what each rank will hold (estimate.py) and exit
     config: str | None = None  # the TOML file the settings came from, if any
 
@@ -140,8 +143,24 @@ class TrainConfig(Layout):
         self.check_ranges(m.max_seq_len)
         super().validate(world_size)
         self.check_vocab(m)
+        self.check_replicas()
         if self.init_from and self.resume:
             raise ConfigError("--init-from and --resume: choose one (--resume continues a run, --init-from starts one)")
+
+    def check_replicas(self) -> None:
+        """Replica groups: a seat among them, a lighthouse to meet at, and a batch every group can share."""
+        r = self.replica_groups
+        if not 1 <= r <= 1024:
+            raise ConfigError(f"--replica-groups {r}: give 1 (none) to 1024")
+        if not 0 <= self.replica_group_id < r:
+            raise ConfigError(f"--replica-group-id {self.replica_group_id}: give 0 to --replica-groups - 1 ({r - 1})")
+        if r > 1 and not self.lighthouse:
+            raise ConfigError(f"--replica-groups {r} needs --lighthouse HOST:PORT, where torchft's lighthouse runs "
+                              "(scripts/train_ft.py starts one)")
+        if r > 1 and self.global_batch % (r * self.dp * self.micro_batch):
+            raise ConfigError(f"--global-batch {self.global_batch} is not divisible by --replica-groups {r} x --dp "
+                              f"{self.dp} x --micro-batch {self.micro_batch}: every group's ranks take whole "
+                              f"micro-batches of it")
 
     def profiled(self) -> tuple[int, int] | None:
         """--profile-steps A:B as (A, B), both profiled, or None; steps the run does not reach are refused."""
@@ -205,7 +224,8 @@ def parse_args(argv=None) -> TrainConfig:
     cfg.validate(world)
     moe = cfg.model_config().n_experts > 0
     acting = {"tp_overlap": cfg.tp > 1, "cp_attention": cfg.cp > 1, "schedule": cfg.pp > 1, "pp_layers": cfg.pp > 1,
-              "zeropp": cfg.dp > 1, "aux_loss_coef": moe, "capacity_factor": moe}
+              "zeropp": cfg.dp > 1, "aux_loss_coef": moe, "capacity_factor": moe,
+              "replica_group_id": cfg.replica_groups > 1, "lighthouse": cfg.replica_groups > 1}
     idle = sorted(k for k in named if not acting[k])
     if idle:
         raise ConfigError(f"--{idle[0].replace('_', '-')} {getattr(cfg, idle[0])} acts only with {ACTS_WITH[idle[0]]}, "

@@ -25,7 +25,8 @@ BPE_VOCAB = 4096  # the BPE's default size, when the model's vocabulary is large
 # but the default, they would change nothing, and are refused, as --sp without --tp is.
 ACTS_WITH = {"tp_overlap": "--tp 2 or more", "cp_attention": "--cp 2 or more", "schedule": "--pp 2 or more",
              "pp_layers": "--pp 2 or more", "zeropp": "--dp 2 or more", "aux_loss_coef": "a model with experts",
-             "capacity_factor": "a model with experts"}
+             "capacity_factor": "a model with experts", "replica_group_id": "--replica-groups 2 or more",
+             "lighthouse": "--replica-groups 2 or more"}
 
 
 def add_model_flags(p: argparse.ArgumentParser, d) -> None:
@@ -98,6 +99,12 @@ def add_layout_flags(p: argparse.ArgumentParser, d) -> None:
     g.add_argument("--virtual-stages", type=int, default=1, help="chunks per pipeline rank (interleaved)")
     g.add_argument("--pp-layers", default=None, help="layers per pipeline stage, e.g. 3,1 (the last stage also "
                    "carries the LM head and the loss); default: balanced, the extra ones to the first stages"),
+    g.add_argument("--replica-groups", type=int, default=d.replica_groups, help="fault tolerance: the run is this "
+                   "many replica groups, each a torchrun job with this layout inside, averaging gradients through "
+                   "torchft; a lost group is dropped and rejoins with a peer's state (needs the torchft package)")
+    g.add_argument("--replica-group-id", type=int, default=d.replica_group_id, help="which replica group this job is")
+    g.add_argument("--lighthouse", default=None, help="HOST:PORT of torchft's lighthouse, where the replica groups "
+                   "agree each step on who takes part")
     g.add_argument("--ranks-per-node", type=int, help="ranks that share a node (its fast links): the ledger counts "
                    "what crosses between nodes; less than the world simulates several nodes on one machine "
                    "(default: torchrun's LOCAL_WORLD_SIZE, else every rank on one node)")

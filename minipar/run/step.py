@@ -30,20 +30,23 @@ def micro_batches_of(rows: tuple[torch.Tensor, torch.Tensor], mesh: Mesh, micro_
     return list(zip(x.split(micro_batch), y.split(micro_batch)))
 
 
-def loss_divisor(micro_batches, group) -> float:
+def loss_divisor(micro_batches, group, replicas=None) -> float:
     """The global batch's count of real targets (summed over `group`, dp x cp) / group.size: the
     wrappers divide the summed gradient by that size, so the whole is one division by the count.
-    An all-ignored batch divides by 1: its loss and gradients are 0, not NaN."""
+    An all-ignored batch divides by 1: its loss and gradients are 0, not NaN. Replica groups
+    (run/replicas.py): the count is summed over the groups taking part too, and divided by them."""
     count = sum((y != -100).sum() for _, y in micro_batches).to(torch.float64).reshape(1)
     all_reduce(count, group)  # 8 bytes, once per step
-    return max(float(count.item()), 1.0) / group.size
+    if replicas is not None:
+        replicas.sum(count)
+    return max(float(count.item()), 1.0) / (group.size * (replicas.size if replicas is not None else 1))
 
 
-def begin_step(model: GradSync, micro: list) -> float:
+def begin_step(model: GradSync, micro: list, replicas=None) -> float:
     """Ready the wrapped model for a step over `micro`: each MoE block's auxiliary loss weighs
     1/len(micro). Returns the divisor of each micro-batch's sum of token losses (`loss_divisor`)."""
     set_aux_scale(model.module, 1 / len(micro))
-    return loss_divisor(micro, model.group)
+    return loss_divisor(micro, model.group, replicas)
 
 
 def take_expert_load(model: GradSync) -> list[list[int]]:

@@ -43,6 +43,7 @@ from minipar.run import checkpoint, saving, validation
 from minipar.run.batches import TokenData
 from minipar.run.config import TrainConfig
 from minipar.run.preflight import init_model_config
+from minipar.run.replicas import Replicas
 from minipar.run.run_log import RunLog
 from minipar.run.saving import TrainingStopped
 from minipar.run.step import begin_step, micro_batches_of
@@ -62,7 +63,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def train_step(model: GradSync, micro_batches, grad_clip: float = 0.0, autocast=nullcontext,
-               pipeline: Pipeline | None = None):
+               pipeline: Pipeline | None = None, replicas: Replicas | None = None):
     """One optimizer step over this rank's micro-batches. Returns (loss, gradient norm); a
     pipeline keeps the measured timeline of its step in `pipeline.timeline`.
 
@@ -71,9 +72,11 @@ def train_step(model: GradSync, micro_batches, grad_clip: float = 0.0, autocast=
     pipeline micro-batches, the dp average and cp's split sequences add up to one division by
     the global count. With a pipeline the schedule runs the micro-batches (the loss is known on
     the last stage only) and the data-parallel average waits until its last backward. `model`
-    is any gradient-sync wrapper (DataParallel, ZeRO 1/2/3): they share one protocol.
+    is any gradient-sync wrapper (DataParallel, ZeRO 1/2/3): they share one protocol. Replica
+    groups average the result over the groups and vote; a step they do not commit returns the
+    norm None and changes nothing (replicas.py).
     """
-    divisor = begin_step(model, micro_batches)  # and MoE: the step's mean load-balancing loss (step.py)
+    divisor = begin_step(model, micro_batches, replicas)  # and MoE: the step's mean load-balancing loss (step.py)
     if pipeline is not None:
         with model.no_sync(), autocast():
             total = pipeline.run(model.module, micro_batches, divisor)
@@ -87,6 +90,11 @@ def train_step(model: GradSync, micro_batches, grad_clip: float = 0.0, autocast=
                 loss.backward()
             total = total + loss.detach()
     model.finish_grad_sync()  # average over dp (ZeRO: reduce-scatter to each rank's slice)
+    if replicas is not None:
+        total = replicas.mean(torch.as_tensor(total, dtype=torch.float64).reshape(1))
+        if not replicas.commit(model.synced_grads()):
+            model.drop_grads()
+            return float(total), None
     return float(total), model.clip_and_step(grad_clip, pipeline.group if pipeline else None)
 
 
@@ -143,7 +151,12 @@ def run(cfg: TrainConfig, resume: Path | None, mesh: Mesh, data: TokenData, log:
     if saved_states is not None:
         wrapper.load_state_by_name(saved_states)
     log.start(model_cfg, data, chosen.name, start)
-    return train_loop(Job(cfg, mesh, data, wrapper, pipeline, autocast, device, log), start, consumed)
+    replicas = Replicas(cfg, mesh, wrapper, log.say) if cfg.replica_groups > 1 else None
+    try:
+        return train_loop(Job(cfg, mesh, data, wrapper, pipeline, autocast, device, log, replicas), start, consumed)
+    finally:
+        if replicas is not None:
+            replicas.close()
 
 
 @dataclass
@@ -158,6 +171,7 @@ class Job:
     autocast: Callable[[], AbstractContextManager]
     device: torch.device
     log: RunLog
+    replicas: Replicas | None = None  # --replica-groups: the other groups, through torchft (replicas.py)
 
 
 def train_loop(job: Job, start: int, consumed: int) -> bool:
@@ -167,14 +181,21 @@ def train_loop(job: Job, start: int, consumed: int) -> bool:
     bad = 0  # consecutive steps skipped for a non-finite gradient norm
     if log.interrupt:
         log.interrupt.stepping = True  # from here a Ctrl-C waits for the end of the step
-    for step in range(start, cfg.steps):
+    step, replicas = start, job.replicas
+    while step < cfg.steps:
+        mesh.ledger.reset()
+        if replicas is not None:  # who takes part; a group that was behind takes a peer's step and state
+            step, consumed = replicas.begin(step, consumed)
         for group in model.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        rows = data.rank_batch(consumed, cfg.global_batch, mesh.coord("dp"), cfg.dp)
+        rows = replicas.rows(data, consumed, cfg.global_batch, cfg.dp, mesh.coord("dp")) if replicas else \
+            data.rank_batch(consumed, cfg.global_batch, mesh.coord("dp"), cfg.dp)
         micro = micro_batches_of(rows, mesh, cfg.micro_batch, job.device)
-        mesh.ledger.reset()
         log.tick(step)
-        loss, grad_norm = train_step(model, micro, cfg.grad_clip, job.autocast, pipeline)
+        loss, grad_norm = train_step(model, micro, cfg.grad_clip, job.autocast, pipeline, replicas)
+        if grad_norm is None:  # the replica groups did not all commit: no weight changed; the same step again
+            log.say(f"step {step + 1}: not committed (a replica group was lost during it): taken again")
+            continue
         consumed += cfg.global_batch
         stop = log.step(step, loss, grad_norm, lr_at(step, cfg), model, pipeline)  # a rank heard Ctrl-C
         if validation.is_due(cfg, step + 1):
@@ -194,4 +215,5 @@ def train_loop(job: Job, start: int, consumed: int) -> bool:
             log.say(f"minipar: interrupted: stopped after step {step + 1} of {cfg.steps}, on every rank; "
                     f"{saving.resume_hint(cfg.out)}")
             return True
+        step += 1
     return False

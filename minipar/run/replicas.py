@@ -1,0 +1,149 @@
+"""Replica groups: data parallelism that survives a lost replica, on torchft (chapter 12).
+
+A run of R replica groups is R torchrun jobs, each with the whole layout inside (dp, tp, pp, cp,
+ZeRO). Across the groups only one thing travels: the step's gradient average. If a group dies,
+the others go on; when it comes back, it takes the live state from one of them. torchft
+(PyTorch's fault-tolerance library) provides the parts, and this file wires them into the loop:
+
+    the lighthouse       a small server every group's rank 0 heartbeats to; at each step it
+                         forms the *quorum*: the groups taking part, and which of them are behind
+    Manager              one per rank; start_quorum() asks the lighthouse, reconnects the
+                         cross-group process group when the quorum changed (rank r of every group
+                         talks to rank r of the others: the groups share one layout), and heals a
+                         group that is behind: it downloads rank r's state from a peer over HTTP
+    should_commit()      after backward: every rank of every group votes; the optimizer steps only
+                         if all agree, so a step that lost a peer half-way changes no weights
+
+One step, on each rank:
+
+    step, consumed <- begin(): the quorum; a returning group takes a peer's (step, samples, state)
+    rows           <- the global batch is R x dp slots of rows; the P groups taking part share
+                      the R groups' slots (participant i takes every group j with j % P == i),
+                      so each step still trains on the whole global batch
+    divisor        <- the whole batch's targets / (dp x cp x P), the count summed across groups
+    backward; finish_grad_sync (inside the group, as always)
+    average        <- each gradient (or ZeRO slice) averaged over the P groups
+    commit?        -> yes: clip and step, step += 1; no: drop the gradients, redo the same step
+
+So the loss of a step is the token mean over the same global batch whether 1 or R groups took
+part, and the learning-rate schedule is unchanged: a lost group costs the survivors time (they
+take its micro-batches) and no samples. The step they were in when it died is not committed
+and is redone. Nothing is read from disk: checkpoints are still saved as before (--save-every).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+
+from minipar.data_parallel import GradSync
+from minipar.mesh import Mesh
+from minipar.run.batches import TokenData
+from minipar.run.config import TrainConfig
+
+
+class Replicas:
+    """This rank's seat among the replica groups: its torchft Manager, and the step's participants."""
+
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, model: GradSync, say=print):
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        self.id, self.groups, self.model, self.mesh, self.say = cfg.replica_group_id, cfg.replica_groups, model, mesh, say
+        self.step, self.consumed, self.taken = 0, 0, None
+        self.size, self.index = 0, 0  # groups taking part in this step, and our place among them
+        timeout = datetime.timedelta(seconds=cfg.timeout)
+        pg = (ProcessGroupNCCL if torch.cuda.is_available() else ProcessGroupGloo)(timeout=timeout)
+        host, port = self._group_store()
+        self.manager = Manager(pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=1,
+                               use_async_quorum=False, init_sync=False, replica_id=f"minipar_{self.id:03d}",
+                               lighthouse_addr=f"http://{cfg.lighthouse}", rank=dist.get_rank(),
+                               world_size=dist.get_world_size(), store_addr=host, store_port=port, timeout=timeout,
+                               quorum_timeout=timeout, connect_timeout=timeout)
+
+    def _group_store(self) -> tuple[str, int]:
+        """A key-value store for this group's Managers (torchft's rendezvous), served by our rank 0."""
+        host = socket.gethostname()
+        if dist.get_rank() == 0:
+            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            port = torch.tensor([self._store.port])
+        else:
+            port = torch.tensor([0])
+        dist.broadcast(port, src=0)
+        return host, int(port)
+
+    # -- a step ---------------------------------------------------------------------------------
+    def begin(self, step: int, consumed: int) -> tuple[int, int]:
+        """The quorum for the next step. Returns (step, samples consumed): ours, or, if this group
+        was behind, the peer's whose state it just took."""
+        self.step, self.consumed, self.taken = step, consumed, None
+        self.manager.start_quorum()
+        if self.taken is not None:
+            peer, self.step, self.consumed, nbytes = self.taken
+            self.say(f"step {self.step + 1}: replica group {self.id} took its state from group {peer}: step "
+                     f"{self.step}, {nbytes:,} bytes, nothing read from disk")
+        size, index = self.manager.num_participants(), self.manager.participating_rank() or 0
+        if size != self.size:
+            self.say(f"step {self.step + 1}: {size} of {self.groups} replica groups take part")
+        self.size, self.index = size, index
+        return self.step, self.consumed
+
+    def rows(self, data: TokenData, consumed: int, global_batch: int, dp: int, coord: int):
+        """This rank's rows: the slots of the groups whose share this group takes (module docstring)."""
+        slots = [j * dp + coord for j in range(self.groups) if j % self.size == self.index]
+        parts = [data.rank_batch(consumed, global_batch, s, self.groups * dp) for s in slots]
+        return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """t summed over the groups taking part (in place)."""
+        return self._reduce([t], "sum")[0]
+
+    def mean(self, t: torch.Tensor) -> torch.Tensor:
+        return self._reduce([t], "avg")[0]
+
+    def commit(self, grads: list[torch.Tensor]) -> bool:
+        """Average the gradients over the groups, then vote: True if every rank of every group may step."""
+        for dtype in dict.fromkeys(g.dtype for g in grads):
+            same = [g for g in grads if g.dtype == dtype]
+            flat = self._reduce([torch.cat([g.reshape(-1) for g in same])], "avg")[0]  # one message per dtype
+            for g, v in zip(same, flat.split([g.numel() for g in same])):
+                g.copy_(v.view_as(g))
+        return self.manager.should_commit()
+
+    def _reduce(self, tensors: list[torch.Tensor], op: str) -> list[torch.Tensor]:
+        for t in tensors:
+            sent = 2 * (self.size - 1) * t.nbytes // max(self.size, 1)  # a ring all-reduce's, per rank
+            self.mesh.ledger.record("replicas", "all_reduce", t.nbytes, sent, cross=sent)  # groups: their own nodes
+            self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.AVG).wait()
+        return tensors
+
+    # -- the state a returning group takes from a peer (torchft calls these) --------------------
+    def _state(self) -> dict:
+        tensors, optimizer = self.model.persistent(), self.model.optimizer.state_dict()
+        self.mesh.ledger.record("replicas", "send_state", _nbytes(tensors, optimizer), _nbytes(tensors, optimizer))
+        return {"group": self.id, "step": self.step, "consumed": self.consumed, "tensors": tensors,
+                "optimizer": optimizer}
+
+    def _load(self, state: dict) -> None:
+        mine = self.model.persistent()
+        if [t.shape for t in mine] != [t.shape for t in state["tensors"]]:
+            raise RuntimeError("replica groups must share one layout: a peer's state does not fit this group's")
+        with torch.no_grad():
+            for t, theirs in zip(mine, state["tensors"]):
+                t.copy_(theirs)
+        self.model.optimizer.load_state_dict(state["optimizer"])
+        nbytes = _nbytes(state["tensors"], state["optimizer"])
+        self.mesh.ledger.record("replicas", "recv_state", nbytes, 0)
+        self.taken = (state["group"], state["step"], state["consumed"], nbytes)
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _nbytes(tensors: list[torch.Tensor], optimizer: dict) -> int:
+    """Bytes of the weights, masters and optimizer state a rank sends a returning peer."""
+    states = [t for s in optimizer["state"].values() for t in s.values() if torch.is_tensor(t)]
+    return sum(t.nbytes for t in [*tensors, *states])
