@@ -34,7 +34,12 @@ and is redone. Nothing is read from disk: checkpoints are still saved as before 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import http.server
+import logging
+import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -52,10 +57,14 @@ class Replicas:
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-        self.id, self.groups, self.model, self.mesh, self.say = cfg.replica_group_id, cfg.replica_groups, model, mesh, say
+        logging.getLogger("torchft").setLevel(logging.ERROR)  # its per-step INFO lines; our log says what happened
+        http.server.BaseHTTPRequestHandler.log_message = lambda *a: None  # its state server's line per download
+
+        self.id, self.groups, self.model, self.mesh = cfg.replica_group_id, cfg.replica_groups, model, mesh
+        self.say = say
         self.step, self.consumed, self.taken = 0, 0, None
         self.size, self.index = 0, 0  # groups taking part in this step, and our place among them
-        timeout = datetime.timedelta(seconds=cfg.timeout)
+        self.timeout, timeout = cfg.timeout, datetime.timedelta(seconds=cfg.timeout)
         pg = (ProcessGroupNCCL if torch.cuda.is_available() else ProcessGroupGloo)(timeout=timeout)
         host, port = self._group_store()
         self.manager = Manager(pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=1,
@@ -81,6 +90,11 @@ class Replicas:
         was behind, the peer's whose state it just took."""
         self.step, self.consumed, self.taken = step, consumed, None
         self.manager.start_quorum()
+        if step == 0 and self.size == 0 and self.taken is None:  # a new run starts with every group, when it can
+            until = time.monotonic() + self.timeout
+            while self.manager.num_participants() < self.groups and time.monotonic() < until:
+                time.sleep(0.1)
+                self.manager.start_quorum()
         if self.taken is not None:
             peer, self.step, self.consumed, nbytes = self.taken
             self.say(f"step {self.step + 1}: replica group {self.id} took its state from group {peer}: step "
@@ -122,25 +136,41 @@ class Replicas:
 
     # -- the state a returning group takes from a peer (torchft calls these) --------------------
     def _state(self) -> dict:
+        """What rank r of a returning group takes from our rank r: served by torchft's HTTP transport
+        from these very tensors (they change only at the optimizer step, which waits for the download)."""
         tensors, optimizer = self.model.persistent(), self.model.optimizer.state_dict()
-        self.mesh.ledger.record("replicas", "send_state", _nbytes(tensors, optimizer), _nbytes(tensors, optimizer))
+        nbytes = _nbytes(tensors, optimizer)
+        self.mesh.ledger.record("replicas", "send_state", nbytes, nbytes)
+        self.say(f"step {self.step + 1}: replica group {self.id} sends its state to a returning group: "
+                 f"{nbytes:,} bytes, digest {digest(tensors, optimizer)}")
         return {"group": self.id, "step": self.step, "consumed": self.consumed, "tensors": tensors,
                 "optimizer": optimizer}
 
     def _load(self, state: dict) -> None:
-        mine = self.model.persistent()
+        mine, nbytes = self.model.persistent(), _nbytes(state["tensors"], state["optimizer"])
         if [t.shape for t in mine] != [t.shape for t in state["tensors"]]:
             raise RuntimeError("replica groups must share one layout: a peer's state does not fit this group's")
+        self.say(f"replica group {self.id}: applying a peer's state ({nbytes:,} bytes)")
         with torch.no_grad():
             for t, theirs in zip(mine, state["tensors"]):
                 t.copy_(theirs)
+        # scripts/train_ft.py --kill-in-transfer: wait here, half-applied, to be killed (its restart heals anyway)
+        time.sleep(float(os.environ.get("MINIPAR_FT_PAUSE_IN_TRANSFER", 0)))
         self.model.optimizer.load_state_dict(state["optimizer"])
-        nbytes = _nbytes(state["tensors"], state["optimizer"])
         self.mesh.ledger.record("replicas", "recv_state", nbytes, 0)
         self.taken = (state["group"], state["step"], state["consumed"], nbytes)
+        self.say(f"replica group {self.id}: state applied, digest {digest(mine, self.model.optimizer.state_dict())}")
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def digest(tensors: list[torch.Tensor], optimizer: dict) -> str:
+    """16 hex digits of SHA-256 over every byte of the state, in order: equal means bitwise equal."""
+    h = hashlib.sha256()
+    for t in [*tensors, *(t for s in optimizer["state"].values() for t in s.values() if torch.is_tensor(t))]:
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def _nbytes(tensors: list[torch.Tensor], optimizer: dict) -> int:

@@ -1,0 +1,173 @@
+"""Fault-tolerant training on this machine: torchft's lighthouse, two replica groups, a kill, a rejoin.
+
+    .venv/bin/python scripts/train_ft.py                       (make train-ft)
+    .venv/bin/python scripts/train_ft.py --kill-at 6,14,22 --kill-in-transfer --out runs/ft
+
+Starts the lighthouse in this process, then each replica group as its own job (scripts/train.py
+--replica-groups R --replica-group-id g; with --nproc-per-group N, under torchrun). Group 1 is
+killed with SIGKILL, its whole process group at once, when its log reaches each step of
+--kill-at, and started again at once: with a fresh model and nothing read from disk, it takes the
+live state from group 0. --kill-in-transfer kills its first restart again *while* it applies that
+state (the restart is told to pause there, MINIPAR_FT_PAUSE_IN_TRANSFER). Printed at the end,
+step by step: how many groups took part, when one was dropped, when and from whom one took its
+state. Every flag after `--` goes to train.py (the defaults train the tiny model in float64).
+
+With --out, each group's log, JSON log and checkpoints are kept there (a new or empty folder,
+built beside it and renamed into place at the end); without, in a temporary folder removed after.
+On several machines, the same pieces by hand: README, "Fault tolerance".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from minipar.run.args import InputError, new_folder  # noqa: E402
+
+CORPUS = str(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py")
+RUN = ["--model=tiny", "--vocab-size=512", "--seq-len=32", "--global-batch=8", "--micro-batch=2", "--lr=1e-2",
+       "--warmup=4", "--dtype=float64", "--no-wandb", "--timeout=30", f"--data={CORPUS}"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Group:
+    """One replica group's job: its command line, and its attempts (each a process group of its own)."""
+
+    def __init__(self, g: int, argv: list[str], folder: Path, nproc: int):
+        self.g, self.argv, self.folder, self.nproc, self.attempt, self.proc = g, argv, folder, nproc, 0, None
+
+    def start(self, pause_in_transfer: bool = False) -> None:
+        self.attempt += 1
+        launcher = [sys.executable] if self.nproc == 1 else [
+            str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc-per-node={self.nproc}"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "RUST_LOG": "error",
+               **({"MINIPAR_FT_PAUSE_IN_TRANSFER": "30"} if pause_in_transfer else {})}
+        self.name = f"group{self.g}_attempt{self.attempt}"  # its log, JSON log and checkpoints: its own
+        self.log = self.folder / f"{self.name}.log"
+        self.proc = subprocess.Popen([*launcher, str(ROOT / "scripts" / "train.py"), *self.argv,
+                                      f"--out={self.folder / self.name}",
+                                      f"--log-json={self.folder / self.name}.jsonl"],
+                                     stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                     start_new_session=True)  # its own process group: one kill takes every rank
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def text(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+    def last_step(self) -> int:
+        """The last step this attempt logged (0: none yet)."""
+        steps = [int(line.split("/")[0].split()[-1]) for line in self.text().splitlines()
+                 if line.lstrip().startswith("step ") and "/" in line.split("|")[0]]
+        return max(steps, default=0)
+
+
+def wait_for(what, group: Group, seconds: float = 120.0) -> None:
+    """Poll until `what()` holds; a group that exits first (or a minute's wait) is an error with its log."""
+    end = time.monotonic() + seconds
+    while not what():
+        if group.proc.poll() is not None or time.monotonic() > end:
+            raise SystemExit(f"replica group {group.g} {'ended' if group.proc.poll() is not None else 'stalled'} "
+                             f"before the event; its log:\n{group.text()[-3000:]}")
+        time.sleep(0.05)
+
+
+def demonstrate(args, folder: Path) -> list[str]:
+    """Run the groups with the kills; returns the survivor's and the others' event lines."""
+    os.environ.setdefault("RUST_LOG", "error")  # torchft's servers log every quorum at INFO
+    from torchft.coordination import LighthouseServer
+
+    port = free_port()
+    lighthouse = LighthouseServer(bind=f"[::]:{port}", min_replicas=1, join_timeout_ms=200, quorum_tick_ms=20,
+                                  heartbeat_timeout_ms=1000)
+    argv = [*RUN, f"--steps={args.steps}", f"--dp={args.dp}", "--log-every=1", f"--replica-groups={args.groups}",
+            f"--lighthouse=localhost:{port}", *args.train_flags]
+    groups = [Group(g, [*argv, f"--replica-group-id={g}"], folder, args.nproc_per_group) for g in range(args.groups)]
+    try:
+        for group in groups:
+            group.start()
+        victim = groups[1]
+        for i, at in enumerate(args.kill_at):
+            wait_for(lambda at=at: victim.last_step() >= at, victim)
+            victim.kill()
+            print(f"harness: killed replica group 1 (kill -9) after its step {victim.last_step()}", flush=True)
+            victim.start(pause_in_transfer=args.kill_in_transfer and i == 0)
+            if args.kill_in_transfer and i == 0:
+                wait_for(lambda: "applying a peer's state" in victim.text(), victim)
+                victim.kill()
+                print("harness: killed replica group 1 again, while it applied the state it took", flush=True)
+                victim.start()
+        for group in groups:
+            if group.proc.wait(timeout=300) != 0:
+                raise SystemExit(f"replica group {group.g} failed; its log:\n{group.text()[-3000:]}")
+    finally:
+        for group in groups:
+            if group.proc is not None and group.proc.poll() is None:
+                group.kill()
+        lighthouse.shutdown()
+    late = [] if not args.kill_at or "took its state" in groups[1].text() else [
+        "group 1's last restart found the others finished: give more --steps to see it rejoin"]
+    return timeline(folder) + late
+
+
+def timeline(folder: Path) -> list[str]:
+    """Each group's minipar lines about the replica groups, in the order they were written."""
+    lines = []
+    for log in sorted(folder.glob("group*_attempt*.log"), key=lambda p: p.stat().st_mtime):
+        lines += [f"{log.stem}: {line.strip()}" for line in log.read_text().splitlines()
+                  if "replica group" in line or "not committed" in line]
+    steps = [json.loads(r)["step"] for r in (folder / "group0_attempt1.jsonl").read_text().splitlines()]
+    lines.append(f"group 0 logged steps {steps[0]}..{steps[-1]}: {len(steps)} records, none missing or repeated"
+                 if steps == list(range(steps[0], steps[-1] + 1)) else f"group 0's steps: {steps}")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--groups", type=int, default=2, help="replica groups (group 1 is the one killed)")
+    p.add_argument("--nproc-per-group", type=int, default=1, help="ranks in each group (torchrun when more than 1)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks inside each group")
+    p.add_argument("--steps", type=int, default=600,
+                   help="enough for a restart (seconds) to find the survivor still training")
+    p.add_argument("--kill-at", default="20", help="kill group 1 when its log reaches these steps, e.g. 6,14,22")
+    p.add_argument("--kill-in-transfer", action="store_true", help="and kill its first restart while it takes state")
+    p.add_argument("--out", default=None, help="keep the groups' logs and checkpoints here (a new or empty folder)")
+    p.add_argument("train_flags", nargs="*", help="after --: more train.py flags")
+    args = p.parse_args(argv)
+    args.kill_at = [int(s) for s in args.kill_at.split(",") if s]
+    if args.groups < 2 or sorted(args.kill_at) != args.kill_at or any(not 0 < k < args.steps for k in args.kill_at):
+        p.error("give --groups 2 or more, and --kill-at steps in increasing order, each between 0 and --steps")
+    try:
+        if args.out:
+            with new_folder(args.out, "--out") as folder:
+                lines = demonstrate(args, folder)
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                lines = demonstrate(args, Path(tmp))
+    except InputError as e:
+        print(f"train_ft.py: error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
