@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -100,6 +101,7 @@ def demonstrate(args, folder: Path) -> list[str]:
                                   heartbeat_timeout_ms=1000)
     argv = [*RUN, f"--steps={args.steps}", f"--dp={args.dp}", "--log-every=1", f"--replica-groups={args.groups}",
             f"--lighthouse=localhost:{port}", *args.train_flags]
+    events: list[tuple[int, str]] = []
     groups = [Group(g, [*argv, f"--replica-group-id={g}"], folder, args.nproc_per_group) for g in range(args.groups)]
     try:
         for group in groups:
@@ -108,12 +110,14 @@ def demonstrate(args, folder: Path) -> list[str]:
         for i, at in enumerate(args.kill_at):
             wait_for(lambda at=at: victim.last_step() >= at, victim)
             victim.kill()
-            print(f"harness: killed replica group 1 (kill -9) after its step {victim.last_step()}", flush=True)
+            events.append((victim.last_step() + 1, f"harness: kill -9 of replica group 1 after its step "
+                                                   f"{victim.last_step()}; started again"))
             victim.start(pause_in_transfer=args.kill_in_transfer and i == 0)
             if args.kill_in_transfer and i == 0:
                 wait_for(lambda: "applying a peer's state" in victim.text(), victim)
                 victim.kill()
-                print("harness: killed replica group 1 again, while it applied the state it took", flush=True)
+                step = int(re.findall(r"step (\d+): replica group 1 is applying", victim.text())[-1])
+                events.append((step, "harness: kill -9 of replica group 1 while it applies that state; started again"))
                 victim.start()
         for group in groups:
             if group.proc.wait(timeout=300) != 0:
@@ -125,15 +129,17 @@ def demonstrate(args, folder: Path) -> list[str]:
         lighthouse.shutdown()
     late = [] if not args.kill_at or "took its state" in groups[1].text() else [
         "group 1's last restart found the others finished: give more --steps to see it rejoin"]
-    return timeline(folder) + late
+    return timeline(folder, events) + late
 
 
-def timeline(folder: Path) -> list[str]:
-    """Each group's minipar lines about the replica groups, in the order they were written."""
-    lines = []
-    for log in sorted(folder.glob("group*_attempt*.log"), key=lambda p: p.stat().st_mtime):
-        lines += [f"{log.stem}: {line.strip()}" for line in log.read_text().splitlines()
-                  if "replica group" in line or "not committed" in line]
+def timeline(folder: Path, events: list[tuple[int, str]]) -> list[str]:
+    """Every group's lines about the replica groups, and the harness's kills, step by step."""
+    for log in sorted(folder.glob("group*_attempt*.log")):
+        for line in log.read_text().splitlines():
+            found = re.search(r"step (\d+): (.*(replica group|not committed).*)", line)
+            if found:
+                events.append((int(found[1]), f"{log.stem.replace('_', ' ')}: {found[2]}"))
+    lines = [f"step {step:>4}  {text}" for step, text in sorted(events, key=lambda e: e[0])]
     steps = [json.loads(r)["step"] for r in (folder / "group0_attempt1.jsonl").read_text().splitlines()]
     lines.append(f"group 0 logged steps {steps[0]}..{steps[-1]}: {len(steps)} records, none missing or repeated"
                  if steps == list(range(steps[0], steps[-1] + 1)) else f"group 0's steps: {steps}")

@@ -150,7 +150,7 @@ class Replicas:
         mine, nbytes = self.model.persistent(), _nbytes(state["tensors"], state["optimizer"])
         if [t.shape for t in mine] != [t.shape for t in state["tensors"]]:
             raise RuntimeError("replica groups must share one layout: a peer's state does not fit this group's")
-        self.say(f"replica group {self.id}: applying a peer's state ({nbytes:,} bytes)")
+        self.say(f"step {state['step'] + 1}: replica group {self.id} is applying a peer's state ({nbytes:,} bytes)")
         with torch.no_grad():
             for t, theirs in zip(mine, state["tensors"]):
                 t.copy_(theirs)
@@ -159,7 +159,8 @@ class Replicas:
         self.model.optimizer.load_state_dict(state["optimizer"])
         self.mesh.ledger.record("replicas", "recv_state", nbytes, 0)
         self.taken = (state["group"], state["step"], state["consumed"], nbytes)
-        self.say(f"replica group {self.id}: state applied, digest {digest(mine, self.model.optimizer.state_dict())}")
+        self.say(f"step {state['step'] + 1}: replica group {self.id} applied it: digest "
+                 f"{digest(mine, self.model.optimizer.state_dict())}")
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
