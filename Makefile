@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: all setup train test test-integration test-kernels test-slow test-gpu bench-gpu lint bench clean docs-check exercise
+.PHONY: all setup train train-ft test test-integration test-kernels test-slow test-gpu bench-gpu lint bench clean docs-check exercise
 
 all: test
 
@@ -20,6 +20,11 @@ setup: $(STAMP)
 # The main job on the embedded default: a small Llama on CPU, 2 data-parallel ranks, built-in data.
 train: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc-per-node 2 scripts/train.py --dp 2
+
+# Fault tolerance on torchft (docs/10b_fault_tolerance.md): the lighthouse and two replica groups of
+# one rank; group 1 is killed (once while it takes the survivor's state) and rejoins. About 20 s.
+train-ft: $(STAMP)
+	$(BIN)/python scripts/train_ft.py --kill-at 10,40 --kill-in-transfer
 
 # Two tiers, every property in the first (README, "Tests"): `make test` runs the cheap tests and one
 # representative layout of each property (minutes); `make test-integration` the rest of each layout

@@ -34,6 +34,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
 from minipar.run.args import InputError, new_folder  # noqa: E402
 
 CORPUS = str(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py")
@@ -127,9 +130,7 @@ def demonstrate(args, folder: Path) -> list[str]:
             if group.proc is not None and group.proc.poll() is None:
                 group.kill()
         lighthouse.shutdown()
-    late = [] if not args.kill_at or "took its state" in groups[1].text() else [
-        "group 1's last restart found the others finished: give more --steps to see it rejoin"]
-    return timeline(folder, events) + late
+    return timeline(folder, events), summary(folder, groups, args.steps)
 
 
 def timeline(folder: Path, events: list[tuple[int, str]]) -> list[str]:
@@ -139,10 +140,39 @@ def timeline(folder: Path, events: list[tuple[int, str]]) -> list[str]:
             found = re.search(r"step (\d+): (.*(replica group|not committed).*)", line)
             if found:
                 events.append((int(found[1]), f"{log.stem.replace('_', ' ')}: {found[2]}"))
-    lines = [f"step {step:>4}  {text}" for step, text in sorted(events, key=lambda e: e[0])]
-    steps = [json.loads(r)["step"] for r in (folder / "group0_attempt1.jsonl").read_text().splitlines()]
-    lines.append(f"group 0 logged steps {steps[0]}..{steps[-1]}: {len(steps)} records, none missing or repeated"
-                 if steps == list(range(steps[0], steps[-1] + 1)) else f"group 0's steps: {steps}")
+    for jsonl in sorted(folder.glob("group*_attempt*.jsonl")):  # the ledger's count of each state transfer
+        for r in map(json.loads, jsonl.read_text().splitlines()):
+            moved = {k: v["bytes"] for k, v in r["comm"].items() if k.endswith("_state")}
+            if moved:
+                events.append((r["step"], f"{jsonl.stem.replace('_', ' ')}: ledger: " + ", ".join(
+                    f"{k} {n:,} bytes" for k, n in moved.items())))
+    return [f"step {step:>4}  {text}" for step, text in sorted(events, key=lambda e: e[0])]
+
+
+def summary(folder: Path, groups: list[Group], steps: int) -> list[str]:
+    """What the run proves, in lines that are the same on every run of the same command."""
+    survivor, victim = (folder / "group0_attempt1.log").read_text(), groups[1]
+    sent = dict(re.findall(r"step (\d+): replica group 0 sends its state .*digest (\w+)", survivor))
+    taken = [re.findall(r"step (\d+): replica group 1 applied it: digest (\w+)", (folder / f"group1_attempt{a}.log")
+                        .read_text()) for a in range(1, victim.attempt + 1)]
+    rejoins = [t for found in taken for t in found]
+    halfway = sum("is applying" in (folder / f"group1_attempt{a}.log").read_text() and not taken[a - 1]
+                  for a in range(1, victim.attempt + 1))
+    steps_logged = [json.loads(r)["step"] for r in (folder / "group0_attempt1.jsonl").read_text().splitlines()]
+    records = [json.loads(r) for jsonl in folder.glob("group*.jsonl") for r in jsonl.read_text().splitlines()]
+    moved = {v["bytes"] for r in records for k, v in r["comm"].items() if k.endswith("_state")}
+    lines = [f"group 0 logged steps {steps_logged[0]}..{steps_logged[-1]}: {len(steps_logged)} records, none missing "
+             f"or repeated" if steps_logged == list(range(1, steps + 1)) else f"group 0's steps: {steps_logged}",
+             f"the ledger's bytes of each state transfer, sent and received: {', '.join(f'{b:,}' for b in moved)}",
+             f"group 1: killed {victim.attempt - 1} time(s), {halfway} of them while it applied a peer's state; "
+             f"took group 0's state {len(rejoins)} time(s), each digest equal to the one sent: "
+             f"{all(sent.get(s) == d for s, d in rejoins)}"]
+    if victim.attempt > 1 and "took its state" not in victim.text():
+        lines.append("group 1's last restart found the others finished: give more --steps to see it rejoin")
+    ends = [folder / f"group{g.g}_attempt{g.attempt}" / f"step_{steps:06d}" for g in groups]
+    tensors = [{**load_file(e / "model.safetensors"), **load_file(e / "optimizer.safetensors")} for e in ends]
+    same = all(t.keys() == tensors[0].keys() and all(torch.equal(t[k], tensors[0][k]) for k in t) for t in tensors)
+    lines.append(f"after step {steps}, every group's weights and AdamW state bitwise equal: {same}")
     return lines
 
 
@@ -164,14 +194,14 @@ def main(argv=None) -> int:
     try:
         if args.out:
             with new_folder(args.out, "--out") as folder:
-                lines = demonstrate(args, folder)
+                steps, proven = demonstrate(args, folder)
         else:
             with tempfile.TemporaryDirectory() as tmp:
-                lines = demonstrate(args, Path(tmp))
+                steps, proven = demonstrate(args, Path(tmp))
     except InputError as e:
         print(f"train_ft.py: error: {e}", file=sys.stderr)
         return 2
-    print("\n".join(lines))
+    print("\n".join(["what happened, step by step:", *steps, "", *proven]))
     return 0
 
 

@@ -50,6 +50,20 @@ from minipar.run.batches import TokenData
 from minipar.run.config import TrainConfig
 
 
+def lost_gpu_hours(gpus: int, gpu_mtbf_hours: float, hours: float, restart_hours: float,
+                   checkpoint_every_hours: float = 0.0, group_gpus: int | None = None) -> float:
+    """The GPU-hours a run of `hours` on `gpus` expects to lose to failures, each GPU failing once
+    per `gpu_mtbf_hours` on average: gpus x hours / gpu_mtbf_hours failures. Checkpoint-restart
+    (group_gpus None): each stops every GPU for the restart and throws away the work since the last
+    save, half an interval on average: gpus x (restart + interval / 2) each. Replica groups of
+    `group_gpus`: only the failed GPU's group stops, for its restart; the others train on and lose
+    only the step in flight (seconds, left out): group_gpus x restart each."""
+    failures = gpus * hours / gpu_mtbf_hours
+    if group_gpus is None:
+        return failures * gpus * (restart_hours + checkpoint_every_hours / 2)
+    return failures * group_gpus * restart_hours
+
+
 class Replicas:
     """This rank's seat among the replica groups: its torchft Manager, and the step's participants."""
 
@@ -140,7 +154,7 @@ class Replicas:
         from these very tensors (they change only at the optimizer step, which waits for the download)."""
         tensors, optimizer = self.model.persistent(), self.model.optimizer.state_dict()
         nbytes = _nbytes(tensors, optimizer)
-        self.mesh.ledger.record("replicas", "send_state", nbytes, nbytes)
+        self.mesh.ledger.record("replicas", "send_state", nbytes, nbytes, cross=nbytes)
         self.say(f"step {self.step + 1}: replica group {self.id} sends its state to a returning group: "
                  f"{nbytes:,} bytes, digest {digest(tensors, optimizer)}")
         return {"group": self.id, "step": self.step, "consumed": self.consumed, "tensors": tensors,

@@ -1,0 +1,143 @@
+"""Replica groups on torchft (minipar/run/replicas.py, scripts/train_ft.py): a lost group costs the
+survivor no step, a returning group takes the survivor's state bitwise (nothing read from disk),
+and without a kill the run is minipar's plain data parallelism with the same global batch."""
+
+import importlib.util
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from minipar.run.config import ConfigError, parse_args
+from minipar.run.replicas import Replicas
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("train_ft", ROOT / "scripts" / "train_ft.py")
+train_ft = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train_ft)
+KILLS = sorted(random.Random(31).sample(range(4, 40), 3))  # three different steps of group 1's
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def checkpoint(folder: Path) -> dict[str, torch.Tensor]:
+    return {**load_file(folder / "model.safetensors"), **load_file(folder / "optimizer.safetensors")}
+
+
+def bitwise_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """Two groups of one rank, 600 steps; group 1 killed at KILLS, its first restart killed again
+    while it applies the state it took."""
+    out = tmp_path_factory.mktemp("ft") / "run"
+    assert train_ft.main(["--steps=600", f"--kill-at={','.join(map(str, KILLS))}", "--kill-in-transfer",
+                          f"--out={out}"]) == 0
+    return out
+
+
+def test_the_survivor_never_stops_and_never_goes_back(killed):
+    steps = [r["step"] for r in records(killed / "group0_attempt1.jsonl")]
+    assert steps == list(range(1, 601))  # one record a step: none lost, none repeated
+    log = (killed / "group0_attempt1.log").read_text()
+    assert "1 of 2 replica groups take part" in log and "resumed" not in log
+
+
+def test_group_1_was_killed_at_three_steps_and_once_during_its_transfer(killed):
+    attempts = sorted(killed.glob("group1_attempt*.log"))
+    assert len(attempts) == 5  # the first, the one killed in transfer, and one after each later kill
+    half = attempts[1].read_text()
+    assert "is applying a peer's state" in half and "applied it" not in half  # killed half-way
+    finished = [a for a in attempts if (a.parent / f"{a.stem}.jsonl").exists() and records(a.with_suffix(".jsonl"))]
+    last_steps = [records(a.with_suffix(".jsonl"))[-1]["step"] for a in finished[:-1]]
+    assert len(set(last_steps)) == 3 and all(s >= k for s, k in zip(last_steps, KILLS))
+
+
+def test_a_restarted_group_takes_the_survivors_state_bitwise_and_nothing_from_disk(killed):
+    sent = dict(re.findall(r"step (\d+): replica group 0 sends its state to a returning group: [\d,]+ bytes, "
+                           r"digest (\w+)", (killed / "group0_attempt1.log").read_text()))
+    for attempt in (3, 4, 5):
+        log = (killed / f"group1_attempt{attempt}.log").read_text()
+        step, got = re.search(r"step (\d+): replica group 1 applied it: digest (\w+)", log).groups()
+        assert sent[step] == got, (attempt, step)  # every byte of weights and AdamW state, as group 0 sent them
+        assert f"took its state from group 0: step {int(step) - 1}" in log and "resumed" not in log
+        first = records(killed / f"group1_attempt{attempt}.jsonl")[0]["step"]
+        assert first == int(step)  # it trains the step it joined at: no wait, no step skipped
+    end = "step_000600"
+    assert bitwise_equal(checkpoint(killed / "group0_attempt1" / end), checkpoint(killed / "group1_attempt5" / end))
+
+
+def test_without_a_kill_two_groups_are_plain_data_parallelism_bitwise(tmp_path):
+    """dp 1 in each group: the mean (a + b) / 2 is what dp 2's all-reduce gives, a / 2 + b / 2, to the
+    bit (halving is exact), and the rows, the loss divisor and AdamW are the same."""
+    assert train_ft.main(["--steps=6", "--kill-at=", f"--out={tmp_path / 'ft'}"]) == 0
+    from test_train import run
+    run([*train_ft.RUN, "--steps=6", "--dp=2", f"--out={tmp_path / 'dp'}"], nproc=2)
+    dp = checkpoint(tmp_path / "dp" / "step_000006")
+    for g in (0, 1):
+        assert bitwise_equal(checkpoint(tmp_path / "ft" / f"group{g}_attempt1" / "step_000006"), dp)
+
+
+@pytest.mark.integration
+def test_groups_of_two_ranks_equal_plain_dp_4_and_survive_a_kill(tmp_path):
+    """dp 2 inside each group: the mean of the groups' means sums in another order than dp 4's ring
+    all-reduce, so equal within float64 rounding: 1e-15 relative per step, grown by AdamW's division
+    by sqrt(v) over the run's 6 steps to below 1e-12."""
+    assert train_ft.main(["--steps=6", "--kill-at=", "--nproc-per-group=2", "--dp=2", f"--out={tmp_path / 'ft'}"]) == 0
+    from test_train import run
+    run([*train_ft.RUN, "--steps=6", "--dp=4", f"--out={tmp_path / 'dp'}"], nproc=4)
+    dp = checkpoint(tmp_path / "dp" / "step_000006")
+    for g in (0, 1):
+        ft = checkpoint(tmp_path / "ft" / f"group{g}_attempt1" / "step_000006")
+        for k in dp:
+            torch.testing.assert_close(ft[k], dp[k], rtol=1e-12, atol=1e-15)
+    out = tmp_path / "killed"
+    assert train_ft.main(["--steps=1500", "--kill-at=5", "--nproc-per-group=2", "--dp=2", f"--out={out}"]) == 0
+    assert [r["step"] for r in records(out / "group0_attempt1.jsonl")] == list(range(1, 1501))
+    assert "took its state from group 0" in (out / "group1_attempt2.log").read_text()
+
+
+# -- the pieces, in this process ----------------------------------------------------------------
+def test_replica_flags_are_checked_in_one_line():
+    base = ["--model=tiny", "--vocab-size=512", "--global-batch=8", "--micro-batch=2"]
+    for flags, says in ((["--replica-groups=2"], "needs --lighthouse HOST:PORT"),
+                        (["--lighthouse=h:1"], "acts only with --replica-groups 2 or more"),
+                        (["--replica-groups=2", "--replica-group-id=2", "--lighthouse=h:1"], "give 0 to"),
+                        (["--replica-groups=3", "--lighthouse=h:1"], "not divisible by --replica-groups 3"),
+                        (["--replica-groups=0"], "give 1 (none) to 1024")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            parse_args([*base, *flags])
+
+
+class _Rows:
+    """A stand-in for TokenData whose rows say which slot of how many they are."""
+
+    def rank_batch(self, consumed, global_batch, slot, slots):
+        per = global_batch // slots
+        rows = torch.arange(slot * per, (slot + 1) * per).reshape(-1, 1) + consumed
+        return rows, rows
+
+
+@pytest.mark.parametrize("groups,dp", [(2, 1), (3, 2), (4, 1)])
+def test_the_groups_taking_part_share_every_slot_of_the_global_batch_once(groups, dp):
+    for size in range(1, groups + 1):
+        seen = []
+        for index in range(size):
+            seat = Replicas.__new__(Replicas)
+            seat.groups, seat.size, seat.index = groups, size, index
+            for coord in range(dp):
+                seen += seat.rows(_Rows(), 100, 12 * groups * dp, dp, coord)[0].reshape(-1).tolist()
+        assert sorted(seen) == list(range(100, 100 + 12 * groups * dp)), (size, seen)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
