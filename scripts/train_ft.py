@@ -38,6 +38,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from minipar.run.args import InputError, new_folder  # noqa: E402
+from minipar.run.replicas import lost_gpu_hours  # noqa: E402
 
 CORPUS = str(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py")
 RUN = ["--model=tiny", "--vocab-size=512", "--seq-len=32", "--global-batch=8", "--micro-batch=2", "--lr=1e-2",
@@ -176,6 +177,23 @@ def summary(folder: Path, groups: list[Group], steps: int) -> list[str]:
     return lines
 
 
+def costs() -> list[str]:
+    """--costs: what failures cost Llama 3 405B's run, restarting from checkpoints or losing one replica
+    group at a time (run/replicas.py's lost_gpu_hours). The figures are the paper's (Dubey et al. 2024,
+    section 3.3.4: 419 unexpected interruptions in 54 days on 16,384 GPUs; tp 8 x pp 16 x dp 128); the
+    restart time and the checkpoint intervals are assumptions."""
+    gpus, hours, failures, restart, group = 16384, 54 * 24, 419, 10 / 60, 8 * 16
+    mtbf = gpus * hours / failures
+    lines = [f"Llama 3 405B: {gpus:,} GPUs for {hours:,} hours, {failures} unexpected interruptions: one GPU fails",
+             f"every {mtbf:,.0f} hours on average, the job every {mtbf / gpus:.2f} hours",
+             f"GPU-hours lost of {gpus * hours:,}, each restart taking 10 minutes:"]
+    rows = [(f"checkpoint-restart, a save every {m:>2} min",
+             lost_gpu_hours(gpus, mtbf, hours, restart, checkpoint_every_hours=m / 60)) for m in (60, 30, 6)]
+    rows.append((f"replica groups of {group} GPUs (tp 8 x pp 16)", lost_gpu_hours(gpus, mtbf, hours, restart,
+                                                                                group_gpus=group)))
+    return lines + [f"  {name}:  {lost:>12,.0f}  ({lost / (gpus * hours):.2%})" for name, lost in rows]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--groups", type=int, default=2, help="replica groups (group 1 is the one killed)")
@@ -186,8 +204,12 @@ def main(argv=None) -> int:
     p.add_argument("--kill-at", default="20", help="kill group 1 when its log reaches these steps, e.g. 6,14,22")
     p.add_argument("--kill-in-transfer", action="store_true", help="and kill its first restart while it takes state")
     p.add_argument("--out", default=None, help="keep the groups' logs and checkpoints here (a new or empty folder)")
+    p.add_argument("--costs", action="store_true", help="print what failures cost a run at scale, and exit")
     p.add_argument("train_flags", nargs="*", help="after --: more train.py flags")
     args = p.parse_args(argv)
+    if args.costs:
+        print("\n".join(costs()))
+        return 0
     args.kill_at = [int(s) for s in args.kill_at.split(",") if s]
     if args.groups < 2 or sorted(args.kill_at) != args.kill_at or any(not 0 < k < args.steps for k in args.kill_at):
         p.error("give --groups 2 or more, and --kill-at steps in increasing order, each between 0 and --steps")

@@ -72,11 +72,13 @@ class Replicas:
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         logging.getLogger("torchft").setLevel(logging.ERROR)  # its per-step INFO lines; our log says what happened
-        http.server.BaseHTTPRequestHandler.log_message = lambda *a: None  # its state server's line per download
+        # torchft's HTTP server prints a line per download of a peer's state; our log says it once
+        http.server.BaseHTTPRequestHandler.log_message = lambda *a: None  # type: ignore[method-assign]
 
         self.id, self.groups, self.model, self.mesh = cfg.replica_group_id, cfg.replica_groups, model, mesh
         self.say = say
-        self.step, self.consumed, self.taken = 0, 0, None
+        self.step, self.consumed = 0, 0
+        self.taken: tuple[int, int, int, int] | None = None  # (peer group, step, samples, bytes) a heal took
         self.size, self.index = 0, 0  # groups taking part in this step, and our place among them
         self.timeout, timeout = cfg.timeout, datetime.timedelta(seconds=cfg.timeout)
         pg = (ProcessGroupNCCL if torch.cuda.is_available() else ProcessGroupGloo)(timeout=timeout)
