@@ -1,4 +1,4 @@
-"""Replica groups: data parallelism that survives a lost replica, on torchft (chapter 12).
+"""Replica groups: data parallelism that survives a lost replica, on torchft (chapter 10b).
 
 A run of R replica groups is R torchrun jobs, each with the whole layout inside (dp, tp, pp, cp,
 ZeRO). Across the groups only one thing travels: the step's gradient average. If a group dies,
@@ -90,15 +90,14 @@ class Replicas:
                                quorum_timeout=timeout, connect_timeout=timeout)
 
     def _group_store(self) -> tuple[str, int]:
-        """A key-value store for this group's Managers (torchft's rendezvous), served by our rank 0."""
-        host = socket.gethostname()
+        """A key-value store for this group's Managers (torchft's rendezvous), served by our rank 0:
+        its host name and port, told to every rank of the group."""
+        where: list = [None]
         if dist.get_rank() == 0:
-            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-            port = torch.tensor([self._store.port])
-        else:
-            port = torch.tensor([0])
-        dist.broadcast(port, src=0)
-        return host, int(port)
+            self._store = dist.TCPStore(socket.gethostname(), 0, is_master=True, wait_for_workers=False)
+            where = [(socket.gethostname(), self._store.port)]
+        dist.broadcast_object_list(where, src=0)
+        return where[0]
 
     # -- a step ---------------------------------------------------------------------------------
     def begin(self, step: int, consumed: int) -> tuple[int, int]:
