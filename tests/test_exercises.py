@@ -15,6 +15,7 @@ from harness import run_ranks
 sys.path.insert(0, str(Path(__file__).parent / "exercises"))
 import checks  # noqa: E402
 import checks_collectives  # noqa: E402
+import checks_fault_tolerance  # noqa: E402
 from check_common import Predict, load  # noqa: E402
 
 ANSWERS = Path(__file__).parent / "exercises" / "answers"
@@ -101,6 +102,21 @@ WRONG_SAYS = {
     "9.1": {"wrong": "is not it (mesh.py: tp varies fastest"},
     "9.2": {"wrong": "--sp (the cheapest within"},
     "9.3": {"wrong": "not the dimensions whose groups span two nodes"},
+    "10b.1": {"wrong": "half an interval on average, not a whole one"},
+    "10b.2": {"wrong_step_first": "step 1: optimizer.step() ran before manager.should_commit() was asked",
+              "wrong_always_steps": "step 3 (the try that fails: its allreduce errs, should_commit() says False): "
+                                    "optimizer.step() ran although manager.should_commit() returned False",
+              "wrong_no_average": "step 1: the gradients of ['hidden.weight', 'hidden.bias', 'out.weight', "
+                                  "'out.bias'] were not averaged over the replica groups",
+              "wrong_weights_only": "step 1: the gradients of ['hidden.bias', 'out.bias'] were not averaged",
+              "wrong_vote_first": "step 1: manager.should_commit() was asked before the last manager.allreduce",
+              "wrong_no_wait": "step 1: the allreduce of ['hidden.weight', 'hidden.bias', 'out.weight', 'out.bias'] "
+                               "was never waited for",
+              "wrong_keeps_grads": "step 3 (the try that fails: its allreduce errs, should_commit() says False): "
+                                   "when ft_step returned, the gradients of ['hidden.weight', 'hidden.bias', "
+                                   "'out.weight', 'out.bias'] were still there",
+              "wrong_delegates": "minipar.run.replicas.Replicas.commit " + OFF,
+              "wrong_train_step": "minipar.run.train.train_step " + OFF},
     "11.1": {"wrong_full_layer": "its input alone: that is full-layer recompute, which redoes attention too",
              "wrong_no_recompute": "the MLP still saves gate, silu(gate), up and their product",
              "wrong_attention": "attention keeps its activations and is not recomputed",
@@ -125,8 +141,9 @@ def test_every_chapter_0_to_9_has_three_exercises_and_1_to_8_implement_and_predi
     kinds: dict[str, set] = {}
     for number, (_, kind, *_) in checks.EXERCISES.items():
         kinds.setdefault(number.split(".")[0], []).append(kind)
-    assert sorted(kinds) == sorted([str(c) for c in range(10)] + ["11"])  # 11: the capstone's one project
+    assert sorted(kinds) == sorted([str(c) for c in range(10)] + ["10b", "11"])  # 11: the capstone's one project
     assert kinds.pop("11") == ["implement"]
+    assert sorted(kinds.pop("10b")) == ["implement", "predict"]  # fault tolerance: the vote, and what it saves
     assert all(len(k) >= 3 for k in kinds.values()), kinds
     assert all("implement" in kinds[str(c)] and {"predict", "explore"} & set(kinds[str(c)]) for c in range(1, 9))
 
@@ -181,6 +198,31 @@ def test_make_exercise_lists_the_exercises_and_prints_pass_or_fail(capsys, monke
     assert run.main(["6.1 5.1"]) == 1  # make exercise N='6.1 5.1': each in turn; 5.1's skeleton fails
     out = capsys.readouterr().out
     assert "exercise 6.1" in out and "exercise 5.1" in out
+
+
+def test_make_exercise_takes_a_chapter_like_10b(capsys, monkeypatch):
+    """Chapter 10b's numbers (10b.1, 10b.2) are listed, and checked by number; the predict one prints
+    its variant's question first."""
+    import harness
+
+    monkeypatch.setattr(harness, "_pools", {})  # as above: run.main's shutdown closes its own pools only
+    run = load(Path(__file__).parent / "exercises" / "run.py")
+    assert run.main([]) == 0
+    out = capsys.readouterr().out
+    assert "10b.1" in out and "docs/exercises/ex10b_2_commit_step.py" in out
+    assert run.main(["10b.1", str(answer("10b.1", "reference"))]) == 0
+    out = capsys.readouterr().out
+    assert "exercise 10b.1, your variant: seed" in out and "PASS" in out
+    assert run.main(["10b.2"]) == 1  # the skeleton
+    assert "ft_step: not implemented yet" in capsys.readouterr().out
+
+
+def test_the_commit_checkers_fake_manager_passes_the_librarys_own_protocol(monkeypatch):
+    """Replicas.commit (one flat allreduce per dtype, then the vote) passes exercise 10b.2's checker
+    once it is switched on again: the fake Manager is the torchft that the library's answer expects,
+    and its refusal, not the fake, is what fails the answer that delegates to it."""
+    monkeypatch.setattr(checks_fault_tolerance, "COMMIT_OFF", ())
+    assert checks_fault_tolerance.check_commit_step(answer("10b.2", "wrong_delegates")) == []
 
 
 def test_the_zero1_checkers_adam_is_torchs_adam():

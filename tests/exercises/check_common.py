@@ -55,21 +55,25 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> str:
 def switched_off(names: tuple[str, ...], why: str = "it is the library's own answer; write it yourself"):
     """While the student's file is loaded and run, each "module:attribute" of `names` (the library's
     own answer to the exercise) is a function that raises, saying `why`: an answer must not delegate
-    to it. The checker keeps the originals it imported; library code that calls one refuses too."""
+    to it. The checker keeps the originals it imported; library code that calls one refuses too.
+    "module:Class.method" switches off one method of a class."""
     saved = []
     try:
         for name in names:
-            module_name, attr = name.split(":")
-            module = importlib.import_module(module_name)
-            saved.append((module, attr, getattr(module, attr)))
+            module_name, path = name.split(":")
+            *owners, attr = path.split(".")
+            holder = importlib.import_module(module_name)
+            for owner in owners:
+                holder = getattr(holder, owner)
+            saved.append((holder, attr, getattr(holder, attr)))
 
-            def refuse(*args, _name=f"{module_name}.{attr}", **kwargs):
+            def refuse(*args, _name=f"{module_name}.{path}", **kwargs):
                 raise RuntimeError(f"{_name} is off in this exercise: {why}")
-            setattr(module, attr, refuse)
+            setattr(holder, attr, refuse)
         yield
     finally:
-        for module, attr, original in reversed(saved):
-            setattr(module, attr, original)
+        for holder, attr, original in reversed(saved):
+            setattr(holder, attr, original)
 
 
 def guarded(rank_fn, off: tuple[str, ...] = (), why: str | None = None):

@@ -8,8 +8,8 @@ against the library's own figure (predict and explore), and returns what differs
 student can act on. A skeleton's NotImplementedError, or `ANSWER = None`, becomes one line, "not
 implemented yet" or "not answered yet". A predict exercise (check_common.Predict) asks about a
 variant drawn from a seed, which `asked` prints. The checkers live in check_common.py (what they share),
-checks_collectives.py, checks_layers.py, checks_answers_0_3.py / checks_answers_4_9.py and
-checks_capstone.py (the capstone's, 11.1).
+checks_collectives.py, checks_layers.py, checks_answers_0_3.py / checks_answers_4_9.py,
+checks_fault_tolerance.py (chapter 10b's) and checks_capstone.py (the capstone's, 11.1).
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ import checks_answers_0_3 as a03
 import checks_answers_4_9 as a49
 import checks_capstone as capstone
 import checks_collectives as comm
+import checks_fault_tolerance as ft
 import checks_layers as layers
 from check_common import EXERCISES_DIR, Predict
 
-# number: (the student's file, its kind, what the student writes, its checker, roughly how long)
+# number, chapter.exercise (10b.1: chapter 10b's first): (the student's file, its kind, what the student
+# writes, its checker, roughly how long)
 EXERCISES = {
     "0.1": ("ex0_1_count_activations.py", "implement", "count the bytes autograd keeps for backward",
             layers.check_activation_bytes, "20 min"),
@@ -83,6 +85,10 @@ EXERCISES = {
     "9.3": ("ex9_3_predict_cross_node.py", "predict", "which groups cross nodes, for your mesh and node size",
             a49.check_predict_cross_node,
             "10 min"),
+    "10b.1": ("ex10b_1_predict_lost_gpu_hours.py", "predict", "GPU-hours lost to failures: checkpoint-restart vs "
+              "replica groups", ft.check_predict_lost_gpu_hours, "10 min"),
+    "10b.2": ("ex10b_2_commit_step.py", "implement", "a step committed only if every replica group can",
+              ft.check_commit_step, "25 min"),
     "11.1": ("ex11_1_selective_recompute.py", "implement", "recompute each layer's MLP, and only it (the capstone)",
              capstone.check_selective_recompute, "45 min"),
 }

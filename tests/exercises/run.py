@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
         print("usage: make exercise N=<chapter.exercise>, e.g. N=3.1   (or: python tests/exercises/run.py 3.1 "
               "[your_file.py])")
         for n, (name, kind, title, _, minutes) in checks.EXERCISES.items():
-            print(f"  {n:<4} {kind:<9} {title:<66} docs/exercises/{name}  (~{minutes})")
+            print(f"  {n:<5} {kind:<9} {title:<66} docs/exercises/{name}  (~{minutes})")
         return 0 if not argv else 2
     number = argv[0]
     path = Path(argv[1]) if len(argv) > 1 else checks.EXERCISES_DIR / checks.EXERCISES[number][0]

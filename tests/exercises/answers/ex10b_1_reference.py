@@ -1,0 +1,9 @@
+"""Exercise 10b.1, an answer: G x hours / MTBF failures. Checkpoint-restart: each stops all G GPUs
+for the restart plus half a checkpoint interval of lost work on average. Replica groups: each stops
+only its group's GPUs, for the restart."""
+
+
+def ANSWER(v):  # noqa: N802 - a function of the variant (v.gpus, v.mtbf, v.days, ...)
+    failures = v.gpus * v.days * 24 / v.mtbf
+    restart = v.restart_min / 60
+    return failures * v.gpus * (restart + v.checkpoint_hours / 2), failures * v.group_gpus * restart
