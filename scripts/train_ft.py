@@ -62,6 +62,7 @@ class Group:
         launcher = [sys.executable] if self.nproc == 1 else [
             str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc-per-node={self.nproc}"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "RUST_LOG": "error",
+               "PYTHONUNBUFFERED": "1",  # each line in the log as it is said: the kills follow the log
                **({"MINIPAR_FT_PAUSE_IN_TRANSFER": "30"} if pause_in_transfer else {})}
         self.name = f"group{self.g}_attempt{self.attempt}"  # its log, JSON log and checkpoints: its own
         self.log = self.folder / f"{self.name}.log"
@@ -80,9 +81,7 @@ class Group:
 
     def last_step(self) -> int:
         """The last step this attempt logged (0: none yet)."""
-        steps = [int(line.split("/")[0].split()[-1]) for line in self.text().splitlines()
-                 if line.lstrip().startswith("step ") and "/" in line.split("|")[0]]
-        return max(steps, default=0)
+        return max(map(int, re.findall(r"step +(\d+)/\d+ \|", self.text())), default=0)
 
 
 def wait_for(what, group: Group, seconds: float = 120.0) -> None:
