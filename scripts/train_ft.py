@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from minipar.run.args import InputError, new_folder  # noqa: E402
+from minipar.run.args import InputError, Parser, new_folder, positive_int, refusals  # noqa: E402
 from minipar.run.replicas import lost_gpu_hours  # noqa: E402
 
 CORPUS = str(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py")
@@ -193,35 +193,42 @@ def costs() -> list[str]:
     return lines + [f"  {name}:  {lost:>12,.0f}  ({lost / (gpus * hours):.2%})" for name, lost in rows]
 
 
+def kill_steps(text: str) -> list[int]:
+    """--kill-at: steps in increasing order, e.g. 6,14,22 ('' kills nothing)."""
+    steps = [positive_int(part) for part in text.split(",") if part.strip()]
+    if steps != sorted(set(steps)):
+        raise argparse.ArgumentTypeError(f"{text!r}: give steps in increasing order, e.g. 6,14,22")
+    return steps
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--groups", type=int, default=2, help="replica groups (group 1 is the one killed)")
-    p.add_argument("--nproc-per-group", type=int, default=1, help="ranks in each group (torchrun when more than 1)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks inside each group")
-    p.add_argument("--steps", type=int, default=600,
+    p = Parser(prog="train_ft.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--groups", type=positive_int, default=2, help="replica groups, 2 or more (group 1 is killed)")
+    p.add_argument("--nproc-per-group", type=positive_int, default=1, help="ranks in each group (torchrun when more "
+                   "than 1)")
+    p.add_argument("--dp", type=positive_int, default=1, help="data-parallel ranks inside each group")
+    p.add_argument("--steps", type=positive_int, default=600,
                    help="enough for a restart (seconds) to find the survivor still training")
-    p.add_argument("--kill-at", default="20", help="kill group 1 when its log reaches these steps, e.g. 6,14,22")
+    p.add_argument("--kill-at", type=kill_steps, default=[20], help="kill group 1 when its log reaches these steps")
     p.add_argument("--kill-in-transfer", action="store_true", help="and kill its first restart while it takes state")
     p.add_argument("--out", default=None, help="keep the groups' logs and checkpoints here (a new or empty folder)")
     p.add_argument("--costs", action="store_true", help="print what failures cost a run at scale, and exit")
     p.add_argument("train_flags", nargs="*", help="after --: more train.py flags")
-    args = p.parse_args(argv)
-    if args.costs:
-        print("\n".join(costs()))
-        return 0
-    args.kill_at = [int(s) for s in args.kill_at.split(",") if s]
-    if args.groups < 2 or sorted(args.kill_at) != args.kill_at or any(not 0 < k < args.steps for k in args.kill_at):
-        p.error("give --groups 2 or more, and --kill-at steps in increasing order, each between 0 and --steps")
-    try:
+    with refusals():
+        args = p.parse_args(argv)
+        if args.groups < 2:
+            raise InputError(f"--groups {args.groups}: give 2 or more (group 1 is the one killed)")
+        if any(k >= args.steps for k in args.kill_at):
+            raise InputError(f"--kill-at {max(args.kill_at)}: give steps before --steps {args.steps}")
+        if args.costs:
+            print("\n".join(costs()))
+            return 0
         if args.out:
             with new_folder(args.out, "--out") as folder:
                 steps, proven = demonstrate(args, folder)
         else:
             with tempfile.TemporaryDirectory() as tmp:
                 steps, proven = demonstrate(args, Path(tmp))
-    except InputError as e:
-        print(f"train_ft.py: error: {e}", file=sys.stderr)
-        return 2
     print("\n".join(["what happened, step by step:", *steps, "", *proven]))
     return 0
 

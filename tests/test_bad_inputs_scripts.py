@@ -40,7 +40,7 @@ def script(name: str):
     return module
 
 
-SCRIPTS = {name: script(name) for name in ("convert", "sample", "eval", "plan", "trace_report")}
+SCRIPTS = {name: script(name) for name in ("convert", "sample", "eval", "plan", "trace_report", "train_ft")}
 
 
 def tokenizer_json(path: Path, text: str | None = None) -> None:
@@ -160,6 +160,10 @@ CASES = [  # (script, argv, a fragment of the one line)
     ("eval", ["{t}/run", "--data", "{t}/fifo"], "--data {t}/fifo is not a regular file"),
     ("eval", ["{t}/run", "--data", "{t}/broken"], "--data {t}/broken: a broken link"),
     ("eval", ["{t}/climbs", "--data", str(TEXT)], "leads outside {t}/cache"),
+    ("train_ft", ["--groups", "1"], "--groups 1: give 2 or more (group 1 is the one killed)"),
+    ("train_ft", ["--kill-at", "9,3"], "argument --kill-at: '9,3': give steps in increasing order"),
+    ("train_ft", ["--kill-at", "0"], "argument --kill-at: 0 is out of range: give 1 or more"),
+    ("train_ft", ["--steps", "10", "--kill-at", "10"], "--kill-at 10: give steps before --steps 10"),
     ("trace_report", ["{t}/missing"], "argument folder: {t}/missing: no such file or directory"),
     ("trace_report", ["{t}/a_folder"], "{t}/a_folder holds no rank*.pt.trace.json: give a folder train.py"),
     ("trace_report", ["{t}/cut_trace"], "cut_trace/rank0.pt.trace.json is not a Chrome trace of torch.profiler"),
@@ -189,7 +193,8 @@ def test_each_script_as_a_program_exits_2_with_one_line_and_no_traceback(t):
              "convert": (["import", f"{t}/hf_escape", f"{t}/out"], "leads outside"),
              "sample": ([f"{t}/climbs"], "leads outside"),
              "eval": ([f"{t}/run", "--data", f"{t}/me"], "links back to"),
-             "trace_report": ([f"{t}/fifo"], "is not a folder")}
+             "trace_report": ([f"{t}/fifo"], "is not a folder"),
+             "train_ft": (["--groups", "1"], "give 2 or more")}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     running = {name: subprocess.Popen([sys.executable, str(ROOT / "scripts" / f"{name}.py"), *argv], cwd=t, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1,7 +1,7 @@
 """Nothing a user owns is overwritten or mixed into: every script that writes a folder or file
 refuses a target that holds anything, in one line with exit 2, and leaves it byte-identical.
 
-The writers: convert.py import and export, draw_figures.py, plot_precision.py, step_06_pipeline.py
+The writers: convert.py import and export, draw_figures.py, plot_precision.py, train_ft.py, step_06_pipeline.py
 (all through minipar/run/args.new_folder: built beside the target, renamed into place) and
 train.py's --out (a run's own folder: only a run's checkpoints, lock and logs may be in it). The
 targets: a file, a folder holding a file, a checkpoint, a run's --out, a Hugging Face model, and
@@ -77,11 +77,12 @@ def refuses(name: str, argv: list, capsys) -> str:
 
 def argv_of(name: str, target: Path, t: Path) -> list:
     return {"convert import": ["import", t / "hf", target], "convert export": ["export", t / "run", target],
-            "draw_figures": ["zero", "--out", target], "plot_precision": ["--steps", "1", "--out", target]}[name]
+            "draw_figures": ["zero", "--out", target], "plot_precision": ["--steps", "1", "--out", target],
+            "train_ft": ["--steps", "30", "--out", target]}[name]
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("writer", ["convert import", "convert export", "draw_figures", "plot_precision"])
+@pytest.mark.parametrize("writer", ["convert import", "convert export", "draw_figures", "plot_precision", "train_ft"])
 def test_a_script_refuses_a_target_that_holds_anything_and_leaves_it_byte_identical(made, tmp_path, writer, kind,
                                                                                       capsys):
     target = tmp_path / "target"

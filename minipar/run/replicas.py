@@ -128,26 +128,25 @@ class Replicas:
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """t summed over the groups taking part (in place)."""
-        return self._reduce([t], "sum")[0]
+        return self._reduce(t, dist.ReduceOp.SUM)
 
     def mean(self, t: torch.Tensor) -> torch.Tensor:
-        return self._reduce([t], "avg")[0]
+        return self._reduce(t, dist.ReduceOp.AVG)
 
     def commit(self, grads: list[torch.Tensor]) -> bool:
         """Average the gradients over the groups, then vote: True if every rank of every group may step."""
         for dtype in dict.fromkeys(g.dtype for g in grads):
             same = [g for g in grads if g.dtype == dtype]
-            flat = self._reduce([torch.cat([g.reshape(-1) for g in same])], "avg")[0]  # one message per dtype
+            flat = self.mean(torch.cat([g.reshape(-1) for g in same]))  # one message per dtype
             for g, v in zip(same, flat.split([g.numel() for g in same])):
                 g.copy_(v.view_as(g))
         return self.manager.should_commit()
 
-    def _reduce(self, tensors: list[torch.Tensor], op: str) -> list[torch.Tensor]:
-        for t in tensors:
-            sent = 2 * (self.size - 1) * t.nbytes // max(self.size, 1)  # a ring all-reduce's, per rank
-            self.mesh.ledger.record("replicas", "all_reduce", t.nbytes, sent, cross=sent)  # groups: their own nodes
-            self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.AVG).wait()
-        return tensors
+    def _reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+        sent = 2 * (self.size - 1) * t.nbytes // max(self.size, 1)  # a ring all-reduce's, per rank
+        self.mesh.ledger.record("replicas", "all_reduce", t.nbytes, sent, cross=sent)  # groups: their own nodes
+        self.manager.allreduce(t, reduce_op=op).wait()  # after an error: nothing, and the vote will say no
+        return t
 
     # -- the state a returning group takes from a peer (torchft calls these) --------------------
     def _state(self) -> dict:
