@@ -44,6 +44,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from minipar.collectives import Group, broadcast
 from minipar.data_parallel import GradSync
 from minipar.mesh import Mesh
 from minipar.run.batches import TokenData
@@ -91,13 +92,15 @@ class Replicas:
 
     def _group_store(self) -> tuple[str, int]:
         """A key-value store for this group's Managers (torchft's rendezvous), served by our rank 0:
-        its host name and port, told to every rank of the group."""
-        where: list = [None]
-        if dist.get_rank() == 0:
+        its host name and port, told to every rank of the group. (torchrun's own store is no use
+        here: its workers know it as localhost, and the other groups must reach it.)"""
+        where = torch.zeros(2 + 255, dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        if dist.get_rank() == 0:  # [port, length of the name, its bytes]
             self._store = dist.TCPStore(socket.gethostname(), 0, is_master=True, wait_for_workers=False)
-            where = [(socket.gethostname(), self._store.port)]
-        dist.broadcast_object_list(where, src=0)
-        return where[0]
+            host = list(socket.gethostname().encode())
+            where[:2 + len(host)] = torch.tensor([self._store.port, len(host), *host])
+        broadcast(where, Group("replicas", dist.group.WORLD, list(range(dist.get_world_size())), self.mesh.ledger))
+        return bytes(where[2:2 + int(where[1])].tolist()).decode(), int(where[0])
 
     # -- a step ---------------------------------------------------------------------------------
     def begin(self, step: int, consumed: int) -> tuple[int, int]:
