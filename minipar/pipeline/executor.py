@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -69,6 +69,7 @@ def stage_layers(n_layers: int, n_stages: int, counts: tuple[int, ...] | None = 
     return [list(range(start, start + size)) for start, size in zip(starts, sizes)]
 
 
+@lru_cache(maxsize=4096)  # the planner validates hundreds of layouts that share a pipeline
 def check_pipeline(schedule: str, pp: int, m: int, virtual: int, n_layers: int, counts: tuple | None = None) -> None:
     """ValueError, one line (ScheduleError: the schedule's), unless pp ranks run m micro-batches, a layer a stage."""
     if pp > 1:

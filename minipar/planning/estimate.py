@@ -15,8 +15,7 @@ and a rank but no processes (layout.py's `PaperGroup`): the exact shapes the ran
 shards padded, experts cut over ep, its pipeline stages only), and ZeRO's buckets planned by ZeRO's
 own `bucket_plan`. So the estimate follows the code; tests/test_estimate.py checks it byte for byte.
 
-Held bytes are given at the moment `GradSync.held_bytes()` measures: gradients synced, no step yet.
-
+Held bytes as `GradSync.held_bytes()` measures them, gradients synced and no step yet:
     params       the weights this rank holds whole (none under ZeRO-3), plus ZeRO's master slices
     grads        a gradient per weight and data parallelism's flat buffers; ZeRO: this rank's slices
     optimizer    AdamW's two moments: of every weight, or of this rank's slices under ZeRO
@@ -24,12 +23,11 @@ Held bytes are given at the moment `GradSync.held_bytes()` measures: gradients s
                  on CPU; MoE layers: estimate_moe.py), times the micro-batches a schedule keeps
     temporary    ZeRO's buffers that live only for a moment of the step (`temporary_bytes`)
 
-Bytes sent per step, by group and operation (`bytes_sent`; the dp groups' part: `dp_bytes_sent`),
-equal to the ledger (experts' all-to-all rows depend on the router: estimate_moe.py). planner.py
-uses these figures: `check_memory`, `--plan` and the layout planner. The fit check's total
-(`peak_bytes`) adds model states, activations and ZeRO's buffers at their peaks, as if they fell at
-one moment. Not estimated: the logits' gradient, what a kernel or the allocator takes for itself,
-and mixture-of-experts layers under bf16 autocast to the byte.
+Bytes sent per step, by group and operation (`bytes_sent`; the dp groups': `dp_bytes_sent`), equal
+to the ledger (experts' all-to-all rows depend on the router: estimate_moe.py), feed planner.py's
+`check_memory`, `--plan` and layout search. `peak_bytes` adds model states, activations and ZeRO's
+buffers at their peaks as if at one moment. Not estimated: the logits' gradient, what a kernel or
+the allocator takes, mixture-of-experts layers under bf16 autocast to the byte.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 from functools import lru_cache
+from types import SimpleNamespace
 
 import torch
 
@@ -237,18 +236,16 @@ def temporary_bytes(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> di
 
         flattened  ZeRO 1-3: the largest bucket's gradients, flattened and padded to a multiple of
                    N for its reduce-scatter (one bucket at a time)
-        gathered   ZeRO-3: the whole weights of the unit running and of the next one (prefetched)
-    Both are in peak_bytes; the logits' gradient and what a kernel allocates for itself are not."""
+        gathered   ZeRO-3: the whole weights of the unit running and of the next one (prefetched)"""
     if cfg.zero == 0:
         return {}
     model, (_, width, wire) = rank_model(model_cfg, cfg, pp_rank), widths(cfg)
     plan = zero_buckets(model, cfg)
-    padded = [-(-sum(p.numel() for p in chunk) // _replicas(dims, cfg)) * _replicas(dims, cfg) * max(width, wire)
-              for _, dims, chunk in plan]
+    padded = [-(-sum(p.numel() for p in c) // _replicas(d, cfg)) * _replicas(d, cfg) * max(width, wire)
+              for _, d, c in plan]
     if cfg.zero < 3:
         return {"flattened": max(padded)}
-    unit_of = {id(p): i for i, unit in enumerate(units_of(model)) for p in unit.parameters()}
-    units = Counter()
+    unit_of, units = {id(p): i for i, unit in enumerate(units_of(model)) for p in unit.parameters()}, Counter()
     for size, (_, _, chunk) in zip(padded, plan):
         units[unit_of[id(chunk[0])]] += size
     return {"flattened": max(padded), "gathered": max(units[i] + units[i + 1] for i in range(len(units)))}
@@ -256,9 +253,13 @@ def temporary_bytes(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> di
 
 def zero_buckets(model, cfg: Layout):
     """ZeRO's buckets of the rank's model (zero.bucket_plan): ZeRO-3's units, else bucket_mb's chunks."""
-    units = units_of(model)
-    return bucket_plan(param_groups(model, cfg), (lambda ps: unit_chunks(units, ps)) if cfg.zero == 3
-                       else (lambda ps: bucket_params(ps, cfg.bucket_mb)))
+    return _zero_buckets(model, cfg.zero == 3, cfg.bucket_mb, cfg.weight_decay)
+
+
+@lru_cache(maxsize=256)  # a model on paper is asked again for each dp size and ZeRO stage the planner weighs
+def _zero_buckets(model, units: bool, bucket_mb: float, weight_decay: float):
+    chunks = (lambda ps: unit_chunks(units_of(model), ps)) if units else (lambda ps: bucket_params(ps, bucket_mb))
+    return bucket_plan(param_groups(model, SimpleNamespace(weight_decay=weight_decay)), chunks)
 
 
 # ----------------------------------------------------------------------------------------------

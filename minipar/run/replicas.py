@@ -89,6 +89,9 @@ class Replicas:
                                lighthouse_addr=f"http://{cfg.lighthouse}", rank=dist.get_rank(),
                                world_size=dist.get_world_size(), store_addr=host, store_port=port, timeout=timeout,
                                quorum_timeout=timeout, connect_timeout=timeout)
+        say(f"replica group {self.id} of {self.groups}: each rank averages its gradients with the same rank of the "
+            f"other groups, through torchft (lighthouse {cfg.lighthouse}); the global batch is {self.groups} x dp "
+            f"{cfg.dp} slots of {cfg.global_batch // (self.groups * cfg.dp)} rows")
 
     def _group_store(self) -> tuple[str, int]:
         """A key-value store for this group's Managers (torchft's rendezvous), served by our rank 0:
