@@ -193,7 +193,7 @@ def _link(cluster: Cluster, span: int, size: int) -> tuple[float, float]:
     return 0.0, cluster.intra_bandwidth if span <= cluster.gpus_per_node else cluster.inter_bandwidth
 
 
-@dataclass
+@dataclass(frozen=True)  # weigh's answers are cached: shared, never changed
 class Choice:
     cfg: Layout
     time: dict[str, float] | None  # None: not timed (it does not fit)
@@ -219,15 +219,16 @@ def plan(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_ba
                                         ch.cfg.virtual_stages)), len(weighed) - len(fits)
 
 
-def weigh(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_batch: int = 1) -> Iterator[Choice]:
+@lru_cache(maxsize=8)  # a question asked again in one process (the figures and the tests ask 8b's twice)
+def weigh(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_batch: int = 1) -> tuple[Choice, ...]:
     """Every layout the planner weighs, with its fullest rank's bytes, timed where they fit the usable
     memory: those of `layouts`, and each pipelined one that fits interleaved too."""
-    c = get_config(model)
+    c, weighed = get_config(model), []
     for cfg in layouts(model, cluster, seq_len, global_batch, micro_batch):
-        choice = _weighed(c, cfg, cluster)
-        yield choice
-        if cfg.pp > 1 and choice.time is not None:
-            yield from interleaved_twins(c, choice, cluster)
+        weighed.append(_weighed(c, cfg, cluster))
+        if cfg.pp > 1 and weighed[-1].time is not None:
+            weighed += interleaved_twins(c, weighed[-1], cluster)
+    return tuple(weighed)
 
 
 def _weighed(c: ModelConfig, cfg: Layout, cluster: Cluster) -> Choice:
