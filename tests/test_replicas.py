@@ -48,6 +48,8 @@ def killed(tmp_path_factory):
 def test_the_survivor_never_stops_and_never_goes_back(killed):
     steps = [r["step"] for r in records(killed / "group0_attempt1.jsonl")]
     assert steps == list(range(1, 601))  # one record a step: none lost, none repeated
+    taking_part = [r["replica_groups"] for r in records(killed / "group0_attempt1.jsonl")]
+    assert taking_part[0] == 2 and taking_part.count(1) > 0 and set(taking_part) == {1, 2}  # the log knows
     log = (killed / "group0_attempt1.log").read_text()
     assert "1 of 2 replica groups take part" in log and "resumed" not in log
 

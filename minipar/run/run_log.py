@@ -55,6 +55,7 @@ class RunLog:
         self.clock = mesh.ledger.clock = WaitClock(cuda=device.type == "cuda")  # the model's waits, each step
         self.profiler = StepProfiler(cfg, self.clock, mesh.ledger, device) if cfg.profile_steps else None
         self.losses: list[float] = []
+        self.extra: dict[str, Any] = {}  # figures the loop adds to each record (replica groups taking part)
         self.wandb: Any = None  # rank 0's wandb run, JSON log file and progress bar, from start()
         self.file: Any = None
         self.bar: Any = None
@@ -144,6 +145,7 @@ class RunLog:
             "bubble": metrics[:, 3].mean().item() if pipeline else None,  # measured: mean time spent waiting
             "held_bytes": wrapper.held_bytes(),  # this rank's, measured on its tensors
             "expert_load": take_expert_load(wrapper),  # MoE: this rank's assignments per expert, per block
+            **self.extra,
         }
 
     def validation(self, step: int, loss: float, pipeline, windows: int) -> float:

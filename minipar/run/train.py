@@ -186,6 +186,7 @@ def train_loop(job: Job, start: int, consumed: int) -> bool:
         mesh.ledger.reset()
         if replicas is not None:  # who takes part; a group that was behind takes a peer's step and state
             step, consumed = replicas.begin(step, consumed)
+            log.extra["replica_groups"] = replicas.size  # in each step's record: how many groups took part
         for group in model.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         rows = replicas.rows(data, consumed, cfg.global_batch, cfg.dp, mesh.coord("dp")) if replicas else \
