@@ -71,10 +71,11 @@ LIBRARY = sorted((ROOT / "minipar").rglob("*.py"))
 # loss's), not derived beside it (+13). gather's and scatter's cross-node bytes by the root's node, where they go,
 # not the ring's next rank (+3). The library is 9,082 lines: issue 28's 8,362 is not met.
 # Issue 31's replica groups on torchft (+292): run/replicas.py (the quorum, the shared rows, the cross-group
-# average and vote, the live state a returning group takes, lost_gpu_hours), the loop's step that is redone when
-# not committed, the divisor counted across groups, the groups taking part in each step's record, the three flags and their checks, and each wrapper's
-# synced_grads, drop_grads and persistent. The planner's caches of the pipeline check, ZeRO's bucket plan and
-# weigh's answers (+3): the 70b search in 24 s, not 43, and the 8b question asked once per process.
+# average and vote, the live state a returning group takes, lost_gpu_hours), the loop's step that is redone
+# when not committed, the divisor counted across groups, the groups taking part in each step's record, the
+# three flags and their checks, and each wrapper's synced_grads, drop_grads and persistent. The planner's
+# caches of the pipeline check, ZeRO's bucket plan and weigh's answers (+3): the 70b search in 24 s, not 43,
+# and the 8b question asked once per process.
 LINE_BUDGET = (4000 + 400 + 500 + 500 + 400 + 500 + 300 + 150 + 100 + 300 + 350 + 100 + 300 + 200 + 330 + 90 + 210
                + 74 + 105 + 30 + 13 + 1 + 138 + 24 + 151 + 6 + 67 + 2 + 2 + 42 - 319 + 13 + 3 + 292 + 3)
 
