@@ -2,6 +2,7 @@
 survivor no step, a returning group takes the survivor's state bitwise (nothing read from disk),
 and without a kill the run is minipar's plain data parallelism with the same global batch."""
 
+import copy
 import importlib.util
 import json
 import random
@@ -108,6 +109,61 @@ def test_groups_of_two_ranks_equal_plain_dp_4_and_survive_a_kill(tmp_path):
     assert train_ft.main(["--steps=1500", "--kill-at=5", "--nproc-per-group=2", "--dp=2", f"--out={out}"]) == 0
     assert [r["step"] for r in records(out / "group0_attempt1.jsonl")] == list(range(1, 1501))
     assert "took its state from group 0" in (out / "group1_attempt2.log").read_text()
+
+
+# -- what every gradient-sync wrapper gives the replica groups, on 2 gloo ranks --------------------
+def _wrapper(zero: int, groups, seed: int = 1):
+    from test_data_parallel import OPT
+
+    from minipar.data_parallel import param_groups
+    from minipar.model import Llama, get_config
+    from minipar.parallelize import adamw, build_grad_sync
+    model = Llama(get_config("tiny"), seed=seed).double()
+    return build_grad_sync(model, groups, param_groups(model, OPT), lambda pgs: adamw(pgs, OPT.lr), zero=zero,
+                           bucket_mb=0.02)
+
+
+def _protocol(rank, world, zero):
+    """synced_grads covers the whole gradient, drop_grads leaves no trace, and persistent() with the
+    optimizer's state_dict is all a rank needs to become another (what a returning group takes)."""
+    from test_data_parallel import global_batch
+
+    from minipar.collectives import all_reduce
+    from minipar.mesh import Mesh
+    from minipar.run.train import train_step
+    with Mesh.build(dp=world) as mesh:
+        groups = mesh.groups()
+        rows = [tuple(t[rank * 4:(rank + 1) * 4] for t in global_batch(step)) for step in range(3)]
+        a, same, plain = _wrapper(zero, groups), _wrapper(zero, groups), _wrapper(0, groups)
+        for model in (a, plain):  # `same` never sees this try
+            model(*rows[0], 1.0).backward()
+            model.finish_grad_sync()
+        norm2 = sum(g.pow(2).sum() for g in a.synced_grads()).reshape(1)
+        if zero:  # each rank holds a slice: the whole gradient's square norm is their sum
+            all_reduce(norm2, groups.dp)
+        whole = sum(g.pow(2).sum() for g in plain.synced_grads())
+        a.drop_grads()  # a try not committed: the next step must be as if it never was
+        for model in (a, same):
+            train_step(model, [rows[1]], grad_clip=1.0)
+        bitwise = lambda x, y: all(torch.equal(s, t) for s, t in zip(x.persistent(), y.persistent()))  # noqa: E731
+        dropped_is_gone = bitwise(a, same) and str(a.optimizer.state_dict()) == str(same.optimizer.state_dict())
+        b = _wrapper(zero, groups, seed=2)  # another start: it takes a's state as a returning group does
+        with torch.no_grad():
+            for mine, theirs in zip(b.persistent(), a.persistent()):
+                mine.copy_(theirs)
+        b.optimizer.load_state_dict(copy.deepcopy(a.optimizer.state_dict()))  # a copy, as the transfer's is
+        for model in (a, b):
+            train_step(model, [rows[2]], grad_clip=1.0)
+        handed_over = bitwise(a, b) and not bitwise(a, _wrapper(zero, groups, seed=2))  # b was another model
+        return float(norm2), float(whole), dropped_is_gone, handed_over
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_each_wrapper_gives_the_whole_gradient_drops_a_try_and_hands_over_its_state(zero):
+    from harness import run_ranks
+    for norm2, whole, dropped_is_gone, handed_over in run_ranks(2, _protocol, zero):
+        assert norm2 == pytest.approx(whole, rel=1e-12)  # float64: slices vs whole, summed in another order
+        assert dropped_is_gone and handed_over
 
 
 # -- the pieces, in this process ----------------------------------------------------------------
