@@ -211,16 +211,15 @@ def build_data_parallel(strategy: str, side: str, s: Setup):
 
 
 def torch_step(model, optimizer, micro_batches, autocast, within=None) -> float:
-    """PyTorch's own loop: gradients synchronised on the last micro-batch, clip_grad_norm_, step.
-    within(x, y): a context each micro-batch runs in, given its tokens (context_parallel)."""
+    """PyTorch's own loop: DDP's gradients synchronised on the last micro-batch; FSDP2's reduce-scattered
+    after every micro-batch, as ZeRO-2 and -3 do (a shard of the gradient, never the whole, is held between
+    micro-batches); clip_grad_norm_, step. within(x, y): a context each micro-batch runs in, given its tokens
+    (context_parallel)."""
     from torch.distributed.fsdp import FSDPModule
 
     n, total = len(micro_batches), 0.0
     for i, (x, y) in enumerate(micro_batches):
-        last = i == n - 1
-        if isinstance(model, FSDPModule):
-            model.set_requires_gradient_sync(last)
-        no_sync = nullcontext() if last or isinstance(model, FSDPModule) else model.no_sync()
+        no_sync = nullcontext() if i == n - 1 or isinstance(model, FSDPModule) else model.no_sync()
         if within is not None:
             x, y = x.clone(), y.clone()  # context_parallel cuts its buffers in place
         with no_sync, within(x, y) if within is not None else nullcontext():

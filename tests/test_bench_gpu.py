@@ -101,6 +101,44 @@ def test_both_sides_of_each_bench_gpu_strategy_train_as_one_device(strategy):
     assert theirs["tokens_per_s"] > 0
 
 
+def _fsdp_reduce_scatters(rank, world, strategy):
+    """How many reduce-scatters bench_gpu's FSDP2 side posts in its warm-up and timed steps."""
+    import torch.distributed as dist
+
+    from minipar.mesh import Mesh
+
+    b, calls = bench_gpu(), []
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    original = getattr(dist, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    setattr(dist, name, counted)
+    try:
+        with Mesh.build(dp=world) as mesh:
+            b.measure(strategy, "torch", "tiny", b.parse_args(FLAGS), mesh, torch.device("cpu"), 2)
+    finally:
+        setattr(dist, name, original)
+    return len(calls)
+
+
+@pytest.mark.parametrize("strategy", tiers(["zero2", "zero3"], fast=0))
+def test_the_fsdp2_peer_reduce_scatters_every_micro_batch_as_zero_does(strategy):
+    """ZeRO-2 and -3 hold a shard of the gradient between micro-batches, so they reduce-scatter after
+    each; a peer that synchronised only the last (set_requires_gradient_sync(False) before) would send
+    a quarter of the messages at --accum 4 and hold the whole gradient: other work. FSDP2 posts one
+    reduce-scatter a module (each layer and the root) a micro-batch."""
+    from minipar.model import get_config
+
+    args = bench_gpu().parse_args(FLAGS)
+    per_micro_batch = get_config("tiny").n_layers + 1
+    steps = args.warmup + args.steps
+    assert run_ranks(2, _fsdp_reduce_scatters, strategy, timeout=300) == [
+        steps * args.accum * per_micro_batch] * 2
+
+
 @pytest.mark.slow
 @pytest.mark.float32
 def test_the_bench_gpu_orchestrator_runs_each_side_in_fresh_processes_on_cpu(tmp_path):
