@@ -111,6 +111,25 @@ def test_groups_of_two_ranks_equal_plain_dp_4_and_survive_a_kill(tmp_path):
     assert "took its state from group 0" in (out / "group1_attempt2.log").read_text()
 
 
+
+@pytest.mark.integration
+def test_experts_inside_groups_equal_plain_dp_4_with_ep_2(tmp_path):
+    """ep 2 inside each group of two ranks (edp 1): each rank's experts are the same experts as its
+    peer's in the other group, so the cross-group mean of their gradients is edp 2's of plain dp 4 x
+    ep 2, in another order of rounding, as above (measured: 1.2e-15 of each tensor's norm)."""
+    moe = ["--", "--model=tiny-moe", "--ep=2"]
+    assert train_ft.main(["--steps=6", "--kill-at=", "--nproc-per-group=2", "--dp=2", f"--out={tmp_path / 'ft'}",
+                          *moe]) == 0
+    from test_train import run
+    run([*train_ft.RUN, "--steps=6", "--dp=4", *moe[1:], f"--out={tmp_path / 'dp'}"], nproc=4)
+    dp = checkpoint(tmp_path / "dp" / "step_000006")
+    assert any("experts" in k for k in dp)
+    for g in (0, 1):
+        ft = checkpoint(tmp_path / "ft" / f"group{g}_attempt1" / "step_000006")
+        assert ft.keys() == dp.keys()
+        for k in dp:
+            assert (ft[k] - dp[k]).norm() <= 1e-14 * dp[k].norm(), k
+
 # -- what every gradient-sync wrapper gives the replica groups, on 2 gloo ranks --------------------
 def _wrapper(zero: int, groups, seed: int = 1):
     from test_data_parallel import OPT
