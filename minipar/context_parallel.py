@@ -57,7 +57,7 @@ from einops import rearrange, repeat
 from torch import nn
 
 from minipar.autograd_ops import all_to_all_with_grad
-from minipar.collectives import Group, all_reduce, send_recv
+from minipar.collectives import Group, all_reduce, ring_bytes_sent, send_recv
 from minipar.model import Attention, ModelConfig, apply_rope, causal_attention, rope_cos_sin, sequence_positions
 from minipar.tensor_parallel import (
     ColumnParallelLinearInRegion,
@@ -253,24 +253,30 @@ def _kv_projection(config: ModelConfig, tp: Group) -> nn.Module:
     return ReplicatedRowsLinear(config.dim, features, tp, slice(head * config.head_dim, (head + 1) * config.head_dim))
 
 
-def attention_bytes_sent(attention: str, tokens: int, heads: int, kv_heads: int, head_dim: int, cp: int,
-                         rotated: int, product: int, replay: bool = False) -> int:
-    """Bytes one cp rank sends for one layer's attention, forward and backward. tokens: the rank's
-    (b s/cp); heads, kv_heads: a tp rank's; rotated, product: the widths of q and k (after RoPE, in
-    the weights' dtype) and of v and the output (matmul products). replay: --recompute's second forward.
+def attention_messages(attention: str, tokens: int, heads: int, kv_heads: int, head_dim: int, cp: int,
+                       rotated: int, product: int, replay: bool = False) -> list[tuple[str, int]]:
+    """The messages one cp rank sends for one layer's attention, forward and backward, as (the ledger's
+    key, bytes sent). tokens: the rank's (b s/cp); heads, kv_heads: a tp rank's; rotated, product: the
+    widths of q and k (after RoPE, in the weights' dtype) and of v and the output (matmul products).
+    replay: --recompute's second forward.
 
         ring     forward: its K and V, cp-1 hops; backward: K, V, dK, dV, cp hops (the last brings
-                 them home). V too in the rotated width: it travels stacked with K, one message.
+                 them home). V too in the rotated width: it travels stacked with K, one message a hop.
         ulysses  an all-to-all of q, k, v and one of the output, each sending (cp-1)/cp of it;
                  backward the same four, carrying gradients.
     """
     forwards = 2 if replay else 1
     if attention == "ring":
         kv = tokens * kv_heads * head_dim * rotated  # this rank's K, or its V
-        return forwards * (cp - 1) * 2 * kv + cp * 4 * kv
+        return [("cp/send", 2 * kv)] * (forwards * (cp - 1)) + [("cp/send", 4 * kv)] * cp
     q_and_out, k_and_v = tokens * heads * head_dim, tokens * kv_heads * head_dim
-    per_pass = q_and_out * (rotated + product) + k_and_v * (rotated + product)  # q, out; k, v
-    return (forwards + 1) * per_pass * (cp - 1) // cp
+    one_pass = [q_and_out * rotated, k_and_v * rotated, k_and_v * product, q_and_out * product]  # q, k, v, out
+    return [("cp/all_to_all", ring_bytes_sent("all_to_all", n, cp)) for n in one_pass] * (forwards + 1)
+
+
+def attention_bytes_sent(*args, **kwargs) -> int:
+    """Bytes one cp rank sends for one layer's attention: its messages' (attention_messages' arguments)."""
+    return sum(n for _, n in attention_messages(*args, **kwargs))
 
 
 def global_token_count(targets: torch.Tensor, group: Group, ignore_index: int = -100) -> torch.Tensor:

@@ -158,12 +158,12 @@ def leave_parallel_region(x: torch.Tensor, group: Group, sequence_parallel: bool
     return reduce_from_parallel(x, group)
 
 
-def region_bytes_sent(stream: int, product: int, tp: int, sequence_parallel: bool) -> dict[str, int]:
-    """What a region sends for a micro-batch, forward and backward, by the ledger's "tp/op" keys: f's
-    message of its input (`stream` bytes) and g's of its output (`product` bytes), an all-reduce each,
-    or under sp an all-gather and a reduce-scatter each. The planner asks here (planning/estimate.py)."""
+def region_messages(stream: int, product: int, tp: int, sequence_parallel: bool) -> list[tuple[str, int]]:
+    """The messages a region sends for a micro-batch, forward and backward, as (the ledger's "tp/op" key,
+    bytes sent): f's of its input (`stream` bytes) and g's of its output (`product` bytes), an all-reduce
+    each, or under sp an all-gather and a reduce-scatter each. The planner asks here (planning/estimate.py)."""
     ops = ("all_gather", "reduce_scatter") if sequence_parallel else ("all_reduce",)
-    return {f"tp/{op}": ring_bytes_sent(op, stream, tp) + ring_bytes_sent(op, product, tp) for op in ops}
+    return [(f"tp/{op}", ring_bytes_sent(op, n, tp)) for op in ops for n in (stream, product)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,10 +327,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-def loss_bytes_sent(tokens: int, width: int, tp: int) -> dict[str, int]:
+def loss_messages(tokens: int, width: int, tp: int) -> list[tuple[str, int]]:
     """What vocab_parallel_cross_entropy sends for `tokens` tokens: the max, the target's logit and the
     sum of exponentials, one all-reduce of a number per token each, at the logits' width or fp32's."""
-    return {"tp/all_reduce": 3 * ring_bytes_sent("all_reduce", tokens * max(width, 4), tp)}
+    return [("tp/all_reduce", ring_bytes_sent("all_reduce", tokens * max(width, 4), tp))] * 3
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: Group, vocab_size: int,

@@ -7,7 +7,7 @@
     in float64, its loss against one process running the plain model on the whole batch;
 (c) per rank: the bytes it holds (weights, gradients, optimizer state: measured on its tensors, and
     estimated on the meta device) and the bytes it sent in the step, group by group (measured by
-    the ledger, and estimated by estimate.bytes_sent);
+    the ledger, and estimated by traffic.bytes_sent);
 (d) the same 16 ranks under other layouts, by estimate alone: the fullest rank's memory and what
     each group sends per step.
 
@@ -25,7 +25,8 @@ from minipar.data_parallel import param_groups
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.parallelize import adamw, build_grad_sync
-from minipar.planning.estimate import bytes_sent, held_bytes, peak_bytes
+from minipar.planning.estimate import held_bytes, peak_bytes
+from minipar.planning.traffic import bytes_sent
 from minipar.run.config import TrainConfig
 from minipar.run.train import build_model, train_step
 

@@ -10,8 +10,9 @@ import torch
 from minipar.collectives import ring_bytes_sent
 from minipar.context_parallel import zigzag_positions
 from minipar.model import Llama, get_config
-from minipar.planning.estimate import activation_bytes, dp_bytes_sent, held_bytes
+from minipar.planning.estimate import activation_bytes, held_bytes
 from minipar.planning.planner import Cluster, plan
+from minipar.planning.traffic import bytes_sent
 from minipar.run.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +99,7 @@ def test_the_buckets_figure_draws_data_parallels_buckets_and_the_estimators_all_
     assert all(r[1] >= 2**20 for r in rows[:-1])  # each closes once it reaches bucket_mb = 1
     cfg = TrainConfig(model="small", dp=4, dtype="float32", bucket_mb=1.0)
     count = ring_bytes_sent("all_reduce", 8, 4)  # train_step's count of real targets
-    assert sum(r[2] for r in rows) + count == dp_bytes_sent(get_config("small"), cfg)["dp/all_reduce"]
+    assert sum(r[2] for r in rows) + count == bytes_sent(get_config("small"), cfg)["dp/all_reduce"]
 
 
 def test_the_layouts_figure_draws_what_the_planner_weighs_and_its_pick():

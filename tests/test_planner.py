@@ -11,7 +11,7 @@ from minipar.comm_clock import exposed_line
 from minipar.model import get_config
 from minipar.pipeline.schedules import build
 from minipar.pipeline.timeline import simulate
-from minipar.planning.estimate import bytes_sent, peak_bytes
+from minipar.planning.estimate import peak_bytes
 from minipar.planning.planner import (
     Cluster,
     check_memory,
@@ -22,6 +22,7 @@ from minipar.planning.planner import (
     report,
     step_time,
 )
+from minipar.planning.traffic import bytes_sent
 from minipar.run.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]

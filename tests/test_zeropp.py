@@ -31,7 +31,8 @@ from minipar.data_parallel import param_groups
 from minipar.mesh import Mesh, MeshLayout
 from minipar.model import get_config
 from minipar.parallelize import adamw, build_grad_sync, check_zero
-from minipar.planning.estimate import bytes_sent, held_bytes
+from minipar.planning.estimate import held_bytes
+from minipar.planning.traffic import bytes_sent
 from minipar.precision import FULL, resolve
 from minipar.quantize import qmax
 from minipar.run.config import TrainConfig

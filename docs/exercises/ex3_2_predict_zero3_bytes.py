@@ -5,7 +5,7 @@ A model (minipar/model.py's CONFIGS: count its Ψ parameters) in float32, data-p
 ranks with ZeRO-3, one micro-batch per step; `make exercise N=3.2` prints your model and dp (drawn
 from SEED below). How many MiB does one rank send on the dp group in a step? (Which collectives
 run, on how many bytes each, and what fraction of a payload does the ring send?) The answer key
-is the estimator's `bytes_sent` (minipar/planning/estimate.py), which equals the ledger (2%
+is the estimator's `bytes_sent` (minipar/planning/traffic.py), which equals the ledger (2%
 tolerance).
 
 Check: make exercise N=3.2

@@ -15,7 +15,8 @@ ANSWER = None  # bytes a rank sends on tp at tp 4 / at tp 2
 
 if __name__ == "__main__":
     from minipar.model import get_config
-    from minipar.planning.estimate import bytes_sent, held_bytes
+    from minipar.planning.estimate import held_bytes
+    from minipar.planning.traffic import bytes_sent
     from minipar.run.config import TrainConfig
 
     c = get_config("small")

@@ -15,7 +15,7 @@ ANSWER = None  # bytes a rank sends on cp at cp 8 / at cp 2
 
 if __name__ == "__main__":
     from minipar.model import get_config
-    from minipar.planning.estimate import bytes_sent
+    from minipar.planning.traffic import bytes_sent
     from minipar.run.config import TrainConfig
 
     c = get_config("small")

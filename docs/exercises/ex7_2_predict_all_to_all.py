@@ -5,7 +5,7 @@ expert parallelism ep, one sequence of s tokens per rank and step; `make exercis
 your ep and s (drawn from SEED below). With uniform routing, how many MiB does one rank send on
 the ep group per step? Each assignment whose expert lives on another rank crosses twice forward
 (the token out, its result back) and twice backward (their gradients). The answer key is the
-estimator's `bytes_sent` (minipar/planning/estimate_moe.py; it also counts the small all-to-all
+estimator's `bytes_sent` (minipar/planning/traffic.py and estimate_moe.py; it also counts the small all-to-all
 of the counts), which equals the ledger (2% tolerance).
 
 Check: make exercise N=7.2

@@ -26,7 +26,8 @@ LAYOUTS = {"A": dict(dp=16), "B": dict(dp=16, zero=3), "C": dict(dp=8, tp=2, sp=
 
 if __name__ == "__main__":
     from minipar.model import get_config
-    from minipar.planning.estimate import bytes_sent, peak_bytes
+    from minipar.planning.estimate import peak_bytes
+    from minipar.planning.traffic import bytes_sent
     from minipar.run.config import TrainConfig
 
     c = get_config("small", vocab_size=256)

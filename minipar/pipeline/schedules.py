@@ -307,15 +307,11 @@ def messages_of(a: Action, placement: tuple[int, ...]) -> tuple[Message | None, 
     return None, None
 
 
-def bytes_sent_per_step(schedule: Schedule, rank: int, message_bytes: int) -> dict[str, int]:
-    """What `rank`'s actions send in one step, by the ledger's "channel/send" keys, as the executor
-    posts them: `message_bytes` for each outgoing message that leaves the rank."""
-    sent: dict[str, int] = {}
-    for a in schedule.actions[rank]:
-        _, outgoing = messages_of(a, schedule.placement)
-        if outgoing is not None and not outgoing.local:
-            sent[f"{outgoing.channel}/send"] = sent.get(f"{outgoing.channel}/send", 0) + message_bytes
-    return sent
+def messages_per_step(schedule: Schedule, rank: int, message_bytes: int) -> list[tuple[str, int]]:
+    """What `rank`'s actions send in one step, as the executor posts them: (the ledger's "channel/send"
+    key, `message_bytes`) for each outgoing message that leaves the rank."""
+    outgoing = [messages_of(a, schedule.placement)[1] for a in schedule.actions[rank]]
+    return [(f"{m.channel}/send", message_bytes) for m in outgoing if m is not None and not m.local]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,10 +23,9 @@ Held bytes as `GradSync.held_bytes()` measures them, gradients synced and no ste
                  on CPU; MoE layers: estimate_moe.py), times the micro-batches a schedule keeps
     temporary    ZeRO's buffers that live only for a moment of the step (`temporary_bytes`)
 
-Bytes sent per step, by group and operation (`bytes_sent`; the dp groups': `dp_bytes_sent`), equal
-to the ledger (experts' all-to-all rows depend on the router: estimate_moe.py), feed planner.py's
-`check_memory`, `--plan` and layout search. `peak_bytes` adds model states, activations and ZeRO's
-buffers at their peaks as if at one moment. Not estimated: the logits' gradient, what a kernel or
+These figures, and the bytes each rank sends (traffic.py), feed planner.py's `check_memory`,
+`--plan` and layout search. `peak_bytes` adds model states, activations and ZeRO's buffers at
+their peaks as if at one moment. Not estimated: the logits' gradient, what a kernel or
 the allocator takes, mixture-of-experts layers under bf16 autocast to the byte.
 """
 
@@ -39,21 +38,16 @@ from types import SimpleNamespace
 
 import torch
 
-from minipar.collectives import ring_bytes_sent
-from minipar.context_parallel import attention_bytes_sent
-from minipar.data_parallel import bucket_params, by_grad_mean, param_groups
+from minipar.data_parallel import bucket_params, param_groups
 from minipar.model import Llama, ModelConfig
-from minipar.moe import MoE
 from minipar.parallelize import parallelize
 from minipar.pipeline.executor import Pipeline, stage_layers
 from minipar.pipeline.schedules import build as build_schedule
-from minipar.pipeline.schedules import bytes_sent_per_step
 from minipar.placement import DENSE, placement_of
-from minipar.planning.estimate_moe import moe_block_bytes, moe_bytes_sent
-from minipar.planning.estimate_zeropp import bucket_sent, secondary_bytes
+from minipar.planning.estimate_moe import moe_block_bytes
+from minipar.planning.estimate_zeropp import secondary_bytes
 from minipar.planning.layout import Layout, paper_group
 from minipar.precision import of_config, widths
-from minipar.tensor_parallel import loss_bytes_sent, region_bytes_sent
 from minipar.zero import bucket_plan
 from minipar.zero3 import unit_chunks, units_of
 
@@ -89,145 +83,19 @@ def held_bytes(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[st
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
     if cfg.zero == 0:  # every weight, its gradient, a flat all-reduce buffer if it has replicas, two moments
-        buffers = sum(p.numel() for p in params if _replicas(placement_of(p).grad_mean, cfg) > 1) * wire
+        buffers = sum(p.numel() for p in params if grad_replicas(placement_of(p).grad_mean, cfg) > 1) * wire
         return {"params": numel * (width + master * prec.mixed), "grads": numel * width + buffers,
                 "optimizer": 2 * numel * master}
     plan = zero_buckets(model, cfg)
-    slices = sum(-(-sum(p.numel() for p in chunk) // _replicas(dims, cfg)) for _, dims, chunk in plan)
+    slices = sum(-(-sum(p.numel() for p in chunk) // grad_replicas(dims, cfg)) for _, dims, chunk in plan)
     weights = numel * width if cfg.zero < 3 else slices * width * prec.mixed  # ZeRO-3: the bf16 shard it gathers
     weights += secondary_bytes(plan, cfg, width) if cfg.zero == 3 else 0  # ZeRO++'s hpZ (planning/estimate_zeropp.py)
     return {"params": weights + slices * master, "grads": slices * width, "optimizer": 2 * slices * master}
 
 
-def _replicas(grad_mean: tuple[str, ...], cfg: Layout) -> int:
+def grad_replicas(grad_mean: tuple[str, ...], cfg: Layout) -> int:
     """The size of the group a gradient is averaged over: dp x cp, or edp = dp x cp / ep."""
     return cfg.dp * cfg.cp if tuple(grad_mean) == DENSE else cfg.dp * cfg.cp // cfg.ep
-
-
-def dp_bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[str, int]:
-    """What pp rank `pp_rank` sends in one step over its data-parallel groups (dp, or dp x cp; edp
-    for experts' gradients), by the ledger's "group/op" keys and ring volumes: train_step's 8-byte
-    count of real targets; the gradient all-reduce, bucket by bucket; under ZeRO instead a reduce-
-    scatter of every bucket (stage 2 and 3: every micro-batch) and an all-gather (stage 3: forward
-    and backward of every micro-batch), and the norm's partial sums (one per kind of bucket)."""
-    n, m = cfg.dp * cfg.cp, cfg.accum_steps
-    if n == 1:
-        return {}
-    model = rank_model(model_cfg, cfg, pp_rank)
-    _, width, wire = widths(cfg)  # weights are gathered at their width, gradients sent at the wire's
-    sent = Counter({f"{_dp_name(DENSE, cfg)}/all_reduce": ring_bytes_sent("all_reduce", 8, n)})
-    if cfg.zero == 0:  # a bucket never mixes reduction groups (DataParallel._make_buckets)
-        for dims, params in by_grad_mean(list(reversed(list(model.parameters())))).items():
-            for chunk in bucket_params(params, cfg.bucket_mb):
-                sent[f"{_dp_name(dims, cfg)}/all_reduce"] += ring_bytes_sent(
-                    "all_reduce", sum(p.numel() for p in chunk) * wire, _replicas(dims, cfg))
-        return {k: v for k, v in sent.items() if v}
-    for _, dims, chunk in zero_buckets(model, cfg):
-        r, group = _replicas(dims, cfg), _dp_name(dims, cfg)
-        padded = -(-sum(p.numel() for p in chunk) // r) * r
-        if cfg.zero == 3 and cfg.zeropp:  # ZeRO++ sends its own messages (planning/estimate_zeropp.py)
-            sent += bucket_sent(padded, cfg, width, wire)
-            continue
-        scatters, gathers = (m if cfg.zero >= 2 else 1), (2 * m if cfg.zero == 3 else 1)
-        sent[f"{group}/reduce_scatter"] += scatters * ring_bytes_sent("reduce_scatter", padded * wire, r)
-        sent[f"{group}/all_gather"] += gathers * ring_bytes_sent("all_gather", padded * width, r)
-    for group, (size, times) in _norm_sums(model, cfg).items():
-        if group in ("dp", "dp_cp", "edp"):
-            sent[f"{group}/all_reduce"] += times * ring_bytes_sent("all_reduce", _grad_width(cfg), size)
-    return {k: v for k, v in sent.items() if v}
-
-
-def _dp_name(grad_mean: tuple[str, ...], cfg: Layout) -> str:
-    return "edp" if tuple(grad_mean) != DENSE else "dp" if cfg.cp == 1 else "dp_cp"
-
-
-def _norm_sums(model, cfg: Layout) -> dict[str, tuple[int, int]]:
-    """{group: (its size, how many all-reduces)}: clip_grads sums the squares of each kind of
-    gradient (those whose other pieces lie on the same groups: tp, ep, ZeRO's) over those groups."""
-    sizes = {"tp": cfg.tp, "ep": cfg.ep}
-    kinds = set()
-    for _, dims, chunk in zero_buckets(model, cfg) if cfg.zero else [((), (), [p]) for p in model.parameters()]:
-        groups = [(d, sizes[d]) for d, _ in placement_of(chunk[0]).shards]
-        groups += [(_dp_name(dims, cfg), _replicas(dims, cfg))] if cfg.zero else []
-        kinds.add(tuple(g for g in groups if g[1] > 1))
-    times = Counter(g for kind in kinds for g in kind)
-    return {name: (size, k) for (name, size), k in times.items()}
-
-
-def bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[str, int]:
-    """Everything pp rank `pp_rank` sends in one step, by the ledger's "group/op" keys: dp_bytes_sent's;
-    per micro-batch, tp's four messages a layer (sp: all-gathers and reduce-scatters for all-reduces),
-    the embedding's, the head's and the loss's; the pipeline's activations and gradients; cp's K/V
-    round the ring or Ulysses' all-to-alls (context_parallel.attention_bytes_sent); the experts'
-    all-to-alls and norm (estimate_moe.moe_bytes_sent: exact with a capacity factor every expert
-    fills, else the expectation under uniform routing). Recompute replays each layer's (--recompute-mlp:
-    MLP's) forward messages, up to the last it needs."""
-    sent = Counter(dp_bytes_sent(model_cfg, cfg, pp_rank))
-    model, m, w = rank_model(model_cfg, cfg, pp_rank), cfg.accum_steps, of_config(cfg).activation_width
-    layers, moe_blocks = len(model.layers), sum(isinstance(x, MoE) for x in model.modules())
-    if moe_blocks:
-        sent.update(moe_bytes_sent(model_cfg, cfg, moe_blocks))
-        if "ep" in _norm_sums(model, cfg):  # the experts' squares, summed over the ep ranks holding the rest
-            sent["ep/all_reduce"] += ring_bytes_sent("all_reduce", _grad_width(cfg), cfg.ep)
-    first, last = model.tok_emb is not None, model.lm_head is not None
-    tokens = cfg.micro_batch * cfg.seq_len // cfg.cp  # this rank's, per micro-batch
-    # Under bf16 autocast the matmuls' outputs (and their gradients) are bf16, but the residual
-    # stream, the norms' outputs and RoPE's rotations stay in the weights' fp32 (bf16-mixed: bf16).
-    weight_width = widths(cfg)[1]
-    stream, product = tokens * model_cfg.dim * weight_width, tokens * model_cfg.dim * w
-    grad_width = _grad_width(cfg)
-    if cfg.tp > 1:
-        t = cfg.tp
-        # Per micro-batch: each block's region, two a layer (an MoE block enters none: its experts are
-        # replicated over tp); the embedding's output and the head's input.
-        blocks = 2 * layers - moe_blocks
-        ends = (first + last) * ring_bytes_sent("all_reduce" if not cfg.sp else "all_gather", stream, t)
-        for key, region in region_bytes_sent(stream, product, t, cfg.sp).items():  # tensor_parallel's own count
-            sent[key] += m * (blocks * region + ends)
-        if cfg.recompute or cfg.recompute_mlp:  # backward replays each layer's (MLP's) forward messages, but stops
-            # once it has rebuilt what it needs (torch's early stop): not a dense MLP's output (feeding a sum).
-            out_op = "reduce_scatter" if cfg.sp else "all_reduce"  # --recompute: each attention's output (g)
-            sent[f"tp/{out_op}"] += m * layers * cfg.recompute * ring_bytes_sent(out_op, product, t)
-            inputs = blocks if cfg.recompute else layers - moe_blocks  # --recompute-mlp: dense MLPs (MoE: estimate_moe)
-            sent["tp/all_gather"] += m * inputs * ring_bytes_sent("all_gather", stream, t) if cfg.sp else 0
-        if cfg.tp_overlap and cfg.sp:  # each region (and the head) kept its input's shard: gathered again in backward
-            sent["tp/all_gather"] += m * (blocks + last) * ring_bytes_sent("all_gather", stream, t)
-        if last:  # the loss's three numbers a token
-            sent["tp/all_reduce"] += m * loss_bytes_sent(tokens, w, t)["tp/all_reduce"]
-        sent["tp/all_reduce"] += ring_bytes_sent("all_reduce", grad_width, t)  # the norm of the tp shards
-        partial = [p.numel() for p in model.parameters() if "tp" in placement_of(p).partial]
-        if partial and cfg.zero == 0:  # sp's norm weights: summed over tp once per step (one message)
-            sent["tp/all_reduce"] += ring_bytes_sent("all_reduce", sum(partial) * weight_width, t)
-        elif partial:  # ZeRO: per bucket that holds some, as it is reduced (stage 2-3: each micro-batch)
-            for _, _, chunk in zero_buckets(model, cfg):
-                numel = sum(p.numel() for p in chunk if "tp" in placement_of(p).partial)
-                if numel:
-                    sent["tp/all_reduce"] += (m if cfg.zero >= 2 else 1) * ring_bytes_sent(
-                        "all_reduce", numel * weight_width, t)
-    if cfg.pp > 1:
-        sent.update(pipeline_bytes_sent(model_cfg, cfg, pp_rank))
-        sent["pp/all_reduce"] += ring_bytes_sent("all_reduce", grad_width, cfg.pp)  # the norm, over stages
-    if cfg.cp > 1:  # ring: K/V round the ring; ulysses: four all-to-alls (each replayed under --recompute)
-        heads, kv_heads = model_cfg.n_heads // cfg.tp, max(1, model_cfg.n_kv_heads // cfg.tp)
-        sent["cp/send" if cfg.cp_attention == "ring" else "cp/all_to_all"] += m * layers * attention_bytes_sent(
-            cfg.cp_attention, tokens, heads, kv_heads, model_cfg.head_dim, cfg.cp, weight_width, w, cfg.recompute)
-    return {k: v for k, v in sent.items() if v}
-
-
-def _grad_width(cfg: Layout) -> int:
-    """The width of the gradients the norm is taken of: the masters' (ZeRO's slices, bf16-mixed's), or the weights'."""
-    prec = of_config(cfg)
-    return torch.promote_types(prec.built, torch.float32).itemsize if cfg.zero or prec.mixed else prec.built.itemsize
-
-
-def pipeline_bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> Counter:
-    """What pp rank `pp_rank` sends between stages in a step (schedules.bytes_sent_per_step): a micro-batch's
-    residual stream a message (sp: a tp rank's share of its tokens). No model is built: the planner's clock asks."""
-    if cfg.pp == 1:
-        return Counter()
-    stream = cfg.micro_batch * cfg.seq_len // cfg.cp * model_cfg.dim * widths(cfg)[1] // (cfg.tp if cfg.sp else 1)
-    schedule = _schedule(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages)
-    return Counter(bytes_sent_per_step(schedule, pp_rank, stream))
 
 
 def temporary_bytes(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[str, int]:
@@ -241,7 +109,7 @@ def temporary_bytes(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> di
         return {}
     model, (_, width, wire) = rank_model(model_cfg, cfg, pp_rank), widths(cfg)
     plan = zero_buckets(model, cfg)
-    padded = [-(-sum(p.numel() for p in c) // _replicas(d, cfg)) * _replicas(d, cfg) * max(width, wire)
+    padded = [-(-sum(p.numel() for p in c) // grad_replicas(d, cfg)) * grad_replicas(d, cfg) * max(width, wire)
               for _, d, c in plan]
     if cfg.zero < 3:
         return {"flattened": max(padded)}
@@ -376,7 +244,7 @@ def _alive(schedule: str, pp: int, m: int, virtual: int, n_layers: int, first_mo
     Without a pipeline: one micro-batch's, the whole model."""
     if pp == 1:
         return frozenset({(min(first_moe, n_layers), n_layers - min(first_moe, n_layers), 1)})
-    plan = _schedule(schedule, pp, m, virtual)
+    plan = cached_schedule(schedule, pp, m, virtual)
     actions = plan.actions[pp_rank]
     split, last = any(a.kind == "W" for a in actions), plan.n_stages - 1
     sizes = [(sum(i < first_moe for i in ls), sum(i >= first_moe for i in ls))
@@ -390,7 +258,7 @@ def _alive(schedule: str, pp: int, m: int, virtual: int, n_layers: int, first_mo
     return frozenset(states)
 
 
-_schedule = lru_cache(maxsize=64)(build_schedule)  # the planner asks for one schedule under many layouts
+cached_schedule = lru_cache(maxsize=64)(build_schedule)  # the planner asks for one schedule under many layouts
 
 
 def peak_bytes(model_cfg: ModelConfig, cfg: Layout) -> int:

@@ -84,23 +84,20 @@ def moe_block_bytes(c: ModelConfig, cfg: Layout, worst: bool = False) -> int:
     return router + dispatch + experts + combine + aux
 
 
-def moe_bytes_sent(c: ModelConfig, cfg: Layout, n_blocks: int, worst: bool = False) -> dict[str, int]:
-    """What a rank holding `n_blocks` MoE blocks sends in one step for them, by the ledger's keys:
-    the ep all-to-alls (module docstring) and the load-balancing loss's all-reduces over cp, and
-    over tp under sp. Dropless: the expectation under uniform routing (worst: its bound)."""
-    sent: dict[str, int] = {}
-    forwards = cfg.accum_steps * n_blocks * (2 if cfg.recompute or cfg.recompute_mlp else 1)
-    backwards = cfg.accum_steps * n_blocks
+def moe_messages(c: ModelConfig, cfg: Layout, worst: bool = False) -> list[tuple[str, int]]:
+    """The messages a rank sends for one MoE block and micro-batch, as ("group/op", bytes): the ep
+    all-to-alls (module docstring) and the load-balancing loss's all-reduces over cp, and over tp
+    under sp. Dropless: the expectation under uniform routing (worst: its bound). A replay (--recompute,
+    --recompute-mlp) sends the forward's again."""
     stream, product = stream_and_product_widths(cfg)
-    if cfg.ep > 1:
-        _, out, back, _ = expert_rows(c, cfg, worst)
-        counts = (c.n_experts - c.n_experts // cfg.ep) * INDEX
-        # Forward: tokens out (the normed stream's width), results back (products); backward: the
-        # results' gradients out, the tokens' gradients back.
-        sent["ep/all_to_all"] = forwards * (counts + c.dim * (out * stream + back * product)) + \
-            backwards * c.dim * (out * product + back * stream)
+    forward, backward = [], []
+    if cfg.ep > 1:  # forward: the counts, tokens out (the normed stream's width), results back (products);
+        _, out, back, _ = expert_rows(c, cfg, worst)  # backward: the results' gradients out, the tokens' back
+        forward = [("ep/all_to_all", n) for n in ((c.n_experts - c.n_experts // cfg.ep) * INDEX,
+                                                  c.dim * out * stream, c.dim * back * product)]
+        backward = [("ep/all_to_all", c.dim * out * product), ("ep/all_to_all", c.dim * back * stream)]
     if c.aux_loss_coef:  # the probabilities' and the counts' sums, in the router's width
         for name, size in (("cp", cfg.cp), ("tp", cfg.tp if cfg.sp else 1)):
-            if size > 1:
-                sent[f"{name}/all_reduce"] = forwards * 2 * ring_bytes_sent("all_reduce", c.n_experts * stream, size)
-    return sent
+            forward += [(f"{name}/all_reduce", ring_bytes_sent("all_reduce", c.n_experts * stream, size))] * 2
+    return forward * (2 if cfg.recompute or cfg.recompute_mlp else 1) + backward
+

@@ -14,8 +14,6 @@ each gather and gradient exchange once per micro-batch (ZeRO-3 gathers and reduc
 
 from __future__ import annotations
 
-from collections import Counter
-
 from minipar.mesh import MeshLayout
 from minipar.zeropp import ZeroPP, dp_per_node, parse, wire_bytes
 
@@ -39,19 +37,17 @@ def secondary_bytes(plan, cfg, width: int) -> int:
     return sum(p // k * width for p in padded)
 
 
-def bucket_sent(padded: int, cfg, width: int, wire: int) -> Counter:
-    """{"group/op": bytes} one rank sends in a step for one ZeRO-3 bucket of `padded` numbers."""
+def bucket_messages(padded: int, cfg, width: int, wire: int) -> list[tuple[str, int]]:
+    """The messages one rank sends for one ZeRO-3 bucket of `padded` numbers in a micro-batch, as
+    ("group/op", bytes): the forward gather, the backward one, the gradients' exchange."""
     plus, k, m = _split(cfg)
-    n, s, times = cfg.dp, padded // cfg.dp, cfg.accum_steps
-    sent = Counter()
-    sent["dp/all_gather"] = times * (n - 1) * (wire_bytes(s, plus.weight_bits, plus.block) if plus.qwz else s * width)
-    if plus.hpz:
-        sent["dp_intra/all_gather"] = times * (k - 1) * padded // k * width
+    n, s = cfg.dp, padded // cfg.dp
+    sent = [("dp/all_gather", (n - 1) * (wire_bytes(s, plus.weight_bits, plus.block) if plus.qwz else s * width))]
+    if plus.hpz:  # backward's gather: from the node's secondary copy
+        sent.append(("dp_intra/all_gather", (k - 1) * padded // k * width))
     else:
-        sent["dp/all_gather"] += times * (n - 1) * s * width
+        sent.append(("dp/all_gather", (n - 1) * s * width))
     if plus.qgz:
-        sent["dp_intra/all_to_all"] = times * (k - 1) * wire_bytes(m * s, plus.grad_bits, plus.block)
-        sent["dp_cross/all_to_all"] = times * (m - 1) * wire_bytes(s, plus.grad_bits, plus.block)
-    else:
-        sent["dp/reduce_scatter"] = times * (n - 1) * s * wire
-    return sent
+        return sent + [("dp_intra/all_to_all", (k - 1) * wire_bytes(m * s, plus.grad_bits, plus.block)),
+                       ("dp_cross/all_to_all", (m - 1) * wire_bytes(s, plus.grad_bits, plus.block))]
+    return sent + [("dp/reduce_scatter", (n - 1) * s * wire)]

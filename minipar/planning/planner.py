@@ -21,7 +21,7 @@ The clock (`step_time`) is arithmetic, stated here so that its answer can be arg
               input embedding, plus attention; recompute adds a forward: 8 instead of 6; recompute
               of the MLPs only their forward, + 6·d·ffn per token and layer) over the GPUs at `mfu`
               of their peak
-    traffic   the bytes each group sends in a step, from estimate.bytes_sent (equal to the
+    traffic   the bytes each group sends in a step, from traffic.bytes_sent (equal to the
               ledger's on CPU), over the intra-node bandwidth when the group's ranks lie in one
               node, else the inter-node one; where measured (Cluster.links, plan.py --calibrate)
               over the group size's own β, plus α for each message (`messages`):
@@ -63,15 +63,14 @@ from minipar.pipeline.schedules import build as build_schedule
 from minipar.pipeline.timeline import simulate
 from minipar.planning.estimate import (
     activation_bytes,
-    bytes_sent,
     held_bytes,
     peak_bytes,
-    pipeline_bytes_sent,
     rank_model,
     temporary_bytes,
     zero_buckets,
 )
 from minipar.planning.layout import Layout
+from minipar.planning.traffic import bytes_sent, pipeline_messages, traffic
 from minipar.precision import of_config
 
 RECOMPUTE = ((False, False), (False, True), (True, False))  # (recompute, recompute_mlp): none, the MLPs', all
@@ -136,8 +135,9 @@ def step_flops(c: ModelConfig, cfg: Layout) -> float:
 def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]:
     """Seconds of one optimizer step under the clock of the module docstring, by part."""
     compute = step_flops(c, cfg) / (cluster.gpus * cluster.flops * cluster.mfu)
-    sent, calls = bytes_sent(c, cfg), messages(c, cfg)  # pp rank 0's, by group: equal to the ledger's on CPU
-    middle = min(1, cfg.pp - 1)  # a middle stage's messages between stages: the most
+    step = traffic(c, cfg)  # pp rank 0's messages: equal to the ledger's on CPU
+    sent, calls = bytes_sent(c, cfg, sent=step), messages(c, cfg, step=step)
+    between = pipeline_messages(c, cfg, min(1, cfg.pp - 1))  # a middle stage's messages between stages: the most
 
     def over(prefix: str, span: int, size: int) -> float:
         latency, bandwidth = _link(cluster, span, size)
@@ -145,8 +145,8 @@ def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]
     idle = pipeline_idle(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages)  # of the whole step
     latency, bandwidth = _link(cluster, cfg.dp * cfg.tp * cfg.pp * cfg.cp, 2)  # one rank to the next
     turns = {"compute": compute, "tp": over("tp", cfg.tp, cfg.tp), "cp": over("cp", cfg.tp * cfg.cp, cfg.cp),
-             "pp": messages(c, cfg, middle)["pp"] * latency
-             + sum(pipeline_bytes_sent(c, cfg, middle).values()) / bandwidth}  # the micro-batches' turns
+             "pp": (len(between) + (cfg.pp > 1)) * latency  # the stages' messages, the norm's
+             + sum(n for _, n in between) / bandwidth}  # the micro-batches' turns
     dp = over("dp_cp" if cfg.cp > 1 else "dp", cfg.tp * cfg.cp * cfg.dp, cfg.dp * cfg.cp)
     # dp hides behind backward, but for plain dp's last bucket, whose all-reduce is posted once backward is done
     last = dp / gradient_buckets(c, cfg) if cfg.zero == 0 else 0.0
@@ -155,20 +155,14 @@ def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]
     return {**parts, "total": sum(parts.values())}
 
 
-def messages(c: ModelConfig, cfg: Layout, pp_rank: int = 0) -> Counter:
-    """The messages pp rank `pp_rank` sends in a step by kind, for the clock's latency (Cluster.links): tp's
-    one each way a block and micro-batch (sp: two), the embedding's and the head's too, the loss's three and
-    the norms'; ring attention's 2(cp-1)+1 a layer (Ulysses: four each way); one or two a micro-batch and stage
-    held; dp's count, a message a bucket (ZeRO: estimate.zero_buckets' reduce-scatters and all-gathers) and
-    the norm. Recompute's replays are not counted."""
-    model, m, v, many = rank_model(c, cfg, pp_rank), cfg.accum_steps, cfg.virtual_stages, cfg.dp * cfg.cp > 1
-    first, last, layers = model.tok_emb is not None, model.lm_head is not None, len(model.layers)
-    buckets = gradient_buckets(c, cfg, pp_rank)
-    dp = 1 + many * (buckets * (1, 2, m + 1, 3 * m)[cfg.zero] + (cfg.zero > 0))
-    tp = m * ((4 * layers + first + last) * (1 + cfg.sp) + 3 * last) + 1 + (cfg.sp and not cfg.zero)
-    return Counter({"tp": tp * (cfg.tp > 1), "dp_cp" if cfg.cp > 1 else "dp": dp,
-                    "cp": m * layers * (2 * cfg.cp - 1 if cfg.cp_attention == "ring" else 8) * (cfg.cp > 1),
-                    "pp": (m * (2 * v - (pp_rank == 0) - (pp_rank == cfg.pp - 1)) + 1) * (cfg.pp > 1)})
+def messages(c: ModelConfig, cfg: Layout, pp_rank: int = 0, step: Counter | None = None) -> Counter:
+    """The messages pp rank `pp_rank` sends in a step by group (pipeline gradients' with pp's), for the
+    clock's latency (Cluster.links): estimate.traffic's (or `step`'s), the very messages whose bytes
+    bytes_sent adds up, equal to the ledger's calls on groups of two ranks or more."""
+    calls = Counter()
+    for (key, nbytes), times in (traffic(c, cfg, pp_rank) if step is None else step).items():
+        calls[key.split("/")[0].removesuffix("_grad")] += times * (nbytes > 0)
+    return calls
 
 
 def gradient_buckets(c: ModelConfig, cfg: Layout, pp_rank: int = 0) -> int:

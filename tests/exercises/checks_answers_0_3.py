@@ -32,7 +32,7 @@ def _cfg(model: str, model_vocab: int | None = None, **kw):
 
 def _sent(model: str, group: str, **kw) -> int:
     """Bytes pp rank 0 sends per step on `group` (every op), by the estimator (= the ledger)."""
-    from minipar.planning.estimate import bytes_sent
+    from minipar.planning.traffic import bytes_sent
     return sum(v for k, v in bytes_sent(*_cfg(model, **kw)).items() if k.split("/")[0] == group)
 
 

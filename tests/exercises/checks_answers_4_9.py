@@ -326,7 +326,8 @@ LAYOUTS_16 = {"A": dict(dp=16), "B": dict(dp=16, zero=3), "C": dict(dp=8, tp=2, 
 @lru_cache
 def layout_16_figures(seq_len: int) -> dict[str, tuple[int, int]]:
     """{letter: (the fullest rank's bytes, the bytes the busiest rank sends per step)}: the estimator's."""
-    from minipar.planning.estimate import bytes_sent, peak_bytes
+    from minipar.planning.estimate import peak_bytes
+    from minipar.planning.traffic import bytes_sent
     figures = {}
     for k, layout in LAYOUTS_16.items():
         c, cfg = _cfg("small", model_vocab=256, seq_len=seq_len, global_batch=16, dtype="float64", **layout)

@@ -1,7 +1,7 @@
 """Exercise 4.2, the estimator's bytes, tp 4 over tp 2."""
 
 from minipar.model import get_config
-from minipar.planning.estimate import bytes_sent
+from minipar.planning.traffic import bytes_sent
 from minipar.run.config import TrainConfig
 
 

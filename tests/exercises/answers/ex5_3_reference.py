@@ -1,7 +1,7 @@
 """Exercise 5.3, the estimator's bytes, cp 8 over cp 2."""
 
 from minipar.model import get_config
-from minipar.planning.estimate import bytes_sent
+from minipar.planning.traffic import bytes_sent
 from minipar.run.config import TrainConfig
 
 

@@ -4,7 +4,8 @@ rank fits the budget, the one whose busiest rank sends the least (the estimator'
 
 def ANSWER(v):  # noqa: N802 - a function of the variant (v.seq_len, v.budget_mib)
     from minipar.model import get_config
-    from minipar.planning.estimate import bytes_sent, peak_bytes
+    from minipar.planning.estimate import peak_bytes
+    from minipar.planning.traffic import bytes_sent
     from minipar.run.config import TrainConfig
 
     layouts = {"A": dict(dp=16), "B": dict(dp=16, zero=3), "C": dict(dp=8, tp=2, sp=True),
