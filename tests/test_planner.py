@@ -15,7 +15,6 @@ from minipar.planning.estimate import peak_bytes
 from minipar.planning.planner import (
     Cluster,
     check_memory,
-    gradient_buckets,
     layouts,
     messages,
     plan,
@@ -133,14 +132,14 @@ def test_a_calibrated_clock_adds_each_messages_latency_at_its_groups_measured_ba
     assert t["tp"] == pytest.approx(calls["tp"] * 1e-3 + sum(v for k, v in sent.items() if k.startswith("tp/")) / 1e9)
     dp = calls["dp"] * 1e-3 + sum(v for k, v in sent.items() if k.startswith("dp/")) / 1e9
     # one bucket (a small model's gradients are under 25 MB): none of it hides, it is posted once backward is done
-    assert gradient_buckets(c, cfg) == 1 and t["dp"] == pytest.approx(dp)
+    assert calls["dp"] == 2 and t["dp"] == pytest.approx(dp)  # train_step's count of targets, one bucket
     four = TrainConfig(model="small", dp=4, seq_len=128, global_batch=16, micro_batch=2)
     dp = step_time(c, four, here)["dp"]  # a group of 4 costs what groups of 4 measured
     assert dp == pytest.approx(messages(c, four)["dp"] * 2e-3 + bytes_sent(c, four)["dp/all_reduce"] / 0.5e9)
     assert step_time(c, four, replace(here, links=links[1:]))["dp"] == dp
     # many buckets: what backward's last 2/3 of the compute covers hides, never the last bucket
     many = replace(four, bucket_mb=0.5)
-    t, buckets = step_time(c, many, replace(here, flops=50e6)), gradient_buckets(c, many)
+    t, buckets = step_time(c, many, replace(here, flops=50e6)), messages(c, many)["dp"] - 1  # less the count
     all_of_it = step_time(c, many, replace(here, flops=1e15))["dp"]  # compute next to nothing: all of dp shows
     assert buckets > 5 and t["dp"] == pytest.approx(all_of_it / buckets, rel=1e-3)
 

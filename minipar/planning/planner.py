@@ -57,7 +57,6 @@ from itertools import islice
 import torch
 
 from minipar.comm_clock import exposed_line
-from minipar.data_parallel import bucket_params
 from minipar.model import ModelConfig, get_config
 from minipar.pipeline.schedules import build as build_schedule
 from minipar.pipeline.timeline import simulate
@@ -65,9 +64,7 @@ from minipar.planning.estimate import (
     activation_bytes,
     held_bytes,
     peak_bytes,
-    rank_model,
     temporary_bytes,
-    zero_buckets,
 )
 from minipar.planning.layout import Layout
 from minipar.planning.traffic import bytes_sent, pipeline_messages, traffic
@@ -147,9 +144,11 @@ def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]
     turns = {"compute": compute, "tp": over("tp", cfg.tp, cfg.tp), "cp": over("cp", cfg.tp * cfg.cp, cfg.cp),
              "pp": (len(between) + (cfg.pp > 1)) * latency  # the stages' messages, the norm's
              + sum(n for _, n in between) / bandwidth}  # the micro-batches' turns
-    dp = over("dp_cp" if cfg.cp > 1 else "dp", cfg.tp * cfg.cp * cfg.dp, cfg.dp * cfg.cp)
-    # dp hides behind backward, but for plain dp's last bucket, whose all-reduce is posted once backward is done
-    last = dp / gradient_buckets(c, cfg) if cfg.zero == 0 else 0.0
+    group = "dp_cp" if cfg.cp > 1 else "dp"
+    dp = over(group, cfg.tp * cfg.cp * cfg.dp, cfg.dp * cfg.cp)
+    # dp hides behind backward, but for plain dp's last bucket, whose all-reduce is posted once backward is
+    # done: one of its messages but train_step's count of targets
+    last = dp / max(1, calls[group] - 1) if cfg.zero == 0 else 0.0
     parts = {**turns, "dp": max(last, dp - 2 / 3 * compute),
              "bubble": idle / (1 - idle) * sum(turns.values())}  # idle f of the step is f / (1 - f) of the turns
     return {**parts, "total": sum(parts.values())}
@@ -157,18 +156,12 @@ def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]
 
 def messages(c: ModelConfig, cfg: Layout, pp_rank: int = 0, step: Counter | None = None) -> Counter:
     """The messages pp rank `pp_rank` sends in a step by group (pipeline gradients' with pp's), for the
-    clock's latency (Cluster.links): estimate.traffic's (or `step`'s), the very messages whose bytes
+    clock's latency (Cluster.links): traffic.traffic's (or `step`'s), the very messages whose bytes
     bytes_sent adds up, equal to the ledger's calls on groups of two ranks or more."""
     calls = Counter()
     for (key, nbytes), times in (traffic(c, cfg, pp_rank) if step is None else step).items():
         calls[key.split("/")[0].removesuffix("_grad")] += times * (nbytes > 0)
     return calls
-
-
-def gradient_buckets(c: ModelConfig, cfg: Layout, pp_rank: int = 0) -> int:
-    """The buckets pp rank `pp_rank`'s gradients travel in: ZeRO's (estimate.zero_buckets), else bucket_params'."""
-    model = rank_model(c, cfg, pp_rank)
-    return len(zero_buckets(model, cfg)) if cfg.zero else len(bucket_params(list(model.parameters()), cfg.bucket_mb))
 
 
 @lru_cache(maxsize=256)  # many layouts share a schedule
