@@ -182,6 +182,8 @@ def init_std(name: str, config: ModelConfig) -> float | None:
 @torch.no_grad()
 def init_weights(model: nn.Module, config: ModelConfig, seed: int) -> None:
     for name, p in model.named_parameters():
+        if p.is_meta:  # a model on paper (planning/estimate.py): shapes only, no values to draw
+            continue
         std = init_std(name, config)
         p.copy_(torch.ones(p.shape) if std is None else init_tensor(name, tuple(p.shape), std, seed))
 

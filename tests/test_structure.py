@@ -82,8 +82,10 @@ LIBRARY = sorted((ROOT / "minipar").rglob("*.py"))
 # (planner.messages) is read off the very messages whose bytes bytes_sent adds up, no longer a second formula
 # beside them, and so equals the ledger's calls under recompute, --tp-overlap and experts too, where it did not;
 # the clock's last dp bucket is one of those messages (planner.gradient_buckets, a third statement, gone).
+# The planner's speed (+7): a model on paper draws no values (init_weights skips meta tensors), and a schedule's
+# sends are walked once per schedule: the 70b search in 17 s, not 21.5.
 LINE_BUDGET = (4000 + 400 + 500 + 500 + 400 + 500 + 300 + 150 + 100 + 300 + 350 + 100 + 300 + 200 + 330 + 90 + 210
-               + 74 + 105 + 30 + 13 + 1 + 138 + 24 + 151 + 6 + 67 + 2 + 2 + 42 - 319 + 13 + 3 + 292 + 3 + 30)
+               + 74 + 105 + 30 + 13 + 1 + 138 + 24 + 151 + 6 + 67 + 2 + 2 + 42 - 319 + 13 + 3 + 292 + 3 + 30 + 7)
 
 
 def test_the_library_stays_within_its_line_budget_and_400_lines_per_file():

@@ -18,6 +18,7 @@ depend on the router: estimate_moe.py gives the expectation).
 from __future__ import annotations
 
 from collections import Counter
+from functools import lru_cache
 
 import torch
 
@@ -176,5 +177,9 @@ def pipeline_messages(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> 
     if cfg.pp == 1:
         return []
     stream = cfg.micro_batch * cfg.seq_len // cfg.cp * model_cfg.dim * widths(cfg)[1] // (cfg.tp if cfg.sp else 1)
-    schedule = cached_schedule(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages)
-    return messages_per_step(schedule, pp_rank, stream)
+    return [(key, stream) for key in _sends(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages, pp_rank)]
+
+
+@lru_cache(maxsize=1024)  # the planner weighs one schedule under many layouts: walk its actions once
+def _sends(schedule: str, pp: int, m: int, virtual: int, pp_rank: int) -> tuple[str, ...]:
+    return tuple(key for key, _ in messages_per_step(cached_schedule(schedule, pp, m, virtual), pp_rank, 0))
