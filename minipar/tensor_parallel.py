@@ -161,7 +161,7 @@ def leave_parallel_region(x: torch.Tensor, group: Group, sequence_parallel: bool
 def region_messages(stream: int, product: int, tp: int, sequence_parallel: bool) -> list[tuple[str, int]]:
     """The messages a region sends for a micro-batch, forward and backward, as (the ledger's "tp/op" key,
     bytes sent): f's of its input (`stream` bytes) and g's of its output (`product` bytes), an all-reduce
-    each, or under sp an all-gather and a reduce-scatter each. The planner asks here (planning/estimate.py)."""
+    each, or under sp an all-gather and a reduce-scatter each. The planner asks here (planning/traffic.py)."""
     ops = ("all_gather", "reduce_scatter") if sequence_parallel else ("all_reduce",)
     return [(f"tp/{op}", ring_bytes_sent(op, n, tp)) for op in ops for n in (stream, product)]
 

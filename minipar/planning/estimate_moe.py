@@ -100,4 +100,3 @@ def moe_messages(c: ModelConfig, cfg: Layout, worst: bool = False) -> list[tuple
         for name, size in (("cp", cfg.cp), ("tp", cfg.tp if cfg.sp else 1)):
             forward += [(f"{name}/all_reduce", ring_bytes_sent("all_reduce", c.n_experts * stream, size))] * 2
     return forward * (2 if cfg.recompute or cfg.recompute_mlp else 1) + backward
-
