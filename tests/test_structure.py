@@ -76,7 +76,7 @@ LIBRARY = sorted((ROOT / "minipar").rglob("*.py"))
 # three flags and their checks, and each wrapper's synced_grads, drop_grads and persistent. The planner's
 # caches of the pipeline check, ZeRO's bucket plan and weigh's answers (+3): the 70b search in 24 s, not 43,
 # and the 8b question asked once per process.
-# Issue 28 items 3-4, traffic stated once (+30): each module states its messages, not only their bytes
+# Issue 28 items 3-4, traffic stated once (+37): each module states its messages, not only their bytes
 # (region_messages, loss_messages, attention_messages, messages_per_step, moe_messages, bucket_messages), and
 # planning/traffic.py counts them (its own file: estimate.py was at the 400-line cap); the clock's message count
 # (planner.messages) is read off the very messages whose bytes bytes_sent adds up, no longer a second formula
@@ -85,7 +85,7 @@ LIBRARY = sorted((ROOT / "minipar").rglob("*.py"))
 # The planner's speed (+7): a model on paper draws no values (init_weights skips meta tensors), and a schedule's
 # sends are walked once per schedule: the 70b search in 17 s, not 21.5.
 LINE_BUDGET = (4000 + 400 + 500 + 500 + 400 + 500 + 300 + 150 + 100 + 300 + 350 + 100 + 300 + 200 + 330 + 90 + 210
-               + 74 + 105 + 30 + 13 + 1 + 138 + 24 + 151 + 6 + 67 + 2 + 2 + 42 - 319 + 13 + 3 + 292 + 3 + 30 + 7)
+               + 74 + 105 + 30 + 13 + 1 + 138 + 24 + 151 + 6 + 67 + 2 + 2 + 42 - 319 + 13 + 3 + 292 + 3 + 37 + 7)
 
 
 def test_the_library_stays_within_its_line_budget_and_400_lines_per_file():

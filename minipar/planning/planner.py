@@ -67,7 +67,7 @@ from minipar.planning.estimate import (
     temporary_bytes,
 )
 from minipar.planning.layout import Layout
-from minipar.planning.traffic import bytes_sent, pipeline_messages, traffic
+from minipar.planning.traffic import bytes_by_key, bytes_sent, calls_by_group, pipeline_messages, traffic
 from minipar.precision import of_config
 
 RECOMPUTE = ((False, False), (False, True), (True, False))  # (recompute, recompute_mlp): none, the MLPs', all
@@ -133,7 +133,7 @@ def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]
     """Seconds of one optimizer step under the clock of the module docstring, by part."""
     compute = step_flops(c, cfg) / (cluster.gpus * cluster.flops * cluster.mfu)
     step = traffic(c, cfg)  # pp rank 0's messages: equal to the ledger's on CPU
-    sent, calls = bytes_sent(c, cfg, sent=step), messages(c, cfg, step=step)
+    sent, calls = bytes_by_key(step), calls_by_group(step)
     between = pipeline_messages(c, cfg, min(1, cfg.pp - 1))  # a middle stage's messages between stages: the most
 
     def over(prefix: str, span: int, size: int) -> float:
@@ -154,14 +154,10 @@ def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]
     return {**parts, "total": sum(parts.values())}
 
 
-def messages(c: ModelConfig, cfg: Layout, pp_rank: int = 0, step: Counter | None = None) -> Counter:
-    """The messages pp rank `pp_rank` sends in a step by group (pipeline gradients' with pp's), for the
-    clock's latency (Cluster.links): traffic.traffic's (or `step`'s), the very messages whose bytes
-    bytes_sent adds up, equal to the ledger's calls on groups of two ranks or more."""
-    calls = Counter()
-    for (key, nbytes), times in (traffic(c, cfg, pp_rank) if step is None else step).items():
-        calls[key.split("/")[0].removesuffix("_grad")] += times * (nbytes > 0)
-    return calls
+def messages(c: ModelConfig, cfg: Layout, pp_rank: int = 0) -> Counter:
+    """The messages pp rank `pp_rank` sends in a step by group, for the clock's latency (Cluster.links):
+    the very messages whose bytes bytes_sent adds up (traffic.py), equal to the ledger's calls."""
+    return calls_by_group(traffic(c, cfg, pp_rank))
 
 
 @lru_cache(maxsize=256)  # many layouts share a schedule

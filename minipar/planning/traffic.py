@@ -99,13 +99,26 @@ def _norm_sums(model, cfg: Layout) -> dict[str, tuple[int, int]]:
     return {name: (size, k) for (name, size), k in times.items()}
 
 
-def bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0, sent: Counter | None = None) -> dict[str, int]:
-    """Everything pp rank `pp_rank` sends in one step, by the ledger's "group/op" keys: the bytes of
-    traffic's messages (or of `sent`'s)."""
+def bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[str, int]:
+    """Everything pp rank `pp_rank` sends in one step, by the ledger's "group/op" keys."""
+    return bytes_by_key(traffic(model_cfg, cfg, pp_rank))
+
+
+def bytes_by_key(sent: Counter) -> dict[str, int]:
+    """A step's messages (`add`'s count) as bytes by "group/op" key, as the ledger's "sent"."""
     out = Counter()
-    for (key, nbytes), times in (traffic(model_cfg, cfg, pp_rank) if sent is None else sent).items():
+    for (key, nbytes), times in sent.items():
         out[key] += times * nbytes
     return {k: v for k, v in out.items() if v}
+
+
+def calls_by_group(sent: Counter) -> Counter:
+    """A step's messages (`add`'s count) by group, pipeline gradients' (pp_grad) with pp's: the ledger's
+    calls on groups of two ranks or more (a message of no bytes is none)."""
+    calls = Counter()
+    for (key, nbytes), times in sent.items():
+        calls[key.split("/")[0].removesuffix("_grad")] += times * (nbytes > 0)
+    return calls
 
 
 def traffic(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> Counter:
@@ -128,7 +141,7 @@ def traffic(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> Counter:
     weight_width = widths(cfg)[1]
     stream, product = tokens * model_cfg.dim * weight_width, tokens * model_cfg.dim * w
     if cfg.tp > 1:
-        add(sent, _tp_messages(model, cfg, tokens, stream, product), m)
+        add(sent, _tp_messages(model, cfg, moe_blocks, tokens, stream, product), m)
         sent[_ring("tp/all_reduce", norm, cfg.tp)] += 1  # the norm of the tp shards
         partial = [p.numel() for p in model.parameters() if "tp" in placement_of(p).partial]
         if partial and cfg.zero == 0:  # sp's norm weights: summed over tp once per step (one message)
@@ -146,13 +159,12 @@ def traffic(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> Counter:
     return sent
 
 
-def _tp_messages(model, cfg: Layout, tokens: int, stream: int, product: int) -> list[tuple[str, int]]:
+def _tp_messages(model, cfg: Layout, moe_blocks: int, tokens: int, stream: int, product: int) -> list[tuple[str, int]]:
     """tp's messages for one micro-batch: two a block's region (tensor_parallel.region_messages; an MoE
     block enters none, its experts replicated over tp), the embedding's output and the head's input, the
     loss's (loss_messages). Recompute replays each layer's (--recompute-mlp: MLP's) forward messages,
     up to the last it needs."""
     t, layers, last = cfg.tp, len(model.layers), model.lm_head is not None
-    moe_blocks = sum(isinstance(x, MoE) for x in model.modules())
     blocks, gather = 2 * layers - moe_blocks, _ring("tp/all_gather", stream, t)
     ends = [gather, _ring("tp/reduce_scatter", stream, t)] if cfg.sp else [_ring("tp/all_reduce", stream, t)]
     sent = region_messages(stream, product, t, cfg.sp) * blocks + ends * ((model.tok_emb is not None) + last)
