@@ -115,6 +115,11 @@ def t(tmp_path_factory):
     (t / "a_file").write_text("not a folder")
     (t / "read_only").mkdir(mode=0o500)
     (t / "traced" / "traces" / "steps_2-3").mkdir(parents=True)  # an --out whose steps 2-3 were profiled
+    for name in ("traces_file", "traces_link", "traces_fifo"):  # an --out whose traces is no folder
+        (t / name).mkdir()
+    (t / "traces_file" / "traces").write_text("a file of the user's")
+    (t / "traces_link" / "traces").symlink_to(t / "nowhere")
+    os.mkfifo(t / "traces_fifo" / "traces")
     for name, text in (("unknown_key", "dpp = 2"), ("wrong_type", 'steps = "ten"'), ("bool_for_int", "dp = true"),
                        ("bad_choice", 'model = "huge"'), ("table", "[layout]\ndp = 2"), ("not_toml", "steps = "),
                        ("nested", 'config = "other.toml"'), ("bad_range", "min-lr-ratio = 2"),
@@ -309,12 +314,22 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     (["--capacity-factor=1.25"], 1, "--capacity-factor 1.25 acts only with a model with experts"),
     (["--zero=3", "--zeropp=qwz"], 1, "--zeropp qwz acts only with --dp 2 or more"),
     (["--pp-layers=1,1"], 1, "--pp-layers 1,1 acts only with --pp 2 or more"),
+    (["--tp-overlap"], 1, "--tp-overlap acts only with --tp 2 or more"),
+    (["--allow-config-change"], 1, "--allow-config-change acts only with --resume, which this run has not"),
+    (["--token-dtype=uint32"], 1, "--token-dtype uint32 acts only with .bin token files as --data"),
+    (["--eval-batches=2"], 1, "--eval-batches 2 acts only with --val-fraction above 0"),
+    (["--data={t}/ids.bin", "--bpe-vocab=300"], 1, "--bpe-vocab 300 acts only with a BPE trained on text --data"),
     # --profile-steps: steps this run takes, traced into a folder of its own
     (["--profile-steps=2:30"], 1, "--profile-steps 2:30: give steps A <= B from 1 to --steps 20 (a step outside"),
     ([RUN, "--profile-steps=3:5"], 1, "--profile-steps 3:5: this run resumes after step 4: give steps it runs, "
      "from 5"),
     (["--out={t}/traced", "--profile-steps=2:3"], 1, "{t}/traced/traces/steps_2-3 exists (an earlier run's traces) "
      "and nothing is written over it"),
+    # a traces that is no folder: found after the last profiled step, it ended the run there, unsaved
+    (["--out={t}/traces_file", "--profile-steps=2:3"], 1, "--profile-steps 2:3: {t}/traces_file/traces is not a "
+     "folder, and the traces go into it"),
+    (["--out={t}/traces_link", "--profile-steps=2:3"], 1, "{t}/traces_link/traces is not a folder"),
+    (["--out={t}/traces_fifo", "--profile-steps=2:3"], 1, "{t}/traces_fifo/traces is not a folder"),
     # places the run cannot write
     (["--out="], 1, "--out is empty"),
     (["--out={t}/a_file"], 1, "a_file is a file: give a folder"),
@@ -473,6 +488,9 @@ GOOD = [  # edge cases that are fine
     (["--resume={t}/run", "--out={t}/resumed_f"], 1),  # an --out folder: its newest checkpoint
     ([f"--resume={{t}}/other_files/{STEP}", "--out={t}/resumed_g", "--allow-config-change"], 1),
     (["--data={t}/ids.bin"], 1),  # token ids, uint16: the vocabulary is the largest id + 1
+    (["--data={t}/ids.bin", "--bpe-vocab=512", "--token-dtype=uint16"], 1),  # the defaults named: an effective config
+    (["--eval-batches=4", "--no-allow-config-change"], 1),  # the same, with text
+    (["--resume=auto", "--out={t}/auto_fresh", "--allow-config-change"], 1),  # auto: a restart may resume
     (["--data={t}/ids.bin", "--tokenizer={t}/tok2.json"], 1),  # ids below the tokenizer's 320
     (["--tokenizer={t}/tok.json", "--val-fraction=0.1", "--eval-every=5", "--eval-batches=2"], 1),
     ([f"--resume={{t}}/tok_run/{STEP}", "--tokenizer={t}/tok.json", "--out={t}/resumed_h"], 1),  # the same one

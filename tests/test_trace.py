@@ -7,6 +7,7 @@ flag's refusals: test_config.py and test_bad_inputs.py). The ranges come from th
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from minipar.data_parallel import param_groups
 from minipar.mesh import Mesh
 from minipar.model import get_config
 from minipar.parallelize import adamw, build_grad_sync
-from minipar.run.config import TrainConfig, parse_args
+from minipar.run.config import ConfigError, TrainConfig, parse_args
 from minipar.run.launch import check_profiled_steps
 from minipar.run.profiling import StepProfiler
 
@@ -142,6 +143,21 @@ def test_a_restart_drops_steps_it_resumes_past_and_traces_written_already(tmp_pa
     (tmp_path / "traces" / "steps_3-4").mkdir(parents=True)
     cfg = parse_args(["--steps=9", f"--out={tmp_path}", "--profile-steps=3:4", "--resume=auto"])
     assert "steps_3-4 exists" in check_profiled_steps(cfg, 2) and cfg.profile_steps is None
+
+
+def test_a_traces_path_that_is_no_folder_is_dropped_on_a_restart_as_traces_written_already(tmp_path):
+    (tmp_path / "traces").write_text("a file of the user's")  # without --resume auto: refused (test_bad_inputs.py)
+    cfg = parse_args(["--steps=9", f"--out={tmp_path}", "--profile-steps=3:4", "--resume=auto"])
+    assert "traces is not a folder" in check_profiled_steps(cfg, 0) and cfg.profile_steps is None
+    assert (tmp_path / "traces").read_text() == "a file of the user's"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
+def test_a_traces_folder_that_cannot_be_written_is_refused_before_the_run(tmp_path):
+    (tmp_path / "traces").mkdir(mode=0o500)
+    cfg = parse_args(["--steps=9", f"--out={tmp_path}", "--profile-steps=3:4"])
+    with pytest.raises(ConfigError, match="--profile-steps 3:4: cannot write in .*traces: make it writable"):
+        check_profiled_steps(cfg, 0)
 
 
 def test_a_run_stopped_mid_trace_exits_with_its_own_code_and_writes_no_trace(tmp_path):

@@ -26,6 +26,7 @@ from minipar.planning.layout import Layout
 from minipar.run import checkpoint, flags
 from minipar.run.args import InputError
 from minipar.run.config_file import as_toml, read_config_file
+from minipar.run.data import DataError, are_token_files, find_files
 from minipar.run.flags import ACTS_WITH, BPE_VOCAB, SHAPE_FLAGS
 from minipar.zeropp import parse as parse_zeropp
 
@@ -223,14 +224,30 @@ def parse_args(argv=None) -> TrainConfig:
         cfg.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     cfg.validate(world)
     moe = cfg.model_config().n_experts > 0
+    if cfg.bpe_vocab == replace(cfg, bpe_vocab=None).bpe_size():  # the BPE's default size (an effective config's)
+        named.discard("bpe_vocab")
+    kind = data_kind(cfg.data) if {"token_dtype", "bpe_vocab"} & named else None  # a walk of --data: only if asked
     acting = {"tp_overlap": cfg.tp > 1, "cp_attention": cfg.cp > 1, "schedule": cfg.pp > 1, "pp_layers": cfg.pp > 1,
               "zeropp": cfg.dp > 1, "aux_loss_coef": moe, "capacity_factor": moe,
-              "replica_group_id": cfg.replica_groups > 1, "lighthouse": cfg.replica_groups > 1}
+              "replica_group_id": cfg.replica_groups > 1, "lighthouse": cfg.replica_groups > 1,
+              "allow_config_change": cfg.resume is not None, "eval_batches": cfg.val_fraction > 0,
+              "token_dtype": kind != "text", "bpe_vocab": kind != "tokens"}
     idle = sorted(k for k in named if not acting[k])
     if idle:
-        raise ConfigError(f"--{idle[0].replace('_', '-')} {getattr(cfg, idle[0])} acts only with {ACTS_WITH[idle[0]]}, "
-                          f"which this run has not: it would change nothing; leave it out")
+        value = getattr(cfg, idle[0])
+        given = f"--{idle[0].replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")  # a switch: named
+        raise ConfigError(f"{given} acts only with {ACTS_WITH[idle[0]]}, which this run has not: it would change "
+                          f"nothing; leave it out")
     return cfg.resolved()
+
+
+def data_kind(data: str | None) -> str | None:
+    """--data's kind: "tokens" (.bin token files) or "text"; None where it cannot be read here (then
+    launch.check_paths says why, on each node that cannot: a node's files are its own)."""
+    try:
+        return "tokens" if are_token_files(data, find_files(data)) else "text"
+    except DataError:
+        return None
 
 
 def effective(cfg: TrainConfig) -> str:

@@ -26,7 +26,9 @@ BPE_VOCAB = 4096  # the BPE's default size, when the model's vocabulary is large
 ACTS_WITH = {"tp_overlap": "--tp 2 or more", "cp_attention": "--cp 2 or more", "schedule": "--pp 2 or more",
              "pp_layers": "--pp 2 or more", "zeropp": "--dp 2 or more", "aux_loss_coef": "a model with experts",
              "capacity_factor": "a model with experts", "replica_group_id": "--replica-groups 2 or more",
-             "lighthouse": "--replica-groups 2 or more"}
+             "lighthouse": "--replica-groups 2 or more", "allow_config_change": "--resume",
+             "eval_batches": "--val-fraction above 0", "token_dtype": ".bin token files as --data",
+             "bpe_vocab": "a BPE trained on text --data (not .bin token files)"}
 
 
 def add_model_flags(p: argparse.ArgumentParser, d) -> None:
@@ -57,14 +59,14 @@ def add_data_flags(p: argparse.ArgumentParser, d) -> None:
                    f"model's vocabulary (default: the model's vocabulary, at most {BPE_VOCAB})")
     g.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer.json (default: a BPE trained on --data)")
     g.add_argument("--token-dtype", default=d.token_dtype, choices=["uint16", "uint32"],
-                   help="the ids' type in .bin token files (nanoGPT's format: a bare array)")
+                   help=f"the ids' type in .bin token files (nanoGPT's format: a bare array; default: {d.token_dtype})")
     g.add_argument("--cache-dir", default=d.cache_dir, help="where tokenised data is kept")
     g.add_argument("--val-fraction", type=float, default=d.val_fraction,
                    help="hold out this fraction of the documents (files) for validation, chosen by --seed")
     g.add_argument("--eval-every", type=int, default=d.eval_every,
                    help="validation loss every N steps (0: at the end only; needs --val-fraction)")
     g.add_argument("--eval-batches", type=int, default=d.eval_batches,
-                   help="global batches of held-out windows per validation")
+                   help=f"global batches of held-out windows per validation (default: {d.eval_batches})")
 
 
 def add_precision_flags(g) -> None:
@@ -151,7 +153,8 @@ def parser(d) -> argparse.ArgumentParser:
     g.add_argument("--resume", default=None, help="a checkpoint folder, an --out folder (its newest that verifies), "
                    "or auto: --out's newest if it has one, else start fresh (for torchrun --max-restarts)")
     g.add_argument("--allow-config-change", action=switch, default=False,
-                   help="--resume with another --data, --seq-len, --global-batch, --seed or learning-rate schedule")
+                   help="--resume with another --data, --seq-len, --global-batch, --seed or learning-rate schedule "
+                   "(default: off)")
     g.add_argument("--plan", action=switch, default=False, help="print what each rank will hold, and exit")
     g.add_argument("--wandb", action=switch, default=True, help="log to wandb (offline unless you have logged in)")
     g.add_argument("--log-json", default=None, help="write one JSON object per step to this file (default: none)")

@@ -43,7 +43,7 @@ from minipar.run.config import ConfigError, TrainConfig, effective, parse_args
 from minipar.run.data import DataError, find_files, prepare
 from minipar.run.hang import HangWatch, RankTimeout, hang_report, stopped_answering
 from minipar.run.preflight import check_files
-from minipar.run.profiling import trace_folder
+from minipar.run.profiling import traces_in_the_way
 from minipar.run.run_log import RunLog, memory_baseline
 from minipar.run.saving import Interrupt, TrainingStopped
 from minipar.run.validation import validation_batches
@@ -140,14 +140,13 @@ def check_paths(cfg: TrainConfig, lock: bool = True) -> Path | None:
 
 def check_profiled_steps(cfg: TrainConfig, start: int) -> str | None:
     """--profile-steps must name steps this run takes (a resumed run starts after `start`), and its
-    traces' folder must be new. A restart of --resume auto drops the flag instead and returns the note
-    that says so: the attempt before it profiled those steps, or never reached them (folder new)."""
+    traces need a new folder they can be written in (profiling.traces_in_the_way). A restart of
+    --resume auto drops the flag instead and returns the note that says so: the attempt before it
+    profiled those steps, or never reached them (folder new)."""
+    why = traces_in_the_way(cfg)
     if cfg.profiled()[0] <= start:
         why = f"this run resumes after step {start}: give steps it runs, from {start + 1}"
-    elif os.path.lexists(trace_folder(cfg)):
-        why = (f"{trace_folder(cfg)} exists (an earlier run's traces) and nothing is written over it: move it "
-               f"away, or give other steps or another --out")
-    else:
+    if why is None:
         return None
     if cfg.resume != "auto":
         raise ConfigError(f"--profile-steps {cfg.profile_steps}: {why}")

@@ -16,6 +16,7 @@ computation and where the step's time went.
 from __future__ import annotations
 
 import atexit
+import os
 from pathlib import Path
 
 import torch
@@ -31,6 +32,21 @@ def trace_folder(cfg: TrainConfig) -> Path:
     """Where this run's traces go: a folder of --out named for the steps."""
     first, last = cfg.profiled()
     return Path(cfg.out).expanduser() / "traces" / f"steps_{first}-{last}"
+
+
+def traces_in_the_way(cfg: TrainConfig) -> str | None:
+    """Why this run's traces could not be written, or None. Found only after the last profiled step,
+    it would end the run there, unsaved: a `traces` that is no folder (a file, a FIFO, a broken
+    link) or one this rank cannot write in, or the steps' folder there already (never written over)."""
+    folder = trace_folder(cfg)
+    if os.path.lexists(folder.parent) and not folder.parent.is_dir():
+        return f"{folder.parent} is not a folder, and the traces go into it: move it away, or give another --out"
+    if folder.parent.is_dir() and not os.access(folder.parent, os.W_OK | os.X_OK):
+        return f"cannot write in {folder.parent}: make it writable, or give another --out"
+    if os.path.lexists(folder):
+        return (f"{folder} exists (an earlier run's traces) and nothing is written over it: move it away, or give "
+                f"other steps or another --out")
+    return None
 
 
 class StepProfiler:
