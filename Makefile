@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml constraints.txt
 setup: $(STAMP)
 
 # The main job on the embedded default: a small Llama on CPU, 2 data-parallel ranks, built-in data.
+# Through train.py's own launcher (torchrun's agent in-process: Ctrl-C ends in the run's one line);
+# more flags in ARGS, e.g. make train ARGS="--steps 50"; the stop line's command keeps them.
 train: $(STAMP)
-	$(BIN)/torchrun --standalone --nproc-per-node 2 scripts/train.py --dp 2
+	MINIPAR_MAKE_ARGS='$(ARGS)' $(BIN)/python scripts/train.py --standalone --nproc-per-node 2 --dp 2 $(ARGS)
 
 # Fault tolerance on torchft (docs/10b_fault_tolerance.md): the lighthouse and two replica groups of
 # one rank; group 1 is killed (once while it takes the survivor's state) and rejoins. About 20 s.

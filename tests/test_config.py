@@ -190,3 +190,18 @@ def test_profile_steps_the_run_does_not_take_are_refused(flag, words):
 
     with pytest.raises(ConfigError, match=re.escape(words)):
         parse_args(["--steps=3", f"--profile-steps={flag}"])
+
+
+def test_print_config_prints_a_file_that_gives_the_same_run_without_its_folders(tmp_path, monkeypatch, capsys):
+    from minipar.run import launch
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # --print-config, like --plan, launches nothing
+    argv = [*FLAGS, "--dp=2", f"--out={tmp_path / 'run'}", f"--log-json={tmp_path / 'log.jsonl'}"]
+    assert launch.main([*argv, "--print-config"]) == 0
+    text = capsys.readouterr().out
+    assert "dp = 2\n" in text and "\nout =" not in text and "log-json" not in text and "print-config" not in text
+    (tmp_path / "run.toml").write_text(text)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    again = parse_args([f"--config={tmp_path / 'run.toml'}"])
+    assert asdict(again) == asdict(replace(parse_args(argv), config=str(tmp_path / "run.toml"), out=None,
+                                           log_json=None))
+    assert not (tmp_path / "run").exists()

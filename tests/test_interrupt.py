@@ -5,6 +5,7 @@ torchrun's copies of one Ctrl-C) is ignored; a later one, or one before the step
 
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -17,6 +18,10 @@ from test_train import ROOT, TORCHRUN, _worker_of, common, losses, run
 
 from minipar.run import launch, saving
 from minipar.run.run_log import RunLog
+
+# The stop's line: the step every rank stopped after, and the command (ending in --resume CKPT) that continues.
+STOPPED = re.compile(r"minipar: interrupted: stopped after step (\d+) of \d+, on every rank; "
+                     r"continue with: .+ --resume ([^\s']+)'?$")  # make train's ARGS='...' ends in a quote
 
 
 def at_once(monkeypatch):
@@ -78,7 +83,8 @@ def test_a_later_ctrl_c_or_one_before_the_steps_stops_at_once_with_one_line_from
         assert err == [] and (out / ".lock").exists()  # rank 0 says it, for every rank
         return
     again = " again" if when != "before the steps" else ""
-    assert err == [f"minipar: interrupted{again}: stopped at once; continue with --resume {out / 'step_000004'}"]
+    assert len(err) == 1 and err[0].startswith(f"minipar: interrupted{again}: stopped at once; continue with: ")
+    assert err[0].endswith(f" --resume {out / 'step_000004'}")  # the command that started it (rerun_command)
     assert not (out / ".lock").exists()
 
 
@@ -112,7 +118,7 @@ def test_a_ctrl_c_at_step_3_saves_step_3_says_so_in_one_line_and_the_resumed_run
     out = capsys.readouterr().out
     said = [line for line in out.splitlines() if "interrupted" in line or line.startswith("saved")]
     ckpt = tmp_path / "b" / "step_000003"
-    assert said == [f"minipar: interrupted: stopped after step 3 of 6, on every rank; continue with --resume {ckpt}"]
+    assert len(said) == 1 and STOPPED.match(said[0]) and STOPPED.match(said[0])[2] == str(ckpt), said
     assert sorted(p.name for p in (tmp_path / "b").glob("step_*")) == ["step_000003"]
     monkeypatch.undo()
     one_process(monkeypatch)
@@ -130,7 +136,7 @@ def test_with_no_save_on_interrupt_the_stop_names_the_newest_checkpoint_already_
     assert launch.main(argv) == 130
     said = [line for line in capsys.readouterr().out.splitlines() if "interrupted" in line]
     ckpt = tmp_path / "b" / "step_000002"
-    assert said == [f"minipar: interrupted: stopped after step 3 of 6, on every rank; continue with --resume {ckpt}"]
+    assert len(said) == 1 and STOPPED.match(said[0]) and STOPPED.match(said[0])[2] == str(ckpt), said
     assert sorted(p.name for p in (tmp_path / "b").glob("step_*")) == ["step_000002"]
 
 
@@ -148,10 +154,6 @@ def popen(cmd, argv):
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     return subprocess.Popen([*cmd, str(ROOT / "scripts" / "train.py"), *argv], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-STOPPED = re.compile(r"minipar: interrupted: stopped after step (\d+) of 20, on every rank; "
-                     r"continue with --resume (\S+)$")
 
 
 @pytest.mark.integration
@@ -229,3 +231,78 @@ def test_a_second_ctrl_c_a_while_later_stops_at_once_in_one_line_and_gives_out_b
     said = [line for line in err.splitlines() if "minipar" in line]
     assert said == ["minipar: interrupted again: stopped at once; no checkpoint was saved"], err[-3000:]
     assert not (tmp_path / "b" / ".lock").exists()
+
+
+@pytest.mark.parametrize("how", ["make train", "the launcher", "torchrun", "one process"])
+def test_the_stop_line_gives_the_whole_command_that_continues_the_run_its_own_resume_replaced(how, monkeypatch):
+    for name in ("MINIPAR_MAKE_ARGS", "MINIPAR_COMMAND", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    ckpt = "runs/run_001/step_000045"
+    monkeypatch.setattr(sys, "argv", ["scripts/train.py", "--dp", "2", "--resume", "runs/old", "--steps=50"])
+    if how == "make train":
+        monkeypatch.setenv("MINIPAR_MAKE_ARGS", "--steps 50 --resume=runs/old --lr 1e-3")
+        expected = "make train ARGS='--steps 50 --lr 1e-3 --resume runs/run_001/step_000045'"
+    elif how == "the launcher":  # its own argv, handed to the workers; theirs is scripts/train.py's and the run's
+        monkeypatch.setenv("MINIPAR_COMMAND", '["scripts/train.py", "--nproc-per-node", "2", "--dp", "2", "--resume",'
+                                              ' "runs/old", "--steps=50"]')
+        expected = "--nproc-per-node 2 --dp 2 --steps=50 --resume runs/run_001/step_000045"
+    elif how == "torchrun":
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        expected = "torchrun --nproc-per-node=2 scripts/train.py --dp 2 --steps=50 --resume runs/run_001/step_000045"
+    else:
+        expected = "scripts/train.py --dp 2 --steps=50 --resume runs/run_001/step_000045"
+    command = saving.rerun_command(ckpt)
+    assert command.endswith(expected) and command.count("--resume") == 1, command
+    if how in ("the launcher", "one process"):
+        assert command.split()[0] in (sys.executable, os.path.relpath(sys.executable))  # the Python that ran it
+
+
+def test_a_ctrl_c_during_the_launchers_own_checks_stops_at_once_in_one_line(tmp_path, monkeypatch, capsys):
+    # train.py --nproc-per-node N checks everything before its agent starts a worker; tokenising a large
+    # corpus takes minutes: a Ctrl-C then stops at once, with the one line, not a KeyboardInterrupt traceback.
+    one_process(monkeypatch)
+    at_once(monkeypatch)
+
+    def interrupted(cfg):
+        signal_self(signal.SIGINT)
+    monkeypatch.setattr(launch, "check_memory", interrupted)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(SystemExit) as stopped:
+        launch.main(common(tmp_path, dp=2) + ["--nproc-per-node=2", f"--out={tmp_path / 'b'}"])
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err.splitlines() == ["minipar: interrupted: stopped at once; no checkpoint was saved"]
+    assert signal.getsignal(signal.SIGINT) is before and not (tmp_path / "b").exists()
+
+
+def without_progress_bar(err: str) -> list[str]:
+    """stderr's lines less tqdm's redraws (carriage returns; the bar is on stderr by design)."""
+    return [line for line in err.replace("\r", "\n").splitlines() if line.strip() and not line.startswith("train:")]
+
+
+@pytest.mark.integration
+def test_ctrl_c_during_make_train_ends_in_the_runs_one_line_and_its_command_continues_the_run(tmp_path):
+    # The README's first command, as a terminal's Ctrl-C reaches it: SIGINT to the whole process group
+    # (make, the launcher, its workers). Only minipar's line, then make's report of the exit status.
+    args = " ".join(common(tmp_path, steps=20, log_every=1, out=tmp_path / "b")[:-1]) + " --no-wandb"
+    env = dict(os.environ, WANDB_MODE="disabled")
+    env.pop("MAKEFLAGS", None)
+    proc = subprocess.Popen(["make", "--no-print-directory", "train", f"ARGS={args}"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        lines = started_stepping(proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    said = [line for line in lines + out.splitlines() if "interrupted" in line]
+    assert len(said) == 1 and STOPPED.match(said[0]), (said, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    assert without_progress_bar(err) in ([], ["make: *** [Makefile:24: train] Error 130"],
+                                         ["make: *** [Makefile:24: train] Interrupt"]), err[-3000:]
+    step, ckpt = int(STOPPED.match(said[0])[1]), STOPPED.match(said[0])[2]
+    command = said[0].split("continue with: ")[1]
+    assert command == f"make train ARGS={shlex.quote(args + ' --resume ' + ckpt)}"
+    resumed = subprocess.run(shlex.split(command), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"saved {tmp_path / 'b' / 'step_000020'}" in resumed.stdout and step < 20

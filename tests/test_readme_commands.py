@@ -46,3 +46,28 @@ def test_readme_sample_and_eval_commands_run_as_written(name, args, tmp_path, mo
     monkeypatch.chdir(tmp_path / "cwd")
     SCRIPTS[name].main(shlex.split(args))
     assert capsys.readouterr().err == ""
+
+
+def test_the_readmes_config_file_exists_and_its_command_passes_the_checks(monkeypatch):
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    command = re.search(r"^\.venv/bin/python scripts/train\.py (--config \S+ [^#\n]*?)\s*#", README, re.M)
+    assert command, "the README shows a --config command"
+    parse_args(command[1].split())  # the file is shipped, and its settings pass the checks
+
+
+def test_the_readmes_fault_tolerance_command_fits_its_layout(monkeypatch):
+    # torchrun's options on one line, train.py's flags on the next (after a backslash)
+    command = re.search(r"--nproc-per-node (\d+) --standalone \\\n\s+scripts/train\.py (.*)", README)
+    assert command, "the README shows the replica groups' torchrun command"
+    monkeypatch.setenv("WORLD_SIZE", command[1])
+    cfg = parse_args(command[2].replace("--replica-group-id g", "--replica-group-id 1").split())
+    assert cfg.replica_groups == 2 and cfg.tp == 8
+
+
+def test_make_train_runs_through_minipars_launcher_and_passes_args():
+    # Ctrl-C under a bare torchrun ends in its agent's traceback; the launcher keeps the run's one line
+    # (tests/test_interrupt.py runs `make train` and interrupts it).
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    recipe = re.search(r"^train: .*\n\t(.*)$", makefile, re.M)[1]
+    assert "scripts/train.py --standalone --nproc-per-node 2" in recipe and "torchrun" not in recipe
+    assert recipe.endswith("$(ARGS)") and "MINIPAR_MAKE_ARGS='$(ARGS)'" in recipe

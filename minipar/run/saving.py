@@ -14,12 +14,15 @@ repeat within a second is the same Ctrl-C. A later one, or one before the steps,
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import signal
 import sys
 import threading
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
@@ -110,6 +113,30 @@ class Interrupt:
 
 
 def resume_hint(out: str | None) -> str:
-    """What a stopped run resumes from: --out's newest checkpoint, if it has one."""
+    """What a stopped run resumes from: --out's newest checkpoint, if it has one, as a command to paste."""
     newest = checkpoint.checkpoints(out)[-1:] if out else []
-    return f"continue with --resume {newest[0]}" if newest else "no checkpoint was saved"
+    return f"continue with: {rerun_command(newest[0])}" if newest else "no checkpoint was saved"
+
+
+def rerun_command(resume: Path) -> str:
+    """The command that started this run, as it was typed, with `--resume resume` in place of its own:
+    `make train`'s (MINIPAR_MAKE_ARGS: its ARGS), train.py's launcher's (MINIPAR_COMMAND: its argv), a
+    bare torchrun's (its workers cannot see its options: the usual ones), or one process's."""
+    def without_resume(argv: list[str]) -> list[str]:
+        drop = {i for i, a in enumerate(argv) if a == "--resume"}
+        return [a for i, a in enumerate(argv) if i not in drop and i - 1 not in drop and not a.startswith("--resume=")]
+
+    def shown(path: str) -> str:  # .venv/bin/python rather than /home/.../.venv/bin/python
+        relative = os.path.relpath(path)
+        return relative if not relative.startswith("..") else path
+    if "MINIPAR_MAKE_ARGS" in os.environ:
+        args = [*without_resume(shlex.split(os.environ["MINIPAR_MAKE_ARGS"])), "--resume", str(resume)]
+        return f"make train ARGS={shlex.quote(shlex.join(args))}"
+    if "MINIPAR_COMMAND" in os.environ:
+        argv = json.loads(os.environ["MINIPAR_COMMAND"])
+        argv = [shown(sys.executable), shown(argv[0]), *argv[1:]]
+    elif "LOCAL_WORLD_SIZE" in os.environ:
+        argv = ["torchrun", f"--nproc-per-node={os.environ['LOCAL_WORLD_SIZE']}", shown(sys.argv[0]), *sys.argv[1:]]
+    else:
+        argv = [shown(sys.executable), shown(sys.argv[0]), *sys.argv[1:]]
+    return shlex.join([*without_resume(argv), "--resume", str(resume)])
