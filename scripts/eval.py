@@ -20,13 +20,15 @@ from minipar.run.args import HelpFormatter, InputError, Parser, existing_file, n
 from minipar.run.data import EOT, DataError, encode_files, find_files  # names a file that is not text
 from minipar.run.generate import checkpoint_tokenizer, plain_model_from, run_config
 
+MAX_BATCH = 2**24  # windows per forward, as train.py's --global-batch: torch's sizes are int64
+
 
 def parse_args(argv=None):
     p = Parser(prog="eval.py", description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     p.add_argument("checkpoint", help="a checkpoint folder, or an --out folder (its newest that verifies)")
     p.add_argument("--data", required=True, help="held-out text: a file or a folder of them")
     p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per window (default: the run's)")
-    p.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward")
+    p.add_argument("--batch-size", type=positive_int, default=8, help=f"windows per forward (at most {MAX_BATCH})")
     p.add_argument("--max-windows", type=non_negative_int, default=0, help="stop after this many windows (0: all)")
     p.add_argument("--tokenizer", type=existing_file, default=None,
                    help="tokenizer.json (default: the checkpoint's, or the run's data cache's)")
@@ -71,6 +73,8 @@ def evaluate(model, rows: torch.Tensor, batch_size: int) -> tuple[float, int]:
 def main(argv=None) -> tuple[float, float]:
     with refusals():  # CheckpointError, DataError, InputError: one line
         args = parse_args(argv)
+        if args.batch_size > MAX_BATCH:
+            raise InputError(f"--batch-size {args.batch_size}: give 1 to {MAX_BATCH} windows")
         path = checkpoint.resolve(args.checkpoint, flag="checkpoint")
         model, state = plain_model_from(path)
         seq_len = window_length(args.seq_len, state, path, model.config.max_seq_len)

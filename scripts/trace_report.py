@@ -26,6 +26,7 @@ from pathlib import Path
 
 from minipar.run.args import HelpFormatter, InputError, Parser, existing_folder, refusals, regular_file
 
+MAX_BYTES = 2**31  # a few steps' trace is megabytes; json.loads holds several times the file in memory
 POSTED = re.compile(r"minipar .*, (posted|wait) #(\d+)$")  # a posted message and its wait share the number
 STEP = re.compile(r"ProfilerStep#(\d+)")
 
@@ -53,14 +54,25 @@ def inside(spans: list[tuple[float, float]], t: float) -> bool:
 
 
 def load(path: Path) -> list[dict]:
-    """A trace's complete events ("ph": "X"), or one line saying why the file is not a trace."""
+    """A trace's complete events ("ph": "X"), or one line saying why the file is not a trace: too
+    large to read, nested deeper than Python's parser recurses (a trace is a few levels deep), not
+    JSON or not a trace's shape, or a time that is no number (NaN, 1e999: a report of nonsense)."""
+    size = regular_file(path).stat().st_size  # regular: a FIFO would block
+    if size > MAX_BYTES:
+        raise InputError(f"{path} is {size:,} bytes, more than a trace of a few steps ({MAX_BYTES:,}): profile "
+                         f"fewer steps")
     try:
-        events = json.loads(regular_file(path).read_text())["traceEvents"]  # regular: a FIFO would block
-        return [e for e in events if e.get("ph") == "X" and isinstance(e.get("name"), str)
-                and all(isinstance(e.get(k), (int, float)) for k in ("ts", "dur"))]
-    except (ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, or not a trace's shape
+        events = json.loads(path.read_text())["traceEvents"]
+        events = [e for e in events if e.get("ph") == "X" and isinstance(e.get("name"), str)
+                  and all(isinstance(e.get(k), (int, float)) for k in ("ts", "dur"))]
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:  # not JSON, or not a trace's shape
         raise InputError(f"{path} is not a Chrome trace of torch.profiler ({type(e).__name__}: {e}): give a "
                          f"folder train.py --profile-steps wrote") from None
+    bad = next((e for e in events if not (math.isfinite(e["ts"]) and 0 <= e["dur"] < math.inf)), None)
+    if bad is not None:
+        raise InputError(f"{path}: {bad['name']!r} has ts {bad['ts']} and dur {bad['dur']}, not a time: it is not "
+                         f"a trace torch.profiler wrote")
+    return events
 
 
 def figures(path: Path) -> dict:

@@ -106,9 +106,16 @@ def inputs(t: Path) -> Path:
     (t / "latin1.toml").write_bytes('steps = 3\nmodel = "tiny" # Größe\n'.encode("latin-1"))
     (t / "a_folder").mkdir()
     (t / "broken").symlink_to(t / "nowhere")
-    for name, text in (("cut_trace", '{"traceEvents": [{"ph": "X"'), ("unstepped_trace", '{"traceEvents": []}')):
+    step = '{"ph": "X", "name": "ProfilerStep#1", "tid": 1, '
+    for name, text in (("cut_trace", '{"traceEvents": [{"ph": "X"'), ("unstepped_trace", '{"traceEvents": []}'),
+                       ("deep_trace", "[" * 100_000 + "]" * 100_000),  # json.loads: a RecursionError
+                       ("nan_trace", '{"traceEvents": [' + step + '"ts": NaN, "dur": 5}]}'),
+                       ("inf_trace", '{"traceEvents": [' + step + '"ts": 1, "dur": 1e999}]}')):
         (t / name).mkdir()
         (t / name / "rank0.pt.trace.json").write_text(text)
+    (t / "huge_trace").mkdir()
+    with open(t / "huge_trace" / "rank0.pt.trace.json", "wb") as f:
+        f.truncate(2**31 + 1)  # sparse: it takes no disk
     return t
 
 
@@ -138,6 +145,11 @@ CASES = [  # (script, argv, a fragment of the one line)
     ("sample", ["{t}/run", "--temperature", "nan"], "argument --temperature: nan is not a finite number"),
     ("sample", ["{t}/run", "--temperature", "-1"], "argument --temperature: -1 is out of range: give 0 or more"),
     ("sample", ["{t}/run", "--temperature", "inf"], "argument --temperature: inf is not a finite number"),
+    ("sample", ["{t}/run", "--temperature", "1e-40"], "--temperature 1e-40: give 0 (the most likely token) or 0.001"),
+    ("sample", ["{t}/run", "--temperature", "1e9"], "--temperature 1e+09: give 0 (the most likely token) or 0.001 to"),
+    ("sample", ["{t}/run", "--seed", str(2**64)], "--seed 18446744073709551616: give 0 to 2**64 - 1"),
+    ("eval", ["{t}/run", "--data", str(TEXT), "--batch-size", str(10**20)], "--batch-size 100000000000000000000: "
+     "give 1 to 16777216 windows"),
     ("sample", ["{t}/run", "--tokenizer", "{t}/bad_tok.json"], "bad_tok.json: cannot load it as a Hugging Face"),
     ("sample", ["{t}/run", "--tokenizer", "{t}/fifo"], "fifo is not a regular file (a FIFO"),
     ("sample", ["{t}/run", "--tokenizer", "{t}/loop"], "argument --tokenizer: {t}/loop is a symlink loop"),
@@ -168,6 +180,11 @@ CASES = [  # (script, argv, a fragment of the one line)
     ("trace_report", ["{t}/a_folder"], "{t}/a_folder holds no rank*.pt.trace.json: give a folder train.py"),
     ("trace_report", ["{t}/cut_trace"], "cut_trace/rank0.pt.trace.json is not a Chrome trace of torch.profiler"),
     ("trace_report", ["{t}/unstepped_trace"], "has no ProfilerStep# ranges: it is not a trace of train.py"),
+    ("trace_report", ["{t}/deep_trace"], "deep_trace/rank0.pt.trace.json is not a Chrome trace of torch.profiler "
+     "(RecursionError"),
+    ("trace_report", ["{t}/nan_trace"], "'ProfilerStep#1' has ts nan and dur 5, not a time"),
+    ("trace_report", ["{t}/inf_trace"], "'ProfilerStep#1' has ts 1 and dur inf, not a time"),
+    ("trace_report", ["{t}/huge_trace"], "rank0.pt.trace.json is 2,147,483,649 bytes, more than a trace of a few"),
 ]
 
 
@@ -208,6 +225,8 @@ def test_each_script_as_a_program_exits_2_with_one_line_and_no_traceback(t):
 def test_the_same_scripts_run_with_good_input(t, capsys):
     """The checks refuse only what is wrong: the checkpoint samples and evaluates, the folder converts."""
     assert SCRIPTS["sample"].main([str(t / "run"), "--prompt", "def", "--tokens", "4"]).startswith("def")
+    assert SCRIPTS["sample"].main([str(t / "run"), "--prompt", "def", "--tokens", "4", "--temperature", "0.001",
+                                   "--seed", str(2**64 - 1)]).startswith("def")  # the bounds themselves
     loss, perplexity = SCRIPTS["eval"].main([str(t / "run"), "--data", str(TEXT), "--max-windows", "2",
                                              "--tokenizer", str(t / "tok.json")])
     assert 0 < loss < 10 and perplexity > 1

@@ -158,6 +158,8 @@ class TrainConfig(Layout):
         if r > 1 and not self.lighthouse:
             raise ConfigError(f"--replica-groups {r} needs --lighthouse HOST:PORT, where torchft's lighthouse runs "
                               "(scripts/train_ft.py starts one)")
+        if r > 1:
+            lighthouse_address(self.lighthouse)
         if r > 1 and self.global_batch % (r * self.dp * self.micro_batch):
             raise ConfigError(f"--global-batch {self.global_batch} is not divisible by --replica-groups {r} x --dp "
                               f"{self.dp} x --micro-batch {self.micro_batch}: every group's ranks take whole "
@@ -191,6 +193,17 @@ class TrainConfig(Layout):
         if self.bpe_size() > m.vocab_size:
             raise ConfigError(f"--bpe-vocab {self.bpe_size()} does not fit in the model's vocabulary of "
                               f"{m.vocab_size}: pass a smaller --bpe-vocab, or --vocab-size {self.bpe_size()} or more")
+
+
+def lighthouse_address(text: str) -> tuple[str, int]:
+    """--lighthouse as (host, port): HOST:PORT, or http://HOST:PORT as torchft writes it; the host a
+    name, an IPv4 address or an [IPv6] one. Anything else is refused here, before any process group,
+    not found by torchft's connect attempt after --timeout."""
+    found = re.fullmatch(r"(?:http://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})/?", text)
+    if found is None or not 1 <= int(found[2]) <= 65535:
+        raise ConfigError(f"--lighthouse {text!r}: give HOST:PORT (e.g. localhost:29510, torchft_lighthouse's "
+                          f"default), the port 1 to 65535, at most one http:// before it and no spaces")
+    return found[1], int(found[2])
 
 
 def parser() -> argparse.ArgumentParser:

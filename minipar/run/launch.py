@@ -104,12 +104,13 @@ def check_paths(cfg: TrainConfig, lock: bool = True) -> Path | None:
         source = cfg.out if checkpoint.checkpoints(cfg.out) else None
     skipped, corrupt = [], []
     resume = checkpoint.resolve(source, skipped, corrupt=corrupt) if source else None
-    if cfg.out is None:  # continue where we resume, else a fresh numbered folder
-        cfg.out = str(resume.parent) if resume else next(
-            f"runs/run_{i:03d}" for i in range(1, 10**4) if not Path(f"runs/run_{i:03d}").exists())
+    if cfg.out is None:  # continue where we resume, else a fresh numbered folder, the same on every rank
+        cfg.out = str(resume.parent) if resume else new_run_folder(cfg.timeout)
     if cfg.init_from:  # weights to start from: a checkpoint folder, or the newest in an --out folder
         cfg.init_from = str(checkpoint.resolve(cfg.init_from, flag="--init-from"))
-    check_files(cfg, resume)  # the data is text, --out and the logs writable, the checkpoint of this run
+    saved_id = checkpoint.run_id(cfg.out)  # a run_id not of minipar's form: refused here, never replaced
+    kept = saved_id if cfg.resume else None  # a resumed run keeps its id (and its JSON log)
+    check_files(cfg, resume, kept)  # the data is text, --out and the logs writable, the checkpoint of this run
     # Newer checkpoints of --out that do not verify are set aside (below), not in the way of this run's saves.
     ours = [p for p in corrupt if p.parent.resolve() == Path(cfg.out).expanduser().resolve()]
     start = json.loads((resume / "train_state.json").read_text())["step"] if resume else 0
@@ -128,6 +129,7 @@ def check_paths(cfg: TrainConfig, lock: bool = True) -> Path | None:
     profile_note = check_profiled_steps(cfg, start) if cfg.profile_steps else None
     if lock and os.environ.get("RANK", "0") == "0":
         notes = checkpoint.lock(cfg.out)  # first: only the holder of --out moves anything in it
+        checkpoint.name_run(cfg.out, kept)
         for folder, why in zip(corrupt, skipped):  # --out's own set aside by name (unless an earlier attempt did)
             moved = checkpoint.set_aside(folder).name if folder in ours and folder.exists() else None
             notes.append(f"{why.split(';')[0]}: moved it aside to {moved}, resuming from an earlier one" if moved
@@ -136,6 +138,32 @@ def check_paths(cfg: TrainConfig, lock: bool = True) -> Path | None:
         for note in notes:
             print(f"minipar: {note}", flush=True)
     return resume
+
+
+def new_run_folder(timeout: float) -> str:
+    """runs/run_NNN, the first unused number. Every rank must save to the same one: under torchrun
+    rank 0 chooses it and tells the others through the store torchrun's agent serves its workers
+    (MASTER_ADDR:MASTER_PORT), before any process group exists. (scripts/train.py --nproc-per-node
+    chooses it itself and passes --out to every worker.)"""
+    def first_unused() -> str:
+        return next(f"runs/run_{i:03d}" for i in range(1, 10**4) if not Path(f"runs/run_{i:03d}").exists())
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:  # one process chooses
+        return first_unused()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # no store to ask before the process group
+        raise ConfigError("several ranks need one --out to save to, and without torchrun's shared store (or under "
+                          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) they cannot agree on a new runs/run_NNN: give --out")
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    key = (f"minipar/{os.environ.get('TORCHELASTIC_RUN_ID')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT')}"
+           f"/out")  # this attempt's: the store may outlive it
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+        if os.environ["RANK"] == "0":
+            store.set(key, first_unused())
+        return store.get(key).decode()  # rank 0 reads its own choice back
+    except RuntimeError as e:  # DistStoreError: timed out; DistNetworkError: no store there
+        raise ConfigError(f"the ranks could not agree on a new run folder through torchrun's store at {where} "
+                          f"within --timeout {timeout:g} s ({str(e).splitlines()[0][:120]}): give --out") from None
 
 
 def check_profiled_steps(cfg: TrainConfig, start: int) -> str | None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import http.client
 import http.server
 import logging
 import os
@@ -48,7 +49,7 @@ from minipar.collectives import Group, broadcast
 from minipar.data_parallel import GradSync
 from minipar.mesh import Mesh
 from minipar.run.batches import TokenData
-from minipar.run.config import TrainConfig
+from minipar.run.config import ConfigError, TrainConfig, lighthouse_address
 
 
 def lost_gpu_hours(gpus: int, gpu_mtbf_hours: float, hours: float, restart_hours: float,
@@ -65,10 +66,47 @@ def lost_gpu_hours(gpus: int, gpu_mtbf_hours: float, hours: float, restart_hours
     return failures * group_gpus * restart_hours
 
 
+def lighthouse_url(address: str) -> str:
+    """--lighthouse (checked by config.lighthouse_address) as torchft takes it: http://HOST:PORT."""
+    host, port = lighthouse_address(address)
+    return f"http://{host}:{port}"
+
+
+def check_lighthouse(address: str, timeout: float) -> None:
+    """Ask the lighthouse for its dashboard (plain HTTP, on the port it serves torchft's gRPC on),
+    waiting at most `timeout` seconds, before any process group: torchft's own client would wait as
+    long for a closed port as for a slow lighthouse, answer another server with a traceback, and hold
+    the connect where no one can see it. Python's socket calls let Ctrl-C's handler run meanwhile.
+    ConfigError says what answered, if not a lighthouse."""
+    host, port = lighthouse_address(address)
+    try:
+        connection = http.client.HTTPConnection(host.strip("[]"), port, timeout=timeout)
+        try:
+            connection.request("GET", "/")
+            page = connection.getresponse().read(1 << 16)
+        finally:
+            connection.close()
+    except ConnectionRefusedError:
+        found = "connection refused: nothing listens there (start the lighthouse first, or give its port)"
+    except socket.gaierror:
+        found = f"no such host: {host} does not resolve"
+    except TimeoutError:
+        found = (f"no answer within --timeout {timeout:g} s (something accepted the connection and said "
+                 f"nothing, or the host drops it)")
+    except (OSError, http.client.HTTPException) as e:
+        found = f"not a lighthouse: {type(e).__name__} ({str(e)[:80] or 'no reply'})"
+    else:
+        if b"torchft" in page and b"Lighthouse" in page:
+            return
+        found = "not a lighthouse: an HTTP server answered whose page is not torchft's lighthouse dashboard"
+    raise ConfigError(f"--lighthouse {address}: {found}")
+
+
 class Replicas:
     """This rank's seat among the replica groups: its torchft Manager, and the step's participants."""
 
     def __init__(self, cfg: TrainConfig, mesh: Mesh, model: GradSync, say=print):
+        os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust half logs each quorum at INFO; read at import
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
@@ -86,7 +124,7 @@ class Replicas:
         host, port = self._group_store()
         self.manager = Manager(pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=1,
                                use_async_quorum=False, init_sync=False, replica_id=f"minipar_{self.id:03d}",
-                               lighthouse_addr=f"http://{cfg.lighthouse}", rank=dist.get_rank(),
+                               lighthouse_addr=lighthouse_url(cfg.lighthouse), rank=dist.get_rank(),
                                world_size=dist.get_world_size(), store_addr=host, store_port=port, timeout=timeout,
                                quorum_timeout=timeout, connect_timeout=timeout)
         say(f"replica group {self.id} of {self.groups}: each rank averages its gradients with the same rank of the "
