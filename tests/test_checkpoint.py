@@ -146,10 +146,16 @@ def test_the_out_lock_refuses_a_live_run_and_takes_over_a_dead_ones(tmp_path):
         alive.kill()
         alive.wait()
     (tmp_path / ".lock").write_text(f"{host} {alive.pid}")  # now gone: a stale lock
-    (tmp_path / ".tmp-123-step_000004").mkdir()  # an interrupted save
+    (tmp_path / ".tmp-minipar-123-step_000004").mkdir()  # an interrupted save
+    for name in (".tmp-123-step_000004", ".tmp-minipar-x", ".tmp-minipar-1-step_4b"):  # the user's: not our form
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "notes.txt").write_text("mine")
     notes = checkpoint.lock(tmp_path)
     assert f"took over the lock of a run that is gone (host {host}, pid {alive.pid})" in notes[0]
-    assert "removed .tmp-123-step_000004" in notes[1] and not (tmp_path / ".tmp-123-step_000004").exists()
+    assert notes[1:] == ["removed .tmp-minipar-123-step_000004, left by an interrupted save"]
+    assert not (tmp_path / ".tmp-minipar-123-step_000004").exists()
+    assert all((tmp_path / name / "notes.txt").read_text() == "mine"
+               for name in (".tmp-123-step_000004", ".tmp-minipar-x", ".tmp-minipar-1-step_4b"))
     assert (tmp_path / ".lock").read_text() == f"{host} {os.getpid()}"
     checkpoint.unlock(tmp_path)
     assert not (tmp_path / ".lock").exists()
@@ -163,15 +169,30 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
         checkpoint.load(tmp_path / "step_000001", other)
 
 
-def test_an_empty_lock_left_by_a_run_that_died_claiming_out_is_taken_over_with_a_note(tmp_path):
-    (tmp_path / ".lock").write_text("")  # created, never written: a run died in between, or is starting now
-    with pytest.raises(checkpoint.CheckpointError, match="is being claimed by another run right now"):
+@pytest.mark.parametrize("text", ["", "my tool's lock\n", "host", "host pid", "a b c", "12345"])
+def test_a_lock_not_in_minipars_form_is_refused_and_never_deleted(tmp_path, text):
+    """Another program's .lock, or one a run has created and not yet written (microseconds): however
+    old, minipar cannot tell it is its own, so it refuses, and leaves the file as it was."""
+    (tmp_path / ".lock").write_text(text)
+    os.utime(tmp_path / ".lock", (0, 0))  # long ago
+    with pytest.raises(checkpoint.CheckpointError, match=r"holds a \.lock that is not minipar's .* never deletes it"):
         checkpoint.lock(tmp_path)
-    os.utime(tmp_path / ".lock", (0, 0))  # long ago: that run is gone
-    notes = checkpoint.lock(tmp_path)
-    assert notes == [f"took over {tmp_path / '.lock'}, left empty by a run that died while claiming --out"]
-    assert (tmp_path / ".lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
-    checkpoint.unlock(tmp_path)
+    assert (tmp_path / ".lock").read_text() == text and os.stat(tmp_path / ".lock").st_mtime == 0
+    checkpoint.unlock(tmp_path)  # not ours: kept
+    assert (tmp_path / ".lock").read_text() == text
+
+
+def test_the_run_id_is_minipars_form_or_refused_and_a_new_run_replaces_only_its_own(tmp_path):
+    assert checkpoint.run_id(tmp_path) is None
+    first = checkpoint.name_run(tmp_path, None)
+    assert checkpoint.run_id(tmp_path) == first and len(first) == 12
+    assert checkpoint.name_run(tmp_path, first) == first  # resumed: kept
+    assert checkpoint.name_run(tmp_path, None) != first  # a new run in an --out that saved nothing
+    assert [p.name for p in tmp_path.iterdir()] == ["run_id"]  # no temporary left
+    (tmp_path / "run_id").write_text("my run's name")
+    with pytest.raises(checkpoint.CheckpointError, match="holds a run_id that is not minipar's"):
+        checkpoint.name_run(tmp_path, None)
+    assert (tmp_path / "run_id").read_text() == "my run's name"
 
 
 # How a full disk reaches save: Python's OSError, or safetensors' own error, many lines long.

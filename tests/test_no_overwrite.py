@@ -147,12 +147,13 @@ def test_train_refuses_an_out_holding_another_runs_checkpoints(made, tmp_path, m
 
 def test_a_runs_own_files_and_its_json_log_do_not_make_its_out_foreign(tmp_path):
     out = tmp_path / "out"
-    for name in ("step_000004", "step_000008.corrupt", "step_000008.corrupt-2", ".tmp-12-step_000012", "wandb",
-                 "traces"):
+    for name in ("step_000004", "step_000008.corrupt", "step_000008.corrupt-2", ".tmp-minipar-12-step_000012",
+                 "wandb", "traces", ".tmp-x", ".tmp-12-step_000012"):
         (out / name).mkdir(parents=True)
-    for name in (".lock", "wandb_run_id", "log.jsonl"):
+    for name in (".lock", "run_id", "wandb_run_id", "log.jsonl"):
         (out / name).write_text("")
-    assert checkpoint.not_a_runs(out) == ["log.jsonl"]  # train.py lets it through only as this run's --log-json
+    # train.py lets log.jsonl through only as this run's --log-json; a .tmp-* not of minipar's form is the user's
+    assert checkpoint.not_a_runs(out) == [".tmp-12-step_000012", ".tmp-x", "log.jsonl"]
     assert checkpoint.not_a_runs(tmp_path / "missing") == []
 
 

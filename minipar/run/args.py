@@ -12,6 +12,8 @@ A bad flag or file costs one line and exit code 2, never a traceback, and names 
     inside             a path written in a file stays in the folder the user gave
     new_folder         what a script writes: built beside the target, renamed into place; a target
                        holding anything is refused (nothing a user owns is overwritten or mixed into)
+    short_enough       each name in a path fits the file system (255 bytes), or one line up front
+    temporary_name     minipar's own temporary names: marked, and short whatever the target's length
     refusals()         a script's checks: any InputError (or other ValueError, OSError) -> one line, exit 2
 
 Why the file checks: a FIFO given as a file blocks its reader forever, a symlink loop reads as "no
@@ -25,6 +27,7 @@ import errno
 import math
 import os
 import re
+import secrets
 import shutil
 import stat
 import sys
@@ -210,10 +213,31 @@ def inside(base: str | Path, relative: str | Path, name: str) -> Path:
     return joined
 
 
+NAME_MAX = 255  # bytes in one name of a path: Linux's file systems (ext4, xfs, btrfs, tmpfs) and macOS's
+
+
+def short_enough(path: str | Path, name: str) -> Path:
+    """`path` (~ expanded) if each of its names fits the file system: a longer one passes every other
+    check and fails only when it is made (ENAMETOOLONG)."""
+    p = Path(path).expanduser()
+    for part in p.parts:
+        if len(os.fsencode(part)) > NAME_MAX:
+            raise InputError(f"{name}: the name {part[:20]}... is {len(os.fsencode(part))} bytes, more than the "
+                             f"{NAME_MAX} a file system takes in one name: give a shorter one")
+    return p
+
+
+def temporary_name(what: str = "") -> str:
+    """A name for something minipar builds and renames into place: `.tmp-minipar-<pid>-<what or a
+    random tag>`. The marker says it is minipar's (only such names are ever cleared); its length
+    does not grow with the target's, so it fits wherever the target's name fits."""
+    return f".tmp-minipar-{os.getpid()}-{what or secrets.token_hex(4)}"
+
+
 def unoccupied(path: str | Path, name: str, source: str | Path | None = None) -> Path:
     """`path` (~ expanded) if nothing is there, or an empty folder, and not inside `source` (what
     the script reads): the only places a script may write. Anything else is one line."""
-    p = Path(path).expanduser()
+    p = short_enough(path, name)
     if source is not None and Path(os.path.realpath(source)) in Path(os.path.realpath(p)).parents:
         raise InputError(f"{name} {p} is inside {source}, which it is made from: give a folder outside it")
     if os.path.lexists(p) and not (p.is_dir() and not p.is_symlink() and not any(p.iterdir())):
@@ -229,9 +253,9 @@ def new_folder(path: str | Path, name: str, source: str | Path | None = None) ->
     block ends without an error: a reader never sees it half-written, and a failure leaves nothing.
     rename(2) itself refuses a folder filled or a file made there meanwhile."""
     target = unoccupied(path, name, source)
-    tmp = target.with_name(f".tmp-{os.getpid()}-{target.name}")
+    tmp = target.with_name(temporary_name())
     try:
-        tmp.mkdir(parents=True)
+        tmp.mkdir(parents=True)  # never exist_ok: whatever is there already is not ours
     except OSError as e:  # a parent that is a file, a read-only folder
         raise InputError(f"{name} {target}: cannot create a folder beside it ({e.strerror}): give a folder path "
                          f"you can write") from None

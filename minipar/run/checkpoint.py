@@ -20,7 +20,10 @@ loading checks them and fails with one line naming the bad file; checkpoint_chec
 a checksum cannot (ranges, names, shapes, finite values). A corrupt checkpoint is never deleted:
 `set_aside` moves it out of the way by name. Folders and files take the user's umask.
 
-One run at a time writes into an --out folder: rank 0 holds `out/.lock` (host and pid) for the run.
+One run at a time writes into an --out folder: rank 0 holds `out/.lock` (host and pid) for the run;
+`out/run_id` names the run (its JSON log's records carry it). minipar clears or replaces only what
+it can tell it made: its `.tmp-minipar-<pid>-...` folders, and a lock in its "host pid" form whose
+process is gone. Any other name in --out is the user's, never touched (launch.check_paths refuses it).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import os
 import re
 import shutil
 import socket
-import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -43,11 +46,14 @@ from minipar.collectives import gather_object
 from minipar.mesh import Groups
 from minipar.model import CONFIGS, ModelConfig, get_config
 from minipar.placement import placement_of
-from minipar.run.args import InputError, folder_path
+from minipar.run.args import InputError, folder_path, temporary_name
 from minipar.run.checkpoint_checks import CheckpointError, check_state, checked_model_config, state_digest
 from minipar.tensor_parallel import padded, piece_of, unshard
 
 FILES = ("model.safetensors", "optimizer.safetensors", "train_state.json")
+
+
+TEMPORARY = r"\.tmp-minipar-\d+-(step_\d+|run_id)"  # what `save` and `name_run` build, renamed when whole
 
 
 def checkpoints(folder: str | Path) -> list[Path]:
@@ -57,7 +63,7 @@ def checkpoints(folder: str | Path) -> list[Path]:
 
 def not_a_runs(out: str | Path) -> list[str]:
     """The names in an --out folder that no run of minipar writes there (sorted)."""
-    own = re.compile(r"step_\d+(\.corrupt(-\d+)?)?|\.tmp-.*|\.lock|wandb|wandb_run_id|traces")
+    own = re.compile(rf"step_\d+(\.corrupt(-\d+)?)?|{TEMPORARY}|\.lock|run_id|wandb|wandb_run_id|traces")
     folder = Path(out).expanduser()
     return sorted(p.name for p in folder.iterdir() if not own.fullmatch(p.name)) if folder.is_dir() else []
 
@@ -169,7 +175,7 @@ def save(out: str | Path, step: int, weights: dict, optimizer_tensors: dict, hyp
     if final.exists():
         raise CheckpointError(f"{final} exists already: a checkpoint is never overwritten")
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".tmp-{os.getpid()}-{final.name}")
+    tmp = final.with_name(temporary_name(final.name))
     tmp.mkdir()  # a plain mkdir, not tempfile.mkdtemp: the mode follows the umask instead of 0700
     try:
         save_file(weights, tmp / "model.safetensors")
@@ -205,38 +211,42 @@ def fsync(path: Path) -> None:
 def lock(out: str | Path) -> list[str]:
     """Rank 0 claims --out for this run: `out/.lock` holds "host pid". A lock whose process is gone
     (same host, pid not alive: a crash, or torchrun restarting rank 0) is taken over; then the
-    `.tmp-*` folders of interrupted saves are removed. Returns notes for the log."""
+    temporary folders of interrupted saves are removed. Returns notes for the log."""
     out, notes, me = Path(out), [], f"{socket.gethostname()} {os.getpid()}"
     out.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(out / ".lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
     except FileExistsError:
-        notes.append(stale_lock(out / ".lock"))  # raises if its run may be alive
+        notes.append(stale_lock(out / ".lock"))  # raises unless it is minipar's and its run is gone
         (out / ".lock").unlink(missing_ok=True)
         fd = os.open(out / ".lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
-    os.write(fd, me.encode())
-    os.close(fd)
-    for tmp in out.glob(".tmp-*"):  # only the lock holder saves here: these are from a crash
-        shutil.rmtree(tmp, ignore_errors=True)
-        notes.append(f"removed {tmp.name}, left by an interrupted save")
+    try:
+        os.write(fd, me.encode())
+    except OSError:  # a full disk: the empty file is ours (O_EXCL made it), and would read as someone else's
+        (out / ".lock").unlink()
+        raise
+    finally:
+        os.close(fd)
+    for tmp in out.iterdir():  # only the lock holder saves here: these are from a crash
+        if re.fullmatch(TEMPORARY, tmp.name):
+            shutil.rmtree(tmp, ignore_errors=True)
+            notes.append(f"removed {tmp.name}, left by an interrupted save")
     return notes
 
 
 def stale_lock(path: Path) -> str:
-    """Why the lock at `path` may be taken over (a note for the log), or CheckpointError if its run
-    may be alive. Gone: a pid that is not alive on this host; or a file that is empty or garbled
-    and older than 10 s (a run died between creating it and writing "host pid", which takes
-    microseconds: a younger one may be a run starting right now)."""
+    """Why the lock at `path` may be taken over (a note for the log): it is minipar's ("host pid")
+    and that pid is not alive on this host. Otherwise CheckpointError: its run may be alive, or it
+    is not minipar's (another tool's, or a run between creating it and writing it, microseconds).
+    A lock that is not minipar's is never deleted."""
     try:
-        text, age = path.read_text(errors="replace"), time.time() - path.stat().st_mtime
+        words = path.read_text(errors="replace").split()
     except FileNotFoundError:  # given back meanwhile
         return "the lock of a run that just ended was gone when taken"
-    words = text.split()
     if len(words) != 2 or not words[1].isdigit():
-        if age < 10:
-            raise CheckpointError(f"--out {path.parent} is being claimed by another run right now ({path} is not "
-                                  f"written yet); wait for it, or pass another --out")
-        return f"took over {path}, left {'empty' if not text else 'garbled'} by a run that died while claiming --out"
+        raise CheckpointError(f"--out {path.parent} holds a .lock that is not minipar's (\"host pid\"): another "
+                              f"program's, or a run claiming --out this very moment; minipar never deletes it: "
+                              f"pass another --out, or remove {path} if it is yours and unused")
     host, pid = words
     if host != socket.gethostname() or pid_alive(int(pid)):
         raise CheckpointError(f"--out {path.parent} is in use by another run (host {host}, pid {pid}); wait for it, "
@@ -259,6 +269,31 @@ def unlock(out: str | Path) -> None:
     path = Path(out) / ".lock"
     if path.exists() and path.read_text() == f"{socket.gethostname()} {os.getpid()}":
         path.unlink()
+
+
+def run_id(out: str | Path) -> str | None:
+    """The id of the run in --out (`out/run_id`, 12 hex digits), or None if it has none yet. A file
+    of that name in another form is not minipar's: CheckpointError (it is never replaced)."""
+    path = Path(out).expanduser() / "run_id"
+    if not os.path.lexists(path):
+        return None
+    text = path.read_text(errors="replace").strip() if path.is_file() else ""
+    if not re.fullmatch(r"[0-9a-f]{12}", text):
+        raise CheckpointError(f"--out {path.parent} holds a run_id that is not minipar's (12 hex digits): "
+                              f"give a new or empty folder")
+    return text
+
+
+def name_run(out: str | Path, kept: str | None) -> str:
+    """Rank 0, holding the lock: write this run's id to `out/run_id` and return it: `kept` (a
+    resumed run's), else a new one (a new run: an id left by an earlier attempt that saved nothing
+    is replaced, as minipar's own)."""
+    new = kept or uuid.uuid4().hex[:12]
+    if new != run_id(out):
+        tmp = Path(out) / temporary_name("run_id")
+        tmp.write_text(new)
+        os.replace(tmp, Path(out) / "run_id")
+    return new
 
 
 def load(path: Path, model: nn.Module, groups: Groups | None = None) -> tuple[dict, dict]:

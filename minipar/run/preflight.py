@@ -17,10 +17,12 @@ import torch
 
 from minipar.model import CONFIGS, ModelConfig
 from minipar.precision import of_config, resolve
+from minipar.run.args import short_enough
 from minipar.run.checkpoint import model_config_of
 from minipar.run.checkpoint_checks import check_tensors
 from minipar.run.config import SHAPE_FLAGS, ConfigError, TrainConfig
 from minipar.run.data import check_data, data_key, read_tokenizer
+from minipar.run.run_log import json_log_records
 
 # What a resumed run must share with the checkpoint's run; the layout and --steps may change.
 # WEIGHT_SETTINGS never (the weights would not fit); --max-seq-len may grow (no weight has its size).
@@ -29,9 +31,9 @@ RESUMED_SETTINGS = (*WEIGHT_SETTINGS, "data", "bpe_vocab", "seq_len", "global_ba
                     "warmup", "val_fraction")
 
 
-def check_files(cfg: TrainConfig, resume: Path | None) -> None:
-    """The data reads and fits the model, the places this rank writes take a file, the
-    checkpoint (or the weights to start from) fits this run."""
+def check_files(cfg: TrainConfig, resume: Path | None, run_id: str | None = None) -> None:
+    """The data reads and fits the model, the places this rank writes take a file (a resumed run's
+    JSON log is its own: `run_id`, --out's), the checkpoint (or the weights to start from) fits this run."""
     vocab = check_data(cfg.data, cfg.seq_len, cfg.bpe_vocab, cfg.cache_dir, cfg.tokenizer, cfg.token_dtype)
     model_vocab = cfg.model_config().vocab_size
     if vocab is not None and vocab > model_vocab:
@@ -44,9 +46,7 @@ def check_files(cfg: TrainConfig, resume: Path | None) -> None:
         check_writable("--out", cfg.out)
         if cfg.log_json:
             check_writable("--log-json", cfg.log_json, file=True)
-        if cfg.log_json and cfg.resume is None and os.path.lexists(Path(cfg.log_json).expanduser()):
-            raise ConfigError(f"--log-json {cfg.log_json} exists: a new run never appends to a file; give a new "
-                              f"file (a run continued with --resume appends to its own)")
+            check_json_log(cfg.log_json, cfg.resume is not None, run_id)
     if resume is not None:
         state = json.loads((resume / "train_state.json").read_text())
         check_resume(cfg, state, resume)
@@ -59,7 +59,7 @@ def check_files(cfg: TrainConfig, resume: Path | None) -> None:
 def check_writable(flag: str, path: str, file: bool = False) -> None:
     """Make and delete a file where `path` will be written: in its folder (file=True), or in the
     nearest folder of `path` that exists. Nothing is left behind, not even a new folder."""
-    p = Path(path).expanduser()
+    p = short_enough(path, flag)
     if p.exists() and p.is_dir() == file:
         kind, want = ("a folder", "a file") if file else ("a file", "a folder")
         raise ConfigError(f"{flag} {path} is {kind}: give {want}")
@@ -70,6 +70,23 @@ def check_writable(flag: str, path: str, file: bool = False) -> None:
         os.unlink(probe)
     except OSError as e:
         raise ConfigError(f"{flag} {path}: cannot write in {folder} ({e.strerror}); choose another place") from None
+
+
+def check_json_log(path: str, resumed: bool, run_id: str | None) -> None:
+    """--log-json never rewrites a file this run did not make: a new run's is a new file; a resumed
+    run's, if it exists, holds only records of this run (the id kept in --out: `run_id`, None if it
+    has none), which run_log.open_json_log may cut back to the step resumed."""
+    log = Path(path).expanduser()
+    if not os.path.lexists(log):
+        return
+    if not resumed:
+        raise ConfigError(f"--log-json {path} exists: a new run never appends to a file; give a new file (a run "
+                          f"continued with --resume appends to its own)")
+    ids = {r.get("run_id") for r in json_log_records(log)}
+    if ids != {run_id} or run_id is None:
+        found = ", ".join(sorted(map(str, ids))) or "no records"
+        raise ConfigError(f"--log-json {path} is not this run's log (its records' run id: {found}; this run's, in "
+                          f"--out: {run_id or 'none yet'}): a resumed run appends only to its own; give a new file")
 
 
 def check_resume(cfg: TrainConfig, state: dict, path: Path) -> None:

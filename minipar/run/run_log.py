@@ -6,7 +6,8 @@ compute it), each rank's peak memory and pipeline idle time. Rank 0 writes them 
 asked: a line every `--log-every` steps, tqdm, and every record (`publish`) both as one JSON
 object (`--log-json`) and to wandb, flattened (`comm/dp/all_reduce/sent`, `peak_memory/1`): wandb
 gets every figure the JSON has. wandb is offline unless the user has logged in; its run id is kept
-in --out, so a resumed run (same --out) continues the same wandb run.
+in --out, so a resumed run (same --out) continues the same wandb run. Each JSON record carries
+minipar's own run id (checkpoint.name_run): a resumed run rewrites no log but its own.
 
 Exposed communication (comm_clock.py): the time rank 0 waited in the model's collectives during
 the step, by kind (dp, tp, cp, pp, ep), and its share of the step; the metrics' own gather is not
@@ -36,6 +37,8 @@ from tqdm import tqdm
 from minipar.collectives import Group, Ledger, all_gather
 from minipar.comm_clock import WaitClock, exposed_line
 from minipar.mesh import Mesh
+from minipar.run import checkpoint
+from minipar.run.args import InputError, temporary_name
 from minipar.run.config import TrainConfig
 from minipar.run.profiling import StepProfiler
 from minipar.run.step import take_expert_load
@@ -58,6 +61,7 @@ class RunLog:
         self.extra: dict[str, Any] = {}  # figures the loop adds to each record (replica groups taking part)
         self.wandb: Any = None  # rank 0's wandb run, JSON log file and progress bar, from start()
         self.file: Any = None
+        self.run_id: str | None = None  # --out's, in each JSON record (checkpoint.name_run)
         self.bar: Any = None
         self.memory_base = 0  # CPU: resident bytes when measuring began (launch: memory_baseline)
 
@@ -81,7 +85,8 @@ class RunLog:
                      f"{batches} batch(es) of them every {cfg.eval_every or cfg.steps} steps and at the end")
         if self.is_main:
             self.wandb = start_wandb(cfg) if cfg.wandb else None
-            self.file = open_json_log(cfg.log_json, start) if cfg.log_json else None
+            self.run_id = checkpoint.run_id(cfg.out)  # launch.check_paths named the run: its records carry it
+            self.file = open_json_log(cfg.log_json, start, self.run_id) if cfg.log_json else None
             self.bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
 
     def tick(self, step: int) -> None:
@@ -117,8 +122,9 @@ class RunLog:
 
     def publish(self, record: dict) -> None:
         """Rank 0: one record of figures (its "step" says which) to the JSON log and to wandb."""
-        if self.file:
-            self.file.write(json.dumps(record) + "\n")
+        if self.cfg.log_json:
+            self.file = self.file or open(Path(self.cfg.log_json).expanduser(), "x")  # made with its first record
+            self.file.write(json.dumps({"run_id": self.run_id, **record}) + "\n")
             self.file.flush()
         if self.wandb:
             self.wandb.log(flatten(record), step=record["step"])
@@ -233,18 +239,37 @@ def peak_flops(device: torch.device) -> float | None:
     return next((f for key, f in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
-def open_json_log(path: str, start: int):
-    """The JSON log, to append to. A run resumed at step `start` first drops the records of the
-    steps after it (a restart runs them again) and marks where it resumed, {"step", "resumed": true}:
-    a reader sees one value per step."""
+def open_json_log(path: str, start: int, run_id: str | None):
+    """This run's JSON log, to append to (None: a new run's, made with its first record, so that a
+    log is never empty). A run resumed at step `start` first drops its own records of the steps
+    after it (a restart runs them again; preflight.check_json_log made sure each is this run's) and
+    marks where it resumed, {"step", "resumed": true}: a reader sees one value per step."""
     log = Path(path).expanduser()
-    if start:  # this run's own log (a new run never appends to a file: preflight.py)
-        lines = log.read_text().splitlines() if log.exists() else []
-        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= start]
-        tmp = log.with_name(f".tmp-{os.getpid()}-{log.name}")
-        tmp.write_text("".join(line + "\n" for line in [*kept, json.dumps({"step": start, "resumed": True})]))
-        os.replace(tmp, log)
+    if not start and not log.exists():
+        return None
+    kept = [r for r in json_log_records(log) if r["step"] <= start] if log.exists() else []
+    tmp = log.with_name(temporary_name())  # short: fits beside a name of any length that fits
+    with open(tmp, "x") as f:
+        f.writelines(json.dumps(r) + "\n" for r in [*kept, {"run_id": run_id, "step": start, "resumed": True}])
+    os.replace(tmp, log)
     return open(log, "a")
+
+
+def json_log_records(path: Path) -> list[dict]:
+    """The records of a --log-json file; InputError (one line) if it is not JSON lines of records."""
+    records = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):  # not JSON, a number too long, nested too deep
+            record = None
+        if not (isinstance(record, dict) and isinstance(record.get("step"), int)):
+            raise InputError(f"--log-json {path} is not a run's JSON log (line {number} is not a JSON record "
+                             f"with a step): give a new file")
+        records.append(record)
+    return records
 
 
 def start_wandb(cfg: TrainConfig):
