@@ -57,6 +57,7 @@ def test_wandb_gets_every_figure_of_the_json_log_and_a_resumed_run_keeps_its_id(
         assert (r.kwargs["id"], r.kwargs["resume"], r.kwargs["mode"]) == (run_id, "allow", "offline")
     assert resumed.kwargs["config"]["steps"] == 6 and resumed.kwargs["config"]["dim"] == 32
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert {r.pop("run_id") for r in records} == {(tmp_path / "out" / "run_id").read_text()}  # one run's records
     assert records[4] == {"step": 4, "resumed": True}  # where the second run took over: the log's own mark
     records = [r for r in records if "resumed" not in r]
     logged = first.logged + resumed.logged
