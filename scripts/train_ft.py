@@ -38,6 +38,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from minipar.run.args import InputError, Parser, new_folder, positive_int, refusals  # noqa: E402
+from minipar.run.config import parse_args  # noqa: E402
 from minipar.run.replicas import lost_gpu_hours  # noqa: E402
 
 CORPUS = str(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py")
@@ -61,7 +62,7 @@ class Group:
         self.attempt += 1
         launcher = [sys.executable] if self.nproc == 1 else [
             str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc-per-node={self.nproc}"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "RUST_LOG": "error",
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
                "PYTHONUNBUFFERED": "1",  # each line in the log as it is said: the kills follow the log
                **({"MINIPAR_FT_PAUSE_IN_TRANSFER": "30"} if pause_in_transfer else {})}
         self.name = f"group{self.g}_attempt{self.attempt}"  # its log, JSON log and checkpoints: its own
@@ -94,16 +95,39 @@ def wait_for(what, group: Group, seconds: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def group_argv(args, port: int) -> list[str]:
+    """train.py's command line for every group (each adds its --replica-group-id, --out and --log-json)."""
+    return [*RUN, f"--steps={args.steps}", f"--dp={args.dp}", "--log-every=1", f"--replica-groups={args.groups}",
+            f"--lighthouse=localhost:{port}", *args.train_flags]
+
+
+def check_groups(args) -> None:
+    """train.py's own checks (minipar.run.config) of the command line each group will get, in its
+    world of --nproc-per-group ranks, before the lighthouse and any group start: a mistake is one
+    line here, not a group's log (or torchrun's traceback) after the others have started."""
+    world = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(args.nproc_per_group)  # what parse_args checks the layout against
+    try:
+        parse_args([*group_argv(args, port=29510), f"--replica-group-id={args.groups - 1}"])
+    except InputError as e:
+        raise InputError(f"each group's train.py (--groups is its --replica-groups, --nproc-per-group its "
+                         f"world size): {e}") from None
+    finally:  # as it was
+        if world is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = world
+
+
 def demonstrate(args, folder: Path) -> list[str]:
     """Run the groups with the kills; returns the survivor's and the others' event lines."""
-    os.environ.setdefault("RUST_LOG", "error")  # torchft's servers log every quorum at INFO
+    os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust half, here and in each group: quiet unless asked
     from torchft.coordination import LighthouseServer
 
     port = free_port()
     lighthouse = LighthouseServer(bind=f"[::]:{port}", min_replicas=1, join_timeout_ms=200, quorum_tick_ms=20,
                                   heartbeat_timeout_ms=1000)
-    argv = [*RUN, f"--steps={args.steps}", f"--dp={args.dp}", "--log-every=1", f"--replica-groups={args.groups}",
-            f"--lighthouse=localhost:{port}", *args.train_flags]
+    argv = group_argv(args, port)
     events: list[tuple[int, str]] = []
     groups = [Group(g, [*argv, f"--replica-group-id={g}"], folder, args.nproc_per_group) for g in range(args.groups)]
     try:
@@ -221,8 +245,14 @@ def main(argv=None) -> int:
         if any(k >= args.steps for k in args.kill_at):
             raise InputError(f"--kill-at {max(args.kill_at)}: give steps before --steps {args.steps}")
         if args.costs:
+            defaults = vars(p.parse_args([]))
+            named = [k for k, v in vars(args).items() if k != "costs" and v != defaults[k]]
+            if named:  # it would ignore them
+                flag = "the train.py flags after --" if named[0] == "train_flags" else f"--{named[0].replace('_', '-')}"
+                raise InputError(f"--costs prints figures and runs nothing: leave out {flag}")
             print("\n".join(costs()))
             return 0
+        check_groups(args)
         if args.out:
             with new_folder(args.out, "--out") as folder:
                 steps, proven = demonstrate(args, folder)

@@ -44,6 +44,7 @@ from minipar.run.data import DataError, find_files, prepare
 from minipar.run.hang import HangWatch, RankTimeout, hang_report, stopped_answering
 from minipar.run.preflight import check_files
 from minipar.run.profiling import traces_in_the_way
+from minipar.run.replicas import check_lighthouse
 from minipar.run.run_log import RunLog, memory_baseline
 from minipar.run.saving import Interrupt, TrainingStopped
 from minipar.run.validation import validation_batches
@@ -70,6 +71,8 @@ def main(argv=None) -> int:
             check_memory(cfg)  # weights, gradients, optimizer state and activations must fit
             resume = check_paths(cfg)
             interrupt.out = cfg.out
+            if cfg.replica_groups > 1:  # an address with no lighthouse: one line now, not torchft's wait
+                check_lighthouse(cfg.lighthouse, cfg.timeout)
         except ValueError as e:  # ConfigError, LayoutError, DataError, CheckpointError
             if not is_main:  # rank 0 says what every rank found; a node's own problem its ranks say, after it
                 if not local:
@@ -228,6 +231,8 @@ def start_workers(agent: list[str], argv: list[str]) -> int:
         check_memory(cfg)
         out = cfg.out
         check_paths(cfg, lock=False)
+        if cfg.replica_groups > 1:  # before any worker: they would each wait for it
+            check_lighthouse(cfg.lighthouse, cfg.timeout)
         if out is None:  # the workers save where this process chose: a fresh numbered folder, or the resumed one's
             argv = [*argv, f"--out={cfg.out}"]
     except ValueError as e:

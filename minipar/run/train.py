@@ -179,14 +179,14 @@ def train_loop(job: Job, start: int, consumed: int) -> bool:
     True if Ctrl-C stopped them (saving.Interrupt): after the step where the log's gather said so."""
     cfg, mesh, data, model, pipeline, log = job.cfg, job.mesh, job.data, job.model, job.pipeline, job.log
     bad = 0  # consecutive steps skipped for a non-finite gradient norm
-    if log.interrupt:
-        log.interrupt.stepping = True  # from here a Ctrl-C waits for the end of the step
     step, replicas = start, job.replicas
     while step < cfg.steps:
         mesh.ledger.reset()
         if replicas is not None:  # who takes part; a group that was behind takes a peer's step and state
             step, consumed = replicas.begin(step, consumed)
             log.extra["replica_groups"] = replicas.size  # in each step's record: how many groups took part
+        if log.interrupt:  # from here a Ctrl-C waits for the end of the step; before, while the replica groups
+            log.interrupt.stepping = True  # meet at the lighthouse (up to --timeout), it stops at once
         for group in model.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         rows = replicas.rows(data, consumed, cfg.global_batch, cfg.dp, mesh.coord("dp")) if replicas else \
