@@ -22,6 +22,7 @@ measurement: a few minutes. Everything it writes goes into a temporary folder, r
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -81,8 +82,16 @@ def parse_args(argv=None):
     p.add_argument("--calibrate-layouts", default=";".join(CALIBRATED), metavar="FLAGS;FLAGS",
                    help="train.py's layout flags of each layout, ';' between layouts ('' is one rank)")
     p.add_argument("--calibrate-steps", type=positive_int, default=15,
-                   help="steps of each run (the first 5 unmeasured)")
-    return p.parse_args(argv)
+                   help=f"steps of each run (the first 5 unmeasured; at most {MAX_CALIBRATE_STEPS})")
+    args, defaults = p.parse_args(argv), p.parse_args([])  # defaults as read: --gpu-memory's "80GB" is 80e9
+    idle = [k for k in vars(args) if k != "calibrate" and k.startswith("calibrate") != args.calibrate
+            and getattr(args, k) != getattr(defaults, k)]  # named at its default, a flag asks for nothing
+    if idle:  # refused, as train.py refuses a flag that would change nothing (run/flags.py's ACTS_WITH)
+        flag = "--" + idle[0].replace("_", "-")
+        raise InputError(f"{flag} acts only with --calibrate, which this command has not: it would change nothing; "
+                         f"leave it out" if not args.calibrate else f"{flag} with --calibrate, which measures the "
+                         f"small model on this machine and plans nothing: it would change nothing; leave it out")
+    return args
 
 
 def row(choice, width: int) -> str:
@@ -131,14 +140,18 @@ CALIBRATED = ("", "--dp 2", "--tp 2", "--pp 2", "--cp 2", "--dp 4", "--tp 4", "-
               "--tp 2 --pp 2", "--dp 8", "--dp 4 --tp 2", "--dp 2 --tp 2 --pp 2")
 SIZES = (2**12, 2**22)  # bytes of the timed all-reduces: a latency-bound one and a bandwidth-bound one
 WARMUP = 5  # unmeasured steps of each run: the allocator, the first messages of each group
+MAX_CALIBRATE_STEPS = 1000  # steps of each run: thirteen layouts of more run for hours
 
 
 def layout_of(flags: str) -> Layout:
     """The Layout of train.py's degree flags ("--dp 2 --tp 2") under HERE; anything else is refused."""
     words = flags.split()
-    if len(words) % 2 or any(k not in ("--dp", "--tp", "--pp", "--cp") or not v.isdigit()
-                             for k, v in zip(words[::2], words[1::2])):
-        raise InputError(f"--calibrate-layouts: {flags!r} is not a layout: give degrees, e.g. '--dp 2 --tp 2'")
+    names = words[::2]
+    if len(words) % 2 or len(set(names)) < len(names) or any(
+            k not in ("--dp", "--tp", "--pp", "--cp") or not re.fullmatch("[0-9]{1,6}", v)  # not "²", not 10**20
+            for k, v in zip(words[::2], words[1::2])):
+        raise InputError(f"--calibrate-layouts: {flags!r} is not a layout: give degrees, each once, e.g. "
+                         f"'--dp 2 --tp 2'")
     return Layout(**HERE, **{k[2:]: int(v) for k, v in zip(words[::2], words[1::2])})
 
 
@@ -227,7 +240,12 @@ def measured_step(flags: str, steps: int, tmp: Path) -> tuple[float, dict[str, f
                "--seq-len", str(HERE["seq_len"]), "--global-batch", str(HERE["global_batch"]),
                "--micro-batch", str(HERE["micro_batch"]), "--steps", str(steps), "--no-wandb",
                "--log-json", str(log), "--out", str(out)]
-    subprocess.run(command, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode:  # one line: the run's own error line, else its last (torchrun's), not a traceback here
+        lines = done.stderr.strip().splitlines() or ["no output"]
+        said = next((line.split("minipar: error: ", 1)[1] for line in lines if "minipar: error: " in line), lines[-1])
+        raise SystemExit(f"minipar: error: train.py {flags or '(one rank)'} stopped with exit {done.returncode}: "
+                         f"{said}")
     records = [json.loads(line) for line in log.read_text().splitlines()]
     timed = [r for r in records if "step_time_s" in r and r["step"] > WARMUP]
     kinds = {k for r in timed for k in r["comm_exposed_s"]}
@@ -278,11 +296,14 @@ def main(argv=None) -> None:
     with refusals():  # a flag out of its range, or a layout the planner refuses: one line
         args = parse_args(argv)
         if args.calibrate:
-            for cfg in (layout_of(f.strip()) for f in args.calibrate_layouts.split(";")):
+            layouts = [layout_of(f.strip()) for f in args.calibrate_layouts.split(";")]
+            for cfg in layouts:
                 cfg.validate(ranks(cfg))  # before anything is measured
-            if args.calibrate_steps <= WARMUP:
-                raise InputError(f"--calibrate-steps {args.calibrate_steps}: give more than {WARMUP}, the "
-                                 f"first {WARMUP} steps of each run are not measured")
+            if len(set(map(repr, layouts))) < len(layouts):  # a second run would find the first one's files
+                raise InputError(f"--calibrate-layouts {args.calibrate_layouts!r} names a layout twice: give each once")
+            if not WARMUP < args.calibrate_steps <= MAX_CALIBRATE_STEPS:
+                raise InputError(f"--calibrate-steps {args.calibrate_steps}: give more than {WARMUP} (the first "
+                                 f"{WARMUP} steps of each run are not measured), at most {MAX_CALIBRATE_STEPS}")
     if args.calibrate:
         return calibrate(args)
     with refusals():

@@ -142,6 +142,20 @@ CASES = [  # (script, argv, a fragment of the one line)
     ("plan", ["--gpus-per-node", "0"], "argument --gpus-per-node: 0 is out of range"),
     ("plan", ["--seq-len", "-1"], "argument --seq-len: -1 is out of range"),
     ("plan", ["--model", "tiny", "--seq-len", "8192"], "--seq-len 8192 is above --model tiny's max_seq_len 128"),
+    # flags that would change nothing: --calibrate's without it, the plan's with it (it measures the small model)
+    ("plan", ["--calibrate-steps", "20"], "--calibrate-steps acts only with --calibrate, which this command has not"),
+    ("plan", ["--calibrate-layouts", "--dp 2"], "--calibrate-layouts acts only with --calibrate"),
+    ("plan", ["--calibrate", "--model", "70b"], "--model with --calibrate, which measures the small model on this "
+     "machine and plans nothing: it would change nothing"),
+    ("plan", ["--calibrate", "--gpus", "64"], "--gpus with --calibrate"),
+    ("plan", ["--calibrate", "--headroom", "0.2"], "--headroom with --calibrate"),
+    ("plan", ["--calibrate", "--calibrate-steps", "100000"], "--calibrate-steps 100000: give more than 5 (the first "
+     "5 steps of each run are not measured), at most 1000"),
+    ("plan", ["--calibrate", "--calibrate-layouts", "--dp 2 --dp 4"], "'--dp 2 --dp 4' is not a layout: give "
+     "degrees, each once"),
+    ("plan", ["--calibrate", "--calibrate-layouts", "--dp \u00b2"], "is not a layout"),  # a digit int() cannot read
+    ("plan", ["--calibrate", "--calibrate-layouts", "--dp 2 --tp 2;--tp 2 --dp 2"], "names a layout twice"),
+    ("plan", ["--calibrate", "--calibrate-layouts", ";"], "';' names a layout twice: give each once"),
     ("sample", ["{t}/run", "--temperature", "nan"], "argument --temperature: nan is not a finite number"),
     ("sample", ["{t}/run", "--temperature", "-1"], "argument --temperature: -1 is out of range: give 0 or more"),
     ("sample", ["{t}/run", "--temperature", "inf"], "argument --temperature: inf is not a finite number"),
@@ -220,6 +234,13 @@ def test_each_script_as_a_program_exits_2_with_one_line_and_no_traceback(t):
         out, err = process.communicate(timeout=600)  # generous: a loaded machine
         assert process.returncode == 2 and out == "", (name, out, err)
         assert cases[name][1] in one_line(err), (name, err)
+
+
+def test_plan_py_calibrate_ends_a_run_of_train_py_that_fails_in_one_line(tmp_path):
+    """A layout train.py refuses (past plan.py's own checks: here, called directly) was a CalledProcessError."""
+    with pytest.raises(SystemExit, match=r"^minipar: error: train.py --tp 3 stopped with exit 1: --tp 3 does not "
+                                         r"divide the model's 4 attention heads"):
+        SCRIPTS["plan"].measured_step("--tp 3", 6, tmp_path)
 
 
 def test_the_same_scripts_run_with_good_input(t, capsys):

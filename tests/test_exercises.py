@@ -191,8 +191,9 @@ def test_make_exercise_lists_the_exercises_and_prints_pass_or_fail(capsys, monke
     assert run.main(["5.1", str(answer("5.1", "wrong"))]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "cp=1, seq_len=6: the ranks do not hold every position exactly once" in out
-    assert run.main(["6"]) == 2  # a chapter alone is not an exercise: the list, and exit 2
-    assert "run.py: no exercise '6'" in capsys.readouterr().err
+    assert run.main(["6"]) == 2  # a chapter alone is not an exercise: one line on stderr, the list on stdout, exit 2
+    said = capsys.readouterr()
+    assert said.err == "run.py: no exercise '6': give one of those below\n" and "ex6_1_gpipe.py" in said.out
     assert run.main(["1.1", "missing.py"]) == 2  # one line, not an AttributeError
     assert capsys.readouterr().err.startswith("run.py: no such file: missing.py (python tests/exercises/run.py 1.1")
     assert run.main(["6.1 5.1"]) == 1  # make exercise N='6.1 5.1': each in turn; 5.1's skeleton fails
