@@ -78,6 +78,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_exactly_as_an_uninterrupt
     start = int(resumed[0][1])
     assert resumed[0][0] == str(tmp / "auto" / f"step_{start:06d}") and start % ARGS["save_every"] == 0
     records = [json.loads(line) for line in (tmp / "auto.jsonl").read_text().splitlines()]
+    assert {r.pop("run_id") for r in records} == {(tmp / "auto" / "run_id").read_text()}  # both attempts': one run
     # One record a step: the restart dropped the steps it ran again, and marked where it resumed.
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 13)), records
     assert [r for r in records if "loss" not in r] == [{"step": start, "resumed": True}]
