@@ -148,6 +148,8 @@ def t(tmp_path_factory):
     saved_copy(t, "step_6", lambda sums: {**good, "step": 6, "sha256": sums})
     saved_copy(t, "consumed_float", lambda sums: {**good, "consumed": 1e12, "sha256": sums})
     damaged_checkpoints(t, cfg, weights)
+    shutil.copytree(t / "run" / STEP, t / "not_json" / STEP)
+    (t / "not_json" / STEP / "train_state.json").write_text("{not JSON")
     os.mkfifo(t / "fifo")  # reading it would block until someone writes
     (t / "loop").symlink_to(t / "loop")  # resolves to itself
     (t / "me").mkdir()
@@ -350,6 +352,11 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     ([RUN, "--dim=64", "--allow-config-change"], 1, "pass --dim 32 to continue it"),
     ([RUN, "--bpe-vocab=300"], 1, "--bpe-vocab 300 differs from the checkpoint's 512"),
     ([f"--resume={{t}}/empty_state/{STEP}"], 1, "is corrupt"),
+    # a file given as --resume (a log, the checkpoint's own train_state.json), or a train_state.json that is no JSON
+    (["--resume={t}/a_file"], 1, "--resume {t}/a_file is not a folder: give a folder"),
+    ([f"--resume={{t}}/run/{STEP}/train_state.json"], 1, f"--resume {{t}}/run/{STEP}/train_state.json is not a folder"),
+    ([f"--resume={{t}}/not_json/{STEP}"], 1, "is corrupt (train_state.json: JSONDecodeError("),
+    (["--resume={t}/not_json"], 1, "--resume {t}/not_json: no step_* checkpoint in it verifies (newest: checkpoint"),
     ([f"--resume={{t}}/no_step/{STEP}"], 1, "is corrupt: its train_state.json has no step"),
     ([RUN, "--steps=4"], 1, "nothing to do: the checkpoint"),
     ([RUN, "--global-batch=16"], 1, "--global-batch 16 differs from the checkpoint's 8"),
@@ -551,7 +558,7 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_by_name_and_the_run_resumes_fr
     note = [line for line in said if "step_000008" in line]
     assert note == [f"minipar: checkpoint {out / 'step_000008'} is corrupt: model.safetensors does not match its "
                     f"checksum: moved it aside to step_000008.corrupt, resuming from an earlier one"], said
-    assert sorted(p.name for p in out.iterdir()) == [STEP, "step_000008.corrupt"]  # kept, out of the way
+    assert sorted(p.name for p in out.iterdir()) == [STEP, "run_id", "step_000008.corrupt"]  # kept, out of the way
     assert (out / "step_000008.corrupt" / "model.safetensors").exists()
 
 
