@@ -558,7 +558,7 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_by_name_and_the_run_resumes_fr
     note = [line for line in said if "step_000008" in line]
     assert note == [f"minipar: checkpoint {out / 'step_000008'} is corrupt: model.safetensors does not match its "
                     f"checksum: moved it aside to step_000008.corrupt, resuming from an earlier one"], said
-    assert sorted(p.name for p in out.iterdir()) == [STEP, "run_id", "step_000008.corrupt"]  # kept, out of the way
+    assert sorted(p.name for p in out.iterdir()) == ["run_id", STEP, "step_000008.corrupt"]  # kept, out of the way
     assert (out / "step_000008.corrupt" / "model.safetensors").exists()
 
 
