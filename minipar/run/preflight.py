@@ -17,7 +17,7 @@ import torch
 
 from minipar.model import CONFIGS, ModelConfig
 from minipar.precision import of_config, resolve
-from minipar.run.args import short_enough
+from minipar.run.args import regular_file, short_enough
 from minipar.run.checkpoint import model_config_of
 from minipar.run.checkpoint_checks import check_tensors
 from minipar.run.config import SHAPE_FLAGS, ConfigError, TrainConfig
@@ -82,7 +82,7 @@ def check_json_log(path: str, resumed: bool, run_id: str | None) -> None:
     if not resumed:
         raise ConfigError(f"--log-json {path} exists: a new run never appends to a file; give a new file (a run "
                           f"continued with --resume appends to its own)")
-    ids = {r.get("run_id") for r in json_log_records(log)}
+    ids = {r.get("run_id") for r in json_log_records(regular_file(log, f"--log-json {path}"))}  # not a FIFO
     if ids != {run_id} or run_id is None:
         found = ", ".join(sorted(map(str, ids))) or "no records"
         raise ConfigError(f"--log-json {path} is not this run's log (its records' run id: {found}; this run's, in "
