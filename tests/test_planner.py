@@ -2,6 +2,7 @@
 
 import functools
 import importlib.util
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -257,7 +258,9 @@ def test_plan_py_calibrate_measures_predicts_runs_and_tables_a_layout_leaving_no
     row = next(line for line in lines if line.startswith("  --dp 2"))
     predicted, measured, ratio = (float(x) for x in calibration_figures(row))
     assert predicted > 0 and measured > 0 and abs(ratio - predicted / measured) < 0.02  # ms and ratio rounded
-    assert lines[-1].startswith("1 of 1 layouts within 25%") or lines[-1].startswith("0 of 1 layouts within 25%")
+    assert lines[0].startswith("calibrating the planner's clock: this machine measured, then 1 layout(s)")
+    assert re.match(r"verdict: [01] of 1 layouts predicted within 25% of their measured step", lines[-2]), lines[-2]
+    assert lines[-1].startswith("verdict: the predicted order of the layouts, fastest to slowest, is ")
     assert list(tmp_path.iterdir()) == []  # its runs and logs went into a temporary folder, removed
 
 

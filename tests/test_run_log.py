@@ -35,7 +35,8 @@ class FakeWandb(types.SimpleNamespace):
         super().__init__(runs=[])
 
     def init(self, **kwargs):
-        self.runs.append(types.SimpleNamespace(kwargs=kwargs, logged=[], log=None, finish=lambda: None))
+        self.runs.append(types.SimpleNamespace(kwargs=kwargs, logged=[], log=None, finish=lambda: None, offline=True,
+                                               settings=types.SimpleNamespace(sync_dir=f"{kwargs['dir']}/wandb/x")))
         self.runs[-1].log = lambda figures, step: self.runs[-1].logged.append((step, figures))
         return self.runs[-1]
 
@@ -72,10 +73,14 @@ def test_wandb_gets_every_figure_of_the_json_log_and_a_resumed_run_keeps_its_id(
 
 @pytest.mark.integration
 def test_a_resumed_run_continues_the_same_wandb_run_with_wandb_itself(tmp_path):
-    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env = {"WANDB_MODE": "offline"}
     argv = [a for a in common(tmp_path, out=tmp_path / "out", save_every=2) if a != "--no-wandb"]
-    run(argv + ["--steps=2"], env=env)
+    first = run(argv + ["--steps=2"], env=env)
     run(argv + ["--steps=4", f"--resume={tmp_path / 'out'}"], env=env)
+    # wandb's banner and 30-line summary silenced (unless WANDB_SILENT is set): the run says where it is
+    assert not [line for line in first.stderr.splitlines() if line.startswith("wandb:")], first.stderr[-2000:]
+    said = [line for line in first.stdout.splitlines() if line.startswith("wandb:")]
+    assert len(said) == 1 and said[0].startswith(f"wandb: offline, logged in {tmp_path / 'out' / 'wandb'}"), said
     run_id = (tmp_path / "out" / "wandb_run_id").read_text()
     runs = sorted(p.name for p in (tmp_path / "out" / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs), runs

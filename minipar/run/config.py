@@ -81,6 +81,7 @@ class TrainConfig(Layout):
     replica_group_id: int = 0  # which of them this torchrun job is
     lighthouse: str | None = None  # torchft's lighthouse, host:port, where the groups agree on who takes part
     plan: bool = False  # print what each rank will hold (estimate.py) and exit
+    print_config: bool = False  # print the effective config as a --config file, and exit
     config: str | None = None  # the TOML file the settings came from, if any
 
     def bpe_size(self) -> int:
@@ -231,8 +232,8 @@ def parse_args(argv=None) -> TrainConfig:
     d = TrainConfig()  # a setting named at its default asks for nothing (the effective config names them all)
     named = {k for k in ACTS_WITH if getattr(args, k) not in (None, getattr(d, k))}
     cfg = TrainConfig(**{**vars(args), **{k: getattr(d, k) for k in ("model", *ACTS_WITH) if getattr(args, k) is None}})
-    layout = cfg.dp * cfg.tp * cfg.pp * cfg.cp  # --plan: the ranks the flags ask for, none launched
-    world = layout if cfg.plan else int(os.environ.get("WORLD_SIZE", "1"))
+    layout = cfg.dp * cfg.tp * cfg.pp * cfg.cp  # --plan, --print-config: the ranks the flags ask for, none launched
+    world = layout if cfg.plan or cfg.print_config else int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.ranks_per_node is None:  # torchrun's ranks on this node; without torchrun, one node
         cfg.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     cfg.validate(world)
@@ -261,6 +262,16 @@ def data_kind(data: str | None) -> str | None:
         return "tokens" if are_token_files(data, find_files(data)) else "text"
     except DataError:
         return None
+
+
+# What a --config file cannot carry over to another run: its folders and files, and what only asks for a print.
+THIS_RUN_ONLY = ("out", "resume", "init_from", "log_json", "config", "plan", "print_config")
+
+
+def config_file_text(cfg: TrainConfig) -> str:
+    """--print-config: the effective config as a --config file that reproduces this run (its own
+    folders and files left out: another run writes its own)."""
+    return as_toml({k: v for k, v in asdict(cfg).items() if k not in THIS_RUN_ONLY}) + "\n"
 
 
 def effective(cfg: TrainConfig) -> str:

@@ -156,6 +156,8 @@ def parser(d) -> argparse.ArgumentParser:
                    help="--resume with another --data, --seq-len, --global-batch, --seed or learning-rate schedule "
                    "(default: off)")
     g.add_argument("--plan", action=switch, default=False, help="print what each rank will hold, and exit")
+    g.add_argument("--print-config", action=switch, default=False, help="print the effective config as a TOML "
+                   "file for --config (this run's folders and files left out), and exit")
     g.add_argument("--wandb", action=switch, default=True, help="log to wandb (offline unless you have logged in)")
     g.add_argument("--log-json", default=None, help="write one JSON object per step to this file (default: none)")
     g.add_argument("--log-every", type=int, default=d.log_every, help="print a log line every N steps")

@@ -1,6 +1,6 @@
 """The launch: everything a run does before and around its loop (scripts/train.py calls `main`).
 
-    main                    parse the command line and check it (config.py)      --plan: print, exit
+    main                    parse the command line and check it (config.py); --plan, --print-config: print, exit
       start_workers         given --nproc-per-node: the same checks once, then torchrun's agent, in-process
       check_memory          the estimator's peak per rank must fit (planning/)
       check_paths           data, the checkpoint to resume, --out (locked by rank 0)
@@ -39,7 +39,7 @@ from minipar.mesh import Mesh
 from minipar.planning.planner import check_memory, report
 from minipar.run import checkpoint, train
 from minipar.run.batches import TokenData
-from minipar.run.config import ConfigError, TrainConfig, effective, parse_args
+from minipar.run.config import ConfigError, TrainConfig, config_file_text, effective, parse_args
 from minipar.run.data import DataError, find_files, prepare
 from minipar.run.hang import HangWatch, RankTimeout, hang_report, stopped_answering
 from minipar.run.preflight import check_files
@@ -64,8 +64,7 @@ def main(argv=None) -> int:
         try:
             cfg = parse_args(argv)
             check_rendezvous()
-            if cfg.plan:
-                print(report(cfg))
+            if printed_only(cfg):
                 return 0
             local = True
             check_memory(cfg)  # weights, gradients, optimizer state and activations must fit
@@ -94,6 +93,16 @@ def main(argv=None) -> int:
         finally:
             if is_main:  # killed instead (torchrun restarting us)? The next rank 0 takes the stale lock over
                 checkpoint.unlock(cfg.out)
+
+
+def printed_only(cfg: TrainConfig) -> bool:
+    """--plan (what each rank will hold) or --print-config (a --config file of this run): printed, the
+    run's only work."""
+    if cfg.print_config:
+        print(config_file_text(cfg), end="")
+    elif cfg.plan:
+        print(report(cfg))
+    return cfg.plan or cfg.print_config
 
 
 def check_paths(cfg: TrainConfig, lock: bool = True) -> Path | None:
@@ -216,33 +225,26 @@ def start_workers(agent: list[str], argv: list[str]) -> int:
     """Check the run's command line once, here, as `main` does before any process group (memory,
     files: not --out's lock, which rank 0 of the workers takes); a mistake is one line and exit 2,
     and no worker starts. Then run torchrun's elastic agent in this process: it starts the workers
-    (this same script, with the run's flags) and restarts them (--max-restarts)."""
+    (this same script, with the run's flags) and restarts them (--max-restarts). Quietly: the agent's
+    own warnings (the OMP banner, "shutting down workers" on Ctrl-C) would bury the run's lines."""
+    import logging
+
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    try:
-        opts = agent_options(agent)
-        nodes = torchrun.parse_min_max_nnodes(opts.nnodes)[1]  # "1:1" unless --nnodes N
-        os.environ["WORLD_SIZE"] = str(int(opts.nproc_per_node) * nodes)  # the world the layout must fill
-        cfg = parse_args(argv)
-        if cfg.plan:
-            print(report(cfg))
-            return 0
-        check_memory(cfg)
-        out = cfg.out
-        check_paths(cfg, lock=False)
-        if cfg.replica_groups > 1:  # before any worker: they would each wait for it
-            check_lighthouse(cfg.lighthouse, cfg.timeout)
-        if out is None:  # the workers save where this process chose: a fresh numbered folder, or the resumed one's
-            argv = [*argv, f"--out={cfg.out}"]
-    except ValueError as e:
-        print(f"minipar: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        os.environ.pop("WORLD_SIZE", None)
+    with Interrupt():  # Ctrl-C while checking (tokenising the data can take minutes): one line, exit 130
+        try:
+            workers_argv = checked_for_workers(agent, argv)
+        except ValueError as e:
+            print(f"minipar: error: {e}", file=sys.stderr, flush=True)
+            return 2
+    if workers_argv is None:
+        return 0  # --plan, --print-config: printed
+    os.environ.setdefault("MINIPAR_COMMAND", json.dumps(sys.argv))  # the stop line's command (saving.rerun_command)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     try:  # the agent sets its own handlers of these: put back after
-        torchrun.run(torchrun.parse_args([*agent, os.path.abspath(sys.argv[0]), *argv]))
+        torchrun.run(torchrun.parse_args([*agent, os.path.abspath(sys.argv[0]), *workers_argv]))
     except ChildFailedError as e:  # each worker has said why in its own line: exit as the first that failed
         code = e.get_first_failure()[1].exitcode
         return code if code > 0 else 1  # < 0: killed by a signal
@@ -252,6 +254,30 @@ def start_workers(agent: list[str], argv: list[str]) -> int:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     return 0
+
+
+def checked_for_workers(agent: list[str], argv: list[str]) -> list[str] | None:
+    """The run's command line for the workers, checked as `main` checks it (ValueError: one line),
+    or None once --plan or --print-config is printed. Without --out, the folder this process chose is added."""
+    from torch.distributed import run as torchrun
+    try:
+        opts = agent_options(agent)
+        nodes = torchrun.parse_min_max_nnodes(opts.nnodes)[1]  # "1:1" unless --nnodes N
+        os.environ["WORLD_SIZE"] = str(int(opts.nproc_per_node) * nodes)  # the world the layout must fill
+        cfg = parse_args(argv)
+        if printed_only(cfg):
+            return None
+        check_memory(cfg)
+        out = cfg.out
+        check_paths(cfg, lock=False)
+        if cfg.replica_groups > 1:  # before any worker: they would each wait for it
+            check_lighthouse(cfg.lighthouse, cfg.timeout)
+        if int(opts.nproc_per_node) > 1:  # torchrun's own choice for several workers, said without its banner
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
+    finally:
+        os.environ.pop("WORLD_SIZE", None)
+    # the workers save where this process chose: a fresh numbered folder, or the resumed one's
+    return argv if out is not None else [*argv, f"--out={cfg.out}"]
 
 
 def agent_options(agent: list[str]):

@@ -85,6 +85,10 @@ class RunLog:
                      f"{batches} batch(es) of them every {cfg.eval_every or cfg.steps} steps and at the end")
         if self.is_main:
             self.wandb = start_wandb(cfg) if cfg.wandb else None
+            if self.wandb:
+                where = self.wandb.settings.sync_dir
+                self.say(f"wandb: offline, logged in {where} (wandb sync uploads it)" if self.wandb.offline
+                         else f"wandb: {self.wandb.url}")
             self.run_id = checkpoint.run_id(cfg.out)  # launch.check_paths named the run: its records carry it
             self.file = open_json_log(cfg.log_json, start, self.run_id) if cfg.log_json else None
             self.bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
@@ -274,7 +278,10 @@ def json_log_records(path: Path) -> list[dict]:
 
 def start_wandb(cfg: TrainConfig):
     """wandb on rank 0: online if the user has logged in (or set WANDB_MODE), otherwise offline. The
-    run's id is kept in --out/wandb_run_id: a run that resumes there continues the same wandb run."""
+    run's id is kept in --out/wandb_run_id: a run that resumes there continues the same wandb run.
+    Silent (its banner and its 30-line summary would bury the run's own lines) unless WANDB_SILENT is
+    set: the run's log says in one line where the run is."""
+    os.environ.setdefault("WANDB_SILENT", "true")
     import wandb
 
     mode: Any = os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False) else "offline")
