@@ -1,7 +1,7 @@
 """The launch: everything a run does before and around its loop (scripts/train.py calls `main`).
 
     main                    parse the command line and check it (config.py); --plan, --print-config: print, exit
-      start_workers         given --nproc-per-node: the same checks once, then torchrun's agent, in-process
+      start_workers         given --nproc-per-node: the same checks once, then torchrun's agent, in-process (agent.py)
       check_memory          the estimator's peak per rank must fit (planning/)
       check_paths           data, the checkpoint to resume, --out (locked by rank 0)
       launch                the process group, the mesh, the run log, the data, then train.run
@@ -38,6 +38,7 @@ from minipar.collectives import Group, all_reduce
 from minipar.mesh import Mesh
 from minipar.planning.planner import check_memory, report
 from minipar.run import checkpoint, train
+from minipar.run.agent import agent_options, run_agent, torchrun_options
 from minipar.run.batches import TokenData
 from minipar.run.config import ConfigError, TrainConfig, config_file_text, effective, parse_args
 from minipar.run.data import DataError, find_files, prepare
@@ -195,30 +196,10 @@ def check_profiled_steps(cfg: TrainConfig, start: int) -> str | None:
     return note
 
 
-# torchrun's options that train.py takes itself: `python scripts/train.py --nproc-per-node 2 --dp 2`.
-TORCHRUN_OPTIONS = ("--nproc-per-node", "--nnodes", "--node-rank", "--max-restarts", "--master-addr",
-                    "--master-port", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--standalone")
-
-
 def after_rank0(code: int) -> int:
     """Rank 0 prints this error: exiting first gets it SIGTERMed by torchrun before its line is out."""
     time.sleep(30.0)  # torchrun ends this rank once rank 0 has exited; bounded, if rank 0 is elsewhere
     return code
-
-
-def torchrun_options(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Split a command line into torchrun's options (TORCHRUN_OPTIONS, given as `--x y` or `--x=y`;
-    returned as `--x=y`) and the run's."""
-    agent, run = [], []
-    args = iter(argv)
-    for a in args:
-        name, eq, value = a.partition("=")
-        name = name.replace("_", "-")
-        if name in TORCHRUN_OPTIONS:
-            agent.append(name if name == "--standalone" else f"{name}={value if eq else next(args, '')}")
-        else:
-            run.append(a)
-    return agent, run
 
 
 def start_workers(agent: list[str], argv: list[str]) -> int:
@@ -227,11 +208,6 @@ def start_workers(agent: list[str], argv: list[str]) -> int:
     and no worker starts. Then run torchrun's elastic agent in this process: it starts the workers
     (this same script, with the run's flags) and restarts them (--max-restarts). Quietly: the agent's
     own warnings (the OMP banner, "shutting down workers" on Ctrl-C) would bury the run's lines."""
-    import logging
-
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     with Interrupt():  # Ctrl-C while checking (tokenising the data can take minutes): one line, exit 130
         try:
             workers_argv = checked_for_workers(agent, argv)
@@ -241,19 +217,7 @@ def start_workers(agent: list[str], argv: list[str]) -> int:
     if workers_argv is None:
         return 0  # --plan, --print-config: printed
     os.environ.setdefault("MINIPAR_COMMAND", json.dumps(sys.argv))  # the stop line's command (saving.rerun_command)
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
-    try:  # the agent sets its own handlers of these: put back after
-        torchrun.run(torchrun.parse_args([*agent, os.path.abspath(sys.argv[0]), *workers_argv]))
-    except ChildFailedError as e:  # each worker has said why in its own line: exit as the first that failed
-        code = e.get_first_failure()[1].exitcode
-        return code if code > 0 else 1  # < 0: killed by a signal
-    except SignalException as e:  # Ctrl-C: the agent passed it on and waited for the workers' stop (their line)
-        return 128 + e.sigval  # 130 for SIGINT, as a shell reports it
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-    return 0
+    return run_agent(agent, workers_argv)
 
 
 def checked_for_workers(agent: list[str], argv: list[str]) -> list[str] | None:
@@ -278,32 +242,6 @@ def checked_for_workers(agent: list[str], argv: list[str]) -> list[str] | None:
         os.environ.pop("WORLD_SIZE", None)
     # the workers save where this process chose: a fresh numbered folder, or the resumed one's
     return argv if out is not None else [*argv, f"--out={cfg.out}"]
-
-
-def agent_options(agent: list[str]):
-    """torchrun's parse of its options, each checked first in one line; restarts need a fresh
-    store per attempt (see check_rendezvous), which c10d gives when told, static never."""
-    from torch.distributed import run as torchrun
-    if "RANK" in os.environ:
-        raise ConfigError(f"{agent[0]} is torchrun's option: a worker of torchrun takes only the run's flags")
-    for name, _, value in (a.partition("=") for a in agent):
-        least = 0 if name in ("--node-rank", "--max-restarts") else 1
-        if name in ("--nproc-per-node", "--nnodes", "--node-rank", "--max-restarts", "--master-port") and \
-                not (value.isdigit() and int(value) >= least):
-            raise ConfigError(f"{name} {value!r}: give a whole number, at least {least} (this launcher takes no "
-                              "ranges or 'gpu'; torchrun itself does)")
-    if not any(a.startswith("--nproc-per-node=") for a in agent):
-        raise ConfigError(f"{agent[0].split('=')[0]} is torchrun's option: give --nproc-per-node N with it")
-    opts = torchrun.parse_args([*agent, "train.py"])
-    static = opts.rdzv_backend == "static" and not opts.standalone and (
-        opts.rdzv_endpoint or opts.master_port is not None or torchrun.parse_min_max_nnodes(opts.nnodes)[1] > 1)
-    if opts.max_restarts > 0 and static:
-        raise ConfigError(f"--max-restarts {opts.max_restarts} with torchrun's static rendezvous (--master-port): "
-                          "drop --master-port and use --standalone, or --rdzv-backend c10d --rdzv-endpoint HOST:PORT"
-                          " (a restart could wait on the dead attempt's addresses; see the README)")
-    if opts.max_restarts > 0:
-        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # c10d: a fresh store for each attempt
-    return opts
 
 
 def launch(cfg: TrainConfig, resume: Path | None, interrupt: Interrupt | None = None) -> int:
