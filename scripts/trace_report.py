@@ -21,6 +21,7 @@ HTA there.) A bad folder or file is one line and exit code 2 (minipar/run/args.p
 import json
 import math
 import re
+import sys
 from bisect import bisect_right
 from pathlib import Path
 
@@ -53,8 +54,9 @@ def inside(spans: list[tuple[float, float]], t: float) -> bool:
     return i >= 0 and spans[i][0] <= t < spans[i][1]
 
 
-def load(path: Path) -> list[dict]:
-    """A trace's complete events ("ph": "X"), or one line saying why the file is not a trace: too
+def load(path: Path) -> tuple[list[dict], int]:
+    """A trace's complete events ("ph": "X") and the run's world size (torch.profiler writes it in
+    distributedInfo; 1 without a process group), or one line saying why the file is not a trace: too
     large to read, nested deeper than Python's parser recurses (a trace is a few levels deep), not
     JSON or not a trace's shape, or a time that is no number (NaN, 1e999: a report of nonsense)."""
     size = regular_file(path).stat().st_size  # regular: a FIFO would block
@@ -62,7 +64,8 @@ def load(path: Path) -> list[dict]:
         raise InputError(f"{path} is {size:,} bytes, more than a trace of a few steps ({MAX_BYTES:,}): profile "
                          f"fewer steps")
     try:
-        events = json.loads(path.read_text())["traceEvents"]
+        trace = json.loads(path.read_text())
+        world, events = trace.get("distributedInfo", {}).get("world_size", 1), trace["traceEvents"]
         events = [e for e in events if e.get("ph") == "X" and isinstance(e.get("name"), str)
                   and all(isinstance(e.get(k), (int, float)) for k in ("ts", "dur"))]
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:  # not JSON, or not a trace's shape
@@ -72,12 +75,15 @@ def load(path: Path) -> list[dict]:
     if bad is not None:
         raise InputError(f"{path}: {bad['name']!r} has ts {bad['ts']} and dur {bad['dur']}, not a time: it is not "
                          f"a trace torch.profiler wrote")
-    return events
+    if not isinstance(world, int) or world < 1:
+        raise InputError(f"{path}: its world_size {world!r} is not a number of ranks: it is not a trace torch.profiler "
+                         f"wrote")
+    return events, world
 
 
 def figures(path: Path) -> dict:
     """One rank's figures over its profiled steps, in microseconds and shares."""
-    events = load(path)
+    events, world = load(path)
     steps = sorted((e for e in events if STEP.fullmatch(e["name"])), key=lambda e: e["ts"])
     if not steps:
         raise InputError(f"{path} has no ProfilerStep# ranges: it is not a trace of train.py --profile-steps")
@@ -103,7 +109,7 @@ def figures(path: Path) -> dict:
         time[kind] += b - a
         time["outstanding"] += (b - a) * (kind == "communication" or inside(flight, t))
         time["overlapped"] += (b - a) * (kind == "compute" and inside(flight, t))
-    return time | {"steps": [int(STEP.fullmatch(e["name"])[1]) for e in steps]}
+    return time | {"steps": [int(STEP.fullmatch(e["name"])[1]) for e in steps], "world": world}
 
 
 def share(part: float, whole: float) -> float:
@@ -123,7 +129,12 @@ def main(argv=None) -> dict[int, dict]:
             raise InputError(f"{folder} holds no rank*.pt.trace.json: give a folder train.py --profile-steps "
                              f"wrote, <out>/traces/steps_A-B")
         report = {rank_of(p): figures(p) for p in paths}
-    steps = report[rank_of(paths[0])]["steps"]
+    steps, world = report[rank_of(paths[0])]["steps"], max(t["world"] for t in report.values())
+    missing = sorted(set(range(world)) - set(report))
+    if missing:  # a report of some ranks reads like one of all: say so (an older run's ranks each chose a folder)
+        print(f"trace_report.py: warning: the run had {world} ranks and {folder} holds the traces of {len(report)}: "
+              f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} missing; the figures below are only "
+              f"those of the ranks here", file=sys.stderr)
     print(f"{folder}: {len(paths)} rank(s), steps {steps[0]} to {steps[-1]}; each rank's training thread, host time")
     print(f"{'rank':>4} {'step ms':>9} {'compute':>8} {'comm':>6} {'idle':>6}   {'outstanding ms':>14} "
           f"{'overlapped':>10}")

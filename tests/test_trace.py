@@ -178,3 +178,20 @@ raise SystemExit(130)
     done = subprocess.run([sys.executable, "-c", stopped], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 130, done.stderr[-2000:]
     assert not (tmp_path / "traces").exists()
+
+
+def test_the_report_warns_when_the_folder_lacks_some_of_the_runs_ranks(tmp_path, capsys):
+    # An older run under plain torchrun without --out left rank 1's trace in a folder of its own: a report
+    # of rank 0 alone must not read like one of the whole run.
+    def trace(rank):
+        return json.dumps({"distributedInfo": {"backend": "gloo", "rank": rank, "world_size": 2}, "traceEvents": [
+            {"ph": "X", "name": "ProfilerStep#2", "ts": 0, "dur": 10, "tid": 1},
+            {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "ts": 1, "dur": 5, "tid": 1}]})
+    (tmp_path / "rank0.pt.trace.json").write_text(trace(0))
+    assert sorted(trace_report().main([str(tmp_path)])) == [0]
+    assert capsys.readouterr().err.splitlines() == [
+        f"trace_report.py: warning: the run had 2 ranks and {tmp_path} holds the traces of 1: rank 1 missing; the "
+        f"figures below are only those of the ranks here"]
+    (tmp_path / "rank1.pt.trace.json").write_text(trace(1))
+    assert sorted(trace_report().main([str(tmp_path)])) == [0, 1]
+    assert capsys.readouterr().err == ""
