@@ -64,7 +64,7 @@ from minipar.placement import DENSE, placement_of, sync_partial_grads
 
 
 class Precision(Protocol):
-    """What a wrapper asks of the precision policy it is handed (chapter 3's precision.Precision): are the
+    """What a wrapper asks of the precision policy it is handed (chapter 3b's precision.Precision): are the
     weights a `working` copy of masters it keeps (`mixed`), gradients sent in `reduce`? None: one dtype."""
 
     @property

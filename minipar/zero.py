@@ -41,10 +41,9 @@ import torch
 from torch import nn
 
 from minipar.collectives import Group, all_gather, all_gather_into, broadcast, reduce_scatter
-from minipar.data_parallel import GradSync, bucket_params, by_grad_mean, clip_grads, weak_hook
+from minipar.data_parallel import GradSync, Precision, bucket_params, by_grad_mean, clip_grads, weak_hook
 from minipar.mesh import Groups
 from minipar.placement import DENSE, placement_of
-from minipar.precision import FULL, Precision
 
 
 def bucket_plan(param_groups: list[dict], chunks) -> list[tuple[int, tuple[str, ...], list[nn.Parameter]]]:
@@ -77,9 +76,9 @@ class ZeroBucket:
     bf16-mixed: `full` (and the gradients) become bf16 once the master is taken."""
 
     def __init__(self, params: list[nn.Parameter], group: Group, spread: tuple[Group, ...] = (),
-                 offload: bool = False, precision: Precision = FULL):
+                 offload: bool = False, precision: Precision | None = None):
         self.params, self.group = params, group
-        self.reduce = precision.reduce if precision.mixed else None  # None: the gradients' own dtype
+        self.reduce: torch.dtype | None = None  # the gradients' own dtype, unless bf16-mixed (below)
         # Where the rest of this bucket's gradient lives, for a norm over the whole of it: other tp or
         # ep shards of these same parameters (`spread`), and the other dp ranks' slices (`group`).
         self.spread = spread + (group,)
@@ -91,8 +90,9 @@ class ZeroBucket:
         dtype = torch.promote_types(self.full.dtype, torch.float32)
         device = "cpu" if offload else self.full.device  # CPU offload: state and update live in host memory
         self.master = nn.Parameter(self.full[self.slice].to(device=device, dtype=dtype).clone())  # [padded // N]
-        if precision.mixed:
+        if precision is not None and precision.mixed:  # chapter 3b's policy, handed in by parallelize
             self.full = self.full.to(precision.working)  # the working weights: bf16
+            self.reduce = precision.reduce
         for p, view in zip(params, self.views(self.full)):
             p.data = view
         self.grad_slice: torch.Tensor | None = None
@@ -139,11 +139,12 @@ class ZeroDataParallel(GradSync):
     STAGES: tuple[int, ...] = (1, 2)  # stage 3 is zero3.Zero3DataParallel, a subclass
 
     def __init__(self, module: nn.Module, groups: Groups, stage: int, make_optimizer, param_groups,
-                 bucket_mb: float = 25.0, offload: bool = False, precision: Precision = FULL):
+                 bucket_mb: float = 25.0, offload: bool = False, precision: Precision | None = None):
         super().__init__()
         if stage not in self.STAGES:
             raise ValueError(f"ZeRO stage {stage} is not built by {type(self).__name__}: choose from {self.STAGES}")
         self.module, self.groups, self.stage, self.offload, self.precision = module, groups, stage, offload, precision
+        self.mixed = precision is not None and precision.mixed  # bf16 weights, fp32 masters (chapter 3b)
         self.group = groups.reduction(DENSE)  # the dense parameters' group
         with torch.no_grad():  # start identical, as in DataParallel
             for p in module.parameters():
@@ -227,7 +228,7 @@ class ZeroDataParallel(GradSync):
     def gathered(self):
         """Every full weight present inside the block; bf16-mixed: the fp32 masters, all-gathered
         (what a checkpoint saves, so that a resumed run starts from the very same weights)."""
-        if not self.precision.mixed:
+        if not self.mixed:
             with self._gathered_working():
                 yield
             return

@@ -45,8 +45,8 @@ import torch
 from torch import nn
 
 from minipar.collectives import Group, all_gather_into, reduce_scatter
+from minipar.data_parallel import Precision
 from minipar.mesh import Groups
-from minipar.precision import FULL, Precision
 from minipar.zero import ZeroBucket, ZeroDataParallel
 
 
@@ -97,7 +97,7 @@ class ShardedBucket(ZeroBucket):
     sends its messages (plain: a Transport)."""
 
     def __init__(self, params: list[nn.Parameter], group: Group, spread: tuple[Group, ...],
-                 precision: Precision = FULL, transport: Transport | None = None):
+                 precision: Precision | None = None, transport: Transport | None = None):
         super().__init__(params, group, spread, precision=precision)  # parameters: views into self.full [padded]
         self.shard = self.master.detach().to(self.full.dtype)  # [padded / N]; the master when of one dtype
         self.transport = transport or Transport()
@@ -136,7 +136,7 @@ class Zero3DataParallel(ZeroDataParallel):
     STAGES = (3,)
 
     def __init__(self, module: nn.Module, groups: Groups, make_optimizer, param_groups, units=None,
-                 precision: Precision = FULL, transport: Transport | None = None):
+                 precision: Precision | None = None, transport: Transport | None = None):
         self._units = units if units is not None else units_of(module)  # plain list: set before Module init
         self._transport = transport or Transport()  # plain object: before Module init
         super().__init__(module, groups, 3, make_optimizer, param_groups, 0.0, precision=precision)
@@ -191,7 +191,7 @@ class Zero3DataParallel(ZeroDataParallel):
 
     def _after_step(self) -> None:
         """No all-gather (see clip_and_step); bf16-mixed: the bf16 shards take the updated masters."""
-        if self.precision.mixed:
+        if self.mixed:
             for b in self.buckets:
                 b.shard.copy_(b.master.detach())
 
