@@ -3,7 +3,7 @@ the chapter shows.
 
     .venv/bin/python scripts/docs_check.py            # every chapter (make docs-check)
     .venv/bin/python scripts/docs_check.py 08 09      # chapters whose file name starts so
-    .venv/bin/python scripts/docs_check.py --anchors  # only the line anchors (no command runs)
+    .venv/bin/python scripts/docs_check.py --anchors  # only the line anchors and the README's chapter table
     ATEN_CPU_CAPABILITY=default .venv/bin/python scripts/docs_check.py   # on ATen's plain kernels
 
 A chapter marks each block of captured output with the command that printed it, on the line
@@ -56,6 +56,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from minipar.course import readme_table
 
 ROOT = Path(__file__).resolve().parents[1]
 MARK = re.compile(r"<!-- output: (.+?) -->")
@@ -232,13 +234,32 @@ def check_outputs(chapters: list[Path]) -> int:
     return failed
 
 
+README = ROOT / "README.md"
+TABLE_MARK = "<!-- chapter table: written from minipar/course.py"
+
+
+def with_chapter_table(text: str) -> str:
+    """The README's text with its chapter table (the lines after TABLE_MARK's, up to a blank line)
+    written from the course's map."""
+    start = text.index("\n", text.index(TABLE_MARK)) + 1
+    end = text.index("\n\n", start) + 1
+    return text[:start] + readme_table() + text[end:]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("prefixes", nargs="*", default=[""], help="chapters whose file name starts so (all)")
     parser.add_argument("--anchors", action="store_true", help="check only the line anchors (no command runs)")
     parser.add_argument("--fix-anchors", action="store_true",
                         help="first re-point each anchor at its definition's current line (same file), then check")
+    parser.add_argument("--write-table", action="store_true",
+                        help="first write the README's chapter table from minipar/course.py, then check")
     args = parser.parse_args(argv)
+    if args.write_table:
+        README.write_text(with_chapter_table(README.read_text()))
+    stale_table = README.read_text() != with_chapter_table(README.read_text())
+    print("the README's chapter table is not minipar/course.py's: run docs_check.py --write-table" if stale_table
+          else "the README's chapter table is minipar/course.py's")
     chapters = sorted(p for p in (ROOT / "docs").glob("*.md") if any(p.name.startswith(x) for x in args.prefixes))
     for doc in chapters + [ROOT / "README.md"] if args.fix_anchors else []:
         fix_anchors(doc)
@@ -249,7 +270,7 @@ def main(argv=None) -> int:
     failed = 0 if args.anchors else check_outputs(chapters)
     if not args.anchors:
         print(f"{failed} stale block(s)" if failed else "every captured block matches a fresh run")
-    return 1 if failed or anchors else 0
+    return 1 if failed or anchors or stale_table else 0
 
 
 if __name__ == "__main__":
