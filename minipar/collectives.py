@@ -1,7 +1,7 @@
 """Collectives: every message minipar sends goes through this file, and is written in one ledger.
 
-Chapter 1 of the course, second half. Six operations carry all of distributed training. Picture
-four ranks, each holding one tensor (a, b, c, d are whole tensors, a0 is a quarter of a):
+Chapter 1 of the course. Six operations carry all of distributed training. Picture four ranks,
+each holding one tensor (a, b, c, d are whole tensors, a0 is a quarter of a):
 
     all-reduce       [a] [b] [c] [d]          -> [a+b+c+d] on every rank
     all-gather       [a] [b] [c] [d]          -> [a b c d] on every rank
@@ -10,44 +10,12 @@ four ranks, each holding one tensor (a, b, c, d are whole tensors, a0 is a quart
     all-to-all       rank i sends its j-th chunk to rank j
     send / recv      one rank to one other (pipeline stages, the context-parallel ring)
 
-Four more have a root, or carry nothing; minipar's layers call none of them (chapter 1 shows them):
-
-    reduce           [a] [b] [c] [d]          -> [a+b+c+d] on the root only
-    gather           [a] [b] [c] [d]          -> [a b c d] on the root only
-    scatter          [a0 a1 a2 a3] on the root -> rank i holds a_i
-    barrier          no data: nobody leaves until everybody has arrived
-
-and `gather_object` carries no tensor of the model (any picklable object onto one rank, as bytes).
-
-Bytes on the wire. With the ring algorithm (what NCCL and gloo use for large tensors), a tensor of
-S bytes costs each rank:
-
-    all-reduce       2 (N-1)/N * S     (a reduce-scatter, then an all-gather)
-    all-gather       (N-1)/N * S       (S = the gathered output)
-    reduce-scatter   (N-1)/N * S       (S = the full input)
-    all-to-all       (N-1)/N * S
-    broadcast        S                 (pipelined ring: every rank but the last forwards it)
-    reduce           S                 (the broadcast run backwards, partial sums toward the root)
-    gather, scatter  S/N each non-root rank sends (gather); (N-1)/N * S the root sends (scatter)
-
-`ring_all_reduce` below writes the all-reduce with send/recv, so the 2(N-1)/N can be counted.
-
-Intra-node and cross-node bytes. Ranks of one node talk over NVLink, of different nodes over the
-network (ten times slower or more), so the ledger splits each rank's sent bytes by the link they
-take (node = global rank // ranks per node, mesh.py). A ring runs in group order and a rank sends
-its whole share to the next rank: across when that one lives on another node. A group over M nodes
-has M crossing links, so each node sends (N-1)/N * S out per all-gather, whatever its size.
-All-to-all and scatter's root send piece j straight to rank j; send and gather go to their one peer
-(chapter 1 works the forms out; tests/test_nodes.py checks them).
-
-The `Ledger` counts, per (group, op), the calls, the payload bytes and the bytes this rank sends
-by the formulas above; tests assert on it, the training log shows it per step. Its debug mode
-(`ledger.trace = []`) keeps every operation in posting order: NCCL matches point-to-point messages
-by posting order alone and needs every rank of a communicator to issue the same collectives in the
-same order; `order_check.py` proves both from the traces of a gloo run.
-
-The autograd-aware operators built on these (a collective in forward whose conjugate runs in
-backward: Megatron-LM's f and g, and the all-to-all of expert parallelism) are in autograd_ops.py.
+reduce, gather, scatter and barrier (a root, or no data) are here too; no layer calls them. The
+`Ledger` counts, per (group, op), the calls, the payload and the bytes this rank sends by the
+ring's formulas (`ring_bytes_sent`), split into bytes that stay in the node and bytes that cross;
+`ring_all_reduce` writes the all-reduce with send/recv, so its 2(N-1)/N can be counted. The
+autograd-aware operators built on these (Megatron's f and g, experts' all-to-all) are in
+autograd_ops.py. Read docs/01_collectives.md: the byte table, the ring, the nodes, the trace.
 """
 
 from __future__ import annotations
@@ -172,7 +140,7 @@ class Group:
         bytes that leave the node, when they go elsewhere than to the peer or the ring's next rank)."""
         nbytes = t.nbytes if nbytes is None else nbytes
         sent = ring_bytes_sent(op, nbytes, self.size) if sent is None else sent
-        if cross is None:  # a ring's bytes all go to the next rank of the ring (the docstring's model)
+        if cross is None:  # a ring's bytes all go to the next rank of the ring (chapter 1's model)
             cross = sent if self.crosses(peer if peer is not None else (self.rank + 1) % self.size) else 0
         self.ledger.record(self.name, op, nbytes, sent, cross=cross)
         for listen in self.ledger.listeners if self.size > 1 else ():

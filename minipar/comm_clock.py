@@ -1,34 +1,16 @@
 """How long a rank waits on its messages: the exposed communication of a step.
 
-Chapter 1 of the course, after the ledger. The ledger says how many bytes a step sends, not what
-they cost: a message costs the step only while the rank waits for it. An all-reduce posted with
-async_op=True while backward goes on (data_parallel.py's buckets) travels hidden while the rank
-computes; what is left of it when the rank calls the handle's wait() is exposed, and so is a
-blocking collective, whole: a step's exposed communication is its time inside blocking calls and
-handles' wait(). A wait is for the wire and for a slower peer alike: a rank that reaches an
-all-reduce first waits there for the others, a pipeline stage waits out the bubble (chapter 6).
+Chapter 1 of the course, after the ledger. A message costs the step only while the rank waits
+for it: an all-reduce posted with async_op=True travels hidden while the rank computes; what is
+left of it at the handle's wait() is exposed, and so is a blocking collective, whole.
 
 Every torch.distributed call of collectives.py goes through `Group._call`, which hands it to the
 ledger's clock when one is set (run/run_log.py sets one for training). The clock times the call
-and wraps the work handles it returns, so that their wait() is timed too. How it times:
-
-  - gloo (CPU): a blocking call returns once its work is done, and wait() once the handle's is;
-    the host's time inside them is the wait (time.perf_counter).
-  - NCCL (GPU): a call returns as soon as its kernel is queued, and wait() only makes the current
-    stream wait for it. What the step loses is the time the compute stream stands still, so the
-    clock records a CUDA event on it before and after each call and wait(), and reads their elapsed
-    time after the step's own synchronize (run_log.py): no host wait is added (tests/gpu checks it).
-
-The figure is kept per group and summed per kind of parallelism (`KINDS`): tp, cp, ep, pp (its
-two channels) and dp (every group that averages gradients: dp, dp_cp, edp, ZeRO++'s dp_intra and
-dp_cross). The run's own gather of per-step metrics goes over a group whose ledger has no clock:
-not the model's communication, it is not counted.
-
-Under a profiler (train.py --profile-steps, run/profiling.py) the clock also names each message in
-the trace: the ledger tells it (`note`, a listener) what is about to be posted, and the call runs
-inside a range 'minipar dp: dp/all_reduce 65536 B' (kind: group/op payload); a posted message's
-range ends ', posted #7' and the range of its handle's wait() ', wait #7': the trace shows what
-travelled hidden (from the post to the wait) and what was exposed (the waits, blocking calls whole).
+and wraps the work handles it returns, so that their wait() is timed too: by the host's clock on
+gloo, by CUDA events on the compute stream on NCCL (no host wait added). The figure is summed per
+kind of parallelism (`KINDS`: tp, cp, ep, pp, dp). Under a profiler the clock also names each
+message in the trace ('..., posted #7', then its ', wait #7'). Read docs/01_collectives.md
+("What a step waits for"), and docs/10_operating.md for the traces.
 """
 
 from __future__ import annotations

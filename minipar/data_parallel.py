@@ -1,51 +1,19 @@
 """Data parallelism, written by hand: replicas that stay identical because their gradients do.
 
-Chapter 2 of the course. Every dp rank holds the whole model and a different slice of the batch.
-If the replicas start equal and apply the same update, they stay equal; the update is the same
-when every rank uses the gradient of the *whole* batch, the mean of the ranks' gradients:
+Chapter 2 of the course. Every dp rank holds the whole model and a different slice of the batch;
+each steps on the mean of the ranks' gradients, the whole batch's, so replicas that start equal
+stay equal:
 
     rank 0: batch rows 0..B/2   -> grad g0 \
                                             all-reduce(sum) / dp -> (g0 + g1)/2 on both -> step
     rank 1: batch rows B/2..B   -> grad g1 /
 
-Three ideas make it fast, as in PyTorch's DDP:
-
-1. Buckets. One all-reduce per parameter would pay the latency of a collective hundreds of
-   times; one for the whole model would wait for the whole backward. Parameters are grouped in
-   ~`bucket_mb` buckets, in reverse order of definition (roughly the order backward produces
-   their gradients).
-2. Overlap. A hook on each parameter fires when its gradient is complete. When every gradient
-   of a bucket is ready, its all-reduce starts asynchronously, while backward goes on computing
-   the earlier layers. `finish_grad_sync()` waits for the last ones. Buckets are launched in
-   index order on every rank, so all ranks issue the same collectives in the same order.
-3. No sync while accumulating. With gradient accumulation over k micro-batches, the gradients
-   of the first k-1 need not be averaged: summing locally and averaging once gives the same
-   result with 1/k of the traffic. Inside `with model.no_sync():` the hooks stand aside.
-
-Traffic per optimizer step: one all-reduce of every gradient, 2 (dp-1)/dp * 4 * Psi bytes per
-rank in float32 for Psi parameters (the ledger shows it under "dp/all_reduce").
-
-One interface for every way of syncing gradients. DataParallel here and ZeRO 1/2/3 (zero.py,
-zero3.py) are wrappers with the same small protocol, so the training loop never asks which one
-it holds (parallelize.py's `build_grad_sync` picks it). Each takes the mesh's `Groups`, and
-averages every gradient over the group its Placement names (`groups.reduction`):
-
-    no_sync()              backward inside it only accumulates (ZeRO-2/3: still reduce-scatters)
-    finish_grad_sync()     after the step's last backward: every gradient averaged (or its slice)
-    clip_and_step(max_norm, pp_group) -> norm
-                           tp partial sums, the global gradient norm, clipping, the optimizer's
-                           step, and whatever the weights need after it (ZeRO-1/2: all-gather);
-                           a non-finite norm (a diverging run) skips the step: no weight changes
-    optimizer              the torch optimizer (ZeRO's sees only this rank's slices)
-    state_by_name() / load_state_by_name(states)
-                           the optimizer state as an unsharded optimizer would hold it, by name
-    gathered()             a block inside which every full weight is present (ZeRO-3 gathers)
-
-Why wrappers, not an optimizer that shards itself (DeepSpeed's and nanochat's ZeRO-1/2): the
-reduction must start inside backward (overlap, ZeRO-2's freeing) and ZeRO-3 must gather weights
-before each forward, which only a wrapper that owns the hooks can do; one shape for all four keeps
-the loop one shape. What they share lives here: `bucket_params`, `clip_grads` (a global norm over
-gradients some of which are tp shards) and `GradSync`.
+As in PyTorch's DDP, gradients travel in buckets, each all-reduced asynchronously as soon as
+backward has filled it, and not at all inside `no_sync()` (gradient accumulation). DataParallel
+and ZeRO 1/2/3 (zero.py, zero3.py) are wrappers with one protocol, `GradSync` (no_sync,
+finish_grad_sync, clip_and_step, optimizer, state_by_name, gathered), so the loop never asks
+which it holds; what they share lives here (`bucket_params`, `clip_grads`, `GradSync`). Read
+docs/02_data_parallel.md: the three tricks, the bytes, the protocol and why it is a wrapper.
 """
 
 from __future__ import annotations
@@ -192,7 +160,7 @@ def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, stat
 
 
 class GradSync(nn.Module):
-    """What every gradient-sync wrapper shares (the protocol is in the module docstring): it holds
+    """What every gradient-sync wrapper shares (chapter 2 lists its protocol): it holds
     `module`, `optimizer` and the mesh's `groups`; `group` is the dense parameters' reduction group
     (dp, or dp x cp), over which each rank's share of the batch is counted (run/step.py)."""
 

@@ -1,10 +1,7 @@
-"""Expert parallelism: each rank holds some of a mixture-of-experts layer's experts, and tokens
-travel to their experts and back by all-to-all. Chapter 7, part two (part one, the plain MoE
-layer, is moe.py).
+"""Expert parallelism: each rank holds some of an MoE layer's experts; tokens reach them by all-to-all.
 
-Where the ep ranks come from. Experts are carved out of data (and context) parallelism, not added
-as a fifth factor of the world: the dp x cp ranks that hold replicas of the dense weights are
-reshaped into edp x ep (Mesh.unflatten), as torchtitan and Megatron do.
+Chapter 7, part two (part one, the plain MoE layer, is moe.py). The ep ranks are carved out of dp x
+cp, not added as a fifth factor of the world (Mesh.unflatten, as torchtitan and Megatron do):
 
     dp 4, ep 2:   dp group {0 1 2 3}  ->  ep groups {0 1} {2 3}   edp groups {0 2} {1 3}
                   rank 0 holds experts 0..E/2-1, rank 1 the rest; ranks 0 and 2 hold the same ones
@@ -18,21 +15,8 @@ One MoE layer, on each rank of an ep group (E experts, E/ep here; the router ran
     5. all-to-all the results back (the same splits, swapped), where moe.py puts them back in
        token order and adds each token's k results with its router weights
 
-Bytes. Each token's activation [d] crosses twice per assignment that leaves the rank: per layer
-and micro-batch, a rank sends T*k*(ep-1)/ep * d * bytes on average forward (tokens out, results
-back), and the same in backward. The ledger counts exactly the rows that moved (all_to_all).
-
-Gradients. Dense parameters are averaged over dp x cp, as always. An expert's gradient on its
-holder already sums the contributions of the tokens of all ep ranks (the all-to-all's backward
-brought them), so it is divided by ep here (a hook on the parameter) and averaged over edp only
-(its Placement says grad_mean=("edp",)): together, the same 1/(dp*cp) mean as a dense weight.
-
-With tensor parallelism the experts are replicated over tp, not cut (a small expert's matmuls are
-not worth splitting; Megatron-LM cuts them by default, and allows expert tp = 1, as here). With
---sp each tp rank routes its own share of the tokens, so expert, router and shared-expert
-gradients are partial sums over tp; without --sp every tp rank does the same expert work on all
-tokens. With cp (or sp) a rank holds part of each sequence: the load-balancing loss pools its sums
-over those ranks first, so it is the loss of the whole micro-batch.
+An expert's gradient is divided by ep here and averaged over edp. Read docs/07_expert_parallel.md:
+the bytes, the gradients' mean, and experts under tp, sp and cp.
 """
 
 from __future__ import annotations

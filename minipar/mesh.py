@@ -1,14 +1,8 @@
 """The mesh: every rank's place in the 4D grid, and one process group per line of it.
 
-Chapters 1 and 10 (the appendix) of the course. Parallel training cuts one job four ways at once:
-
-    dp  data parallel      each replica sees a different slice of the batch
-    tp  tensor parallel    each weight matrix is split across ranks
-    pp  pipeline parallel  each rank holds a contiguous block of layers (a stage)
-    cp  context parallel   each rank holds a slice of the sequence
-
-The world of `dp*tp*pp*cp` ranks is laid out as a 4D grid of shape (pp, dp, cp, tp),
-numbered so that tp varies fastest, then cp, then dp, then pp:
+Chapters 1 and 10 (the appendix) of the course. The world of dp*tp*pp*cp ranks is a grid of
+shape (pp, dp, cp, tp), numbered with tp fastest, so that the chattiest groups (tp, then cp)
+get neighbouring ranks, which torchrun puts on one node:
 
     rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
@@ -16,30 +10,11 @@ numbered so that tp varies fastest, then cp, then dp, then pp:
        pp0: dp0 [0 1]   dp1 [2 3]          dp groups: {0,2} {1,3} {4,6} {5,7}
        pp1: dp0 [4 5]   dp1 [6 7]          pp groups: {0,4} {1,5} {2,6} {3,7}
 
-Why this order: the innermost dimension gets neighbouring rank numbers, and torchrun gives
-neighbouring numbers to the GPUs of one node. Tensor parallelism talks in every layer, forward
-and backward (several all-reduces of the whole activation), so it must stay inside a node on
-NVLink. Context parallelism passes K/V blocks every layer too, so it comes next. Data parallelism
-talks once per step (the gradients) and pipeline parallelism only sends one activation between
-neighbours, so they can cross the slower network between nodes.
-
-A *group* is a line through the grid along one dimension: all ranks that share every coordinate
-but one. Each dimension's groups partition the world. We also build the dp x cp groups, because
-replicated parameters get their gradients averaged over data *and* context replicas (chapter 5).
-Expert parallelism carves its dimensions out of dp x cp: `Mesh.unflatten(("dp", "cp"), edp=..,
-ep=..)` reshapes each dp x cp group and builds a group per new dimension.
-
-Nodes. A node's ranks talk over fast links (NVLink), different nodes over a slower network; torchrun
-numbers each node's ranks consecutively, so with K ranks per node, global rank r lives on node
-r // K. `ranks_per_node` (torchrun's LOCAL_WORLD_SIZE, or `--ranks-per-node` to simulate several
-nodes on one machine) is part of the layout, every group knows its ranks' nodes, and the ledger
-counts which bytes leave the node (collectives.py). With tp innermost, a tp group never leaves
-its node when tp divides K.
-
-`MeshLayout` is the pure arithmetic (no processes: testable for every layout); `Mesh` adds this
-rank's process groups, and hands them out by name in one typed object, `Groups` (dp, tp, pp, cp,
-dp_cp, ep, edp), which also says over which group a parameter's gradient is averaged. There is no
-global mesh: the object is passed to whoever needs it.
+A group is a line through the grid (every coordinate shared but one); the dp x cp groups average
+the replicated gradients (chapter 5), and `Mesh.unflatten` carves experts' edp x ep out of them
+(chapter 7). With K ranks per node, global rank r lives on node r // K. `MeshLayout` is the pure
+arithmetic; `Mesh` adds this rank's process groups and hands them out by name (`Groups`). There
+is no global mesh. Read docs/10_operating.md (section 2) and docs/09_4d.md.
 """
 
 from __future__ import annotations

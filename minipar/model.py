@@ -11,19 +11,11 @@ Chapter 0 of the course: the thing every parallel version must equal.
       -> norm -> lm_head                            [b, s, V]   (tie_embeddings: lm_head is tok_emb's table)
       -> cross-entropy against the next token
 
-Initialisation does not depend on how the model will be split. Every parameter is drawn from its
-own random generator, seeded by (seed, parameter name), at its full single-device shape. A tensor-
-parallel shard is then *the slice* of that full tensor, whatever tp is: a sharded run starts from
-exactly the weights of the single-device run, which is what lets tests compare them.
-
-This file knows nothing of parallelism: nn.Linear, nn.Embedding, SDPA. `parallelize.py` turns
-it into this rank's part of a parallel model by swapping modules (each attention and MLP for its
-parallel version, the embedding, the head) and the loss function, and the tests prove every such
-model equal to this one. The seams it leaves are plain attributes: `Llama.loss_fn` (the loss from
-the logits: vocabulary-parallel under tensor parallelism), and `Attention.attend` and
-`Attention.positions` (the attention function and the tokens' positions: generation's KV cache
-swaps them, run/generate.py). Nor does it know experts: a block's feed-forward part is the kind its
-config names, built from FEED_FORWARD, where chapter 7 (moe.py) adds its mixture of experts.
+Every parameter is drawn from its own generator seeded by (seed, name) at its full shape, so a
+shard of any layout starts from the single-device weights. This file knows nothing of
+parallelism or experts: parallelize.py swaps modules and the seams `Llama.loss_fn`,
+`Attention.attend` and `Attention.positions`; moe.py adds its block to FEED_FORWARD. Read
+docs/00_one_device.md, and docs/10_operating.md (section 4) for the seeds and the seam.
 """
 
 from __future__ import annotations

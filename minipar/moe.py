@@ -7,29 +7,12 @@ the experts, and a router that picks k of them for each token:
     chosen  = the k most probable experts        and their probabilities, renormalised to sum to 1
     y_t     = sum over t's k experts e of weight_te * expert_e(x_t)   (+ shared_expert(x_t))
 
-Parameters grow with E, the work per token only with k: that is the point of experts. model.py
-knows none of this: this module adds its block to the model's FEED_FORWARD, and a config with
-experts builds one in place of the MLP of each layer after its first `dense_layers`.
-
-How the work is laid out. The T*k (token, expert) assignments are sorted by expert (a stable
-sort: an expert's tokens stay in token order), so each expert's tokens are one contiguous run;
-`MoE.dispatch` runs each expert on its run and returns the outputs in the same order (the seam:
-expert_parallel.py swaps in a version that sends each run to the rank holding its expert); the
-results are put back in assignment order and each token's k results are added with their
-weights, always in the same order (deterministic).
-
-Load balance. Nothing stops a router from sending every token to one expert (which then does all
-the work while the rest idle). The Switch/GShard auxiliary loss E * sum_i f_i * P_i (f_i: the
-share of assignments routed to expert i, P_i: the mean router probability of i) is smallest when
-both are uniform; `aux_loss_coef` weighs it. It is not added to the loss the model returns (a
-pipeline's last stage could not see the other stages' terms): its gradient is attached to the
-block's output instead (`_AttachAuxLoss`), so it flows in the same backward pass.
-
-Capacity. Dropless by default: every token reaches its k experts. With capacity_factor c > 0 an
-expert takes at most ceil(c * T * k / E) of a micro-batch's assignments, first come (in token
-order) first served; the others are dropped (they add nothing). Which ones are dropped depends on
-which tokens share a micro-batch on one rank: layouts that cut a micro-batch differently (cp, sp)
-drop different tokens, so parity with one device holds only for dropless runs.
+Parameters grow with E, the work per token only with k. model.py knows none of this: this module
+adds its block to the model's FEED_FORWARD. The assignments are sorted by expert (stable), so each
+expert runs one contiguous run of tokens; `MoE.dispatch` is the seam expert_parallel.py replaces.
+The load-balancing loss (Switch/GShard) reaches backward through the block's output
+(`_AttachAuxLoss`), not the returned loss; `capacity_factor` > 0 drops what overflows an expert.
+Read docs/07_expert_parallel.md: the layout of the work, the aux loss, capacity and dropping.
 """
 
 from __future__ import annotations

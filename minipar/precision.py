@@ -1,41 +1,18 @@
 """Precision: the dtype each tensor of a run is held in, and the bytes that costs per parameter.
 
-Chapter 3 of the course (mixed precision, beside ZeRO). Three settings, `--precision`:
+Chapter 3b of the course (mixed precision, beside ZeRO). Three settings, `--precision`:
 
     fp32           one dtype throughout: weights, gradients, optimizer state, compute (--dtype
                    float64 is this with float64 everywhere: the proofs)
     bf16-autocast  fp32 weights, gradients and optimizer state; torch.autocast runs the matmuls in
-                   bf16, casting each weight to a bf16 copy that backward keeps (about 2 bytes per
-                   weight of every layer in flight, whatever ZeRO shards)
-    bf16-mixed     the ZeRO paper's scheme: the model's working weights and gradients are bf16 on
-                   every rank; the gradient-sync wrapper owns fp32 master weights (ZeRO: only this
-                   rank's slice) and AdamW's fp32 moments, and casts the master back after each step
+                   bf16 on a bf16 copy of each weight that backward keeps
+    bf16-mixed     the ZeRO paper's scheme: bf16 working weights and gradients on every rank; the
+                   gradient-sync wrapper owns the fp32 masters (ZeRO: its slice) and Adam's moments
 
-Bytes per parameter Psi, per rank over N data-parallel ranks (`model_state_bytes`):
-
-                   weights      gradients     master + Adam's m, v
-    fp32           4            4             0 + 8    (the weights are the master)
-    bf16-mixed     2            2             4 + 8    = the paper's (2 + 2 + 12) Psi
-    ZeRO-1         as above     as above      / N
-    ZeRO-2         as above     / N           / N
-    ZeRO-3         / N          / N           / N
-
-(minipar's ZeRO 1-2 in fp32 also keep an fp32 slice beside the weights, 4 Psi/N more: the master
-the optimizer updates; ZeRO's slices are padded so that each bucket divides by N.)
-
-Gradient reduction, `--grad-reduce` (bf16-mixed only): the gradients are held in bf16 either way.
-bf16 keeps 8 significant bits, so each rounding moves a value by up to u = 2^-8 of it (half an ulp).
-`bf16` sends them as they are: the sum over N ranks is rounded at each of its N - 1 additions, an
-error up to about (N - 1) u of sum |g_i| (more than the mean itself where the ranks' gradients
-cancel). `fp32` casts each flat bucket to fp32 before its all-reduce or reduce-scatter: the sum is
-exact but for fp32's own 2^-24s and is rounded to bf16 once, within half an ulp of the exact mean.
-What it costs: twice the gradient bytes on the wire and in the flat buffer. At N = 2 the two agree
-bit for bit (one bf16 addition is the exact sum rounded once); the difference grows with N.
-
-Why bf16 and not fp16: bf16 has fp32's 8-bit exponent, so gradients as small as 1e-38 survive;
-fp16's 5-bit exponent flushes those below about 6e-8 to zero, which is why fp16 training multiplies
-the loss by a large "loss scale" before backward (and divides the gradients by it before the step,
-skipping steps that overflow). bf16 needs no loss scale; minipar keeps to bf16.
+`--grad-reduce fp32` (bf16-mixed only) reduces each gradient bucket in fp32, rounding the sum
+once. `model_state_bytes` gives the bytes per parameter under each setting and ZeRO stage.
+Read docs/03b_mixed_precision.md: the 2 + 2 + 12 bytes, what autocast keeps, the rounding of a
+bf16 reduction, and why bf16 and not fp16.
 """
 
 from __future__ import annotations

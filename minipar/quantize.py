@@ -1,11 +1,8 @@
 """Block-wise quantization: a tensor sent in 8 or 4 bits a number, each block with its own scale.
 
-What ZeRO++ sends (zeropp.py, chapter 3): qwZ all-gathers the weights as int8 and qgZ reduces
+What ZeRO++ sends (zeropp.py, chapter 3c): qwZ all-gathers the weights as int8 and qgZ reduces
 the gradients as int4 (or int8), each dequantized on arrival. Pure tensor code: no process groups
-here, the collectives send what `quantize` returns.
-
-Symmetric, per block. The tensor, flattened, is cut into blocks of `block` numbers (the last one
-padded with zeros). A block's scale maps its largest magnitude onto the largest code:
+here, the collectives send what `quantize` returns. Symmetric, per block (the last one padded):
 
     qmax  = 2^(bits-1) - 1                 127 for int8, 7 for int4
     scale = max|x in block| / qmax         one fp32 (or bf16) number per block
@@ -16,18 +13,8 @@ padded with zeros). A block's scale maps its largest magnitude onto the largest 
     scale  [ 0.01                  | 0.000315             ]
     code   [ 90   -10   30   -127  | 63    32    0  -127  ]
 
-Why blocks: one scale for a whole tensor lets its largest value set the step for every number, so
-a single outlier rounds every small weight to zero; a block's outlier costs only its own block.
-The error bound is per block: a block of zeros is exact (its scale is 0), a block with one huge
-value loses its small ones (each within that block's scale / 2).
-
-Bytes. int8: one byte a code; int4: two codes a byte (the low nibble first, each code + 8 so it
-is 1..15). With S scale bytes (4 for fp32, 2 for bf16), n numbers in blocks of b cost
-
-    ceil(n / b) * (b * bits / 8 + S)  bytes        (`quantized_bytes`)
-
-e.g. bf16 weights (2 bytes a number) in int8 blocks of 256 with fp32 scales: 260 bytes instead
-of 512, 1.97x fewer; in int4, 132 bytes, 3.9x fewer.
+int4 packs two codes a byte (`quantized_bytes` counts them with their scales). Read
+docs/03c_zero_plus_plus.md: why blocks, and the bytes.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """ZeRO stages 1 and 2: shard the optimizer state, then the gradients, across the dp group.
 
-Chapter 3 of the course. Data parallelism keeps N identical copies of everything. Per parameter,
-in mixed precision, that is 2 bytes of weights, 2 of gradients and 12 of optimizer state (fp32
-master weight, Adam's two moments): the optimizer state is 3/4 of the memory, and every dp rank
-holds the same copy. ZeRO (Rajbhandari et al., 2020) gives each rank one N-th of it:
+Chapter 3 of the course. Data parallelism keeps N identical copies of the optimizer state, 3/4 of
+the memory in mixed precision; ZeRO (Rajbhandari et al., 2020) gives each rank one N-th of it:
 
     flat parameters, in buckets      [ bucket 0            ][ bucket 1            ] ...
     each bucket cut in N slices      [ r0 | r1 | r2 | r3  ][ r0 | r1 | r2 | r3  ]
@@ -14,22 +12,9 @@ holds the same copy. ZeRO (Rajbhandari et al., 2020) gives each rank one N-th of
     stage 2  gradients sharded too. Each bucket is reduce-scattered *during* backward, as soon
              as its gradients are complete, and the full gradients are freed right away.
 
-Bytes per rank per step, Psi parameters: reduce-scatter (N-1)/N Psi + all-gather (N-1)/N Psi =
-2 (N-1)/N Psi, exactly what plain data parallelism's one all-reduce costs. ZeRO saves memory for
-free. Stage 3, which shards the weights too, is the subclass in zero3.py.
-
-Gradient accumulation. Stage 1 keeps full gradients, so micro-batches inside `no_sync()`
-accumulate locally and the reduce-scatter runs once. Stage 2 cannot: keeping the full gradient
-until the last micro-batch is exactly the memory it exists to save. So in stage 2 every
-micro-batch's gradients are reduce-scattered and added into this rank's gradient slice;
-`no_sync()` has no effect, and accumulation costs one reduce-scatter per micro-batch.
-
-With tensor parallelism each tp rank runs its own ZeRO over its dp group, on its own shards (of
-the same shapes on every tp rank, so the layouts agree).
-
-CPU offload (`offload=True`, stages 1-2): the slices of master weights, gradients and Adam's
-moments live in host memory and the optimizer steps on the CPU; only the reduce-scattered gradient
-slice goes down and the updated slice comes back up (without a GPU, nothing moves).
+The same 2 (N-1)/N Psi bytes per step as data parallelism's all-reduce. Stage 2 reduce-scatters
+every micro-batch (`no_sync()` cannot keep full gradients). Stage 3 is the subclass in zero3.py.
+Read docs/03_zero.md: the bytes, accumulation, clipping, tp, and CPU offload (`offload=True`).
 """
 
 from __future__ import annotations

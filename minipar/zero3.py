@@ -1,38 +1,19 @@
 """ZeRO stage 3: the weights are sharded too, and each layer is gathered only while it is used.
 
-Chapter 3 of the course, second half. After stages 1 and 2, every rank still holds all the
-weights. Stage 3 keeps only this rank's 1/N slice of each layer's (flat, padded) weights, and
-rebuilds the full layer just in time, twice per step:
+Chapter 3 of the course, second half. Stage 3 keeps only this rank's 1/N slice of each layer's
+(flat, padded) weights, and rebuilds the full layer just in time, twice per step:
 
     forward:   all-gather layer i  -> run it -> free its full weights   (and start layer i+1's
                                                                           all-gather: prefetch)
     backward:  all-gather layer i  -> its backward -> reduce-scatter its gradients -> free both
                                                                         (prefetch layer i-1)
 
-so outside the layer in use a rank holds 1/N of the weights. The price is one more all-gather:
-3 (N-1)/N Psi bytes per step instead of 2 (the ZeRO paper's 3 Psi).
-
-How a layer's weights come and go. Each parameter is a view into one flat buffer per bucket (a
-bucket: a layer's parameters of one kind, as in zero.py). Freeing resizes the buffer's storage
-to zero bytes; gathering resizes it back and all-gathers the slices into it. The parameters, and
-every tensor autograd saved that points at them, see the weights reappear without being replaced;
-the gather writes through `.data`, a second handle on the same memory that does not count as a
-change to the saved tensors.
-
-When. A forward pre-hook on each layer gathers it (and prefetches the next), a forward post-hook
-frees it and hooks the layer's output, so that the moment backward reaches that output the layer is
-gathered again (and the previous one prefetched). Each parameter's post-accumulate-grad hook
-reduce-scatters a bucket once all its gradients are in (stage 2's mechanism), then frees it.
-
-With recompute (parallelize.py) a layer runs its forward again inside its backward. The hooks sit
-on the layer's call and recompute wraps only its `forward`: the replay fires no hook, and runs
-after the output's hook, on backward's gather (forward: gather i, run i keeping its input, free i;
-backward: gather i, replay i, backward i, reduce-scatter, free i). Still 3 (N-1)/N Psi a step.
-Pipeline parallelism runs each stage's forward and backward once per micro-batch, interleaved, so
-the layers would be gathered 2m times per step instead of twice: minipar refuses the combination.
-
-How a bucket's messages travel is its `Transport`'s business: the one here sends the plain
-all-gather and reduce-scatter above; ZeRO++ (zeropp.py, the chapter's last section) is another.
+so outside the layer in use a rank holds 1/N of the weights, for one more all-gather: 3 (N-1)/N
+Psi bytes per step instead of 2. Freeing resizes a bucket's flat storage to zero bytes and the
+gather writes back through `.data`; hooks on each layer's call gather and free it. How a bucket's
+messages travel is its `Transport`'s business: the plain all-gather and reduce-scatter here,
+ZeRO++'s in zeropp.py. Read docs/03_zero.md: the storage trick, the hooks, recompute, and why
+not with a pipeline.
 """
 
 from __future__ import annotations

@@ -1,47 +1,21 @@
 """ZeRO++: ZeRO-3 with about a quarter of its cross-node bytes (qwZ, hpZ, qgZ).
 
-Chapter 3 of the course, last section. ZeRO-3 (zero3.py) sends three times the weights per step:
-an all-gather in forward, another in backward, a reduce-scatter of the gradients. Inside a node
-those bytes ride NVLink; between nodes a network ten times slower or more. ZeRO++ (Wang et al.,
-2023) cuts what crosses, three ways, each a flag (`--zeropp qwz,hpz,qgz`, any subset):
+Chapter 3c of the course. ZeRO-3 (zero3.py) sends three times the weights per step, and between
+nodes they cross a network ten times slower than NVLink or more. ZeRO++ (Wang et al., 2023) cuts
+what crosses, three ways, each a flag (`--zeropp qwz,hpz,qgz`, any subset):
 
-    qwZ  quantized weights: the forward all-gather sends each rank's shard as int8 codes with one
-         fp32 scale per block of B numbers (quantize.py), dequantized on arrival into the working
-         dtype. Half the bytes of bf16; the forward runs on weights within scale/2 of the true ones.
-    hpZ  hierarchical partitioning: each rank keeps a second shard of every unit, 1/K of it (K: the
-         dp ranks on its node), cut out of the forward gather's result (so it costs no bytes: it is
-         refreshed by the first forward after each optimizer step). Backward all-gathers from it
-         over the node alone: 0 cross-node bytes for weights, for P/K more bytes of memory a unit.
-    qgZ  quantized gradients: the reduce-scatter becomes two all-to-alls of int4 blocks (int8 on
-         request). Hop 1, inside the node: piece j goes to the node's rank j, which dequantizes,
-         sums in full precision (fp32, or float64 in the proofs) and quantizes the sum again. Hop 2,
-         across nodes: each rank sends one slice to its peer on every other node, which dequantizes
-         and sums: each rank holds the reduced slice that reduce_scatter would have left it.
+    qwZ  the forward all-gather sends each shard as int8 blocks (quantize.py)
+    hpZ  each rank keeps a 1/K copy of every unit, cut from forward's gather: backward gathers
+         inside the node alone (K: the dp ranks of a node)
+    qgZ  the gradient reduce-scatter becomes two all-to-alls of int4 blocks, summed in full
+         precision between the hops: hop 1 inside the node, hop 2 across
 
     dp ranks  d = node * K + j              hop 1 (inside each node)       hop 2 (across)
       node 0: [d0 d1]  node 1: [d2 d3]      d0 <-> d1,  d2 <-> d3          d0 <-> d2,  d1 <-> d3
     dp_intra groups {d0 d1} {d2 d3}; dp_cross groups {d0 d2} {d1 d3} (split_dp_by_node(mesh))
 
-Why int4 for gradients, int8 for weights: a gradient is an average that the optimizer smooths over
-steps (Adam's moments), and qgZ reduces in full precision between hops, so each number is rounded
-twice, not once per rank; weights are used as they arrive, by every rank, every micro-batch.
-
-Bytes, per rank per step (one micro-batch), for a unit of P numbers (padded: P = N s), w bytes a
-number (2 in bf16), N = M x K dp ranks on M nodes of K, blocks of B with 4-byte scales, and
-q_b(n) = ceil(n b / 8) + 4 ceil(n / B) the bytes of n numbers at b bits (`wire_bytes`):
-
-                      plain ZeRO-3        with ZeRO++                  crosses the network
-    forward gather    (N-1) s w           qwZ: (N-1) q_8(s)            the ring: each node's last
-    backward gather   (N-1) s w           hpZ: (K-1) M s w, in node    rank sends all it sends
-    gradients         (N-1) s w           qgZ: (K-1) q_4(M s) in node  qgZ hop 2: every rank's
-                                               + (M-1) q_4(s) across   (M-1) q_4(s)
-
-Summed over the dp group, the bytes that cross: plain M * 3 (N-1) s w, about 6 M Psi in bf16
-(Psi = N s numbers); ZeRO++ M (N-1) q_8(s) + N (M-1) q_4(s), about M Psi + M Psi / 2: four times
-less, the paper's claim, as N grows. minipar's test layout, N = 4 on M = 2 nodes of K = 2: plain
-9 Psi, ZeRO++ 2 Psi (plus the scales): 4.5x (tests/test_zeropp.py counts it to the byte).
-
 ZeRO-3 knows none of this: `ZeroPP` is a zero3.Transport, which build_grad_sync hands the wrapper.
+Read docs/03c_zero_plus_plus.md: the bytes each option sends and crosses, and why int4.
 """
 
 from __future__ import annotations

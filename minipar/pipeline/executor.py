@@ -6,40 +6,18 @@ Chapter 6 of the course, second half (the schedules themselves are in schedules.
                            tok_emb, layers 0-1   -- x -->   layers 2-3, norm, lm_head, loss
                                                  <-- dx --
 
-Stages. `stage_layers` cuts n_layers into n_stages contiguous blocks (n_stages = pp x virtual
-stages): each gets n_layers // n_stages layers, and the first n_layers % n_stages stages one more,
-because the last stage also carries the LM head and the loss, the costliest part of a small model,
-while the first stage's embedding is only a lookup; where the head weighs more than a layer,
-`--pp-layers 3,1` gives each stage its own count (chapter 6 measures the stages' costs). Each rank
-keeps only the parameters of its own stages: parallelize.py deletes the other layers, and the
-embedding or the head where another stage holds them (`my_layers`, `holds_first`, `holds_last`);
-`Llama.forward_stage` runs any contiguous part of the model.
-
-The executor walks this rank's action list in order, receiving and sending what
-`schedules.messages_of` names for each action:
+`stage_layers` cuts the layers into contiguous blocks, the extra ones to the first stages (the
+last also runs the head and the loss); each rank keeps only its own stages. `Pipeline` walks
+this rank's action list in order, posting what `schedules.messages_of` names for each:
 
     F(i, k)  receive x from stage k-1 (or take the tokens), run stage k, send the output to k+1
              (or, on the last stage, compute the loss of micro-batch i divided by m)
     B(i, k)  receive dL/d(output) from stage k+1 (or start from the loss), backward through
              stage k, send dL/dx to stage k-1
-    W(i, k)  (zero-bubble schedules only) B computed only dL/dx; W now computes the weight
-             gradients of stage k from the graph B kept
+    W(i, k)  (zero-bubble schedules only) the weight gradients of stage k, from the graph B kept
 
-Sends are non-blocking (isend), receives wait for their data. Messages carry no tags: a receive
-takes the next message its peer posted on that channel (NCCL's rule: order_check.py), so every
-schedule must make each rank post its receives in the order its neighbour posts the matching
-sends, as tests/test_order_check.py proves for every schedule. Activations and gradients
-travel on two process groups over the same ranks (mesh.groups().pp and mesh.group("pp",
-channel="grad"), always distinct), so for the non-interleaved schedules each channel carries messages one way
-(interleaved at pp = 2 still sends both ways: its ring wraps from the last rank to the first). On
-NCCL, where a send and a receive between two ranks on one communicator queue behind each other, a
-stage sending forward while its neighbour sends backward could otherwise wait on each other.
-
-The loss is the mean over all micro-batches (each micro-batch's loss is divided by m), gradients
-accumulate over micro-batches, and the data-parallel reduction runs once, after the last backward
-(train.py). The executor records each action's start and end, so a measured run draws the same
-timeline as the simulation. Validation runs the F actions alone (`forward_actions`), in the same
-(micro-batch, stage) order on every rank.
+Messages carry no tags (a receive takes its peer's next message: NCCL's rule) and travel on two
+channels, activations and gradients. Read docs/06_pipeline.md: why, the stages, the bubble.
 """
 
 from __future__ import annotations

@@ -1,35 +1,22 @@
 """Pipeline schedules as data: for each rank, the ordered list of what it computes.
 
-Chapter 6 of the course, first half. Cut the model's layers into p stages, one per rank, and the
-batch into m micro-batches. Stage s can run the forward of micro-batch i only after stage s-1 has,
-and the backward only after stage s+1 has. A *schedule* is the order in which each rank takes its
-actions:
+Chapter 6 of the course, first half. Cut the model's layers into p stages and the batch into m
+micro-batches; a schedule is the order in which each rank takes its actions:
 
     F(i)  forward of micro-batch i        B(i)  backward of micro-batch i (input gradient;
     W(i)  weight gradient of i                  with no W in the schedule, B does both)
 
-Nothing here runs a model. A schedule is a list of actions per rank, so it can be printed, drawn,
-simulated with unit-time actions (timeline.py) and tested without starting any process;
-executor.py has the one executor that runs any of them. The schedules, p = 4 ranks, m = 8 micro-batches:
+Nothing here runs a model: a schedule can be printed, drawn, simulated (timeline.py) and tested
+without a process; executor.py runs any of them. The six: naive (one micro-batch at a time),
+gpipe (all forwards, then all backwards), 1f1b (after warm-up, one forward, one backward),
+interleaved (v chunks of layers per rank), zb1 (ZB-H1: B and W split, W's fill the bubble) and
+zbv (ZB-V: two chunks per rank placed in a V, rank r holds stages r and 2p-1-r).
 
-    naive        one micro-batch at a time: F0 on stage 0, then stage 1, ... the others wait
-    gpipe        all forwards, then all backwards (bubble (p-1)/(m+p-1), m activations held)
-    1f1b         after p-s-1 warm-up forwards, alternate one forward and one backward: the same
-                 bubble, but stage s holds at most p-s micro-batches of activations
-    interleaved  each rank holds v chunks of layers (virtual stages s, s+p, s+2p, ...): the fill
-                 and drain take 1/v as long, so the bubble shrinks about v times
-    zb1          zero-bubble ZB-H1: backward split into B (input gradient: the next stage waits
-                 for it) and W (weight gradient: nobody waits); W's fill the bubbles, with no
-                 stage holding more activations than 1F1B's first stage (p micro-batches)
-    zbv          zero-bubble ZB-V: two chunks per rank placed in a V (rank r holds stages r and
-                 2p-1-r), so the first and the last stage share rank 0: the forward goes down the
-                 ranks and back up, the backward the same, and W's fill what is left
-
-A `Schedule` (`build(name, p, m, v)`) is the actions of every rank *and* the placement of the
-stages on the ranks: an action carries its (virtual) stage, and `placement[k]` is the rank that
-runs stage k: k % p for the looped schedules, a V for zbv; nothing assumes "stage k on rank k".
-`messages_of(action, placement)` says what an action receives and sends: the executor posts
-exactly those, the estimator counts their bytes, and the order check traces them.
+A `Schedule` (`build(name, p, m, v)`) is every rank's actions *and* the stages' placement:
+`placement[k]` is the rank that runs stage k (k % p when looped, a V for zbv). `messages_of`
+says what an action receives and sends: the executor posts exactly those, the estimator counts
+their bytes, the order check traces them. Read docs/06_pipeline.md: each schedule's bubble and
+the activations it holds.
 """
 
 from __future__ import annotations

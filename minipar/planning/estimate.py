@@ -1,32 +1,21 @@
 """What each rank will hold, worked out before anything runs.
 
-Chapter 8 of the course. A layout is chosen before a single GPU is touched, so the first question
-is arithmetic: how many bytes of weights, gradients and optimizer state does each rank hold, and
-does it fit? The ZeRO paper's answer for Psi parameters on N ranks, with 2 bytes of weight, 2 of
-gradient and K = 12 of optimizer state per parameter (zero.model_state_bytes):
+Chapter 8 of the course. A layout is chosen before a single GPU is touched: how many bytes of
+weights, gradients, optimizer state and activations does each rank hold, and does it fit? This
+module does not re-derive which parameter lands where: it builds the rank's part of the model *on
+paper* (the plain Llama on the meta device, cut by the same `parallelize` that training uses, with
+layout.py's `PaperGroup`s, ZeRO's buckets from ZeRO's own `bucket_plan`), so the estimate follows
+the code; tests/test_estimate.py checks it byte for byte against `GradSync.held_bytes()`:
 
-    baseline   (2 + 2 + K) Psi          stage 2   2 Psi + (2 + K) Psi / N
-    stage 1    2 Psi + 2 Psi + K Psi/N   stage 3   (2 + 2 + K) Psi / N
-
-minipar's figures follow the same shape, but this module does not re-derive which parameter lands
-where. It builds the rank's part of the model *on paper*: the plain Llama on PyTorch's meta device
-(shapes, no memory), cut by the same `parallelize` that training uses, with groups that have a size
-and a rank but no processes (layout.py's `PaperGroup`): the exact shapes the rank will hold (tp
-shards padded, experts cut over ep, its pipeline stages only), and ZeRO's buckets planned by ZeRO's
-own `bucket_plan`. So the estimate follows the code; tests/test_estimate.py checks it byte for byte.
-
-Held bytes as `GradSync.held_bytes()` measures them, gradients synced and no step yet:
     params       the weights this rank holds whole (none under ZeRO-3), plus ZeRO's master slices
     grads        a gradient per weight and data parallelism's flat buffers; ZeRO: this rank's slices
     optimizer    AdamW's two moments: of every weight, or of this rank's slices under ZeRO
-    activations  what autograd keeps for backward (layer_activation_bytes: to the byte in float64
-                 on CPU; MoE layers: estimate_moe.py), times the micro-batches a schedule keeps
+    activations  what autograd keeps for backward (MoE layers: estimate_moe.py), per micro-batch
+                 a schedule keeps
     temporary    ZeRO's buffers that live only for a moment of the step (`temporary_bytes`)
 
 These figures, and the bytes each rank sends (traffic.py), feed planner.py's `check_memory`,
-`--plan` and layout search. `peak_bytes` adds model states, activations and ZeRO's buffers at
-their peaks as if at one moment. Not estimated: the logits' gradient, what a kernel or
-the allocator takes, mixture-of-experts layers under bf16 autocast to the byte.
+`--plan` and layout search. Read docs/08_memory_and_planning.md.
 """
 
 from __future__ import annotations

@@ -5,34 +5,16 @@ expert_parallel.py). Per MoE block and micro-batch a rank routes T tokens (its s
 micro-batch: / cp, and / tp under sp), each to k of E experts, A = T*k assignments. Of those it
 sends `out` rows to the experts on other ep ranks, and its E/ep experts receive R rows in all:
 
-    dropless (capacity_factor 0)   A = T*k exactly; out and R depend on the router. The estimate is
-                                   the expectation under uniform routing: out = T*k*(ep-1)/ep,
-                                   R = T*k. The bound (worst=True): a token's k experts are
-                                   distinct, so it sends at most min(k, E - E/ep) rows away and a
-                                   rank receives at most min(k, E/ep) rows per token of each rank.
-    capacity c > 0                 an expert takes at most cap = ceil(c*T*k/E) of each rank's
-                                   assignments (and never more than T): kept = E*cap' with
-                                   cap' = min(cap, T), out = (E - E/ep)*cap', R = E*cap'. An upper
-                                   bound, exact as soon as every expert fills its capacity on every
-                                   rank: likely when c is well below 1 (the tests use 0.25), not
-                                   at c = 1 unless routing is perfectly even.
+    dropless (capacity_factor 0)   the expectation under uniform routing: out = T*k*(ep-1)/ep,
+                                   R = T*k; worst=True bounds them for any router
+    capacity c > 0                 an expert takes at most cap' = min(ceil(c*T*k/E), T) of each
+                                   rank's assignments: out = (E - E/ep)*cap', R = E*cap', an upper
+                                   bound, exact once every expert fills its capacity
 
-Activations (float32/float64: what autograd saves in MoE.forward, tests/test_estimate.py counts
-them; bf16 autocast: the same tensors at bf16 width, not measured):
-
-    router     the probabilities [T, E] (in at least fp32), the top-k indices and values, their
-               sum, the renormalised weights
-    dispatch   the index that gathers the A kept rows, the gathered rows [A, d] (under ep: the
-               R received rows, and the two indices that regroup them by expert)
-    experts    gate, silu(gate), up and their product per row: 4 * expert_ffn per row (R rows);
-               the shared expert the same per token at its width
-    combine    the index back to assignment order, the [T*k, d] results weighed by the router
-    aux loss   the probabilities' row sums, and the E load shares that weigh them
-
-Traffic, on the ep group, per MoE block and micro-batch: the counts per expert (all-to-all of E
-int64), the tokens out and the results back (out + in rows, in = R - what stays here), and in
-backward the same rows again; --recompute (and --recompute-mlp) replays the forward ones. With cp (or sp) the load-
-balancing loss adds two E-sized all-reduces per block over those groups (forward only).
+Activations are what autograd saves in MoE.forward (router, dispatch, experts, combine, aux loss:
+tests/test_estimate.py counts them in float32 and float64); traffic is the ep group's all-to-alls
+(counts, tokens out, results back, and again in backward) and, with cp or sp, the load-balancing
+loss's all-reduces. Read docs/08_memory_and_planning.md ("Mixture-of-experts layers").
 """
 
 from __future__ import annotations
@@ -72,7 +54,7 @@ def expert_rows(c: ModelConfig, cfg: Layout, worst: bool = False) -> tuple[int, 
 
 
 def moe_block_bytes(c: ModelConfig, cfg: Layout, worst: bool = False) -> int:
-    """The MoE part of a block's activations for one micro-batch (module docstring), in bytes."""
+    """The MoE part of a block's activations for one micro-batch (chapter 8 lists its tensors), in bytes."""
     p, w = stream_and_product_widths(cfg)  # the router works in at least fp32: the weights' width
     t, k, e, d = routed_tokens(c, cfg), c.top_k, c.n_experts, c.dim
     kept, _, _, rows = expert_rows(c, cfg, worst)
