@@ -5,6 +5,7 @@ and without a kill the run is minipar's plain data parallelism with the same glo
 import copy
 import importlib.util
 import json
+import os
 import random
 import re
 import sys
@@ -129,6 +130,89 @@ def test_experts_inside_groups_equal_plain_dp_4_with_ep_2(tmp_path):
         assert ft.keys() == dp.keys()
         for k in dp:
             assert (ft[k] - dp[k]).norm() <= 1e-14 * dp[k].norm(), k
+
+# -- groups that do not start alike: they agree before they average, or the run stops ------------
+def start_groups(folder: Path, flags: list[list[str]], steps: int = 6) -> list:
+    """One replica group of one rank for each of `flags` (train_ft's RUN with those flags added), all
+    started at once against a lighthouse in this process; returns them ended."""
+    from torchft.coordination import LighthouseServer
+    os.environ["RUST_LOG"] = os.environ.get("RUST_LOG") or "error"  # the lighthouse's INFO line for each quorum
+    port = train_ft.free_port()
+    lighthouse = LighthouseServer(bind=f"[::]:{port}", min_replicas=1, join_timeout_ms=200, quorum_tick_ms=20,
+                                  heartbeat_timeout_ms=1000)
+    argv = [*train_ft.RUN, f"--steps={steps}", "--log-every=1", f"--replica-groups={len(flags)}",
+            f"--lighthouse=localhost:{port}"]
+    folder.mkdir(parents=True, exist_ok=True)
+    groups = [train_ft.Group(g, [*argv, f"--replica-group-id={g}", *more], folder, 1) for g, more in enumerate(flags)]
+    try:
+        for group in groups:
+            group.start()
+        for group in groups:
+            group.proc.wait(timeout=120)
+    finally:
+        for group in groups:
+            if group.proc.poll() is None:
+                group.kill()
+        lighthouse.shutdown()
+    return groups
+
+
+def refusal(group) -> str:
+    """The group's one error line (exit 3, no traceback)."""
+    text = group.text()
+    assert group.proc.returncode == 3 and "Traceback" not in text and text.count("minipar: error:") == 1, text[-2000:]
+    return next(line for line in text.splitlines() if "minipar: error:" in line)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Two groups, 6 steps, saved at step 4 and 6: the run the others are measured against."""
+    out = tmp_path_factory.mktemp("ft_ref")
+    assert [g.proc.returncode for g in start_groups(out, [["--save-every=4"]] * 2)] == [0, 0]
+    return out
+
+
+@pytest.mark.integration
+def test_a_resumed_group_and_a_new_one_end_as_one_uninterrupted_run(uninterrupted, tmp_path):
+    """Group 0 resumes step 4 of the run above, group 1 starts new: torchft's step is minipar's, so
+    the heal sees group 1 behind and it takes group 0's state; steps 5 and 6 are the run's, bitwise."""
+    resume = f"--resume={uninterrupted / 'group0_attempt1' / 'step_000004'}"
+    groups = start_groups(tmp_path, [[resume], []])
+    assert [g.proc.returncode for g in groups] == [0, 0], groups[1].text()[-3000:]
+    assert "replica group 1 took its state from group 0: step 4" in groups[1].text()
+    end = checkpoint(uninterrupted / "group0_attempt1" / "step_000006")
+    for g in (0, 1):
+        assert bitwise_equal(checkpoint(tmp_path / f"group{g}_attempt1" / "step_000006"), end)
+        losses = [(r["step"], r["loss"]) for r in records(tmp_path / f"group{g}_attempt1.jsonl") if "loss" in r]
+        assert losses == [(r["step"], r["loss"]) for r in records(uninterrupted / "group0_attempt1.jsonl")
+                          if r["step"] > 4 and "loss" in r]
+
+
+def test_groups_with_different_flags_are_refused_in_one_line(tmp_path):
+    for group in start_groups(tmp_path, [[], ["--lr=2e-2", "--seed=3"]], steps=2):
+        assert refusal(group).endswith("replica groups disagree on their settings, against group 0's: group 1's "
+                                       "--lr, --seed; give every group the same flags (each has its own "
+                                       "--replica-group-id, --out, --log-json, --resume)")
+        assert not (tmp_path / f"group{group.g}_attempt1.jsonl").exists()  # no step was taken
+
+
+@pytest.mark.integration
+def test_groups_of_other_models_are_refused_in_one_line_even_after_a_heal(uninterrupted, tmp_path):
+    """Both new: nothing to heal. One resumed: the new one's heal finds a state that does not fit."""
+    resume = f"--resume={uninterrupted / 'group0_attempt1' / 'step_000004'}"
+    for first in ([], [resume]):
+        for group in start_groups(tmp_path / str(len(first)), [first, ["--dim=64"]]):
+            assert "settings, against group 0's: group 1's --dim;" in refusal(group)
+
+
+@pytest.mark.integration
+def test_groups_at_one_step_with_other_weights_are_refused_in_one_line(uninterrupted, tmp_path):
+    """Both new, one starting from the weights of another run's step 4 (--init-from): same settings,
+    same step 0, other weights; nothing to heal, so the run stops."""
+    init = f"--init-from={uninterrupted / 'group0_attempt1' / 'step_000004'}"
+    for group in start_groups(tmp_path, [[], [init]]):
+        assert "different weights at the same step 0, against group 0's: group 1 (a digest" in refusal(group)
+
 
 # -- what every gradient-sync wrapper gives the replica groups, on 2 gloo ranks --------------------
 def _wrapper(zero: int, groups, seed: int = 1):

@@ -16,7 +16,10 @@ the others go on; when it comes back, it takes the live state from one of them. 
 
 One step, on each rank:
 
-    step, consumed <- begin(): the quorum; a returning group takes a peer's (step, samples, state)
+    step, consumed <- begin(): the quorum; a group behind (torchft's step is ours: a returning,
+                      new or older-resumed group) takes the most advanced peer's (step, samples,
+                      state); then every group must be at that step and sample, and, when the
+                      quorum is new, share its settings and weights' digest, or the run stops
     rows           <- the global batch is R x dp slots of rows; the P groups taking part share
                       the R groups' slots (participant i takes every group j with j % P == i),
                       so each step still trains on the whole global batch
@@ -41,15 +44,17 @@ import logging
 import os
 import socket
 import time
+from dataclasses import fields
 
 import torch
 import torch.distributed as dist
 
-from minipar.collectives import Group, broadcast
+from minipar.collectives import Group, all_reduce, broadcast
 from minipar.data_parallel import GradSync
 from minipar.mesh import Mesh
 from minipar.run.batches import TokenData
 from minipar.run.config import ConfigError, TrainConfig, lighthouse_address
+from minipar.run.saving import TrainingStopped
 
 
 def lost_gpu_hours(gpus: int, gpu_mtbf_hours: float, hours: float, restart_hours: float,
@@ -64,6 +69,47 @@ def lost_gpu_hours(gpus: int, gpu_mtbf_hours: float, hours: float, restart_hours
     if group_gpus is None:
         return failures * gpus * (restart_hours + checkpoint_every_hours / 2)
     return failures * group_gpus * restart_hours
+
+
+# Settings that say only where a group writes, logs, resumes from or how long it waits: each group
+# may have its own (the weights a group starts from are compared by digest). Every other setting
+# changes the math or the batch, and the groups must share it (Replicas.agree).
+OWN_SETTINGS = {"replica_group_id", "out", "log_json", "log_every", "wandb", "resume", "init_from", "save_every",
+                "save_on_interrupt", "timeout", "profile_steps", "plan", "config", "cache_dir", "lighthouse",
+                "allow_config_change", "eval_every", "eval_batches", "max_bad_steps", "ranks_per_node"}
+SAME_START = ("start every group from the same checkpoint (or, all but one, from none: a new group takes the "
+              "others' state)")
+
+
+def shared_settings(cfg: TrainConfig) -> dict[str, int]:
+    """Each setting the groups must share, as 60 bits of SHA-256 of its value: an exact int64."""
+    return {f.name: int(hashlib.sha256(repr(getattr(cfg, f.name)).encode()).hexdigest()[:15], 16)
+            for f in fields(cfg) if f.name not in OWN_SETTINGS}
+
+
+def _leader(where: torch.Tensor) -> int:
+    """The row of the most advanced group: the highest step, then the lowest group id."""
+    return max(range(len(where)), key=lambda i: (int(where[i, 1]), -int(where[i, 0])))
+
+
+def disagreement(where: torch.Tensor, state: torch.Tensor | None, names: list[str]) -> str | None:
+    """What the groups' rows (Replicas.agree) disagree on, against the most advanced group's, in one
+    line; None if nothing. Weights are the caller's: each rank compares its own shards."""
+    lead, rows = _leader(where), where.tolist()
+    group, first = (lambda i: rows[i][0]), rows[lead][0]
+    if state is not None:
+        differ = {group(i): [f"--{n.replace('_', '-')}" for k, n in enumerate(names) if state[i, 1 + k] !=
+                             state[lead, 1 + k]] for i in range(len(rows))}
+        if any(differ.values()):
+            return (f"replica groups disagree on their settings, against group {first}'s: " + "; ".join(
+                f"group {g}'s {', '.join(d)}" for g, d in differ.items() if d) + "; give every group the same "
+                "flags (each has its own --replica-group-id, --out, --log-json, --resume)")
+    apart = [i for i, r in enumerate(rows) if r[1:3] != rows[lead][1:3]]
+    if apart:  # the heal brings a group behind level: this one was not (a state that did not fit)
+        return ("replica groups are not at one step of one run: " + ", ".join(
+            f"group {group(i)} at step {rows[i][1]}, {rows[i][2]} samples in" for i in [lead, *apart]) +
+            f"; {SAME_START}")
+    return None
 
 
 def lighthouse_url(address: str) -> str:
@@ -116,6 +162,8 @@ class Replicas:
 
         self.id, self.groups, self.model, self.mesh = cfg.replica_group_id, cfg.replica_groups, model, mesh
         self.say = say
+        self.settings, self.quorum, self.agreed = shared_settings(cfg), None, False  # what agree() compares
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # of torchft's process group
         self.step, self.consumed = 0, 0
         self.taken: tuple[int, int, int, int] | None = None  # (peer group, step, samples, bytes) a heal took
         self.size, self.index = 0, 0  # groups taking part in this step, and our place among them
@@ -145,11 +193,14 @@ class Replicas:
 
     # -- a step ---------------------------------------------------------------------------------
     def begin(self, step: int, consumed: int) -> tuple[int, int]:
-        """The quorum for the next step. Returns (step, samples consumed): ours, or, if this group
-        was behind, the peer's whose state it just took."""
+        """The quorum for the next step, and the groups' agreement (`agree`). Returns (step, samples
+        consumed): ours, or, if this group was behind, the peer's whose state it just took."""
         self.step, self.consumed, self.taken = step, consumed, None
+        # torchft heals by its own step count: make it ours, so that a group resumed from an older
+        # checkpoint, or a new one, is seen to be behind and takes the state of the most advanced
+        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
         self.manager.start_quorum()
-        if step == 0 and self.size == 0 and self.taken is None:  # a new run starts with every group, when it can
+        if self.size == 0 and self.taken is None:  # a group's first step waits for every group, when it can
             until = time.monotonic() + self.timeout
             while self.manager.num_participants() < self.groups and time.monotonic() < until:
                 time.sleep(0.1)
@@ -158,11 +209,53 @@ class Replicas:
             peer, self.step, self.consumed, nbytes = self.taken
             self.say(f"step {self.step + 1}: replica group {self.id} took its state from group {peer}: step "
                      f"{self.step}, {nbytes:,} bytes, nothing read from disk")
-        size, index = self.manager.num_participants(), self.manager.participating_rank() or 0
-        if size != self.size:
-            self.say(f"step {self.step + 1}: {size} of {self.groups} replica groups take part")
-        self.size, self.index = size, index
+        before, self.size = self.size, self.manager.num_participants()
+        self.index = self.manager.participating_rank() or 0
+        self.agree()
+        if self.size != before:
+            self.say(f"step {self.step + 1}: {self.size} of {self.groups} replica groups take part")
         return self.step, self.consumed
+
+    def agree(self) -> None:
+        """Before any gradient is averaged, the groups taking part must be at one step with one count
+        of samples (checked each step), and share their settings and weights (checked when the quorum
+        is new or a group took state: the weights' digest is not free). Each table below has a row per
+        group: each group fills its own, and the sum over the groups is every row, exactly (int64).
+        A group that differs stops the run, every group of it, in one line naming what differs."""
+        quorum = self.manager._quorum_id  # torchft keeps it private; it changes whenever the groups do
+        fresh = quorum != self.quorum or self.taken is not None or not self.agreed
+        self.quorum = quorum
+        where = self._rows([self.id, self.step, self.consumed, int(fresh)])  # [group, step, samples, fresh]
+        state = None
+        if where is not None and where[:, 3].any():  # [weights digest, each shared setting's hash]
+            state = self._rows([int(digest(self.model.persistent(), self.model.optimizer.state_dict())[:15], 16),
+                                *self.settings.values()])
+        vote = torch.zeros(1 + self.size, dtype=torch.int64, device=self.device)  # [incomplete, weights differ]
+        problem = None
+        if where is None or where[:, 3].any() and state is None:  # a group was lost meanwhile: next step, again
+            vote[0] = 1
+        else:
+            problem = disagreement(where, state, list(self.settings))
+            if state is not None:  # each rank holds its own shards: a difference on any rank counts
+                vote[1:] = state[:, 0] != state[_leader(where), 0]
+        if dist.get_world_size() > 1:  # every rank of this group decides alike
+            all_reduce(vote, Group("world", dist.group.WORLD, list(range(dist.get_world_size())), self.mesh.ledger),
+                       op="max")
+        self.agreed = not vote[0]
+        if self.agreed and (problem or vote[1:].any()):
+            lead, others = _leader(where), [int(g) for g, d in zip(where[:, 0], vote[1:]) if d]
+            raise TrainingStopped(problem or f"replica groups hold different weights at the same step "
+                                  f"{int(where[lead, 1])}, against group {int(where[lead, 0])}'s: "
+                                  f"{', '.join(f'group {g}' for g in others)} (a digest of weights and optimizer "
+                                  f"state); they continue different runs; {SAME_START}")
+
+    def _rows(self, row: list[int]) -> torch.Tensor | None:
+        """Every participating group's `row`, in quorum order: a table of zeros with ours in our row,
+        summed over the groups (an all-gather through torchft's all-reduce). None if that failed."""
+        table = torch.zeros(self.size, len(row), dtype=torch.int64, device=self.device)
+        table[self.index] = torch.tensor(row, dtype=torch.int64)
+        self.sum(table)
+        return None if self.manager.errored() else table.cpu()
 
     def rows(self, data: TokenData, consumed: int, global_batch: int, dp: int, coord: int):
         """This rank's rows: the slots of the groups whose share this group takes (module docstring)."""
@@ -207,7 +300,7 @@ class Replicas:
     def _load(self, state: dict) -> None:
         mine, nbytes = self.model.persistent(), _nbytes(state["tensors"], state["optimizer"])
         if [t.shape for t in mine] != [t.shape for t in state["tensors"]]:
-            raise RuntimeError("replica groups must share one layout: a peer's state does not fit this group's")
+            return  # another model or layout: nothing applied, and agree() names the setting that differs
         self.say(f"step {state['step'] + 1}: replica group {self.id} is applying a peer's state ({nbytes:,} bytes)")
         with torch.no_grad():
             for t, theirs in zip(mine, state["tensors"]):
