@@ -86,7 +86,7 @@ def parse_args(argv=None):
     args, defaults = p.parse_args(argv), p.parse_args([])  # defaults as read: --gpu-memory's "80GB" is 80e9
     idle = [k for k in vars(args) if k != "calibrate" and k.startswith("calibrate") != args.calibrate
             and getattr(args, k) != getattr(defaults, k)]  # named at its default, a flag asks for nothing
-    if idle:  # refused, as train.py refuses a flag that would change nothing (run/flags.py's ACTS_WITH)
+    if idle:  # refused, as train.py refuses a flag that would change nothing (planning/layout.py: acts_with)
         flag = "--" + idle[0].replace("_", "-")
         raise InputError(f"{flag} acts only with --calibrate, which this command has not: it would change nothing; "
                          f"leave it out" if not args.calibrate else f"{flag} with --calibrate, which measures the "

@@ -1,18 +1,24 @@
 """The configuration: a TOML file (`--config`) gives the config of the equivalent flags and the same
 run bitwise, the command line overrides it; the shape flags override the preset, whose vocabulary
 the model keeps (the BPE fits inside it); the effective config is printed and saved with each
-checkpoint; `--help` states each default once; `--profile-steps` takes steps of the run, A:B."""
+checkpoint; `--help` states each default once; `--profile-steps` takes steps of the run, A:B; a
+setting declared once has its flag, help, file key, refusal and place in the planner's flags."""
+
+from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 import pytest
 from safetensors.torch import load_file
 from test_train import CORPUS, losses, run
 
 from minipar.model import get_config
-from minipar.run.config import effective, parse_args, parser
+from minipar.planning.layout import setting
+from minipar.planning.planner import Choice
+from minipar.run import config
+from minipar.run.config import ConfigError, TrainConfig, config_file_text, effective, parse_args, parser
 from minipar.run.config_file import as_toml
 
 # The same settings twice: as flags, and as a TOML file written by hand (dashes and underscores,
@@ -205,3 +211,24 @@ def test_print_config_prints_a_file_that_gives_the_same_run_without_its_folders(
     assert asdict(again) == asdict(replace(parse_args(argv), config=str(tmp_path / "run.toml"), out=None,
                                            log_json=None))
     assert not (tmp_path / "run").exists()
+
+
+@dataclass
+class WithFusedAdam(TrainConfig):  # a new setting: this declaration is all it takes
+    fused_adam: bool = setting(False, "one kernel steps every parameter's Adam", "optimisation",
+                               acts_with=("--tp 2 or more", lambda c: c.tp > 1), plan="memory")
+
+
+def test_a_setting_declared_once_has_its_flag_help_file_key_refusal_and_planned_flag(tmp_path, monkeypatch):
+    monkeypatch.setattr(config, "TrainConfig", WithFusedAdam)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    help_ = help_entries()["--fused-adam, --no-fused-adam"].strip()
+    assert help_ == "one kernel steps every parameter's Adam (default: False)"
+    assert parse_args(["--tp=2", "--fused-adam", "--plan"]).fused_adam
+    (tmp_path / "run.toml").write_text("tp = 2\nfused-adam = true\nplan = true\n")
+    cfg = parse_args([f"--config={tmp_path / 'run.toml'}"])
+    assert cfg.fused_adam and "\nfused-adam = true\n" in config_file_text(cfg)
+    with pytest.raises(ConfigError, match="^--fused-adam acts only with --tp 2 or more, which this run has not"):
+        parse_args(["--fused-adam", "--plan"])
+    assert parse_args(["--no-fused-adam", "--plan"]).fused_adam is False  # named at its default: asks nothing
+    assert Choice(cfg, None, 0).flags() == "--tp 2 --fused-adam"

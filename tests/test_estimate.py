@@ -184,7 +184,7 @@ def test_zeros_temporary_buffers_are_what_the_buckets_allocate_in_a_step(world, 
 
 def test_a_layout_too_big_is_refused_naming_layouts_of_the_same_ranks_that_fit():
     from minipar.planning.estimate import peak_bytes
-    from minipar.planning.planner import _alternatives, _flags, check_memory
+    from minipar.planning.planner import _alternatives, check_memory
 
     cfg = TrainConfig(model="1b", dp=4, micro_batch=2, dtype="bfloat16")
     c = cfg.model_config()  # the preset, its vocabulary included
@@ -194,8 +194,8 @@ def test_a_layout_too_big_is_refused_naming_layouts_of_the_same_ranks_that_fit()
         check_memory(cfg, limit=need)
     with pytest.raises(ValueError, match="with these ranks, ") as refused:
         check_memory(cfg, limit=need // 2)
-    named = [alt for alt in _alternatives(cfg, c) if f"{_flags(alt)} would fit" in str(refused.value)
-             or f"{_flags(alt)} or" in str(refused.value)]
+    named = [alt for alt in _alternatives(cfg, c) if f"{alt.as_flags(cfg)} would fit" in str(refused.value)
+             or f"{alt.as_flags(cfg)} or" in str(refused.value)]
     assert named and all(peak_bytes(c, alt) <= need // 2 and alt.dp * alt.tp * alt.pp == 4 for alt in named)
     with pytest.raises(ValueError, match="no layout of these ranks fits"):
         check_memory(TrainConfig(model="1b"), limit=2**20)

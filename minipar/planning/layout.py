@@ -5,68 +5,118 @@ the run: the parallel degrees, ZeRO, recompute, the model (--model's preset and 
 override it), the batch and the precision. `validate` refuses, in one line, a layout that cannot work,
 before anything is built, by asking each module's check: the planner asks it of every layout it weighs,
 and the run's configuration (run/config.TrainConfig: a Layout and the run's other settings) of every run.
+Each setting is declared once, as a field (`setting`): its flag, help, choices and when it acts.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import ClassVar
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
 
 from minipar.collectives import Group, Ledger
-from minipar.context_parallel import check_cp_layout
+from minipar.context_parallel import CP_ATTENTION, check_cp_layout
 from minipar.expert_parallel import check_expert_layout
 from minipar.mesh import MeshLayout, check_counts
-from minipar.model import ModelConfig, ModelError, config_from
+from minipar.model import CONFIGS, ModelConfig, ModelError, config_from
 from minipar.parallelize import check_parallelize, check_zero
 from minipar.pipeline.executor import check_pipeline
-from minipar.pipeline.schedules import ScheduleError
+from minipar.pipeline.schedules import SCHEDULES, ScheduleError
+from minipar.precision import DTYPES, GRAD_REDUCE, PRECISIONS
 from minipar.precision import resolve as resolve_precision
 from minipar.tensor_parallel import check_tensor_layout
 from minipar.zeropp import check as check_zeropp
 from minipar.zeropp import parse as parse_zeropp
 
 
+def setting(default, help: str, group: str, *, choices=None, acts_with=None, plan=None, shape=False) -> Any:
+    """A setting, declared once: a dataclass field whose metadata all that reads the setting takes.
+        help, group  its train.py flag's --help and section (run/flags.py; "{default}": the default);
+                     a bool is a switch (--sp, --no-sp); its --config file key is its name
+        choices      the values its flag takes
+        acts_with    (words, condition of the config): set to anything but its default where the
+                     condition is false, it would change nothing, and is refused (run/config.parse_args)
+        plan         cut, memory or pipeline: the planner chooses it and prints it (Layout.as_flags)
+        shape        it overrides the field of its name in --model's preset"""
+    meta = {"help": help.format(default=default), "group": group, "choices": choices, "acts_with": acts_with,
+            "plan": plan, "shape": shape}
+    return field(default=default, metadata=meta)
+
+
+def shape_setting(what: str) -> Any:
+    """A model-shape setting: None takes --model's preset's value."""
+    return setting(None, f"{what} (default: the preset's)", "model", shape=True)
+
+
+def has_experts(layout: Layout) -> bool:
+    return layout.model_config().n_experts > 0
+
+
 @dataclass
 class Layout:
     """A run's parallel layout, its model, batch and precision; `validate` refuses one that cannot work."""
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1  # expert parallelism, carved out of dp x cp (mixture-of-experts models)
-    sp: bool = False  # Megatron sequence parallelism inside the tp group
-    tp_overlap: bool = False  # tp regions send f's backward message while computing weight gradients
-    schedule: str = "1f1b"  # pipeline schedule, used when pp > 1
-    virtual_stages: int = 1
-    pp_layers: str | None = None  # layers per pipeline stage, "3,1" (--pp-layers); None: balanced
-    cp_attention: str = "ring"  # ring (K/V blocks round the cp ring) or ulysses (all-to-all to whole heads)
-    zero: int = 0  # ZeRO stage over the dp group: 0 (plain data parallelism), 1, 2, 3
-    zeropp: str | None = None  # ZeRO++ on ZeRO-3: any of qwz,hpz,qgz (zeropp.py)
-    offload: bool = False  # ZeRO 1-2: optimizer state and step on the CPU
-    recompute: bool = False  # activation checkpointing per transformer layer
-    recompute_mlp: bool = False  # selective: only each layer's feed-forward block (MLP or MoE) is redone
-    ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE, else the world (parse_args fills it in)
-    model: str = "small"
-    # The model's shape (run/config's SHAPE_FLAGS): None takes the preset's value; parse_args fills them in.
-    dim: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    ffn_dim: int | None = None
-    vocab_size: int | None = None
-    max_seq_len: int | None = None
-    tie_embeddings: bool | None = None  # the LM head shares the embedding table
-    aux_loss_coef: float = 0.01  # MoE load-balancing loss weight
-    capacity_factor: float = 0.0  # MoE: 0 is dropless
-    seq_len: int = 128
-    global_batch: int = 16
-    micro_batch: int = 8
-    weight_decay: float = 0.1
-    dtype: str | None = None  # float64 for proofs; float32; bfloat16 = --precision bf16-autocast
-    precision: str | None = None  # fp32 | bf16-autocast | bf16-mixed; None: fp32 on CPU, bf16-autocast on CUDA
-    grad_reduce: str | None = None  # bf16-mixed: bf16 (default) or fp32 gradients on the wire
-    bucket_mb: float = 25.0
+    dp: int = setting(1, "data-parallel degree", "layout", plan="cut")
+    tp: int = setting(1, "tensor-parallel degree", "layout", plan="cut")
+    pp: int = setting(1, "pipeline-parallel degree", "layout", plan="cut")
+    cp: int = setting(1, "context-parallel degree", "layout", plan="cut")
+    ep: int = setting(1, "expert-parallel degree, carved out of dp x cp (MoE models)", "layout")
+    sp: bool = setting(False, "sequence parallelism in the norm/residual regions (tp > 1)", "layout", plan="cut")
+    tp_overlap: bool = setting(False, "tensor parallelism sends each region's backward message while computing its "
+                               "weight gradients (bitwise the same step; with --sp, one more all-gather of the input "
+                               "per region: only its shard is kept)", "layout",
+                               acts_with=("--tp 2 or more", lambda c: c.tp > 1))
+    schedule: str = setting("1f1b", "pipeline schedule ({default})", "layout", choices=SCHEDULES, plan="pipeline",
+                            acts_with=("--pp 2 or more", lambda c: c.pp > 1))
+    virtual_stages: int = setting(1, "chunks per pipeline rank (interleaved)", "layout", plan="pipeline")
+    pp_layers: str | None = setting(None, "layers per pipeline stage, e.g. 3,1 (the last stage also carries the LM "
+                                    "head and the loss); default: balanced, the extra ones to the first stages",
+                                    "layout", acts_with=("--pp 2 or more", lambda c: c.pp > 1))
+    cp_attention: str = setting("ring", "context-parallel attention: K/V round a ring, or all-to-alls to whole heads "
+                                "(ulysses: heads / tp must divide by cp; default: {default})", "layout",
+                                choices=CP_ATTENTION, acts_with=("--cp 2 or more", lambda c: c.cp > 1))
+    zero: int = setting(0, "ZeRO stage over the dp group: 0, 1, 2 or 3", "optimisation", plan="memory")
+    zeropp: str | None = setting(None, "ZeRO++ on --zero 3: any of qwz,hpz,qgz (int8 forward gather, backward "
+                                 "gather inside the node, int4 gradients)", "optimisation",
+                                 acts_with=("--dp 2 or more", lambda c: c.dp > 1))
+    offload: bool = setting(False, "ZeRO 1-2: optimizer state and update on the CPU", "optimisation")
+    recompute: bool = setting(False, "activation checkpointing per transformer layer", "optimisation", plan="memory")
+    recompute_mlp: bool = setting(False, "selective activation checkpointing: only each layer's MLP (or MoE block) "
+                                  "is redone in backward; attention keeps its activations", "optimisation",
+                                  plan="memory")
+    ranks_per_node: int | None = setting(None, "ranks that share a node (its fast links): the ledger counts what "
+                                         "crosses between nodes; less than the world simulates several nodes on one "
+                                         "machine (default: torchrun's LOCAL_WORLD_SIZE, else every rank on one "
+                                         "node)", "layout")
+    model: str = setting("small", "named model size: the preset the shape flags below override (default: "
+                         "--init-from's, else {default})", "model", choices=list(CONFIGS))
+    dim: int | None = shape_setting("hidden size")
+    n_layers: int | None = shape_setting("transformer blocks")
+    n_heads: int | None = shape_setting("attention heads")
+    n_kv_heads: int | None = shape_setting("key/value heads (grouped-query attention)")
+    ffn_dim: int | None = shape_setting("MLP hidden size")
+    vocab_size: int | None = shape_setting("the model's vocabulary: embedding rows, the tokenizer's must fit")
+    max_seq_len: int | None = shape_setting("longest sequence the run may use")
+    tie_embeddings: bool | None = setting(None, "the LM head shares the embedding table (default: the preset's; "
+                                          "1b ties)", "model")
+    aux_loss_coef: float = setting(0.01, "MoE load-balancing loss weight (default: {default})", "model",
+                                   acts_with=("a model with experts", has_experts))
+    capacity_factor: float = setting(0.0, "MoE: tokens an expert takes, x its fair share (default {default}: "
+                                     "dropless, every token served)", "model",
+                                     acts_with=("a model with experts", has_experts))
+    seq_len: int = setting(128, "tokens per sequence", "data")
+    global_batch: int = setting(16, "sequences per step, all dp ranks", "optimisation")
+    micro_batch: int = setting(8, "sequences per forward on one rank", "optimisation")
+    weight_decay: float = setting(0.1, "AdamW's, on matrices only", "optimisation")
+    dtype: str | None = setting(None, "float64: all in float64 (proofs; no --precision); float32 = --precision "
+                                "fp32, bfloat16 = bf16-autocast", "optimisation", choices=DTYPES)
+    precision: str | None = setting(None, "fp32; bf16-autocast (fp32 weights, bf16 matmuls); bf16-mixed (the ZeRO "
+                                    "paper's: bf16 weights and gradients, fp32 master weights and Adam state: 16 "
+                                    "bytes per parameter). Default: fp32 on CPU, bf16-autocast on CUDA",
+                                    "optimisation", choices=PRECISIONS)
+    grad_reduce: str | None = setting(None, "bf16-mixed: gradients summed over ranks in bf16 (default: rounded at "
+                                      "each of N-1 adds) or fp32 (twice the bytes; the mean rounded once, within "
+                                      "half a bf16 ulp)", "optimisation", choices=GRAD_REDUCE)
+    bucket_mb: float = setting(25.0, "data-parallel gradient bucket size", "optimisation")
 
     error: ClassVar[type[ValueError]] = ValueError  # what validate raises (TrainConfig: ConfigError)
 
@@ -85,6 +135,14 @@ class Layout:
         except ValueError:
             raise ValueError(f"--pp-layers {self.pp_layers}: give whole numbers separated by commas, "
                              "one per pipeline stage, e.g. 3,1") from None
+
+    def as_flags(self, base: Layout | None = None) -> str:
+        """The layout as train.py's flags: each setting the planner chooses (cut, memory, then pipeline)
+        that differs from its default or from `base`'s (a layout offered instead of `base`)."""
+        base = base or type(self)()
+        chosen = [f for kind in ("cut", "memory", "pipeline") for f in fields(self) if f.metadata["plan"] == kind]
+        return " ".join(flag_of(f.name, getattr(self, f.name)) for f in chosen  # at its default, as in base: unsaid
+                        if not getattr(self, f.name) == f.default == getattr(base, f.name))
 
     def model_config(self) -> ModelConfig:
         """--model's preset with every model setting this config gives (not None) in its place."""
@@ -118,6 +176,16 @@ class Layout:
                              f"{self.accum_steps})") from None
         except ValueError as e:
             raise self.error(str(e)) from None
+
+
+# The settings that override one field of --model's preset (ModelConfig's field of the same name).
+SHAPE_FLAGS = tuple(f.name for f in fields(Layout) if f.metadata["shape"])
+
+
+def flag_of(name: str, value) -> str:
+    """A setting as train.py's flag: --sp, --no-sp, --zero 1."""
+    flag = "--" + name.replace("_", "-")
+    return (flag if value else f"--no-{flag[2:]}") if isinstance(value, bool) else f"{flag} {value}"
 
 
 @dataclass

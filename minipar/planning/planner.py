@@ -183,11 +183,7 @@ class Choice:
     memory: int  # bytes on the fullest rank
 
     def flags(self) -> str:
-        c = self.cfg
-        parts = [f"--{k} {v}" for k, v in (("dp", c.dp), ("tp", c.tp), ("pp", c.pp), ("cp", c.cp)) if v > 1]
-        return " ".join(parts + ["--sp"] * c.sp + [f"--zero {c.zero}"] * (c.zero > 0) + ["--recompute"] * c.recompute
-                        + ["--recompute-mlp"] * c.recompute_mlp
-                        + [f"--schedule interleaved --virtual-stages {c.virtual_stages}"] * (c.virtual_stages > 1))
+        return self.cfg.as_flags()
 
 
 def plan(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_batch: int = 1):
@@ -266,7 +262,7 @@ def check_memory(cfg: Layout, limit: int | None = None, headroom: float = HEADRO
     need, usable = peak_bytes(model_cfg, cfg), limit * (1 - headroom)
     if need <= usable:
         return
-    fits = list(islice((_flags(alt) for alt in _alternatives(cfg, model_cfg)
+    fits = list(islice((alt.as_flags(cfg) for alt in _alternatives(cfg, model_cfg)
                         if peak_bytes(model_cfg, alt) <= usable), 3))
     held = "weights, gradients, optimizer state, activations and ZeRO's buffers" if cfg.zero else \
         "weights, gradients, optimizer state and activations"
@@ -295,11 +291,6 @@ def _alternatives(cfg: Layout, model_cfg: ModelConfig):
                 except ValueError:
                     continue
                 yield alt
-
-
-def _flags(cfg: Layout) -> str:
-    return " ".join(f"--{k} {v}" for k, v in (("dp", cfg.dp), ("tp", cfg.tp), ("pp", cfg.pp), ("zero", cfg.zero))
-                    if v > 1 or k == "zero") + " --recompute" * cfg.recompute + " --recompute-mlp" * cfg.recompute_mlp
 
 
 def report(cfg: Layout) -> str:

@@ -22,12 +22,11 @@ import re
 from dataclasses import asdict, dataclass, fields, replace
 
 from minipar.model import ModelConfig
-from minipar.planning.layout import Layout
+from minipar.planning.layout import SHAPE_FLAGS, Layout, setting
 from minipar.run import checkpoint, flags
 from minipar.run.args import InputError
 from minipar.run.config_file import as_toml, read_config_file
 from minipar.run.data import DataError, are_token_files, find_files
-from minipar.run.flags import ACTS_WITH, BPE_VOCAB, SHAPE_FLAGS
 from minipar.zeropp import parse as parse_zeropp
 
 
@@ -42,47 +41,78 @@ SHAPE_MAX = {"dim": 2**20, "n_layers": 1024, "n_heads": 2**14, "n_kv_heads": 2**
 MAX_BATCH = 2**24  # sequences in one step: far beyond any run, and its indices stay far inside int64
 MAX_TIMEOUT = 1e7  # seconds (115 days): a timedelta, and torch's milliseconds, hold it
 MAX_STEPS = 2**38  # steps (or a count of them): the samples consumed, steps x global batch, stay in int64
+BPE_VOCAB = 4096  # the BPE's default size, when the model's vocabulary is larger
+
+
+def trains_a_bpe(cfg: TrainConfig) -> bool:
+    """--bpe-vocab acts with text --data; named at the size it takes anyway, it asks for nothing."""
+    return cfg.bpe_vocab == replace(cfg, bpe_vocab=None).bpe_size() or data_kind(cfg.data) != "tokens"
 
 
 @dataclass
 class TrainConfig(Layout):
     """A run: its layout, model and batch (planning/layout.py: what the estimator reads and
-    Layout.validate checks), then its data, optimisation, checkpoints and logs."""
+    Layout.validate checks), then its data, optimisation, checkpoints and logs; each setting
+    declared once (layout.setting: its flag's help, group, choices and when it acts)."""
 
     error = ConfigError  # Layout.validate's refusals are the command line's
 
-    data: str | None = None
-    bpe_vocab: int | None = None  # the BPE trained on --data; None: bpe_size()
-    tokenizer: str | None = None  # a Hugging Face tokenizer.json; None: a BPE trained on the data
-    token_dtype: str = "uint16"  # of .bin token files
-    val_fraction: float = 0.0  # documents held out for validation
-    eval_every: int = 0  # steps between validations (0: at the end only)
-    eval_batches: int = 4  # global batches of held-out windows per validation
-    cache_dir: str = "~/.cache/minipar"
-    steps: int = 300
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup: int = 30
-    grad_clip: float = 1.0
-    max_bad_steps: int = 3  # consecutive steps with a non-finite gradient norm before the run stops
-    timeout: float = 300.0  # seconds a collective or message may wait before the run stops, naming it
-    seed: int = 0
-    out: str | None = None  # None: runs/run_NNN, the first unused number
-    save_every: int = 0
-    save_on_interrupt: bool = True  # Ctrl-C: save where the run stops (saving.py)
-    resume: str | None = None
-    init_from: str | None = None  # start from these weights (convert.py import, or a checkpoint) at step 0
-    wandb: bool = True
-    log_json: str | None = None
-    log_every: int = 10
-    profile_steps: str | None = None  # "A:B": torch.profiler over steps A to B (run/profiling.py)
-    allow_config_change: bool = False  # --resume: accept a changed data, batch, seed or learning-rate schedule
-    replica_groups: int = 1  # fault-tolerant data parallelism: this many replica groups on torchft (replicas.py)
-    replica_group_id: int = 0  # which of them this torchrun job is
-    lighthouse: str | None = None  # torchft's lighthouse, host:port, where the groups agree on who takes part
-    plan: bool = False  # print what each rank will hold (estimate.py) and exit
-    print_config: bool = False  # print the effective config as a --config file, and exit
-    config: str | None = None  # the TOML file the settings came from, if any
+    data: str | None = setting(None, "a text file or folder, or .bin token files (default: the Python standard "
+                               "library)", "data")
+    bpe_vocab: int | None = setting(None, f"tokens of the BPE trained on --data; it must fit in the model's "
+                                    f"vocabulary (default: the model's vocabulary, at most {BPE_VOCAB})", "data",
+                                    acts_with=("a BPE trained on text --data (not .bin token files)", trains_a_bpe))
+    tokenizer: str | None = setting(None, "a Hugging Face tokenizer.json (default: a BPE trained on --data)", "data")
+    token_dtype: str = setting("uint16", "the ids' type in .bin token files (nanoGPT's format: a bare array; "
+                               "default: {default})", "data", choices=["uint16", "uint32"],
+                               acts_with=(".bin token files as --data", lambda c: data_kind(c.data) != "text"))
+    val_fraction: float = setting(0.0, "hold out this fraction of the documents (files) for validation, chosen by "
+                                  "--seed", "data")
+    eval_every: int = setting(0, "validation loss every N steps (0: at the end only; needs --val-fraction)", "data")
+    eval_batches: int = setting(4, "global batches of held-out windows per validation (default: {default})", "data",
+                                acts_with=("--val-fraction above 0", lambda c: c.val_fraction > 0))
+    cache_dir: str = setting("~/.cache/minipar", "where tokenised data is kept", "data")
+    steps: int = setting(300, "optimizer steps", "optimisation")
+    lr: float = setting(3e-3, "peak learning rate (AdamW)", "optimisation")
+    min_lr_ratio: float = setting(0.1, "cosine floor, as a fraction of --lr", "optimisation")
+    warmup: int = setting(30, "linear warm-up steps", "optimisation")
+    grad_clip: float = setting(1.0, "max global gradient norm (0: off)", "optimisation")
+    max_bad_steps: int = setting(3, "stop after this many consecutive steps with a non-finite loss or gradient "
+                                 "(each is skipped)", "optimisation")
+    timeout: float = setting(300.0, "seconds a collective or message may wait (a stopped or dead rank) before the "
+                             "run stops", "optimisation")
+    seed: int = setting(0, "weights and data order", "optimisation")
+    out: str | None = setting(None, "checkpoint directory (default: runs/run_NNN, a new one)", "run")
+    save_every: int = setting(0, "save every N steps (0: only at the end)", "run")
+    save_on_interrupt: bool = setting(True, "Ctrl-C stops every rank after the same step and saves it (default; "
+                                      "--no-save-on-interrupt: unsaved); a second Ctrl-C stops at once", "run")
+    resume: str | None = setting(None, "a checkpoint folder, an --out folder (its newest that verifies), or auto: "
+                                 "--out's newest if it has one, else start fresh (for torchrun --max-restarts)", "run")
+    init_from: str | None = setting(None, "start from these weights at step 0 with a fresh optimizer: a checkpoint "
+                                    "folder, e.g. one scripts/convert.py import wrote from a Hugging Face model; "
+                                    "without --model, the model's preset and shape are the weights'", "model")
+    wandb: bool = setting(True, "log to wandb (offline unless you have logged in)", "run")
+    log_json: str | None = setting(None, "write one JSON object per step to this file (default: none)", "run")
+    log_every: int = setting(10, "print a log line every N steps", "run")
+    profile_steps: str | None = setting(None, "A:B: torch.profiler over steps A to B (from 1) on every rank, a "
+                                        "Chrome trace per rank in --out/traces/steps_A-B (scripts/trace_report.py "
+                                        "reads them)", "run")
+    allow_config_change: bool = setting(False, "--resume with another --data, --seq-len, --global-batch, --seed or "
+                                        "learning-rate schedule (default: off)", "run",
+                                        acts_with=("--resume", lambda c: c.resume is not None))
+    replica_groups: int = setting(1, "fault tolerance: the run is this many replica groups, each a torchrun job with "
+                                  "this layout inside, averaging gradients through torchft; a lost group is dropped "
+                                  "and rejoins with a peer's state (needs the torchft package)", "layout")
+    replica_group_id: int = setting(0, "which replica group this job is", "layout",
+                                    acts_with=("--replica-groups 2 or more", lambda c: c.replica_groups > 1))
+    lighthouse: str | None = setting(None, "HOST:PORT of torchft's lighthouse, where the replica groups agree each "
+                                     "step on who takes part", "layout",
+                                     acts_with=("--replica-groups 2 or more", lambda c: c.replica_groups > 1))
+    plan: bool = setting(False, "print what each rank will hold, and exit", "run")
+    print_config: bool = setting(False, "print the effective config as a TOML file for --config (this run's "
+                                 "folders and files left out), and exit", "run")
+    config: str | None = setting(None, "a TOML file of these flags' settings (keys: the flags' names, e.g. "
+                                 "global-batch = 16); the flags given here override it", "")
 
     def bpe_size(self) -> int:
         """The vocabulary of the BPE trained on --data: --bpe-vocab, else the model's, at most 4096
@@ -214,8 +244,9 @@ def parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None) -> TrainConfig:
     """The effective config of a command line (and its --config file), checked; see `resolved`."""
-    p = parser()
-    p.set_defaults(model=None, **dict.fromkeys(ACTS_WITH))  # None: not named (--model: --init-from's or the default)
+    p, d = parser(), TrainConfig()
+    acts_with = {f.name: f.metadata["acts_with"] for f in fields(d) if f.metadata["acts_with"]}
+    p.set_defaults(model=None, **dict.fromkeys(acts_with))  # None: not named (--model: --init-from's or the default)
     args = p.parse_args(argv)
     if args.config:  # the file's values become the defaults: a flag given on the command line still wins
         if os.path.exists(args.config) and not os.path.isfile(args.config):  # a FIFO: reading it would block
@@ -229,28 +260,19 @@ def parse_args(argv=None) -> TrainConfig:
     if saved is not None:  # the weights state their model, as from_pretrained reads it; a flag given must agree
         args.model, model = saved  # an imported model's preset: the default (its shape says all)
         vars(args).update({n: getattr(model, n) for n in (*SHAPE_FLAGS, "tie_embeddings") if getattr(args, n) is None})
-    d = TrainConfig()  # a setting named at its default asks for nothing (the effective config names them all)
-    named = {k for k in ACTS_WITH if getattr(args, k) not in (None, getattr(d, k))}
-    cfg = TrainConfig(**{**vars(args), **{k: getattr(d, k) for k in ("model", *ACTS_WITH) if getattr(args, k) is None}})
+    # a setting named at its default asks for nothing (the effective config names them all)
+    named = {k for k in acts_with if getattr(args, k) not in (None, getattr(d, k))}
+    cfg = TrainConfig(**{**vars(args), **{k: getattr(d, k) for k in ("model", *acts_with) if getattr(args, k) is None}})
     layout = cfg.dp * cfg.tp * cfg.pp * cfg.cp  # --plan, --print-config: the ranks the flags ask for, none launched
     world = layout if cfg.plan or cfg.print_config else int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.ranks_per_node is None:  # torchrun's ranks on this node; without torchrun, one node
         cfg.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     cfg.validate(world)
-    moe = cfg.model_config().n_experts > 0
-    if cfg.bpe_vocab == replace(cfg, bpe_vocab=None).bpe_size():  # the BPE's default size (an effective config's)
-        named.discard("bpe_vocab")
-    kind = data_kind(cfg.data) if {"token_dtype", "bpe_vocab"} & named else None  # a walk of --data: only if asked
-    acting = {"tp_overlap": cfg.tp > 1, "cp_attention": cfg.cp > 1, "schedule": cfg.pp > 1, "pp_layers": cfg.pp > 1,
-              "zeropp": cfg.dp > 1, "aux_loss_coef": moe, "capacity_factor": moe,
-              "replica_group_id": cfg.replica_groups > 1, "lighthouse": cfg.replica_groups > 1,
-              "allow_config_change": cfg.resume is not None, "eval_batches": cfg.val_fraction > 0,
-              "token_dtype": kind != "text", "bpe_vocab": kind != "tokens"}
-    idle = sorted(k for k in named if not acting[k])
+    idle = sorted(k for k in named if not acts_with[k][1](cfg))  # a walk of --data only if a setting asks for it
     if idle:
         value = getattr(cfg, idle[0])
         given = f"--{idle[0].replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")  # a switch: named
-        raise ConfigError(f"{given} acts only with {ACTS_WITH[idle[0]]}, which this run has not: it would change "
+        raise ConfigError(f"{given} acts only with {acts_with[idle[0]][0]}, which this run has not: it would change "
                           f"nothing; leave it out")
     return cfg.resolved()
 
