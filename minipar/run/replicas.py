@@ -76,7 +76,7 @@ def lost_gpu_hours(gpus: int, gpu_mtbf_hours: float, hours: float, restart_hours
 # changes the math or the batch, and the groups must share it (Replicas.agree).
 OWN_SETTINGS = {"replica_group_id", "out", "log_json", "log_every", "wandb", "resume", "init_from", "save_every",
                 "save_on_interrupt", "timeout", "profile_steps", "plan", "config", "cache_dir", "lighthouse",
-                "allow_config_change", "eval_every", "eval_batches", "max_bad_steps", "ranks_per_node"}
+                "allow_config_change", "eval_every", "eval_batches", "max_bad_steps", "ranks_per_node", "print_config"}
 SAME_START = ("start every group from the same checkpoint (or, all but one, from none: a new group takes the "
               "others' state)")
 
