@@ -44,13 +44,11 @@ the first all-to-all the rank sorts the s tokens by position, so that the causal
 triangle, and puts them back in the received order before returning them. No load balancing is
 needed. The heads and the kv heads of a tp rank must both divide by cp (check_cp_layout).
 
-`ParallelAttention`, at the end, is one rank's attention layer: its heads (tensor parallelism,
-chapter 4) over its share of the sequence, by the ring or by Ulysses; parallelize.py puts it in.
+`install_context_parallel` puts either into an attention layer, plain or tensor-parallel (chapter 4),
+through the seams it leaves open (`positions` and `attend`, model.py); parallelize.py calls it.
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import torch
 from einops import rearrange, repeat
@@ -58,14 +56,7 @@ from torch import nn
 
 from minipar.autograd_ops import all_to_all_with_grad
 from minipar.collectives import Group, all_reduce, ring_bytes_sent, send_recv
-from minipar.model import Attention, ModelConfig, apply_rope, causal_attention, rope_cos_sin, sequence_positions
-from minipar.tensor_parallel import (
-    ColumnParallelLinearInRegion,
-    ReplicatedRowsLinear,
-    RowParallelLinear,
-    cut,
-    project_after_f,
-)
+from minipar.model import causal_attention
 
 CP_ATTENTION = ("ring", "ulysses")
 
@@ -202,55 +193,16 @@ def ulysses_attention(q, k, v, group: Group, seq_len: int) -> torch.Tensor:
     return rearrange(all_to_all_with_grad(back, group), "c b h s d -> b (c h) s d")  # [b, h, s/cp, d]
 
 
-class ParallelAttention(nn.Module):
-    """model.Attention on one rank: its heads (tp: wq, wk, wv column-parallel by whole heads, wo
-    row-parallel) over its share of the sequence (cp: two zigzag chunks; the ring, or Ulysses'
-    all-to-alls). tp or cp None: not split that way (the plain layers; attention on the whole sequence)."""
-
-    def __init__(self, plain: Attention, config: ModelConfig, tp: Group | None, sp: bool, cp: Group | None,
-                 cp_attention: str = "ring", project=project_after_f):
-        super().__init__()
-        self.head_dim, self.rope_freqs, self.tp, self.sp, self.cp = plain.head_dim, plain.rope_freqs, tp, sp, cp
-        self.project = project  # how q, k and v enter the tp region: project_after_f or project_overlapped
-        if cp_attention not in CP_ATTENTION:
-            raise ValueError(f"cp_attention {cp_attention!r}: choose one of {', '.join(CP_ATTENTION)}")
-        self.cp_attention = cp_attention
-        if tp is None:
-            self.wq, self.wk, self.wv, self.wo = plain.wq, plain.wk, plain.wv, plain.wo
-            return
-        dim, q_features = config.dim, config.n_heads * config.head_dim
-        self.wq = cut(plain.wq, ColumnParallelLinearInRegion(dim, q_features, tp), tp)
-        self.wk = cut(plain.wk, _kv_projection(config, tp), tp)
-        self.wv = cut(plain.wv, _kv_projection(config, tp), tp)
-        self.wo = cut(plain.wo, RowParallelLinear(q_features, dim, tp, sequence_parallel=sp), tp)
-
-    def forward(self, x):  # [b, s/cp, d], with sp [b, s/(cp tp), d]
-        layers = (self.wq, self.wk, self.wv)
-        q, k, v = (rearrange(y, "b s (h d) -> b h s d", d=self.head_dim) for y in  # f, once for q, k and v
-                   (self.project(x, layers, self.tp, self.sp) if self.tp is not None else [m(x) for m in layers]))
-        # q [b, h/tp, s/cp, hd]; k, v [b, h_kv/tp (or 1), s/cp, hd]
-        local_len = q.shape[2]
-        if self.cp is None:
-            positions, attend = sequence_positions(local_len, x.device), causal_attention
-        else:  # two zigzag chunks of the sequence, RoPE'd at their global positions
-            seq_len = local_len * self.cp.size
-            positions = zigzag_positions(self.cp.rank, self.cp.size, seq_len, x.device)
-            # Ulysses: all s tokens of h/cp heads by all-to-all, and back; ring: every rank's K/V pass by
-            attend = partial(ulysses_attention if self.cp_attention == "ulysses" else ring_attention,
-                             group=self.cp, seq_len=seq_len)
-        cos, sin = rope_cos_sin(positions, self.rope_freqs, x.dtype)
-        out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)  # [b, h/tp, s/cp, hd]
-        return self.wo(rearrange(out, "b h s d -> b s (h d)"))  # tp: wo sums the heads' parts (g)
-
-
-def _kv_projection(config: ModelConfig, tp: Group) -> nn.Module:
-    """wk or wv for one tp rank: column-parallel when tp divides the kv heads, else the whole
-    weight, of which this rank uses the one head its query heads read."""
-    features = config.n_kv_heads * config.head_dim
-    if config.n_kv_heads % tp.size == 0:
-        return ColumnParallelLinearInRegion(config.dim, features, tp)
-    head = tp.rank * config.n_kv_heads // tp.size
-    return ReplicatedRowsLinear(config.dim, features, tp, slice(head * config.head_dim, (head + 1) * config.head_dim))
+def install_context_parallel(attn: nn.Module, cp: Group, attention: str = "ring") -> None:
+    """Context parallelism through an attention's seams, `positions` and `attend` (model.Attention's, which
+    tensor_parallel.ParallelAttention keeps): its tokens are this rank's two zigzag chunks, RoPE'd at their
+    global positions, and they attend to the whole sequence by the ring, or by Ulysses' all-to-alls."""
+    if attention not in CP_ATTENTION:
+        raise ValueError(f"cp_attention {attention!r}: choose one of {', '.join(CP_ATTENTION)}")
+    attend = ulysses_attention if attention == "ulysses" else ring_attention
+    # local_len, as q's tokens: this rank's s/cp, so the whole sequence is cp times as long
+    attn.positions = lambda local_len, device: zigzag_positions(cp.rank, cp.size, local_len * cp.size, device)
+    attn.attend = lambda q, k, v: attend(q, k, v, cp, q.shape[2] * cp.size)
 
 
 def attention_messages(attention: str, tokens: int, heads: int, kv_heads: int, head_dim: int, cp: int,

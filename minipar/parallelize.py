@@ -6,13 +6,14 @@ the part of a parallel model that one rank holds, in five steps, always in this 
     1. pipeline   keep only this rank's stages: the other layers (and the embedding or the
                   head, if another stage has them) are deleted before anything else is done to them
     2. tensor     the embedding becomes a VocabParallelEmbedding, the LM head a ColumnParallelLinear
-                  over the vocabulary and each MLP a ParallelMLP (tensor_parallel.py), each shard
-                  cut from the plain layer's own weight (tied embeddings: the head's shard is the
-                  embedding's, as both cut the vocabulary into the same blocks); the loss becomes
-                  the vocabulary-parallel one; with sp the norms' gradients partial sums over tp
-    3. context    the loss is weighed by this rank's share of the tokens (with 2 or 3, each
-                  attention becomes a ParallelAttention, context_parallel.py: its heads over its
-                  share of the sequence)
+                  over the vocabulary, each attention a ParallelAttention (its heads) and each MLP
+                  a ParallelMLP (tensor_parallel.py), each shard cut from the plain layer's own
+                  weight (tied embeddings: the head's shard is the embedding's, as both cut the
+                  vocabulary into the same blocks); the loss becomes the vocabulary-parallel one;
+                  with sp the norms' gradients partial sums over tp
+    3. context    each attention, plain or tensor-parallel, is given this rank's share of the
+                  sequence (zigzag positions) and the ring or Ulysses through its seams
+                  (context_parallel.py); the loss is weighed by this rank's share of the tokens
     4. experts    mixture-of-experts blocks: each rank keeps its E/ep experts and tokens reach
                   them by all-to-all (expert_parallel.py); the load-balancing loss pools its
                   sums over the ranks that hold other tokens of the same sequences (cp, sp)
@@ -43,7 +44,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from minipar.collectives import Group
-from minipar.context_parallel import ParallelAttention, global_token_count
+from minipar.context_parallel import global_token_count, install_context_parallel
 from minipar.data_parallel import DataParallel, GradSync
 from minipar.expert_parallel import parallelize_experts
 from minipar.mesh import Groups
@@ -51,6 +52,7 @@ from minipar.model import Llama, ModelError
 from minipar.precision import FULL, Precision
 from minipar.tensor_parallel import (
     ColumnParallelLinear,
+    ParallelAttention,
     ParallelMLP,
     VocabParallelEmbedding,
     cut,
@@ -79,10 +81,9 @@ def parallelize(model: Llama, *, tp: Group | None = None, cp: Group | None = Non
         keep_stage(model, *stage)
     if tp is not None:
         tensor_parallel(model, tp, sp, project)
-    if tp is not None or cp is not None:
+    if cp is not None:  # each attention over this rank's share of the sequence; the loss weighed by that share
         for layer in model.layers.values():
-            layer.attn = ParallelAttention(layer.attn, model.config, tp, sp, cp, cp_attention, project)
-    if cp is not None:  # each rank's loss weighed by its share of the tokens
+            install_context_parallel(layer.attn, cp, cp_attention)
         model.loss_fn = partial(_token_weighted_loss, loss_fn=model.loss_fn, group=cp)
     if model.config.n_experts:
         parallelize_experts(model, ep, tp, cp, sp)
@@ -118,7 +119,7 @@ def keep_stage(model: Llama, layer_ids, embed: bool, head: bool) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# 2. Tensor (and sequence) parallelism (ParallelMLP: tensor_parallel.py)
+# 2. Tensor (and sequence) parallelism (ParallelAttention, ParallelMLP: tensor_parallel.py)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -132,6 +133,7 @@ def tensor_parallel(model: Llama, tp: Group, sp: bool, project=project_after_f) 
         if config.tie_embeddings:  # both cut the vocabulary alike: one shard serves both
             model.lm_head.weight = model.tok_emb.weight
     for layer in model.layers.values():
+        layer.attn = ParallelAttention(layer.attn, config, tp, sp, project)
         if hasattr(layer, "mlp"):  # a mixture of experts is replicated over tp (expert_parallel.py)
             layer.mlp = ParallelMLP(layer.mlp, tp, sp, project)
     if sp:  # the norms are replicated, but each rank normalises different tokens
@@ -147,7 +149,7 @@ def _vocab_parallel_loss(logits, targets, divisor=None, *, group: Group, vocab_s
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. Context parallelism (each attention's heads and tokens: context_parallel.ParallelAttention)
+# 3. Context parallelism (ring and Ulysses attention: context_parallel.install_context_parallel)
 # ----------------------------------------------------------------------------------------------
 
 

@@ -48,6 +48,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from minipar.autograd_ops import (
@@ -59,7 +60,7 @@ from minipar.autograd_ops import (
 )
 from minipar.collectives import Group, all_gather, all_reduce, ring_bytes_sent
 from minipar.mesh import Groups
-from minipar.model import ModelError
+from minipar.model import Attention, ModelConfig, ModelError, apply_rope, rope_cos_sin
 from minipar.placement import Placement, place, placement_of
 from minipar.placement import sync_partial_grads as sync_partial_grads  # its home: where a gradient says it is partial
 
@@ -252,7 +253,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
-# The MLP of one tp rank, cut from the plain one
+# The attention and the MLP of one tp rank, cut from the plain ones
 # ----------------------------------------------------------------------------------------------
 
 
@@ -279,6 +280,41 @@ class ParallelMLP(nn.Module):
     def forward(self, x):  # [b, s, d], with sp [b, s/tp, d]
         gate, up = self.project(x, (self.w_gate, self.w_up), self.tp, self.sp)  # f, then both: [b, s, ffn/tp]
         return self.w_down(F.silu(gate) * up)  # w_down sums (g) -> [b, s, d]
+
+
+class ParallelAttention(nn.Module):
+    """model.Attention on one tp rank: its heads (wq, wk, wv column-parallel by whole heads, one f for
+    the three; wo row-parallel, g). Its seams are the plain attention's, `attend` and `positions`: the
+    ones context parallelism (context_parallel.install_context_parallel) and a KV cache swap."""
+
+    def __init__(self, plain: Attention, config: ModelConfig, tp: Group, sp: bool, project=project_after_f):
+        super().__init__()
+        self.head_dim, self.rope_freqs, self.attend, self.positions = (plain.head_dim, plain.rope_freqs,
+                                                                       plain.attend, plain.positions)
+        self.tp, self.sp, self.project = tp, sp, project
+        dim, q_features = config.dim, config.n_heads * config.head_dim
+        self.wq = cut(plain.wq, ColumnParallelLinearInRegion(dim, q_features, tp), tp)
+        self.wk = cut(plain.wk, _kv_projection(config, tp), tp)
+        self.wv = cut(plain.wv, _kv_projection(config, tp), tp)
+        self.wo = cut(plain.wo, RowParallelLinear(q_features, dim, tp, sequence_parallel=sp), tp)
+
+    def forward(self, x):  # [b, s, d], with sp [b, s/tp, d]
+        q, k, v = (rearrange(y, "b s (h d) -> b h s d", d=self.head_dim)  # f, once for q, k and v
+                   for y in self.project(x, (self.wq, self.wk, self.wv), self.tp, self.sp))
+        # q [b, h/tp, s, hd]; k, v [b, h_kv/tp (or 1), s, hd]: every token again under sp (f gathered them)
+        cos, sin = rope_cos_sin(self.positions(q.shape[2], x.device), self.rope_freqs, x.dtype)
+        out = self.attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)  # [b, h/tp, s, hd]
+        return self.wo(rearrange(out, "b h s d -> b s (h d)"))  # wo sums the heads' parts (g)
+
+
+def _kv_projection(config: ModelConfig, tp: Group) -> nn.Module:
+    """wk or wv for one tp rank: column-parallel when tp divides the kv heads, else the whole
+    weight, of which this rank uses the one head its query heads read."""
+    features = config.n_kv_heads * config.head_dim
+    if config.n_kv_heads % tp.size == 0:
+        return ColumnParallelLinearInRegion(config.dim, features, tp)
+    head = tp.rank * config.n_kv_heads // tp.size
+    return ReplicatedRowsLinear(config.dim, features, tp, slice(head * config.head_dim, (head + 1) * config.head_dim))
 
 
 # ----------------------------------------------------------------------------------------------

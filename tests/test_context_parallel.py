@@ -7,6 +7,7 @@ from einops import repeat
 from harness import parallel_llama, run_ranks, tiers
 
 from minipar import context_parallel as C
+from minipar.collectives import Group
 from minipar.data_parallel import param_groups
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
@@ -109,10 +110,8 @@ def test_ulysses_refuses_heads_that_do_not_split_over_cp_in_one_line():
     with pytest.raises(ValueError, match="2 query heads and 2 kv heads must both divide by --cp 4"):
         C.check_cp_layout(16, 4, "ulysses", n_heads=4, n_kv_heads=4, tp=2)
     C.check_cp_layout(16, 4, "ring", n_heads=4, n_kv_heads=4, tp=2)  # the ring takes any heads
-    from minipar.context_parallel import ParallelAttention
-
     with pytest.raises(ValueError, match="cp_attention 'ulyses': choose one of ring, ulysses"):
-        ParallelAttention(Llama(CFG).layers["0"].attn, CFG, None, False, None, "ulyses")  # no silent ring
+        C.install_context_parallel(Llama(CFG).layers["0"].attn, Group.solo("cp"), "ulyses")  # no silent ring
 
 
 # ----------------------------------------------------------------------------------------------
