@@ -1,7 +1,7 @@
-"""Data parallelism, written by hand: replicas that stay identical because their gradients do.
+"""Data parallelism, written by hand: copies of the model that stay identical because their gradients do.
 
 Chapter 2 of the course. Every dp rank holds the whole model and a different slice of the batch;
-each steps on the mean of the ranks' gradients, the whole batch's, so replicas that start equal
+each steps on the mean of the ranks' gradients, the whole batch's, so copies that start equal
 stay equal:
 
     rank 0: batch rows 0..B/2   -> grad g0 \
@@ -75,7 +75,7 @@ def clip_grads(grads: list[torch.Tensor], spread: list[tuple[Group, ...]], max_n
                stages: list[Group | None] | tuple = ()) -> float:
     """The global norm of `grads`, scaled in place to at most max_norm (0: no clipping); returns it.
     `spread[i]`: the groups whose ranks hold the other pieces of gradient i (tp or ep shards, ZeRO's
-    flat slices), over which its squares are summed; a replicated gradient is counted once. The total
+    flat slices), over which its squares are summed; one every rank holds whole is counted once. The total
     is then summed over `stages`, groups of ranks that hold different parameters (pp stages; None: one
     stage). As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1."""
     sq = grads[0].new_zeros(()) if grads else torch.zeros((), dtype=torch.float64)
@@ -199,23 +199,6 @@ class GradSync(nn.Module):
             for p, data in kept.items():
                 p.data = data
 
-    # -- for replica groups (run/replicas.py): the step's gradients, and what a rank keeps -------
-    def synced_grads(self) -> list[torch.Tensor]:
-        """After finish_grad_sync: the gradients clip_and_step will step on (DataParallel: whole ones)."""
-        return [p.grad for p in self.module.parameters() if p.grad is not None]
-
-    def drop_grads(self) -> None:
-        """Forget the step's gradients: a step the replica groups did not commit changes nothing."""
-        for p in self.module.parameters():
-            p.grad = None
-
-    def persistent(self) -> list[torch.Tensor]:
-        """Every tensor this rank keeps from step to step but the optimizer's state, in a fixed order."""
-        return [*self.module.state_dict().values(), *self._masters()]
-
-    def _masters(self) -> list[torch.Tensor]:
-        return [m for p, m in getattr(self, "master", {}).items() if m is not p]  # bf16-mixed's fp32 copies
-
     def held_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in weights, gradients and optimizer state, measured on its tensors."""
         return {"params": self.param_bytes(), "grads": self.gradient_bytes(), "optimizer": self.optimizer_state_bytes()}
@@ -242,7 +225,7 @@ class DataParallel(GradSync):
         self.group = groups.reduction(DENSE)
         self.sync = True
         self.buckets = self._make_buckets([p for p in module.parameters() if p.requires_grad], bucket_mb)
-        # Start identical: every replica takes rank 0's weights (and buffers).
+        # Start identical: every copy takes rank 0's weights (and buffers).
         with torch.no_grad():
             for b in self.buckets:
                 for p in b.params:
@@ -311,12 +294,17 @@ class DataParallel(GradSync):
             bucket.finish()
         self._next_to_launch = 0
 
-    def clip_and_step(self, max_norm: float, pp_group: Group | None = None) -> float:
+    def clip_and_step(self, max_norm: float, pp_group: Group | None = None, gate=None) -> float | None:
         """Sum the tp partial gradients, clip by the global norm (over tp and pp), step. bf16-mixed:
         the masters take fp32 copies of the gradients (the norm is an fp32 sum), and after the step
-        the working weights take bf16 copies of the masters."""
-        self.sum_partial_grads(list(self.module.parameters()))
+        the working weights take bf16 copies of the masters. `gate(grads)` first (run/step.py's
+        StepHooks): False drops the gradients, steps nothing and returns None."""
         params = [p for p in self.module.parameters() if p.grad is not None]
+        if gate is not None and not gate([p.grad for p in params]):
+            for p in params:
+                p.grad = None
+            return None
+        self.sum_partial_grads(list(self.module.parameters()))
         for p in params:
             self.master[p].grad = p.grad.to(self.master[p].dtype)  # the same tensor unless bf16-mixed
         grads = [self.master[p].grad for p in params]

@@ -178,11 +178,16 @@ class ZeroDataParallel(GradSync):
                 self.sum_partial_grads(bucket.params)  # tp partial sums first
                 bucket.reduce_scatter_grads()
 
-    def clip_and_step(self, max_norm: float, pp_group: Group | None = None) -> float:
+    def clip_and_step(self, max_norm: float, pp_group: Group | None = None, gate=None) -> float | None:
         """Global gradient norm from the slices (summed over dp; tp-sharded buckets also over tp;
         stages over pp), clipping, the optimizer step on the slices, and the all-gather of weights.
-        bf16-mixed: each gradient slice is copied to fp32 for the norm and AdamW, for the step only."""
+        bf16-mixed: each gradient slice is copied to fp32 for the norm and AdamW, for the step only.
+        `gate(slices)` first, as DataParallel's: False drops them and returns None."""
         with_grad = [b for b in self.buckets if b.grad_slice is not None]
+        if gate is not None and not gate([b.grad_slice for b in with_grad]):
+            for b in self.buckets:
+                b.master.grad = b.grad_slice = None
+            return None
         for b in with_grad:
             b.master.grad = b.grad_slice.to(b.master.dtype)  # the same tensor unless bf16-mixed
         norm = clip_grads([b.master.grad for b in with_grad], [b.spread for b in with_grad], max_norm, [pp_group])
@@ -193,16 +198,6 @@ class ZeroDataParallel(GradSync):
         if math.isfinite(norm):
             self._after_step()
         return norm
-
-    def synced_grads(self) -> list[torch.Tensor]:
-        return [b.grad_slice for b in self.buckets if b.grad_slice is not None]  # this rank's slices
-
-    def drop_grads(self) -> None:
-        for b in self.buckets:
-            b.master.grad = b.grad_slice = None
-
-    def _masters(self) -> list[torch.Tensor]:
-        return [t for b in self.buckets for t in b.held()]
 
     def _after_step(self) -> None:
         """Stages 1-2: every rank needs all the new weights: all-gather the updated slices."""

@@ -152,23 +152,16 @@ class Zero3DataParallel(ZeroDataParallel):
     def _bucket_done(self, bucket) -> None:
         bucket.free()  # its gradients are reduce-scattered, so its backward is over: the weights go too
 
-    def clip_and_step(self, max_norm: float, pp_group: Group | None = None) -> float:
+    def clip_and_step(self, max_norm: float, pp_group: Group | None = None, gate=None) -> float | None:
         """As stages 1-2, but no all-gather after the step: each layer is gathered when next used."""
         self._settle()
-        return super().clip_and_step(max_norm, pp_group)
-
-    def drop_grads(self) -> None:
-        self._settle()
-        super().drop_grads()
+        return super().clip_and_step(max_norm, pp_group, gate)
 
     def _settle(self) -> None:
         for b in self.buckets:  # a prefetch that ran past the last unit must not outlive the step
             if b.work is not None:
                 b.gather()
             b.free()
-
-    def persistent(self) -> list[torch.Tensor]:
-        return [*self.module.buffers(), *self._masters()]  # the weights are the shards: no whole ones
 
     def _after_step(self) -> None:
         """No all-gather (see clip_and_step); bf16-mixed: the bf16 shards take the updated masters."""

@@ -82,8 +82,11 @@ class TorchDDP(DistributedDataParallel):
     def finish_grad_sync(self) -> None:
         pass
 
-    def clip_and_step(self, max_norm: float, pp_group: Group | None = None) -> float:
+    def clip_and_step(self, max_norm: float, pp_group: Group | None = None, gate=None) -> float | None:
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if gate is not None and not gate(grads):  # as DataParallel's: dropped, nothing stepped
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
         norm = clip_grads(grads, [()] * len(grads), max_norm, [pp_group])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

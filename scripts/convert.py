@@ -1,4 +1,4 @@
-"""Convert Hugging Face Llama checkpoints to minipar's and back (minipar/run/hf.py does the renaming).
+"""Convert Hugging Face Llama checkpoints to minipar's and back (minipar/extras/hf.py does the renaming).
 
     python scripts/convert.py import HF_DIR OUT_DIR     # a LlamaForCausalLM folder -> OUT_DIR/step_000000
     python scripts/convert.py export CKPT_DIR HF_DIR    # a minipar checkpoint -> config.json + model.safetensors
@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from minipar.extras.hf import export_hf, import_hf
 from minipar.model import Llama
 from minipar.run import checkpoint
 from minipar.run.args import Parser, new_folder, refusals
 from minipar.run.config import TrainConfig
-from minipar.run.hf import export_hf, import_hf
 
 
 def check_weights(config, weights: dict, source) -> None:

@@ -35,9 +35,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from minipar.collectives import ring_bytes_sent
+from minipar.layout import Layout
 from minipar.model import CONFIGS, Llama, get_config
 from minipar.parallelize import adamw
-from minipar.planning.layout import Layout
 from minipar.planning.planner import HEADROOM, Cluster, plan, step_flops, step_time
 from minipar.run.args import (
     HelpFormatter,
@@ -86,7 +86,7 @@ def parse_args(argv=None):
     args, defaults = p.parse_args(argv), p.parse_args([])  # defaults as read: --gpu-memory's "80GB" is 80e9
     idle = [k for k in vars(args) if k != "calibrate" and k.startswith("calibrate") != args.calibrate
             and getattr(args, k) != getattr(defaults, k)]  # named at its default, a flag asks for nothing
-    if idle:  # refused, as train.py refuses a flag that would change nothing (planning/layout.py: acts_with)
+    if idle:  # refused, as train.py refuses a flag that would change nothing (layout.py: acts_with)
         flag = "--" + idle[0].replace("_", "-")
         raise InputError(f"{flag} acts only with --calibrate, which this command has not: it would change nothing; "
                          f"leave it out" if not args.calibrate else f"{flag} with --calibrate, which measures the "

@@ -19,9 +19,9 @@ Chapter: docs/08_memory_and_planning.md ("The clock against published runs").
 
 from dataclasses import dataclass, replace
 
+from minipar.layout import Layout
 from minipar.model import get_config
 from minipar.planning.estimate import peak_bytes
-from minipar.planning.layout import Layout
 from minipar.planning.planner import Choice, Cluster, step_time
 
 

@@ -6,11 +6,12 @@
 A checkpoint holds every tensor at its single-device shape (checkpoint.py), so the plain model
 loads it directly. The tokenizer is the run's own, which the checkpoint keeps (older checkpoints:
 found in the data cache under the key the checkpoint keeps; or give --tokenizer). Generation keeps a KV
-cache (minipar/run/generate.py). A bad flag or file is one line and exit code 2 (minipar/run/args.py).
+cache (minipar/extras/generate.py). A bad flag or file is one line and exit code 2 (minipar/run/args.py).
 """
 
 import torch
 
+from minipar.extras.generate import checkpoint_tokenizer, generate, plain_model_from
 from minipar.run import checkpoint
 from minipar.run.args import (
     HelpFormatter,
@@ -21,7 +22,6 @@ from minipar.run.args import (
     non_negative_int,
     refusals,
 )
-from minipar.run.generate import checkpoint_tokenizer, generate, plain_model_from
 
 # Below MIN_TEMPERATURE the draw is all but greedy, and soon the logits divided by it overflow float32
 # (1e-40: a NaN draw); above MAX_TEMPERATURE every token is about as likely as any other.

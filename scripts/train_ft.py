@@ -37,9 +37,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from minipar.extras.replicas import lost_gpu_hours  # noqa: E402
 from minipar.run.args import InputError, Parser, new_folder, positive_int, refusals  # noqa: E402
 from minipar.run.config import parse_args  # noqa: E402
-from minipar.run.replicas import lost_gpu_hours  # noqa: E402
 
 CORPUS = str(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py")
 RUN = ["--model=tiny", "--vocab-size=512", "--seq-len=32", "--global-batch=8", "--micro-batch=2", "--lr=1e-2",
@@ -202,7 +202,7 @@ def summary(folder: Path, groups: list[Group], steps: int) -> list[str]:
 
 def costs() -> list[str]:
     """--costs: what failures cost Llama 3 405B's run, restarting from checkpoints or losing one replica
-    group at a time (run/replicas.py's lost_gpu_hours). The figures are the paper's (Dubey et al. 2024,
+    group at a time (extras/replicas.py's lost_gpu_hours). The figures are the paper's (Dubey et al. 2024,
     section 3.3.4: 419 unexpected interruptions in 54 days on 16,384 GPUs; tp 8 x pp 16 x dp 128); the
     restart time and the checkpoint intervals are assumptions."""
     gpus, hours, failures, restart, group = 16384, 54 * 24, 419, 10 / 60, 8 * 16

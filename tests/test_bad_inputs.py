@@ -1,8 +1,8 @@
 """Bad input costs one line, before any process group: a table of command lines, each refused by
-launch.main with exit 2 and exactly one `minipar: error: ...` line naming what is wrong, and a table
+cli.main with exit 2 and exactly one `minipar: error: ...` line naming what is wrong, and a table
 of edge cases that are fine and pass the same checks.
 
-Everything runs in this process. `launch.launch`, which would start the process group, is replaced
+Everything runs in this process. `cli.launch` (run/launch.py's), which would start the process group, is replaced
 by one that raises `Started`: a bad row that slipped through the checks fails its test instead."""
 
 import json
@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from minipar.mesh import Groups
 from minipar.model import Llama, get_config
+from minipar.ops import cli
 from minipar.run import checkpoint, launch
 from minipar.run.config import parse_args
 from minipar.run.data import data_key
@@ -181,15 +182,15 @@ def tokenizer_json(path: Path, vocab: int) -> None:
 
 
 def main(t, extra, world, monkeypatch):
-    """launch.main(base + extra) as rank 0 of `world` ranks; returns its exit code."""
+    """cli.main(base + extra) as rank 0 of `world` ranks; returns its exit code."""
     monkeypatch.chdir(t)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.delenv("RANK", raising=False)
 
-    def run(cfg, resume, interrupt):
+    def run(cfg, resume, interrupt, extras=()):
         raise Started
-    monkeypatch.setattr(launch, "launch", run)
-    return launch.main(base(t) + [a.format(t=t) for a in extra])
+    monkeypatch.setattr(cli, "launch", run)
+    return cli.main(base(t) + [a.format(t=t) for a in extra])
 
 
 class Started(Exception):
@@ -429,8 +430,8 @@ def test_bad_input_is_one_line_exit_2_and_no_process_group(t, extra, world, frag
 
 
 def test_a_preset_vocabulary_too_small_for_a_bpe_is_one_line(t, monkeypatch, capsys):
-    monkeypatch.setattr(launch, "launch", lambda cfg, resume, interrupt: pytest.fail("the checks passed"))
-    assert launch.main([a for a in base(t) if not a.startswith("--vocab-size")]) == 2  # tiny's vocabulary: 256
+    monkeypatch.setattr(cli, "launch", lambda cfg, resume, interrupt, extras=(): pytest.fail("the checks passed"))
+    assert cli.main([a for a in base(t) if not a.startswith("--vocab-size")]) == 2  # tiny's vocabulary: 256
     assert capsys.readouterr().err == ("minipar: error: --model tiny's vocabulary 256 cannot hold a byte-level BPE "
                                        "(the 256 bytes and <|endoftext|>): pass --vocab-size 257 or more\n")
 
@@ -445,12 +446,12 @@ def test_an_error_of_another_rank_alone_is_printed_by_it_with_its_rank(t, monkey
     # Under torchrun, rank 0 speaks first; a rank whose error is its own (its node's data is
     # missing) speaks after a pause, naming itself, while rank 0 waits in init_process_group.
     pauses = []
-    monkeypatch.setattr(launch.time, "sleep", pauses.append)
+    monkeypatch.setattr(cli.time, "sleep", pauses.append)
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.setattr(launch, "launch", lambda cfg, resume, interrupt: pytest.fail("the checks passed"))
+    monkeypatch.setattr(cli, "launch", lambda cfg, resume, interrupt, extras=(): pytest.fail("the checks passed"))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.chdir(t)
-    assert launch.main(base(t) + ["--dp=2", f"--data={t}/missing.txt"]) == 2
+    assert cli.main(base(t) + ["--dp=2", f"--data={t}/missing.txt"]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("minipar: error: rank 1: --data "), lines
     assert pauses == [2.0] and not dist.is_initialized()
@@ -460,11 +461,11 @@ def test_an_error_every_rank_finds_is_left_to_rank_0(t, monkeypatch, capsys):
     # Rank 1 exiting at once would get rank 0 stopped by torchrun before its line is out (CI saw
     # it): rank 1 says nothing and waits for torchrun to end it.
     pauses = []
-    monkeypatch.setattr(launch.time, "sleep", pauses.append)
+    monkeypatch.setattr(cli.time, "sleep", pauses.append)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.chdir(t)
-    assert launch.main(base(t) + ["--dp=4"]) == 2
+    assert cli.main(base(t) + ["--dp=4"]) == 2
     assert capsys.readouterr().err == "" and pauses == [30.0]
 
 
@@ -546,13 +547,13 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_by_name_and_the_run_resumes_fr
         t, resume, monkeypatch, capsys):
     out = two_checkpoints_newest_corrupt(t, f"corrupt_newest_{resume.split()[-1]}")
     started = []
-    monkeypatch.setattr(launch, "launch", lambda cfg, path, interrupt: started.append(path) or 0)
+    monkeypatch.setattr(cli, "launch", lambda cfg, path, interrupt, extras=(): started.append(path) or 0)
     monkeypatch.chdir(t)
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "1")
     argv = [a for a in base(t) if not a.startswith("--out")] + [f"--out={out}", "--resume=" + (
         "auto" if resume == "auto" else str(out))]
-    assert launch.main(argv) == 0
+    assert cli.main(argv) == 0
     assert started == [out / STEP]  # resumed from step_000004
     said = capsys.readouterr().out.splitlines()
     note = [line for line in said if "step_000008" in line]

@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from minipar.extras.hf import export_hf
 from minipar.mesh import Groups
 from minipar.model import Llama, get_config
 from minipar.run import args as checks
 from minipar.run import checkpoint
 from minipar.run.config import ConfigError, TrainConfig, parse_args
-from minipar.run.hf import export_hf
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"  # ~20 KB of held-out text

@@ -14,8 +14,8 @@ import pytest
 from safetensors.torch import load_file
 from test_train import CORPUS, losses, run
 
+from minipar.layout import setting
 from minipar.model import get_config
-from minipar.planning.layout import setting
 from minipar.planning.planner import Choice
 from minipar.run import config
 from minipar.run.config import ConfigError, TrainConfig, config_file_text, effective, parse_args, parser
@@ -199,10 +199,10 @@ def test_profile_steps_the_run_does_not_take_are_refused(flag, words):
 
 
 def test_print_config_prints_a_file_that_gives_the_same_run_without_its_folders(tmp_path, monkeypatch, capsys):
-    from minipar.run import launch
+    from minipar.ops import cli
     monkeypatch.delenv("WORLD_SIZE", raising=False)  # --print-config, like --plan, launches nothing
     argv = [*FLAGS, "--dp=2", f"--out={tmp_path / 'run'}", f"--log-json={tmp_path / 'log.jsonl'}"]
-    assert launch.main([*argv, "--print-config"]) == 0
+    assert cli.main([*argv, "--print-config"]) == 0
     text = capsys.readouterr().out
     assert "dp = 2\n" in text and "\nout =" not in text and "log-json" not in text and "print-config" not in text
     (tmp_path / "run.toml").write_text(text)

@@ -202,21 +202,21 @@ def test_a_layout_too_big_is_refused_naming_layouts_of_the_same_ranks_that_fit()
 
 
 def test_train_py_refuses_a_model_that_cannot_fit_in_one_line_before_any_process_group(monkeypatch, capsys):
+    import minipar.ops.cli
     import minipar.planning.planner
-    import minipar.run.launch
 
     monkeypatch.setattr(minipar.planning.planner, "device_memory", lambda: (2**30, "this test's memory"))
-    assert minipar.run.launch.main(["--model", "1b", "--no-wandb"]) == 2
+    assert minipar.ops.cli.main(["--model", "1b", "--no-wandb"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "more than this test's memory (1.0 GiB)" in err[0]
     assert not torch.distributed.is_initialized()
 
 
 def test_train_py_plan_prints_each_pipeline_ranks_bytes_and_exits(capsys):
-    import minipar.run.launch
+    import minipar.ops.cli
     from minipar.planning.estimate import activation_bytes, temporary_bytes
 
-    assert minipar.run.launch.main(["--model", "8b", "--dp", "2", "--pp", "2", "--micro-batch", "4", "--zero", "1",
+    assert minipar.ops.cli.main(["--model", "8b", "--dp", "2", "--pp", "2", "--micro-batch", "4", "--zero", "1",
                                "--plan"]) == 0
     out = capsys.readouterr().out
     cfg = TrainConfig(model="8b", dp=2, pp=2, micro_batch=4, zero=1)

@@ -115,7 +115,7 @@ WRONG_SAYS = {
               "wrong_keeps_grads": "step 3 (the try that fails: its allreduce errs, should_commit() says False): "
                                    "when ft_step returned, the gradients of ['hidden.weight', 'hidden.bias', "
                                    "'out.weight', 'out.bias'] were still there",
-              "wrong_delegates": "minipar.run.replicas.Replicas.commit " + OFF,
+              "wrong_delegates": "minipar.extras.replicas.Replicas.gate " + OFF,
               "wrong_train_step": "minipar.run.train.train_step " + OFF},
     "11.1": {"wrong_full_layer": "its input alone: that is full-layer recompute, which redoes attention too",
              "wrong_no_recompute": "the MLP still saves gate, silu(gate), up and their product",
@@ -219,7 +219,7 @@ def test_make_exercise_takes_a_chapter_like_10b(capsys, monkeypatch):
 
 
 def test_the_commit_checkers_fake_manager_passes_the_librarys_own_protocol(monkeypatch):
-    """Replicas.commit (one flat allreduce per dtype, then the vote) passes exercise 10b.2's checker
+    """Replicas.gate (one flat allreduce per dtype, then the vote) passes exercise 10b.2's checker
     once it is switched on again: the fake Manager is the torchft that the library's answer expects,
     and its refusal, not the fake, is what fails the answer that delegates to it."""
     monkeypatch.setattr(checks_fault_tolerance, "COMMIT_OFF", ())

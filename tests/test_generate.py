@@ -1,4 +1,4 @@
-"""Generation (minipar/run/generate.py, scripts/sample.py): the KV cache changes nothing but the cost."""
+"""Generation (minipar/extras/generate.py, scripts/sample.py): the KV cache changes nothing but the cost."""
 
 import importlib.util
 import subprocess
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from minipar.extras.generate import generate, kv_cache, next_token
 from minipar.model import Llama, get_config
-from minipar.run.generate import generate, kv_cache, next_token
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,7 +81,7 @@ def test_eval_py_gives_the_mean_token_loss_of_held_out_text_and_its_perplexity(t
 
     from tokenizers import Tokenizer
 
-    from minipar.run.generate import plain_model_from, tokenizer_path
+    from minipar.extras.generate import plain_model_from, tokenizer_path
 
     evaluate = script("eval")
     held_out = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"

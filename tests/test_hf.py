@@ -1,4 +1,4 @@
-"""Hugging Face Llama interop (minipar/run/hf.py, scripts/convert.py, train.py --init-from).
+"""Hugging Face Llama interop (minipar/extras/hf.py, scripts/convert.py, train.py --init-from).
 
 Every test builds a small random LlamaForCausalLM locally (no download) and holds minipar to the
 logits transformers itself computes, on one process and under tp2, pp2 and cp2.
@@ -27,10 +27,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local: never 
 transformers = pytest.importorskip("transformers")
 
 from minipar.context_parallel import split_sequence, zigzag_positions  # noqa: E402
+from minipar.extras.hf import HFError, import_hf  # noqa: E402
 from minipar.mesh import Mesh  # noqa: E402
 from minipar.model import rope_frequencies  # noqa: E402
 from minipar.run import checkpoint  # noqa: E402
-from minipar.run.hf import HFError, import_hf  # noqa: E402
 from minipar.tensor_parallel import gather_logits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -260,14 +260,14 @@ def test_init_from_alone_takes_the_model_from_the_weights_and_a_flag_given_must_
 def test_train_py_refuses_init_from_another_model_in_one_line_before_any_process_group(imported, tmp_path, capsys):
     import torch.distributed as dist
 
-    import minipar.run.launch
+    import minipar.ops.cli
 
     _, ckpt, _ = imported
     corpus = Path(__import__("sysconfig").get_paths()["stdlib"]) / "argparse.py"
     common = ["--data", str(corpus), "--out", str(tmp_path / "out"), "--no-wandb", "--model", "tiny",
               "--vocab-size", "300"]
     for source, why in ((ckpt, "its model has"), (tmp_path / "nope", "--init-from {}: no such folder")):
-        assert minipar.run.launch.main(common + ["--init-from", str(source)]) == 2
+        assert minipar.ops.cli.main(common + ["--init-from", str(source)]) == 2
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and why.format(source) in err[0], err
     assert not dist.is_initialized()
@@ -304,7 +304,7 @@ def test_import_train_20_steps_at_dp2_tp2_export_and_generate_with_transformers(
     prompt = torch.tensor([[1, 2, 3]])
     out = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 11) and torch.equal(out[:, :3], prompt)
-    from minipar.run.generate import generate, plain_model_from  # what sample.py and eval.py load
+    from minipar.extras.generate import generate, plain_model_from  # what sample.py and eval.py load
 
     ours, _ = plain_model_from(tmp_path / "run" / "step_000020")
     assert ours.lm_head.weight is ours.tok_emb.weight

@@ -16,7 +16,8 @@ from contextlib import suppress
 import pytest
 from test_train import ROOT, TORCHRUN, _worker_of, common, losses, run
 
-from minipar.run import launch, saving
+from minipar.ops import cli
+from minipar.run import saving
 from minipar.run.run_log import RunLog
 
 # The stop's line: the step every rank stopped after, and the command (ending in --resume CKPT) that continues.
@@ -110,10 +111,10 @@ def test_a_ctrl_c_at_step_3_saves_step_3_says_so_in_one_line_and_the_resumed_run
     one_process(monkeypatch)
     argv = common(tmp_path, steps=6, save_every=100)
     before = signal.getsignal(signal.SIGINT)
-    assert launch.main(argv + [f"--out={tmp_path / 'a'}", f"--log-json={tmp_path / 'a.jsonl'}"]) == 0
+    assert cli.main(argv + [f"--out={tmp_path / 'a'}", f"--log-json={tmp_path / 'a.jsonl'}"]) == 0
     interrupt_at_tick(3, monkeypatch)
     capsys.readouterr()
-    assert launch.main(argv + [f"--out={tmp_path / 'b'}", f"--log-json={tmp_path / 'b.jsonl'}"]) == 130
+    assert cli.main(argv + [f"--out={tmp_path / 'b'}", f"--log-json={tmp_path / 'b.jsonl'}"]) == 130
     assert signal.getsignal(signal.SIGINT) is before
     out = capsys.readouterr().out
     said = [line for line in out.splitlines() if "interrupted" in line or line.startswith("saved")]
@@ -123,7 +124,7 @@ def test_a_ctrl_c_at_step_3_saves_step_3_says_so_in_one_line_and_the_resumed_run
     monkeypatch.undo()
     one_process(monkeypatch)
     resumed = [f"--resume={ckpt}", f"--out={tmp_path / 'c'}", f"--log-json={tmp_path / 'c.jsonl'}"]
-    assert launch.main(argv + resumed) == 0
+    assert cli.main(argv + resumed) == 0
     a, b, c = (losses(tmp_path / f"{x}.jsonl") for x in "abc")
     assert sorted(b) == [1, 2, 3] and sorted(c) == [4, 5, 6]
     assert {**b, **c} == a  # float64, the same steps: exactly the uninterrupted run's losses
@@ -133,7 +134,7 @@ def test_with_no_save_on_interrupt_the_stop_names_the_newest_checkpoint_already_
     one_process(monkeypatch)
     interrupt_at_tick(3, monkeypatch)
     argv = common(tmp_path, steps=6, save_every=2, out=tmp_path / "b") + ["--no-save-on-interrupt"]
-    assert launch.main(argv) == 130
+    assert cli.main(argv) == 130
     said = [line for line in capsys.readouterr().out.splitlines() if "interrupted" in line]
     ckpt = tmp_path / "b" / "step_000002"
     assert len(said) == 1 and STOPPED.match(said[0]) and STOPPED.match(said[0])[2] == str(ckpt), said
@@ -265,10 +266,10 @@ def test_a_ctrl_c_during_the_launchers_own_checks_stops_at_once_in_one_line(tmp_
 
     def interrupted(cfg):
         signal_self(signal.SIGINT)
-    monkeypatch.setattr(launch, "check_memory", interrupted)
+    monkeypatch.setattr(cli, "check_memory", interrupted)
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(SystemExit) as stopped:
-        launch.main(common(tmp_path, dp=2) + ["--nproc-per-node=2", f"--out={tmp_path / 'b'}"])
+        cli.main(common(tmp_path, dp=2) + ["--nproc-per-node=2", f"--out={tmp_path / 'b'}"])
     assert stopped.value.code == 130
     assert capsys.readouterr().err.splitlines() == ["minipar: interrupted: stopped at once; no checkpoint was saved"]
     assert signal.getsignal(signal.SIGINT) is before and not (tmp_path / "b").exists()

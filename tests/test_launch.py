@@ -4,7 +4,7 @@ attempt (torchrun's static one: a fixed --master-port, an --rdzv-endpoint withou
 several nodes without one) in one line, exit 2, before torchrun's agent or any worker starts.
 Plain `torchrun --max-restarts` with --master-port is refused by each worker in the same words.
 
-The table runs launch.main in this process, torchrun's `run` replaced by one that records what it
+The table runs cli.main in this process, torchrun's `run` replaced by one that records what it
 was given; one case runs as the program, and one under the real torchrun."""
 
 import os
@@ -18,6 +18,7 @@ import torch.distributed.run as torchrun
 from test_bad_inputs import base
 from test_train import ROOT, TORCHRUN
 
+from minipar.ops import cli
 from minipar.run import launch
 
 STATIC = "with torchrun's static rendezvous (--master-port): drop --master-port and use --standalone"
@@ -40,7 +41,7 @@ BAD = [  # (torchrun's options and the run's flags, a fragment of the one line)
 
 
 def launcher_main(t: Path, argv: list[str], monkeypatch) -> tuple[int, list]:
-    """launch.main(base + argv) as the user's command (no RANK); torchrun's agent recorded, not run."""
+    """cli.main(base + argv) as the user's command (no RANK); torchrun's agent recorded, not run."""
     monkeypatch.chdir(t)
     for name in ("RANK", "WORLD_SIZE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
         monkeypatch.setenv(name, "")  # then removed: monkeypatch puts back what was there
@@ -48,7 +49,7 @@ def launcher_main(t: Path, argv: list[str], monkeypatch) -> tuple[int, list]:
     started = []
     monkeypatch.setattr(torchrun, "run", lambda args: started.append(
         (args, os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE"))))
-    return launch.main(base(t) + argv), started
+    return cli.main(base(t) + argv), started
 
 
 @pytest.mark.parametrize("argv, fragment", BAD, ids=[" ".join(row[0]) for row in BAD])

@@ -18,8 +18,8 @@ from contextlib import closing, contextmanager
 import pytest
 from test_train import CORPUS, ROOT
 
+from minipar.extras.replicas import check_lighthouse, lighthouse_url
 from minipar.run.config import ConfigError, lighthouse_address, parse_args
-from minipar.run.replicas import check_lighthouse, lighthouse_url
 
 _spec = importlib.util.spec_from_file_location("train_ft", ROOT / "scripts" / "train_ft.py")
 train_ft = importlib.util.module_from_spec(_spec)

@@ -1,4 +1,4 @@
-"""Replica groups on torchft (minipar/run/replicas.py, scripts/train_ft.py): a lost group costs the
+"""Replica groups on torchft (minipar/extras/replicas.py, scripts/train_ft.py): a lost group costs the
 survivor no step, a returning group takes the survivor's state bitwise (nothing read from disk),
 and without a kill the run is minipar's plain data parallelism with the same global batch."""
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from minipar.extras.replicas import Replicas, persistent
 from minipar.run.config import ConfigError, parse_args
-from minipar.run.replicas import Replicas
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("train_ft", ROOT / "scripts" / "train_ft.py")
@@ -227,8 +227,9 @@ def _wrapper(zero: int, groups, seed: int = 1):
 
 
 def _protocol(rank, world, zero):
-    """synced_grads covers the whole gradient, drop_grads leaves no trace, and persistent() with the
-    optimizer's state_dict is all a rank needs to become another (what a returning group takes)."""
+    """The gate sees the whole gradient (or this rank's slices of it), a gate that says no leaves no
+    trace, and persistent() with the optimizer's state_dict is all a rank needs to become another
+    (what a returning group takes)."""
     from test_data_parallel import global_batch
 
     from minipar.collectives import all_reduce
@@ -238,21 +239,28 @@ def _protocol(rank, world, zero):
         groups = mesh.groups()
         rows = [tuple(t[rank * 4:(rank + 1) * 4] for t in global_batch(step)) for step in range(3)]
         a, same, plain = _wrapper(zero, groups), _wrapper(zero, groups), _wrapper(0, groups)
-        for model in (a, plain):  # `same` never sees this try
+        seen: dict[str, torch.Tensor] = {}
+
+        def refused(name):  # a gate that notes the square norm of what it is shown, and says no
+            def gate(grads):
+                seen[name] = sum(g.pow(2).sum() for g in grads).reshape(1)
+                return False
+            return gate
+        for name, model in (("a", a), ("plain", plain)):  # `same` never sees this try
             model(*rows[0], 1.0).backward()
             model.finish_grad_sync()
-        norm2 = sum(g.pow(2).sum() for g in a.synced_grads()).reshape(1)
+            assert model.clip_and_step(1.0, None, refused(name)) is None  # not committed: nothing stepped
+        norm2 = seen["a"]
         if zero:  # each rank holds a slice: the whole gradient's square norm is their sum
             all_reduce(norm2, groups.dp)
-        whole = sum(g.pow(2).sum() for g in plain.synced_grads())
-        a.drop_grads()  # a try not committed: the next step must be as if it never was
-        for model in (a, same):
+        whole = seen["plain"]
+        for model in (a, same):  # the try a's gate refused must be as if it never was
             train_step(model, [rows[1]], grad_clip=1.0)
-        bitwise = lambda x, y: all(torch.equal(s, t) for s, t in zip(x.persistent(), y.persistent()))  # noqa: E731
+        bitwise = lambda x, y: all(torch.equal(s, t) for s, t in zip(persistent(x), persistent(y)))  # noqa: E731
         dropped_is_gone = bitwise(a, same) and str(a.optimizer.state_dict()) == str(same.optimizer.state_dict())
         b = _wrapper(zero, groups, seed=2)  # another start: it takes a's state as a returning group does
         with torch.no_grad():
-            for mine, theirs in zip(b.persistent(), a.persistent()):
+            for mine, theirs in zip(persistent(b), persistent(a)):
                 mine.copy_(theirs)
         b.optimizer.load_state_dict(copy.deepcopy(a.optimizer.state_dict()))  # a copy, as the transfer's is
         for model in (a, b):

@@ -93,7 +93,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_exactly_as_an_uninterrupt
 def test_resuming_into_an_out_with_later_checkpoints_or_a_live_lock_is_refused(runs, monkeypatch, capsys):
     tmp, _ = runs
     auto = tmp / "auto"
-    # The first two in this process (launch.main, as test_train's refusals); the live lock through the
+    # The first two in this process (cli.main, as test_train's refusals); the live lock through the
     # program, so that the lock's pid is another process's (this one's), as a live run's would be.
     line = refused(common(tmp, **dict(ARGS, dp=1), resume=auto / "step_000006"), monkeypatch, capsys)
     assert f"--out {auto} already holds checkpoints after {auto / 'step_000006'} (step_000009 ... step_000012)" \

@@ -17,7 +17,8 @@ from test_bad_inputs_scripts import inputs
 from test_no_overwrite import WRITERS, refuses, snapshot
 from test_train import ROOT, TORCHRUN, common, refused
 
-from minipar.run import checkpoint, launch
+from minipar.ops import cli
+from minipar.run import checkpoint
 
 LONG = 250  # bytes: a name that fits (the file system takes 255), with no room for a `.tmp-<pid>-` prefix
 # What a user may keep in a folder minipar writes into, or beside one: (name, file text; None: a folder).
@@ -59,8 +60,8 @@ def ran(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
             mp.delenv(name, raising=False)
-        assert launch.main(argv + ["--steps=2"]) == 0
-        assert launch.main(argv + ["--steps=3", f"--resume={out}"]) == 0
+        assert cli.main(argv + ["--steps=2"]) == 0
+        assert cli.main(argv + ["--steps=3", f"--resume={out}"]) == 0
     hf = WRITERS["convert"].main(["export", str(out), str(t / ("h" * LONG))])
     WRITERS["convert"].main(["import", str(hf), str(t / "imported")])
     WRITERS["draw_figures"].main(["ring", "--out", str(t / "figures")])
@@ -170,5 +171,5 @@ def test_every_rank_of_torchrun_without_out_saves_into_the_folder_rank_0_chose(t
 def test_ranks_that_cannot_share_a_store_are_asked_for_out(monkeypatch):
     for name, value in dict(RANK="1", WORLD_SIZE="2", TORCHELASTIC_USE_AGENT_STORE="False").items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(launch.ConfigError, match="cannot agree on a new runs/run_NNN: give --out"):
-        launch.new_run_folder(5.0)
+    with pytest.raises(cli.ConfigError, match="cannot agree on a new runs/run_NNN: give --out"):
+        cli.new_run_folder(5.0)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from test_train import common, run
 
-from minipar.run import launch, run_log
+from minipar.ops import cli
+from minipar.run import run_log
 from minipar.run.run_log import memory_baseline, peak_memory_bytes
 
 
@@ -50,8 +51,8 @@ def test_wandb_gets_every_figure_of_the_json_log_and_a_resumed_run_keeps_its_id(
         monkeypatch.delenv(name, raising=False)
     argv = [a for a in common(tmp_path, out=tmp_path / "out", log_json=tmp_path / "log.jsonl", save_every=2,
                               log_every=1) if a != "--no-wandb"]
-    assert launch.main(argv + ["--steps=4"]) == 0
-    assert launch.main(argv + ["--steps=6", f"--resume={tmp_path / 'out'}"]) == 0
+    assert cli.main(argv + ["--steps=4"]) == 0
+    assert cli.main(argv + ["--steps=6", f"--resume={tmp_path / 'out'}"]) == 0
     first, resumed = fake.runs
     run_id = (tmp_path / "out" / "wandb_run_id").read_text()
     for r in (first, resumed):

@@ -25,9 +25,9 @@ from minipar.comm_clock import KINDS, WaitClock
 from minipar.data_parallel import param_groups
 from minipar.mesh import Mesh
 from minipar.model import get_config
+from minipar.ops.cli import check_profiled_steps
 from minipar.parallelize import adamw, build_grad_sync
 from minipar.run.config import ConfigError, TrainConfig, parse_args
-from minipar.run.launch import check_profiled_steps
 from minipar.run.profiling import StepProfiler
 
 ROOT = Path(__file__).resolve().parents[1]

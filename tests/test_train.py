@@ -89,21 +89,21 @@ class Started(Exception):
 
 
 def refused(argv, monkeypatch, capsys) -> str:
-    """launch.main(argv) in this process, as `python scripts/train.py argv` runs it (one rank, from the
+    """cli.main(argv) in this process, as `python scripts/train.py argv` runs it (one rank, from the
     repository): it must return 2 with one line. A subprocess would prove the same at seconds of torch
     import each; test_world_size_... below runs the program itself, so exit 2 and no traceback are proven
     end to end once. launch.launch (the process group, the training) fails the test if a check lets it through."""
-    from minipar.run import launch
+    from minipar.ops import cli
 
     monkeypatch.chdir(ROOT)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-    def started(cfg, resume, interrupt):
+    def started(cfg, resume, interrupt, extras=()):
         raise Started
 
-    monkeypatch.setattr(launch, "launch", started)
+    monkeypatch.setattr(cli, "launch", started)
     capsys.readouterr()
-    code = launch.main([str(a) for a in argv])
+    code = cli.main([str(a) for a in argv])
     out, err = capsys.readouterr()
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("minipar: error: "), (code, err)

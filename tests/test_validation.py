@@ -117,10 +117,10 @@ class FakeWandb:
 def _log_validation(rank, world, path):
     from minipar.run.run_log import RunLog
 
-    cfg = TrainConfig(model="tiny", steps=20, wandb=False)
+    cfg = TrainConfig(model="tiny", steps=20, wandb=False, log_json=str(path))
     with Mesh.build() as mesh:
         log = RunLog(cfg, mesh, torch.device("cpu"))
-        log.wandb, log.file = FakeWandb(), open(path, "a")
+        log.wandb, log.run_id = FakeWandb(), "run0"  # as start() sets them; the file is made with its first record
         val = log.validation(9, 2.5, None, 16)
         log.file.close()
         return val, log.wandb.logged
@@ -129,4 +129,4 @@ def _log_validation(rank, world, path):
 def test_the_validation_loss_goes_to_the_json_log_and_wandb_at_its_step(tmp_path):
     val, logged = run_ranks(1, _log_validation, tmp_path / "log.jsonl")[0]
     assert val == 2.5 and logged == [({"step": 10, "val_loss": 2.5}, 10)]
-    assert json.loads((tmp_path / "log.jsonl").read_text()) == {"step": 10, "val_loss": 2.5}
+    assert json.loads((tmp_path / "log.jsonl").read_text()) == {"run_id": "run0", "step": 10, "val_loss": 2.5}

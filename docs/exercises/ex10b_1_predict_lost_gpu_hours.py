@@ -13,7 +13,7 @@ replica-group size (drawn from SEED below). How many GPU-hours does the run expe
 
 Work it out on paper first (how many failures; for each, how many GPUs stop, for how long), then
 write the two numbers below, in GPU-hours, as a tuple (checkpoint-restart's, replica groups').
-Within 1% passes. The answer key is `lost_gpu_hours` in minipar/run/replicas.py, called once each
+Within 1% passes. The answer key is `lost_gpu_hours` in minipar/extras/replicas.py, called once each
 way: read it after you tried. Then think: at which checkpoint interval would checkpoint-restart
 lose as little as your replica groups do, and what would saving that often cost?
 

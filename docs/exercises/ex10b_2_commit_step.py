@@ -27,11 +27,12 @@ and Adam's state must equal plain torch's (the groups' mean gradient, Adam stepp
 that commit) to 1e-12, and the manager's log must show each gradient all-reduced once and waited
 for, the vote after the last allreduce, and optimizer.step (a step pre-hook records it) only after
 a yes.
-`Replicas.commit` and `train_step` are switched off.
+`Replicas.gate` and `train_step` are switched off.
 
-The library's own, after you tried: `Replicas.commit` in minipar/run/replicas.py (one allreduce
-per dtype, then the vote), and `train_step` in minipar/run/train.py (on a no: `model.drop_grads()`,
-and train_loop takes the same step again).
+The library's own, after you tried: `Replicas.gate` in minipar/extras/replicas.py (one allreduce
+per dtype, then the vote), the gate the wrapper's `clip_and_step` asks before its norm (on a no it
+drops the gradients and steps nothing), and `train_step` in minipar/run/train.py (train_loop then
+takes the same step again).
 
 Check: make exercise N=10b.2 (one process, a second)
 """

@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import torch
 
 from minipar.data_parallel import bucket_params, param_groups
+from minipar.layout import Layout, paper_group
 from minipar.model import Llama, ModelConfig
 from minipar.parallelize import parallelize
 from minipar.pipeline.executor import Pipeline, stage_layers
@@ -35,7 +36,6 @@ from minipar.pipeline.schedules import build as build_schedule
 from minipar.placement import DENSE, placement_of
 from minipar.planning.estimate_moe import moe_block_bytes
 from minipar.planning.estimate_zeropp import secondary_bytes
-from minipar.planning.layout import Layout, paper_group
 from minipar.precision import of_config, widths
 from minipar.zero import bucket_plan
 from minipar.zero3 import unit_chunks, units_of

@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 
 from minipar.collectives import ring_bytes_sent
+from minipar.layout import Layout
 from minipar.model import ModelConfig
-from minipar.planning.layout import Layout
 from minipar.precision import of_config
 
 INDEX = 8  # int64 indices

@@ -57,6 +57,7 @@ from itertools import islice
 import torch
 
 from minipar.comm_clock import exposed_line
+from minipar.layout import Layout
 from minipar.model import ModelConfig, get_config
 from minipar.pipeline.schedules import build as build_schedule
 from minipar.pipeline.timeline import simulate
@@ -66,7 +67,6 @@ from minipar.planning.estimate import (
     peak_bytes,
     temporary_bytes,
 )
-from minipar.planning.layout import Layout
 from minipar.planning.traffic import bytes_by_key, bytes_sent, calls_by_group, pipeline_messages, traffic
 from minipar.precision import of_config
 

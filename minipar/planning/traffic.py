@@ -25,6 +25,7 @@ import torch
 from minipar.collectives import ring_bytes_sent
 from minipar.context_parallel import attention_messages
 from minipar.data_parallel import bucket_params, by_grad_mean
+from minipar.layout import Layout
 from minipar.model import ModelConfig
 from minipar.moe import MoE
 from minipar.pipeline.schedules import messages_per_step
@@ -32,7 +33,6 @@ from minipar.placement import DENSE, placement_of
 from minipar.planning.estimate import cached_schedule, grad_replicas, rank_model, zero_buckets
 from minipar.planning.estimate_moe import moe_messages
 from minipar.planning.estimate_zeropp import bucket_messages
-from minipar.planning.layout import Layout
 from minipar.precision import of_config, widths
 from minipar.tensor_parallel import loss_messages, region_messages
 

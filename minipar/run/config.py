@@ -8,7 +8,7 @@ must fit in the model's; embedding rows beyond it are never used (a `--tokenizer
 files' ids, must fit too: preflight.py checks them). `parse_args` returns the
 effective config, every setting explicit: each run prints it and saves it with each checkpoint.
 
-Every check here (and the layout's own, planning/layout.py's Layout.validate) runs on every rank
+Every check here (and the layout's own, layout.py's Layout.validate) runs on every rank
 *before* torch.distributed starts, so a layout that cannot work is refused with one line instead of
 eight ranks waiting forever for each other.
 """
@@ -21,8 +21,8 @@ import os
 import re
 from dataclasses import asdict, dataclass, fields, replace
 
+from minipar.layout import SHAPE_FLAGS, Layout, setting
 from minipar.model import ModelConfig
-from minipar.planning.layout import SHAPE_FLAGS, Layout, setting
 from minipar.run import checkpoint, flags
 from minipar.run.args import InputError
 from minipar.run.config_file import as_toml, read_config_file
@@ -51,7 +51,7 @@ def trains_a_bpe(cfg: TrainConfig) -> bool:
 
 @dataclass
 class TrainConfig(Layout):
-    """A run: its layout, model and batch (planning/layout.py: what the estimator reads and
+    """A run: its layout, model and batch (layout.py: what the estimator reads and
     Layout.validate checks), then its data, optimisation, checkpoints and logs; each setting
     declared once (layout.setting: its flag's help, group, choices and when it acts)."""
 

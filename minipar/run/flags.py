@@ -1,4 +1,4 @@
-"""train.py's command line: a flag for each setting, as the setting declares it (planning/layout.py's
+"""train.py's command line: a flag for each setting, as the setting declares it (layout.py's
 `setting`, on the fields of Layout and config.py's TrainConfig), grouped as `--help` shows them.
 
 The shape flags override `--model`'s preset one size at a time; a flag left out is None here and

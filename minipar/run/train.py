@@ -43,10 +43,9 @@ from minipar.run import checkpoint, saving, validation
 from minipar.run.batches import TokenData
 from minipar.run.config import TrainConfig
 from minipar.run.preflight import init_model_config
-from minipar.run.replicas import Replicas
 from minipar.run.run_log import RunLog
 from minipar.run.saving import TrainingStopped
-from minipar.run.step import begin_step, micro_batches_of
+from minipar.run.step import StepHooks, begin_step, micro_batches_of
 
 # ----------------------------------------------------------------------------------------------
 # Pieces of a step, small enough to test on their own
@@ -63,7 +62,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def train_step(model: GradSync, micro_batches, grad_clip: float = 0.0, autocast=nullcontext,
-               pipeline: Pipeline | None = None, replicas: Replicas | None = None):
+               pipeline: Pipeline | None = None, hooks: StepHooks | None = None):
     """One optimizer step over this rank's micro-batches. Returns (loss, gradient norm); a
     pipeline keeps the measured timeline of its step in `pipeline.timeline`.
 
@@ -72,11 +71,11 @@ def train_step(model: GradSync, micro_batches, grad_clip: float = 0.0, autocast=
     pipeline micro-batches, the dp average and cp's split sequences add up to one division by
     the global count. With a pipeline the schedule runs the micro-batches (the loss is known on
     the last stage only) and the data-parallel average waits until its last backward. `model`
-    is any gradient-sync wrapper (DataParallel, ZeRO 1/2/3): they share one protocol. Replica
-    groups average the result over the groups and vote; a step they do not commit returns the
-    norm None and changes nothing (replicas.py).
+    is any gradient-sync wrapper (DataParallel, ZeRO 1/2/3): they share one protocol. `hooks`
+    (step.py) may count the batch beyond this job and gate the synced gradients: a step the gate
+    drops returns the norm None and changes nothing.
     """
-    divisor = begin_step(model, micro_batches, replicas)  # and MoE: the step's mean load-balancing loss (step.py)
+    divisor = begin_step(model, micro_batches, hooks)  # and MoE: the step's mean load-balancing loss (step.py)
     if pipeline is not None:
         with model.no_sync(), autocast():
             total = pipeline.run(model.module, micro_batches, divisor)
@@ -90,12 +89,10 @@ def train_step(model: GradSync, micro_batches, grad_clip: float = 0.0, autocast=
                 loss.backward()
             total = total + loss.detach()
     model.finish_grad_sync()  # average over dp (ZeRO: reduce-scatter to each rank's slice)
-    if replicas is not None:
-        total = replicas.mean(torch.as_tensor(total, dtype=torch.float64).reshape(1))
-        if not replicas.commit(model.synced_grads()):
-            model.drop_grads()
-            return float(total), None
-    return float(total), model.clip_and_step(grad_clip, pipeline.group if pipeline else None)
+    if hooks is not None:
+        total = hooks.loss(total)
+    return float(total), model.clip_and_step(grad_clip, pipeline.group if pipeline else None,
+                                             hooks.gate if hooks is not None else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,9 +126,11 @@ def build_model(cfg: TrainConfig, mesh: Mesh, model_cfg, device, param_dtype):
 # ----------------------------------------------------------------------------------------------
 
 
-def run(cfg: TrainConfig, resume: Path | None, mesh: Mesh, data: TokenData, log: RunLog, device) -> bool:
+def run(cfg: TrainConfig, resume: Path | None, mesh: Mesh, data: TokenData, log: RunLog, device,
+        hooks_for: Callable | None = None) -> bool:
     """This rank's model, from the seed, --init-from's weights or the checkpoint it resumes; then the
-    steps. True if Ctrl-C stopped them early."""
+    steps. True if Ctrl-C stopped them early. `hooks_for(cfg, mesh, wrapper, log)`: a plug-in's
+    StepHooks for this run (launch.py's extras), or None."""
     chosen, param_dtype, autocast = precision(cfg, device)
     # The preset with the shape flags (the tokenizer fits its vocabulary); weights to start from bring their RoPE.
     model_cfg = init_model_config(cfg) if cfg.init_from else cfg.model_config()
@@ -151,12 +150,11 @@ def run(cfg: TrainConfig, resume: Path | None, mesh: Mesh, data: TokenData, log:
     if saved_states is not None:
         wrapper.load_state_by_name(saved_states)
     log.start(model_cfg, data, chosen.name, start)
-    replicas = Replicas(cfg, mesh, wrapper, log.say) if cfg.replica_groups > 1 else None
+    hooks = (hooks_for and hooks_for(cfg, mesh, wrapper, log)) or StepHooks()
     try:
-        return train_loop(Job(cfg, mesh, data, wrapper, pipeline, autocast, device, log, replicas), start, consumed)
+        return train_loop(Job(cfg, mesh, data, wrapper, pipeline, autocast, device, log, hooks), start, consumed)
     finally:
-        if replicas is not None:
-            replicas.close()
+        hooks.close()
 
 
 @dataclass
@@ -171,7 +169,7 @@ class Job:
     autocast: Callable[[], AbstractContextManager]
     device: torch.device
     log: RunLog
-    replicas: Replicas | None = None  # --replica-groups: the other groups, through torchft (replicas.py)
+    hooks: StepHooks  # a plug-in's part in each step (step.py); the defaults change nothing
 
 
 def train_loop(job: Job, start: int, consumed: int) -> bool:
@@ -179,23 +177,19 @@ def train_loop(job: Job, start: int, consumed: int) -> bool:
     True if Ctrl-C stopped them (saving.Interrupt): after the step where the log's gather said so."""
     cfg, mesh, data, model, pipeline, log = job.cfg, job.mesh, job.data, job.model, job.pipeline, job.log
     bad = 0  # consecutive steps skipped for a non-finite gradient norm
-    step, replicas = start, job.replicas
+    step, hooks = start, job.hooks
     while step < cfg.steps:
         mesh.ledger.reset()
-        if replicas is not None:  # who takes part; a group that was behind takes a peer's step and state
-            step, consumed = replicas.begin(step, consumed)
-            log.extra["replica_groups"] = replicas.size  # in each step's record: how many groups took part
-        if log.interrupt:  # from here a Ctrl-C waits for the end of the step; before, while the replica groups
-            log.interrupt.stepping = True  # meet at the lighthouse (up to --timeout), it stops at once
+        step, consumed = hooks.begin(step, consumed)  # a plug-in may move them: a heal from a peer
+        if log.interrupt:  # from here a Ctrl-C waits for the end of the step; before, while a plug-in
+            log.interrupt.stepping = True  # waits on others (up to --timeout), it stops at once
         for group in model.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        rows = replicas.rows(data, consumed, cfg.global_batch, cfg.dp, mesh.coord("dp")) if replicas else \
-            data.rank_batch(consumed, cfg.global_batch, mesh.coord("dp"), cfg.dp)
+        rows = hooks.rows(data, consumed, cfg.global_batch, cfg.dp, mesh.coord("dp"))
         micro = micro_batches_of(rows, mesh, cfg.micro_batch, job.device)
         log.tick(step)
-        loss, grad_norm = train_step(model, micro, cfg.grad_clip, job.autocast, pipeline, replicas)
-        if grad_norm is None:  # the replica groups did not all commit: no weight changed; the same step again
-            log.say(f"step {step + 1}: not committed (a replica group was lost during it): taken again")
+        loss, grad_norm = train_step(model, micro, cfg.grad_clip, job.autocast, pipeline, hooks)
+        if grad_norm is None:  # the gate dropped the step (its owner said why): no weight changed; again
             continue
         consumed += cfg.global_batch
         stop = log.step(step, loss, grad_norm, lr_at(step, cfg), model, pipeline)  # a rank heard Ctrl-C

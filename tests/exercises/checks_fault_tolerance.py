@@ -2,7 +2,7 @@
 parallelism on torchft's replica groups.
 
 10b.1, predict: the GPU-hours a run expects to lose to failures, with checkpoint-restart and with
-replica groups; the key is `minipar.run.replicas.lost_gpu_hours`, called once each way.
+replica groups; the key is `minipar.extras.replicas.lost_gpu_hours`, called once each way.
 
 10b.2, implement: one step of the commit protocol, `ft_step(model, optimizer, batch, manager)`:
 forward and backward, each gradient averaged over the replica groups (manager.allreduce), the vote
@@ -18,7 +18,7 @@ tried again. It grades the algorithm two ways:
        the vote after the last allreduce, optimizer.step (a step pre-hook) after the vote and only
        when it said yes, and no p.grad left when ft_step returns (the retry would add to it).
 
-The library's own answer (Replicas.commit, train.train_step) is switched off while the student's
+The library's own answer (Replicas.gate, train.train_step) is switched off while the student's
 code runs.
 """
 
@@ -39,7 +39,7 @@ from torch import nn
 def truth_lost_gpu_hours(gpus: int, mtbf: int, days: int, restart_min: int, checkpoint_hours: float,
                          group_gpus: int) -> tuple[float, float]:
     """(checkpoint-restart's, replica groups') expected GPU-hours lost: the library's own."""
-    from minipar.run.replicas import lost_gpu_hours
+    from minipar.extras.replicas import lost_gpu_hours
     hours, restart = days * 24, restart_min / 60
     return (lost_gpu_hours(gpus, mtbf, hours, restart, checkpoint_every_hours=checkpoint_hours),
             lost_gpu_hours(gpus, mtbf, hours, restart, group_gpus=group_gpus))
@@ -69,7 +69,7 @@ def _lost_problems(answer, v: dict) -> list[str]:
     truths = truth_lost_gpu_hours(**v)
     problems = numbers_problems(answer, truths, 0.01, ("with checkpoint-restart", "with replica groups"),
                                 "failures x the GPUs each one stops x the hours each loses; "
-                                "minipar.run.replicas.lost_gpu_hours")
+                                "minipar.extras.replicas.lost_gpu_hours")
     if problems and isinstance(answer, (tuple, list)) and answer:  # a whole interval lost, not half of one
         failures = v["gpus"] * v["days"] * 24 / v["mtbf"]
         whole = failures * v["gpus"] * (v["restart_min"] / 60 + v["checkpoint_hours"])
@@ -87,7 +87,7 @@ check_predict_lost_gpu_hours = Predict(
 
 # -- 10b.2 A step committed only if every replica group can --------------------------------------
 
-COMMIT_OFF = ("minipar.run.replicas:Replicas.commit", "minipar.run.train:train_step")
+COMMIT_OFF = ("minipar.extras.replicas:Replicas.gate", "minipar.run.train:train_step")
 GROUPS, ROWS, D_IN, HIDDEN, LR = 3, 4, 5, 6, 0.05  # 3 replica groups, each 4 rows a step; Adam's lr
 # The tries, in order: (step, whether it fails). Step 3's first try fails; the same batch is tried again.
 TRIES = ((0, False), (1, False), (2, True), (2, False), (3, False))

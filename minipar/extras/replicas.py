@@ -3,7 +3,8 @@
 A run of R replica groups is R torchrun jobs, each with the whole layout inside (dp, tp, pp, cp,
 ZeRO). Across the groups only one thing travels: the step's gradient average. If a group dies,
 the others go on; when it comes back, it takes the live state from one of them. torchft
-(PyTorch's fault-tolerance library) provides the parts, and this file wires them into the loop:
+(PyTorch's fault-tolerance library) provides the parts, and this file plugs them into the loop
+through its step hooks (run/step.py's StepHooks; scripts/train.py hands this module to launch.main):
 
     the lighthouse       a small server every group's rank 0 heartbeats to; at each step it
                          forms the *quorum*: the groups taking part, and which of them are behind
@@ -26,7 +27,7 @@ One step, on each rank:
     divisor        <- the whole batch's targets / (dp x cp x P), the count summed across groups
     backward; finish_grad_sync (inside the group, as always)
     average        <- each gradient (or ZeRO slice) averaged over the P groups
-    commit?        -> yes: clip and step, step += 1; no: drop the gradients, redo the same step
+    commit?        -> the gate: yes: clip and step, step += 1; no: drop the gradients, redo the step
 
 So the loss of a step is the token mean over the same global batch whether 1 or R groups took
 part, and the learning-rate schedule is unchanged: a lost group costs the survivors time (they
@@ -54,7 +55,34 @@ from minipar.data_parallel import GradSync
 from minipar.mesh import Mesh
 from minipar.run.batches import TokenData
 from minipar.run.config import ConfigError, TrainConfig, lighthouse_address
+from minipar.run.run_log import RunLog
 from minipar.run.saving import TrainingStopped
+from minipar.run.step import StepHooks
+from minipar.zero import ZeroDataParallel
+
+
+# -- the plug-in: what launch.main asks of this module (scripts/train.py hands it over) ------------
+def check(cfg: TrainConfig) -> None:
+    """Before any process group: a lighthouse must answer at --lighthouse (one line if not)."""
+    if cfg.replica_groups > 1:
+        check_lighthouse(cfg.lighthouse, cfg.timeout)
+
+
+def hooks_for(cfg: TrainConfig, mesh: Mesh, model: GradSync, log: RunLog) -> StepHooks | None:
+    """The step hooks of this rank's seat among the replica groups, once the model is built."""
+    return Replicas(cfg, mesh, model, log) if cfg.replica_groups > 1 else None
+
+
+def persistent(model: GradSync) -> list[torch.Tensor]:
+    """Every tensor a rank keeps from step to step but the optimizer's state, in a fixed order: what
+    a returning group takes (with the optimizer's state_dict). Read off the wrapper's public state:
+    its module's weights (ZeRO-3: only buffers, its weights are the shards) and masters (bf16-mixed's
+    fp32 copies; ZeRO's slices, and whatever else each bucket holds)."""
+    if not isinstance(model, ZeroDataParallel):  # DataParallel: its masters are the weights unless bf16-mixed
+        masters = [m for p, m in getattr(model, "master", {}).items() if m is not p]
+        return [*model.module.state_dict().values(), *masters]
+    weights = model.module.buffers() if model.stage == 3 else model.module.state_dict().values()
+    return [*weights, *(t for b in model.buckets for t in b.held())]
 
 
 def lost_gpu_hours(gpus: int, gpu_mtbf_hours: float, hours: float, restart_hours: float,
@@ -148,10 +176,11 @@ def check_lighthouse(address: str, timeout: float) -> None:
     raise ConfigError(f"--lighthouse {address}: {found}")
 
 
-class Replicas:
-    """This rank's seat among the replica groups: its torchft Manager, and the step's participants."""
+class Replicas(StepHooks):
+    """This rank's seat among the replica groups: its torchft Manager, the step's participants, and
+    the loop's step hooks (begin, rows, outer_sum, loss, gate, close)."""
 
-    def __init__(self, cfg: TrainConfig, mesh: Mesh, model: GradSync, say=print):
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, model: GradSync, log: RunLog):
         os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust half logs each quorum at INFO; read at import
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
@@ -161,7 +190,7 @@ class Replicas:
         http.server.BaseHTTPRequestHandler.log_message = lambda *a: None  # type: ignore[method-assign]
 
         self.id, self.groups, self.model, self.mesh = cfg.replica_group_id, cfg.replica_groups, model, mesh
-        self.say = say
+        self.log, self.say = log, log.say
         self.settings, self.quorum, self.agreed = shared_settings(cfg), None, False  # what agree() compares
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # of torchft's process group
         self.step, self.consumed = 0, 0
@@ -175,9 +204,9 @@ class Replicas:
                                lighthouse_addr=lighthouse_url(cfg.lighthouse), rank=dist.get_rank(),
                                world_size=dist.get_world_size(), store_addr=host, store_port=port, timeout=timeout,
                                quorum_timeout=timeout, connect_timeout=timeout)
-        say(f"replica group {self.id} of {self.groups}: each rank averages its gradients with the same rank of the "
-            f"other groups, through torchft (lighthouse {cfg.lighthouse}); the global batch is {self.groups} x dp "
-            f"{cfg.dp} slots of {cfg.global_batch // (self.groups * cfg.dp)} rows")
+        self.say(f"replica group {self.id} of {self.groups}: each rank averages its gradients with the same rank of "
+                 f"the other groups, through torchft (lighthouse {cfg.lighthouse}); the global batch is "
+                 f"{self.groups} x dp {cfg.dp} slots of {cfg.global_batch // (self.groups * cfg.dp)} rows")
 
     def _group_store(self) -> tuple[str, int]:
         """A key-value store for this group's Managers (torchft's rendezvous), served by our rank 0:
@@ -214,6 +243,7 @@ class Replicas:
         self.agree()
         if self.size != before:
             self.say(f"step {self.step + 1}: {self.size} of {self.groups} replica groups take part")
+        self.log.extra["replica_groups"] = self.size  # in each step's record: how many groups took part
         return self.step, self.consumed
 
     def agree(self) -> None:
@@ -228,7 +258,7 @@ class Replicas:
         where = self._rows([self.id, self.step, self.consumed, int(fresh)])  # [group, step, samples, fresh]
         state = None
         if where is not None and where[:, 3].any():  # [weights digest, each shared setting's hash]
-            state = self._rows([int(digest(self.model.persistent(), self.model.optimizer.state_dict())[:15], 16),
+            state = self._rows([int(digest(persistent(self.model), self.model.optimizer.state_dict())[:15], 16),
                                 *self.settings.values()])
         vote = torch.zeros(1 + self.size, dtype=torch.int64, device=self.device)  # [incomplete, weights differ]
         problem = None
@@ -270,14 +300,26 @@ class Replicas:
     def mean(self, t: torch.Tensor) -> torch.Tensor:
         return self._reduce(t, dist.ReduceOp.AVG)
 
-    def commit(self, grads: list[torch.Tensor]) -> bool:
-        """Average the gradients over the groups, then vote: True if every rank of every group may step."""
+    def outer_sum(self, t: torch.Tensor) -> int:
+        """The step's target count summed over the groups taking part: the batch is cut into as many."""
+        self.sum(t)
+        return self.size
+
+    def loss(self, total):
+        return self.mean(torch.as_tensor(total, dtype=torch.float64).reshape(1))  # the groups' mean
+
+    def gate(self, grads: list[torch.Tensor]) -> bool:
+        """The commit (GradSync.clip_and_step asks, with this rank's synced gradients or ZeRO slices):
+        average them over the groups, then vote; True if every rank of every group may step."""
         for dtype in dict.fromkeys(g.dtype for g in grads):
             same = [g for g in grads if g.dtype == dtype]
             flat = self.mean(torch.cat([g.reshape(-1) for g in same]))  # one message per dtype
             for g, v in zip(same, flat.split([g.numel() for g in same])):
                 g.copy_(v.view_as(g))
-        return self.manager.should_commit()
+        committed = self.manager.should_commit()
+        if not committed:  # no weight changed: the loop takes the same step again
+            self.say(f"step {self.step + 1}: not committed (a replica group was lost during it): taken again")
+        return committed
 
     def _reduce(self, t: torch.Tensor, op) -> torch.Tensor:
         sent = 2 * (self.size - 1) * t.nbytes // max(self.size, 1)  # a ring all-reduce's, per rank
@@ -289,7 +331,7 @@ class Replicas:
     def _state(self) -> dict:
         """What rank r of a returning group takes from our rank r: served by torchft's HTTP transport
         from these very tensors (they change only at the optimizer step, which waits for the download)."""
-        tensors, optimizer = self.model.persistent(), self.model.optimizer.state_dict()
+        tensors, optimizer = persistent(self.model), self.model.optimizer.state_dict()
         nbytes = _nbytes(tensors, optimizer)
         self.mesh.ledger.record("replicas", "send_state", nbytes, nbytes, cross=nbytes)
         self.say(f"step {self.step + 1}: replica group {self.id} sends its state to a returning group: "
@@ -298,7 +340,7 @@ class Replicas:
                 "optimizer": optimizer}
 
     def _load(self, state: dict) -> None:
-        mine, nbytes = self.model.persistent(), _nbytes(state["tensors"], state["optimizer"])
+        mine, nbytes = persistent(self.model), _nbytes(state["tensors"], state["optimizer"])
         if [t.shape for t in mine] != [t.shape for t in state["tensors"]]:
             return  # another model or layout: nothing applied, and agree() names the setting that differs
         self.say(f"step {state['step'] + 1}: replica group {self.id} is applying a peer's state ({nbytes:,} bytes)")

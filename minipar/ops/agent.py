@@ -1,7 +1,7 @@
 """torchrun's elastic agent inside train.py: `python scripts/train.py --nproc-per-node 2 --dp 2`.
 
 train.py takes torchrun's own options (TORCHRUN_OPTIONS), checks the run's command line once
-(launch.start_workers), then runs the agent in its own process: it starts the workers (the same
+(cli.start_workers), then runs the agent in its own process: it starts the workers (the same
 script, with the run's flags), restarts them (--max-restarts) and passes a Ctrl-C on. Run this way,
 a bad option is one line, and the agent's own chatter (its OMP banner, a line per worker it signals,
 the traceback of a Ctrl-C) stays out of the run's log. Chapter 10 reads it; the course does not.
@@ -38,7 +38,7 @@ def torchrun_options(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def agent_options(agent: list[str]):
     """torchrun's parse of its options, each checked first in one line; restarts need a fresh
-    store per attempt (see launch.check_rendezvous), which c10d gives when told, static never."""
+    store per attempt (see cli.check_rendezvous), which c10d gives when told, static never."""
     from torch.distributed import run as torchrun
     if "RANK" in os.environ:
         raise ConfigError(f"{agent[0]} is torchrun's option: a worker of torchrun takes only the run's flags")
