@@ -165,8 +165,8 @@ def test_a_checkpoint_from_before_the_shape_flags_resumes_with_its_model_and_bpe
     """Checkpoints saved before the shape flags, --bpe-vocab and --val-fraction kept only --model and
     the BPE's size (as vocab_size): the model they saved fills the shape in, vocab_size the BPE's
     size, the defaults the rest; such a checkpoint resumes, and another shape is still refused."""
+    from minipar.ops.preflight import check_resume, saved_settings
     from minipar.run.config import ConfigError
-    from minipar.run.preflight import check_resume, saved_settings
 
     old = {"model": "tiny", "vocab_size": 512, "data": CORPUS, "seq_len": 32, "global_batch": 8, "seed": 0,
            "lr": 1.0, "min_lr_ratio": 0.5, "warmup": 2}

@@ -219,8 +219,8 @@ def test_bad_folders_are_refused_in_one_line(tmp_path, capsys):
 
 
 def test_init_from_refuses_weights_of_another_model(imported, tmp_path):
+    from minipar.ops.preflight import check_init_from
     from minipar.run.config import ConfigError, parse_args
-    from minipar.run.preflight import check_init_from
 
     _, ckpt, name = imported
     path = checkpoint.resolve(ckpt)
@@ -238,8 +238,8 @@ SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "m
 
 def test_init_from_alone_takes_the_model_from_the_weights_and_a_flag_given_must_agree(imported, tmp_path):
     """As from_pretrained: no --model and no shape flag; the effective config holds the weights' shape."""
+    from minipar.ops.preflight import check_init_from
     from minipar.run.config import ConfigError, effective, parse_args
-    from minipar.run.preflight import check_init_from
 
     _, ckpt, _ = imported
     path = checkpoint.resolve(ckpt)

@@ -35,13 +35,13 @@ from pathlib import Path
 import torch.distributed as dist
 
 from minipar.ops.agent import agent_options, run_agent, torchrun_options
+from minipar.ops.preflight import check_files
 from minipar.planning.planner import check_memory, report
 from minipar.run import checkpoint
 from minipar.run.config import ConfigError, TrainConfig, config_file_text, parse_args
 from minipar.run.data import DataError, find_files
 from minipar.run.hang import RankTimeout
 from minipar.run.launch import launch
-from minipar.run.preflight import check_files
 from minipar.run.profiling import traces_in_the_way
 from minipar.run.saving import Interrupt, TrainingStopped
 

@@ -35,6 +35,7 @@ import re
 import shutil
 import socket
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -347,6 +348,19 @@ def model_config_of(path: Path, state: dict) -> ModelConfig:
         vocab = f.get_slice("tok_emb.weight").get_shape()[0]
     return get_config(run["model"], vocab_size=vocab, aux_loss_coef=run["aux_loss_coef"],
                       capacity_factor=run["capacity_factor"])
+
+
+# What --init-from's weights bring with them, whatever the preset says: settings no flag sets, that
+# shape no weight (an imported Llama's RoPE and norm), and the MoE loss's, which the run's flags set.
+FROM_WEIGHTS = ("rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                "rope_original_max_len", "norm_eps")
+
+
+def init_model_config(cfg, path: Path) -> ModelConfig:
+    """The model a run (`cfg`: its TrainConfig) with --init-from `path` builds: its own shape, the
+    weights' FROM_WEIGHTS settings."""
+    saved = model_config_of(path, json.loads((path / "train_state.json").read_text()))
+    return replace(cfg.model_config(), **{name: getattr(saved, name) for name in FROM_WEIGHTS})
 
 
 def read_shard(f, name: str, p: nn.Parameter, groups: Groups, source: str, fix: str) -> torch.Tensor:

@@ -5,7 +5,7 @@ The model is `--model`'s preset with any shape flag in its place (`--dim 64 --n-
 vocabulary included: `--model 8b` builds the 8B model of the preset, whatever the data. The BPE
 trained on `--data` has `--bpe-vocab` tokens (default: the model's vocabulary, at most 4096) and
 must fit in the model's; embedding rows beyond it are never used (a `--tokenizer` file, or token
-files' ids, must fit too: preflight.py checks them). `parse_args` returns the
+files' ids, must fit too: ops/preflight.py checks them). `parse_args` returns the
 effective config, every setting explicit: each run prints it and saves it with each checkpoint.
 
 Every check here (and the layout's own, layout.py's Layout.validate) runs on every rank
@@ -212,7 +212,7 @@ class TrainConfig(Layout):
 
     def check_vocab(self, m: ModelConfig) -> None:
         """The trained BPE's tokens are rows of the model's embedding: it must fit. (A --tokenizer
-        is a file: preflight.check_files reads its size.)"""
+        is a file: ops/preflight.check_files reads its size.)"""
         if self.tokenizer is not None:
             if self.bpe_vocab is not None:
                 raise ConfigError("--bpe-vocab sizes the BPE trained on --data; with --tokenizer leave it out")

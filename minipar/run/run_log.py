@@ -246,7 +246,7 @@ def peak_flops(device: torch.device) -> float | None:
 def open_json_log(path: str, start: int, run_id: str | None):
     """This run's JSON log, to append to (None: a new run's, made with its first record, so that a
     log is never empty). A run resumed at step `start` first drops its own records of the steps
-    after it (a restart runs them again; preflight.check_json_log made sure each is this run's) and
+    after it (a restart runs them again; ops/preflight.check_json_log made sure each is this run's) and
     marks where it resumed, {"step", "resumed": true}: a reader sees one value per step."""
     log = Path(path).expanduser()
     if not start and not log.exists():

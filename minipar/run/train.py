@@ -42,7 +42,6 @@ from minipar.precision import of_config
 from minipar.run import checkpoint, saving, validation
 from minipar.run.batches import TokenData
 from minipar.run.config import TrainConfig
-from minipar.run.preflight import init_model_config
 from minipar.run.run_log import RunLog
 from minipar.run.saving import TrainingStopped
 from minipar.run.step import StepHooks, begin_step, micro_batches_of
@@ -133,7 +132,7 @@ def run(cfg: TrainConfig, resume: Path | None, mesh: Mesh, data: TokenData, log:
     StepHooks for this run (launch.py's extras), or None."""
     chosen, param_dtype, autocast = precision(cfg, device)
     # The preset with the shape flags (the tokenizer fits its vocabulary); weights to start from bring their RoPE.
-    model_cfg = init_model_config(cfg) if cfg.init_from else cfg.model_config()
+    model_cfg = checkpoint.init_model_config(cfg, Path(cfg.init_from)) if cfg.init_from else cfg.model_config()
     model, pipeline = build_model(cfg, mesh, model_cfg, device, param_dtype)
     if cfg.init_from:  # each rank reads only its shards of the weights
         checkpoint.load_weights(Path(cfg.init_from), model, mesh.groups())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import fields, replace
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -18,7 +18,7 @@ import torch
 from minipar.model import CONFIGS, ModelConfig
 from minipar.precision import of_config, resolve
 from minipar.run.args import regular_file, short_enough
-from minipar.run.checkpoint import model_config_of
+from minipar.run.checkpoint import FROM_WEIGHTS, model_config_of
 from minipar.run.checkpoint_checks import check_tensors
 from minipar.run.config import SHAPE_FLAGS, ConfigError, TrainConfig
 from minipar.run.data import check_data, data_key, read_tokenizer
@@ -148,18 +148,6 @@ def saved_settings(path: Path, state: dict) -> dict:
     old_bpe = {"bpe_vocab": saved["vocab_size"]} if "bpe_vocab" not in saved and "vocab_size" in saved else {}
     return {**{f.name: f.default for f in fields(TrainConfig)}, **old_bpe,
             **{k: v for k, v in saved.items() if v is not None}, **shape}
-
-
-# What --init-from's weights bring with them, whatever the preset says: settings no flag sets, that
-# shape no weight (an imported Llama's RoPE and norm), and the MoE loss's, which the run's flags set.
-FROM_WEIGHTS = ("rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                "rope_original_max_len", "norm_eps")
-
-
-def init_model_config(cfg: TrainConfig) -> ModelConfig:
-    """The model a run with --init-from builds: its own shape, the weights' FROM_WEIGHTS settings."""
-    saved = model_config_of(Path(cfg.init_from), json.loads((Path(cfg.init_from) / "train_state.json").read_text()))
-    return replace(cfg.model_config(), **{name: getattr(saved, name) for name in FROM_WEIGHTS})
 
 
 def check_init_from(cfg: TrainConfig, path: Path) -> None:
