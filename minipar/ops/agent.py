@@ -68,7 +68,10 @@ def run_agent(agent: list[str], workers_argv: list[str]) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    if "LOGLEVEL" not in os.environ:  # torch's elastic loggers each set their own level (from LOGLEVEL)
+        for name, logger in list(logging.root.manager.loggerDict.items()):
+            if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger):
+                logger.setLevel(logging.ERROR)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     try:  # the agent sets its own handlers of these: put back after
         torchrun.run(torchrun.parse_args([*agent, os.path.abspath(sys.argv[0]), *workers_argv]))

@@ -99,8 +99,10 @@ class Interrupt:
             return
         if os.environ.get("RANK", "0") == "0":  # a second Ctrl-C, or one before the steps: at once
             sys.stdout.flush()
-            print(f"minipar: interrupted{' again' if self.at else ''}: stopped at once; {resume_hint(self.out)}",
-                  file=sys.stderr, flush=True)
+            from tqdm import tqdm  # the progress bar's line cleared first: the stop's line stands alone
+            tqdm.write(f"minipar: interrupted{' again' if self.at else ''}: stopped at once; {resume_hint(self.out)}",
+                       file=sys.stderr)
+            sys.stderr.flush()
             if self.out:
                 checkpoint.unlock(self.out)
         os._exit(130)
