@@ -1,51 +1,23 @@
 """Context parallelism: the sequence split across ranks, attention computed by passing K/V around a ring.
 
-Chapter 5 of the course. Everything in a transformer layer but attention treats each token on its
-own, so a long sequence can simply be cut into pieces, one per cp rank. Attention needs every
-earlier token's key and value: ring attention passes the K/V blocks around the cp group, one hop
-per step (one batched send-and-receive, collectives.send_recv), and each rank attends its queries
-to each block as it passes by:
+Chapter 5 of the course (docs/05_context_parallel.md derives all of it). Everything in a layer but
+attention treats each token on its own, so the sequence is cut into one piece per cp rank; ring
+attention passes the K/V blocks around the cp group, one hop a step, and each rank attends its
+queries to each block as it passes, merging the partial results by their log-sum-exps:
 
     step 0: rank r attends to its own K/V block      send it right, receive from the left
     step 1: the block of rank r-1                    ...
     step cp-1: the block of rank r+1                 every query has now seen every key
 
-Partial results are merged with the online-softmax rule: for two blocks with outputs o1, o2 and
-log-sum-exps l1, l2, the merged lse is l = log(e^l1 + e^l2) and o = o1 e^(l1-l) + o2 e^(l2-l).
-No rank ever holds the whole sequence's K/V, nor its [s, s] scores.
-
-Load balance (zigzag). With a causal mask the last tokens attend to the most keys; cut the
-sequence contiguously and the last rank works cp times longer than the first. Cut it instead into
-2 cp chunks and give rank i chunks i and 2cp-1-i: every rank holds one early and one late chunk,
-and all do the same work. RoPE and the causal mask use the tokens' global positions
-(`zigzag_positions`); labels are shifted before the split (the data's targets are the next tokens).
+Zigzag: the sequence is cut into 2·cp chunks and rank i takes chunks i and 2cp-1-i, so every
+rank does the same causal work; RoPE and the mask use global positions (`zigzag_positions`).
 
     cp = 2, 8 tokens, 4 chunks:   [0 1][2 3][4 5][6 7]   rank 0: chunks 0, 3   rank 1: chunks 1, 2
 
-Backward, by hand: the K/V blocks go around the ring once more, each carrying its own running dK
-and dV; every rank adds the gradient of its queries' attention to that block, and after the last
-hop each block comes home with its complete dK and dV. (Unlike the forward, the backward does not
-overlap a hop with compute: the block's dK and dV must be updated before it leaves.)
-
-Gradients of everything outside attention are partial too (each cp rank saw only its tokens), so
-replicated parameters are reduced over cp as well as dp: data parallelism and ZeRO run over the
-dp x cp group (mesh.groups().dp_cp).
-
-Ulysses (DeepSpeed-Ulysses, `--cp-attention ulysses`): attention is independent per head, so
-instead of moving K/V blocks past the queries, swap which dimension is split: an all-to-all turns
-"s/cp tokens of all h heads" into "all s tokens of h/cp heads", each rank runs plain causal
-attention for its heads, and a second all-to-all turns the output back. Four all-to-alls forward
-(q, k, v in, the output back), four backward:
-
-    rank r holds  [b, h, s/cp, hd]  --all-to-all-->  [b, h/cp, s, hd]  --attention-->  back the same way
-
-The tokens keep the zigzag order (RoPE has already rotated them by their global positions): after
-the first all-to-all the rank sorts the s tokens by position, so that the causal mask is the plain
-triangle, and puts them back in the received order before returning them. No load balancing is
-needed. The heads and the kv heads of a tp rank must both divide by cp (check_cp_layout).
-
-`install_context_parallel` puts either into an attention layer, plain or tensor-parallel (chapter 4),
-through the seams it leaves open (`positions` and `attend`, model.py); parallelize.py calls it.
+Ulysses (`--cp-attention ulysses`): two all-to-alls swap the split from tokens to heads and back,
+[b, h, s/cp, hd] <-> [b, h/cp, s, hd], with plain attention in between. `install_context_parallel`
+puts either into an attention layer, plain or tensor-parallel, through its `positions` and
+`attend` seams (model.py); parallelize.py calls it.
 """
 
 from __future__ import annotations

@@ -3,34 +3,19 @@
 model.py is a single-device Llama that knows nothing of other ranks. `parallelize` turns it into
 the part of a parallel model that one rank holds, in five steps, always in this order:
 
-    1. pipeline   keep only this rank's stages: the other layers (and the embedding or the
-                  head, if another stage has them) are deleted before anything else is done to them
-    2. tensor     the embedding becomes a VocabParallelEmbedding, the LM head a ColumnParallelLinear
-                  over the vocabulary, each attention a ParallelAttention (its heads) and each MLP
-                  a ParallelMLP (tensor_parallel.py), each shard cut from the plain layer's own
-                  weight (tied embeddings: the head's shard is the embedding's, as both cut the
-                  vocabulary into the same blocks); the loss becomes the vocabulary-parallel one;
-                  with sp the norms' gradients partial sums over tp
-    3. context    each attention, plain or tensor-parallel, is given this rank's share of the
-                  sequence (zigzag positions) and the ring or Ulysses through its seams
-                  (context_parallel.py); the loss is weighed by this rank's share of the tokens
-    4. experts    mixture-of-experts blocks: each rank keeps its E/ep experts and tokens reach
-                  them by all-to-all (expert_parallel.py); the load-balancing loss pools its
-                  sums over the ranks that hold other tokens of the same sequences (cp, sp)
-    5. recompute  each transformer layer keeps only its input and redoes its forward in backward;
-                  or, selective (recompute_mlp), only each feed-forward block does: attention keeps
-                  its activations, the MLP (or MoE block) its input, and the MLP's 4 ffn/tp elements
-                  a token (gate, silu(gate), up, their product) are rebuilt for about 2/3 of a
-                  layer's matmul FLOPs, where full recompute redoes them all
+    1. pipeline   keep only this rank's stages (the other layers deleted first)
+    2. tensor     vocabulary-parallel embedding and head, ParallelAttention and ParallelMLP, each
+                  shard cut from the plain layer's own weight (tensor_parallel.py; chapter 4)
+    3. context    each attention given this rank's zigzag positions and the ring or Ulysses,
+                  through its seams (context_parallel.py; chapter 5)
+    4. experts    each rank keeps its E/ep experts, reached by all-to-all (expert_parallel.py; 7)
+    5. recompute  a layer keeps only its input, or (recompute_mlp) only each MLP does (chapter 11)
 
-The messages are sent in the forwards of the layers installed here (tensor_parallel.py's f and g,
-context_parallel.py's ring or all-to-alls). With every degree 1 the model is returned as it came.
-
-Then the wrapper that syncs gradients goes around the result, chosen in one place (`build_grad_sync`,
-at the end) so the loop, the benchmarks and the course scripts build alike: zero 0 DataParallel
-(data_parallel.py), 1 and 2 ZeroDataParallel (zero.py), 3 Zero3DataParallel (zero3.py; `zeropp`
-hands it ZeRO++'s transport), each with the same precision policy (precision.py). `adamw` holds
-AdamW's settings once: betas (0.9, 0.95) and eps 1e-8, as GPT-3 and Llama train.
+With every degree 1 the model is returned as it came. Then the wrapper that syncs gradients goes
+around it, chosen in one place (`build_grad_sync`): DataParallel (zero 0, chapter 2),
+ZeroDataParallel (1-2) or Zero3DataParallel (3, with ZeRO++'s transport; chapter 3), each handed
+the precision policy (chapter 3b). `adamw` holds AdamW's settings once: betas (0.9, 0.95) and eps
+1e-8, as GPT-3 and Llama train. Chapter 10, section 4 follows one rank through it.
 """
 
 from __future__ import annotations

@@ -1,45 +1,20 @@
 """Tensor parallelism: each weight matrix split across the tp ranks (Megatron-LM's layers).
 
-Chapter 4 of the course. A linear layer Y = X A can be cut two ways.
+Chapter 4 of the course (docs/04_tensor_parallel.md derives all of it). A linear layer Y = X A
+can be cut two ways, and chained column then row the slice one produces is the slice the other
+needs: one all-reduce per region forward (g, after the row layer) and one backward (f, entering):
 
     Column-parallel: A split by output columns      Row-parallel: A split by input rows
          X        [A0 | A1]      [Y0 | Y1]                [X0 | X1]    [A0]       Y0 + Y1
       [b,s,h] x  [h, o/tp] each = [b,s,o/tp] each       [b,s,i/tp] x  [A1]  =  all-reduce -> Y
-      every rank needs all of X;                       [i/tp, o] each; each rank holds a partial
-      each rank gets a slice of Y                       sum of Y, and they must be added
 
-Chain them, column then row, and the slice that one produces is exactly the slice the other
-needs: the MLP costs one all-reduce forward (after w_down) and its mirror, one all-reduce of the
-input gradient, backward. Attention is the same with whole heads per rank (q, k, v column,
-wo row). These are Megatron's conjugate operators, from autograd_ops.py:
-
-    f = copy_to_parallel      identity forward, all-reduce backward   (entering a parallel region)
-    g = reduce_from_parallel  all-reduce forward, identity backward   (leaving it: RowParallelLinear)
-
-so per transformer layer: 2 all-reduces of [b, s, h] forward and 2 backward. f is one per region,
-not one per column layer: q, k and v read one input, and so do gate and up (Megatron fuses each
-group into one layer), so the caller enters once for them: project_after_f (f, then each layer), or
-project_overlapped (--tp-overlap: one node that sends f's message while computing dW).
-
-Sequence parallelism (`sequence_parallel=True`) notices that between the regions (norms,
-residual adds) every tp rank does the same work on the same [b, s, h]. Shard those along the
-sequence instead: f becomes an all-gather of the sequence (reduce-scatter backward) and g a
-reduce-scatter (all-gather backward). An all-reduce *is* a reduce-scatter then an all-gather, so
-the bytes are the same, while activations outside the regions shrink by tp. The norm weights are
-then replicated but each rank sees different tokens, so their gradients are partial sums that are
-all-reduced over tp after backward (`sync_partial_grads`).
-
-The vocabulary. VocabParallelEmbedding gives each rank a block of rows of the table; a token
-outside a rank's block contributes zeros, and the partial embeddings are summed (g). The LM head is
-column-parallel over the vocabulary, and `vocab_parallel_cross_entropy` computes the loss from the
-sharded logits: max, sum of exponentials and the target's logit are each all-reduced as one number
-per token, so the [b, s, V] logits never exist on any rank. A vocabulary that tp does not divide is
-padded to the next multiple: padded embedding rows are never looked up, and padded logits are set
-to -inf before the softmax, so they change neither the loss nor any gradient.
-
-Sharding. `shard` and `unshard` turn a single-device tensor into this rank's piece and back, as
-each parameter's `Placement` says (placement.py). `parallelize` cuts each layer's shard from the
-plain model's own weight, so a shard always equals the slice of the plain parameter.
+The MLP is one region, attention (whole heads a rank: `ParallelAttention`) the other; q, k, v (and
+gate, up) enter once (`project_after_f`, or `project_overlapped` under --tp-overlap). Sequence
+parallelism (`sequence_parallel=True`) shards the norms' tokens between the regions: f becomes an
+all-gather and g a reduce-scatter, the same bytes. The vocabulary is split too
+(`VocabParallelEmbedding`, the column-parallel head and `vocab_parallel_cross_entropy`, padded to
+a multiple of tp), so the [b, s, V] logits never exist on one rank. `shard` and `unshard` turn a
+single-device tensor into this rank's piece and back, as each parameter's `Placement` says.
 """
 
 from __future__ import annotations

@@ -1,38 +1,21 @@
 """Replica groups: data parallelism that survives a lost replica, on torchft (chapter 10b).
 
-A run of R replica groups is R torchrun jobs, each with the whole layout inside (dp, tp, pp, cp,
-ZeRO). Across the groups only one thing travels: the step's gradient average. If a group dies,
-the others go on; when it comes back, it takes the live state from one of them. torchft
-(PyTorch's fault-tolerance library) provides the parts, and this file plugs them into the loop
-through its step hooks (run/step.py's StepHooks; scripts/train.py hands this module to launch.main):
+A run of R replica groups is R torchrun jobs, each with the whole layout inside; across them only
+the step's gradient average travels. A group that dies is dropped and, back, takes a live peer's
+state. torchft provides the lighthouse (where the groups form each step's quorum), a Manager per
+rank (the cross-group process group, the heal of a group behind) and the commit vote; this file
+plugs them into the loop's step hooks (run/step.py; scripts/train.py hands it to cli.main):
 
-    the lighthouse       a small server every group's rank 0 heartbeats to; at each step it
-                         forms the *quorum*: the groups taking part, and which of them are behind
-    Manager              one per rank; start_quorum() asks the lighthouse, reconnects the
-                         cross-group process group when the quorum changed (rank r of every group
-                         talks to rank r of the others: the groups share one layout), and heals a
-                         group that is behind: it downloads rank r's state from a peer over HTTP
-    should_commit()      after backward: every rank of every group votes; the optimizer steps only
-                         if all agree, so a step that lost a peer half-way changes no weights
+    begin       the quorum; a group behind takes the most advanced peer's step, samples and state;
+                the groups must then agree on step, samples and (on a new quorum) settings and
+                a weights digest, or the run stops in one line
+    rows        the global batch is R x dp slots; the P groups taking part share all R groups'
+    outer_sum   the loss divisor's target count summed over the P groups
+    gate        each gradient (or ZeRO slice) averaged over the P groups, then the vote: yes,
+                clip and step; no, the gradients are dropped and the same step is taken again
 
-One step, on each rank:
-
-    step, consumed <- begin(): the quorum; a group behind (torchft's step is ours: a returning,
-                      new or older-resumed group) takes the most advanced peer's (step, samples,
-                      state); then every group must be at that step and sample, and, when the
-                      quorum is new, share its settings and weights' digest, or the run stops
-    rows           <- the global batch is R x dp slots of rows; the P groups taking part share
-                      the R groups' slots (participant i takes every group j with j % P == i),
-                      so each step still trains on the whole global batch
-    divisor        <- the whole batch's targets / (dp x cp x P), the count summed across groups
-    backward; finish_grad_sync (inside the group, as always)
-    average        <- each gradient (or ZeRO slice) averaged over the P groups
-    commit?        -> the gate: yes: clip and step, step += 1; no: drop the gradients, redo the step
-
-So the loss of a step is the token mean over the same global batch whether 1 or R groups took
-part, and the learning-rate schedule is unchanged: a lost group costs the survivors time (they
-take its micro-batches) and no samples. The step they were in when it died is not committed
-and is redone. Nothing is read from disk: checkpoints are still saved as before (--save-every).
+So a step's loss is the token mean over the same global batch whether 1 or R groups took part,
+and a lost group costs the survivors time, not samples; nothing is read from disk.
 """
 
 from __future__ import annotations

@@ -1,48 +1,21 @@
 """Choosing a layout: every layout of the GPUs that fits in memory, ranked by a simple time model.
 
-Chapter 8 of the course. The method is the one practitioners follow by hand:
+Chapter 8 of the course (docs/08_memory_and_planning.md states and tests each term). The method
+is the one practitioners follow by hand: fit the model states and activations (estimate.py's
+exact bytes, within the GPU's memory less `Cluster.headroom`), keep tensor parallelism inside a
+node, and among what fits take what the clock says is fastest (pipelined layouts weighed
+interleaved too: `interleaved_twins`). The clock (`step_time`) is arithmetic, so that its answer
+can be argued with:
 
-    1. fit the model states and activations (estimate.py: exact bytes per rank), using ZeRO,
-       tensor and pipeline parallelism, and recompute as far as needed;
-    2. keep tensor parallelism inside a node: it talks twice per layer in forward and twice in
-       backward, and only NVLink is fast enough for that; data parallelism talks once per step;
-    3. among what fits, take what the clock says is fastest. A pipelined layout that fits is weighed
-       interleaved too (`interleaved_twins`): v = 2, 3, ... stages a rank, while the clock finds each
-       faster than the last (the bubble shrinks about v-fold, the messages between stages grow v-fold).
+    compute   step_flops (6 per parameter and token, 8 with recompute) at `mfu` of the peak
+    traffic   each group's bytes (traffic.bytes_sent, the ledger's) over its link's bandwidth,
+              plus a latency α a message (`messages`); tp, cp and pp not overlapped; dp hidden
+              behind backward as far as it goes (without ZeRO, never the last bucket)
+    bubble    the schedule's idle fraction f from its own simulation, as f / (1 - f) of the rest
 
-A layout fits when its fullest rank (estimate.peak_bytes) stays within the GPU's memory less a
-headroom (Cluster.headroom, 10% unless told; scripts/plan.py --headroom) for what the estimate does
-not count and real runs need: the CUDA context and NCCL's buffers (a few hundred MB each) and the
-caching allocator's fragmentation. `check_memory` keeps the same headroom.
-
-The clock (`step_time`) is arithmetic, stated here so that its answer can be argued with:
-
-    compute   FLOPs of the step (`step_flops`: ModelConfig.flops_per_token, 6 per parameter but the
-              input embedding, plus attention; recompute adds a forward: 8 instead of 6; recompute
-              of the MLPs only their forward, + 6·d·ffn per token and layer) over the GPUs at `mfu`
-              of their peak
-    traffic   the bytes each group sends in a step, from traffic.bytes_sent (equal to the
-              ledger's on CPU), over the intra-node bandwidth when the group's ranks lie in one
-              node, else the inter-node one; where measured (Cluster.links, plan.py --calibrate)
-              over the group size's own β, plus α for each message (`messages`):
-    tp        4 messages of a layer's activations per layer and micro-batch; not overlapped
-    cp        ring attention's K/V blocks, forward and backward; counted as not overlapped
-    pp        each micro-batch's activations sent on to the next stage and gradients sent back, once
-              per stage a rank holds (v times interleaved), as pp rank 1 sends them (a middle stage's,
-              the most); not overlapped: the next stage waits for them
-    dp        the gradients' all-reduce (ZeRO: reduce-scatter + all-gather, ZeRO-3 per micro-batch);
-              overlapped with backward (2/3 of compute), only what is left over counts; without ZeRO
-              at least the last bucket's all-reduce, posted once backward is done
-    bubble    the time the pipeline's ranks wait: its schedule's idle fraction f of the step, from
-              its own simulation (pipeline.timeline.simulate: F = 1, B = 2, or F = B = W = 1 when
-              B is split), so 1F1B's and GPipe's (pp-1)/(m+pp-1), interleaved's
-              (pp-1)/(v·m+pp-1), ZB-H1's (pp-1)/(3m+pp-1); beside the rest of the step, that is
-              f / (1 - f), the bubble ratio ((pp-1)/m for 1F1B), of what a micro-batch's turn holds:
-              its compute and its tp, cp and pp messages, which the waiting stages wait out too
-
-It scales to any number of GPUs instantly: nothing is built but one meta-device model per layout.
-The same figures answer a single run's question first: `check_memory` refuses, before anything is
-built, a run whose fullest rank would not fit, and `report` is `train.py --plan`.
+It scales to any number of GPUs at once: nothing is built but one meta-device model per layout.
+The same figures answer one run's question first: `check_memory` refuses a run whose fullest rank
+would not fit, and `report` is `train.py --plan`.
 """
 
 from __future__ import annotations
