@@ -10,6 +10,7 @@ Each setting is declared once, as a field (`setting`): its flag, help, choices a
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -27,24 +28,33 @@ from minipar.tensor_parallel import check_tensor_layout
 from minipar.zeropp import check as check_zeropp
 from minipar.zeropp import parse as parse_zeropp
 
+# The bounds past which a number is a mistake: far beyond any run, and its counts stay inside int64.
+MAX_BATCH = 2**24  # sequences in one step
+MAX_STEPS = 2**38  # steps (or a count of them): the samples consumed, steps x global batch
 
-def setting(default, help: str, group: str, *, choices=None, acts_with=None, plan=None, shape=False) -> Any:
+
+def setting(default, help: str, group: str, *, choices=None, within=None, acts_with=None, plan=None,
+            shape=False) -> Any:
     """A setting, declared once: a dataclass field whose metadata all that reads the setting takes.
         help, group  its train.py flag's --help and section (run/flags.py; "{default}": the default);
                      a bool is a switch (--sp, --no-sp); its --config file key is its name
         choices      the values its flag takes
+        within       (test of a value, words): a number's range, refused outside it in the words
+                     (run/config.check_ranges); None, a preset's, is never tested
         acts_with    (words, condition of the config): set to anything but its default where the
                      condition is false, it would change nothing, and is refused (run/config.parse_args)
         plan         cut, memory or pipeline: the planner chooses it and prints it (Layout.as_flags)
         shape        it overrides the field of its name in --model's preset"""
-    meta = {"help": help.format(default=default), "group": group, "choices": choices, "acts_with": acts_with,
-            "plan": plan, "shape": shape}
+    meta = {"help": help.format(default=default), "group": group, "choices": choices, "within": within,
+            "acts_with": acts_with, "plan": plan, "shape": shape}
     return field(default=default, metadata=meta)
 
 
-def shape_setting(what: str) -> Any:
-    """A model-shape setting: None takes --model's preset's value."""
-    return setting(None, f"{what} (default: the preset's)", "model", shape=True)
+def shape_setting(what: str, most: int) -> Any:
+    """A model-shape setting: None takes --model's preset's value. `most`: beyond it (60x Llama 3
+    405B's widths, 8x its depth) even the estimator's model on paper overflows or takes minutes."""
+    return setting(None, f"{what} (default: the preset's)", "model", shape=True,
+                   within=(lambda v: 1 <= v <= most, f"1 to {most}"))
 
 
 def has_experts(layout: Layout) -> bool:
@@ -89,24 +99,29 @@ class Layout:
                                          "node)", "layout")
     model: str = setting("small", "named model size: the preset the shape flags below override (default: "
                          "--init-from's, else {default})", "model", choices=list(CONFIGS))
-    dim: int | None = shape_setting("hidden size")
-    n_layers: int | None = shape_setting("transformer blocks")
-    n_heads: int | None = shape_setting("attention heads")
-    n_kv_heads: int | None = shape_setting("key/value heads (grouped-query attention)")
-    ffn_dim: int | None = shape_setting("MLP hidden size")
-    vocab_size: int | None = shape_setting("the model's vocabulary: embedding rows, the tokenizer's must fit")
-    max_seq_len: int | None = shape_setting("longest sequence the run may use")
+    dim: int | None = shape_setting("hidden size", 2**20)
+    n_layers: int | None = shape_setting("transformer blocks", 1024)
+    n_heads: int | None = shape_setting("attention heads", 2**14)
+    n_kv_heads: int | None = shape_setting("key/value heads (grouped-query attention)", 2**14)
+    ffn_dim: int | None = shape_setting("MLP hidden size", 2**22)
+    vocab_size: int | None = shape_setting("the model's vocabulary: embedding rows, the tokenizer's must fit", 2**32)
+    max_seq_len: int | None = shape_setting("longest sequence the run may use", 2**24)
     tie_embeddings: bool | None = setting(None, "the LM head shares the embedding table (default: the preset's; "
                                           "1b ties)", "model")
     aux_loss_coef: float = setting(0.01, "MoE load-balancing loss weight (default: {default})", "model",
+                                   within=(lambda v: 0 <= v < math.inf, "0 or more"),
                                    acts_with=("a model with experts", has_experts))
     capacity_factor: float = setting(0.0, "MoE: tokens an expert takes, x its fair share (default {default}: "
                                      "dropless, every token served)", "model",
+                                     within=(lambda v: 0 <= v < math.inf, "0 (dropless) or more"),
                                      acts_with=("a model with experts", has_experts))
     seq_len: int = setting(128, "tokens per sequence", "data")
-    global_batch: int = setting(16, "sequences per step, all dp ranks", "optimisation")
-    micro_batch: int = setting(8, "sequences per forward on one rank", "optimisation")
-    weight_decay: float = setting(0.1, "AdamW's, on matrices only", "optimisation")
+    global_batch: int = setting(16, "sequences per step, all dp ranks", "optimisation",
+                                within=(lambda v: 1 <= v <= MAX_BATCH, f"1 to {MAX_BATCH} sequences"))
+    micro_batch: int = setting(8, "sequences per forward on one rank", "optimisation",
+                               within=(lambda v: 1 <= v <= MAX_BATCH, f"1 to {MAX_BATCH} sequences"))
+    weight_decay: float = setting(0.1, "AdamW's, on matrices only", "optimisation",
+                                  within=(lambda v: 0 <= v < math.inf, "0 or more"))
     dtype: str | None = setting(None, "float64: all in float64 (proofs; no --precision); float32 = --precision "
                                 "fp32, bfloat16 = bf16-autocast", "optimisation", choices=DTYPES)
     precision: str | None = setting(None, "fp32; bf16-autocast (fp32 weights, bf16 matmuls); bf16-mixed (the ZeRO "
@@ -116,7 +131,8 @@ class Layout:
     grad_reduce: str | None = setting(None, "bf16-mixed: gradients summed over ranks in bf16 (default: rounded at "
                                       "each of N-1 adds) or fp32 (twice the bytes; the mean rounded once, within "
                                       "half a bf16 ulp)", "optimisation", choices=GRAD_REDUCE)
-    bucket_mb: float = setting(25.0, "data-parallel gradient bucket size", "optimisation")
+    bucket_mb: float = setting(25.0, "data-parallel gradient bucket size", "optimisation",
+                               within=(lambda v: 0 < v < math.inf, "a size above 0"))
 
     error: ClassVar[type[ValueError]] = ValueError  # what validate raises (TrainConfig: ConfigError)
 

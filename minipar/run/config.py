@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, fields, replace
 
-from minipar.layout import SHAPE_FLAGS, Layout, setting
+from minipar.layout import MAX_BATCH, MAX_STEPS, SHAPE_FLAGS, Layout, setting
 from minipar.model import ModelConfig
 from minipar.run import checkpoint, flags
 from minipar.run.args import InputError
@@ -34,13 +34,8 @@ class ConfigError(InputError):
     """A bad command line; the message says what to change."""
 
 
-# The largest value of each shape flag: 60x Llama 3 405B's widths, 8x its depth; beyond, even the
-# estimator's model on paper overflows or takes minutes to build.
-SHAPE_MAX = {"dim": 2**20, "n_layers": 1024, "n_heads": 2**14, "n_kv_heads": 2**14, "ffn_dim": 2**22,
-             "vocab_size": 2**32, "max_seq_len": 2**24}
-MAX_BATCH = 2**24  # sequences in one step: far beyond any run, and its indices stay far inside int64
 MAX_TIMEOUT = 1e7  # seconds (115 days): a timedelta, and torch's milliseconds, hold it
-MAX_STEPS = 2**38  # steps (or a count of them): the samples consumed, steps x global batch, stay in int64
+A_STEP_COUNT = (lambda v: 0 <= v <= MAX_STEPS, "0 or more steps, at most 2**38")  # a setting's range (layout.setting)
 BPE_VOCAB = 4096  # the BPE's default size, when the model's vocabulary is larger
 
 
@@ -61,29 +56,43 @@ class TrainConfig(Layout):
                                "library)", "data")
     bpe_vocab: int | None = setting(None, f"tokens of the BPE trained on --data; it must fit in the model's "
                                     f"vocabulary (default: the model's vocabulary, at most {BPE_VOCAB})", "data",
+                                    within=(lambda v: 257 <= v < 2**32, "257 (the 256 bytes and <|endoftext|>) to "
+                                            "2**32 - 1"),
                                     acts_with=("a BPE trained on text --data (not .bin token files)", trains_a_bpe))
     tokenizer: str | None = setting(None, "a Hugging Face tokenizer.json (default: a BPE trained on --data)", "data")
     token_dtype: str = setting("uint16", "the ids' type in .bin token files (nanoGPT's format: a bare array; "
                                "default: {default})", "data", choices=["uint16", "uint32"],
                                acts_with=(".bin token files as --data", lambda c: data_kind(c.data) != "text"))
     val_fraction: float = setting(0.0, "hold out this fraction of the documents (files) for validation, chosen by "
-                                  "--seed", "data")
-    eval_every: int = setting(0, "validation loss every N steps (0: at the end only; needs --val-fraction)", "data")
+                                  "--seed", "data",
+                                  within=(lambda v: 0 <= v < 1, "a fraction of the documents, from 0 to below 1"))
+    eval_every: int = setting(0, "validation loss every N steps (0: at the end only; needs --val-fraction)", "data",
+                              within=A_STEP_COUNT)
     eval_batches: int = setting(4, "global batches of held-out windows per validation (default: {default})", "data",
+                                within=(lambda v: 1 <= v <= MAX_BATCH,
+                                        f"1 or more global batches, at most {MAX_BATCH}"),
                                 acts_with=("--val-fraction above 0", lambda c: c.val_fraction > 0))
     cache_dir: str = setting("~/.cache/minipar", "where tokenised data is kept", "data")
-    steps: int = setting(300, "optimizer steps", "optimisation")
-    lr: float = setting(3e-3, "peak learning rate (AdamW)", "optimisation")
-    min_lr_ratio: float = setting(0.1, "cosine floor, as a fraction of --lr", "optimisation")
-    warmup: int = setting(30, "linear warm-up steps", "optimisation")
-    grad_clip: float = setting(1.0, "max global gradient norm (0: off)", "optimisation")
+    steps: int = setting(300, "optimizer steps", "optimisation", within=(lambda v: 1 <= v <= MAX_STEPS, "1 or more, "
+                         "at most 2**38 (steps x --global-batch counts samples in int64)"))
+    lr: float = setting(3e-3, "peak learning rate (AdamW)", "optimisation",
+                        within=(lambda v: 0 < v < math.inf, "a learning rate above 0"))
+    min_lr_ratio: float = setting(0.1, "cosine floor, as a fraction of --lr", "optimisation",
+                                  within=(lambda v: 0 <= v <= 1, "a fraction of --lr from 0 to 1"))
+    warmup: int = setting(30, "linear warm-up steps", "optimisation", within=A_STEP_COUNT)
+    grad_clip: float = setting(1.0, "max global gradient norm (0: off)", "optimisation",
+                               within=(lambda v: 0 <= v < math.inf, "0 (off) or more"))
     max_bad_steps: int = setting(3, "stop after this many consecutive steps with a non-finite loss or gradient "
-                                 "(each is skipped)", "optimisation")
+                                 "(each is skipped)", "optimisation",
+                                 within=(lambda v: 1 <= v <= MAX_STEPS, "1 or more, at most 2**38"))
     timeout: float = setting(300.0, "seconds a collective or message may wait (a stopped or dead rank) before the "
-                             "run stops", "optimisation")
-    seed: int = setting(0, "weights and data order", "optimisation")
+                             "run stops", "optimisation", within=(lambda v: 1 <= v <= MAX_TIMEOUT, "the seconds an "
+                             f"operation may wait, 1 to {MAX_TIMEOUT:g} (below 1 s a healthy step's collectives time "
+                             "out)"))
+    seed: int = setting(0, "weights and data order", "optimisation",
+                        within=(lambda v: 0 <= v < 2**32, "0 to 2**32 - 1"))
     out: str | None = setting(None, "checkpoint directory (default: runs/run_NNN, a new one)", "run")
-    save_every: int = setting(0, "save every N steps (0: only at the end)", "run")
+    save_every: int = setting(0, "save every N steps (0: only at the end)", "run", within=A_STEP_COUNT)
     save_on_interrupt: bool = setting(True, "Ctrl-C stops every rank after the same step and saves it (default; "
                                       "--no-save-on-interrupt: unsaved); a second Ctrl-C stops at once", "run")
     resume: str | None = setting(None, "a checkpoint folder, an --out folder (its newest that verifies), or auto: "
@@ -93,7 +102,8 @@ class TrainConfig(Layout):
                                     "without --model, the model's preset and shape are the weights'", "model")
     wandb: bool = setting(True, "log to wandb (offline unless you have logged in)", "run")
     log_json: str | None = setting(None, "write one JSON object per step to this file (default: none)", "run")
-    log_every: int = setting(10, "print a log line every N steps", "run")
+    log_every: int = setting(10, "print a log line every N steps", "run",
+                             within=(lambda v: 1 <= v <= MAX_STEPS, "1 or more steps, at most 2**38"))
     profile_steps: str | None = setting(None, "A:B: torch.profiler over steps A to B (from 1) on every rank, a "
                                         "Chrome trace per rank in --out/traces/steps_A-B (scripts/trace_report.py "
                                         "reads them)", "run")
@@ -129,41 +139,18 @@ class TrainConfig(Layout):
         return replace(self, **chosen, bpe_vocab=self.bpe_size(), zeropp=zeropp)
 
     def check_ranges(self, max_seq_len: int) -> None:
-        """Every number in its range, every path flag not empty: one line naming the flag."""
-        rules = (  # (setting, whether its value is fine, what to give instead)
-            ("steps", 1 <= self.steps <= MAX_STEPS, "1 or more, at most 2**38 (steps x --global-batch "
-             "counts samples in int64)"),
-            *((name, 0 <= getattr(self, name) <= MAX_STEPS, "0 or more steps, at most 2**38")
-              for name in ("warmup", "save_every", "eval_every")),
-            ("seq_len", 1 <= self.seq_len <= max_seq_len, f"1 to --model {self.model}'s max_seq_len, {max_seq_len}"),
-            ("global_batch", 1 <= self.global_batch <= MAX_BATCH, f"1 to {MAX_BATCH} sequences"),
-            ("micro_batch", 1 <= self.micro_batch <= MAX_BATCH, f"1 to {MAX_BATCH} sequences"),
-            ("max_bad_steps", 1 <= self.max_bad_steps <= MAX_STEPS, "1 or more, at most 2**38"),
-            *((name, getattr(self, name) is None or 1 <= getattr(self, name) <= SHAPE_MAX[name],
-               f"1 to {SHAPE_MAX[name]}") for name in SHAPE_FLAGS),
-            ("bpe_vocab", self.bpe_vocab is None or 257 <= self.bpe_vocab < 2**32,
-             "257 (the 256 bytes and <|endoftext|>) to 2**32 - 1"),
-            ("lr", 0 < self.lr < math.inf, "a learning rate above 0"),
-            ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "a fraction of --lr from 0 to 1"),
-            ("weight_decay", 0 <= self.weight_decay < math.inf, "0 or more"),
-            ("grad_clip", 0 <= self.grad_clip < math.inf, "0 (off) or more"),
-            ("bucket_mb", 0 < self.bucket_mb < math.inf, "a size above 0"),
-            ("aux_loss_coef", 0 <= self.aux_loss_coef < math.inf, "0 or more"),
-            ("capacity_factor", 0 <= self.capacity_factor < math.inf, "0 (dropless) or more"),
-            ("timeout", 1 <= self.timeout <= MAX_TIMEOUT, f"the seconds an operation may wait, 1 to {MAX_TIMEOUT:g} "
-             f"(below 1 s a healthy step's collectives time out)"),
-            ("seed", 0 <= self.seed < 2**32, "0 to 2**32 - 1"),
-            ("log_every", 1 <= self.log_every <= MAX_STEPS, "1 or more steps, at most 2**38"),
-            ("val_fraction", 0 <= self.val_fraction < 1, "a fraction of the documents, from 0 to below 1"),
-            ("eval_every", self.val_fraction > 0 or self.eval_every == 0,
-             "0 (at the end) or more steps, with --val-fraction above 0"),
-            ("eval_batches", 1 <= self.eval_batches <= MAX_BATCH, f"1 or more global batches, at most {MAX_BATCH}"),
-            ("virtual_stages", self.virtual_stages == 1 or self.virtual_stages > 1 and self.pp > 1,
-             "1, or more with --pp > 1"),
-        )
-        for name, fine, want in rules:
-            if not fine:
-                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: give {want}")
+        """Every number in its range (each setting's `within`, and those that hang on another), every
+        path flag not empty: one line naming the flag."""
+        rules = [(f.name, f.metadata["within"]) for f in fields(self) if f.metadata.get("within")]
+        rules += [  # (setting, (whether its value is fine, what to give instead)), the ranges that hang on another
+            ("seq_len", (lambda v: 1 <= v <= max_seq_len, f"1 to --model {self.model}'s max_seq_len, {max_seq_len}")),
+            ("eval_every", (lambda v: self.val_fraction > 0 or v == 0,
+                            "0 (at the end) or more steps, with --val-fraction above 0")),
+            ("virtual_stages", (lambda v: v == 1 or v > 1 and self.pp > 1, "1, or more with --pp > 1"))]
+        for name, (fine, want) in rules:
+            value = getattr(self, name)
+            if value is not None and not fine(value):
+                raise ConfigError(f"--{name.replace('_', '-')} {value}: give {want}")
         for name in ("data", "tokenizer", "cache_dir", "out", "resume", "init_from", "log_json", "config"):
             if getattr(self, name) == "":
                 raise ConfigError(f"--{name.replace('_', '-')} is empty: give a path, or leave the flag out")
