@@ -16,11 +16,10 @@ import torch
 from tokenizers import Tokenizer
 
 from minipar.extras.generate import checkpoint_tokenizer, plain_model_from, run_config
+from minipar.layout import MAX_BATCH  # windows per forward, as train.py's --global-batch
 from minipar.run import checkpoint
 from minipar.run.args import HelpFormatter, InputError, Parser, existing_file, non_negative_int, positive_int, refusals
 from minipar.run.data import EOT, DataError, encode_files, find_files  # names a file that is not text
-
-MAX_BATCH = 2**24  # windows per forward, as train.py's --global-batch: torch's sizes are int64
 
 
 def parse_args(argv=None):

@@ -174,6 +174,7 @@ class Replicas(StepHooks):
 
         self.id, self.groups, self.model, self.mesh = cfg.replica_group_id, cfg.replica_groups, model, mesh
         self.log, self.say = log, log.say
+        self.group = Group("world", dist.group.WORLD, list(range(dist.get_world_size())), mesh.ledger)  # its ranks
         self.settings, self.quorum, self.agreed = shared_settings(cfg), None, False  # what agree() compares
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # of torchft's process group
         self.step, self.consumed = 0, 0
@@ -200,7 +201,7 @@ class Replicas(StepHooks):
             self._store = dist.TCPStore(socket.gethostname(), 0, is_master=True, wait_for_workers=False)
             host = list(socket.gethostname().encode())
             where[:2 + len(host)] = torch.tensor([self._store.port, len(host), *host])
-        broadcast(where, Group("replicas", dist.group.WORLD, list(range(dist.get_world_size())), self.mesh.ledger))
+        broadcast(where, self.group)
         return bytes(where[2:2 + int(where[1])].tolist()).decode(), int(where[0])
 
     # -- a step ---------------------------------------------------------------------------------
@@ -252,8 +253,7 @@ class Replicas(StepHooks):
             if state is not None:  # each rank holds its own shards: a difference on any rank counts
                 vote[1:] = state[:, 0] != state[_leader(where), 0]
         if dist.get_world_size() > 1:  # every rank of this group decides alike
-            all_reduce(vote, Group("world", dist.group.WORLD, list(range(dist.get_world_size())), self.mesh.ledger),
-                       op="max")
+            all_reduce(vote, self.group, op="max")
         self.agreed = not vote[0]
         if self.agreed and (problem or vote[1:].any()):
             lead, others = _leader(where), [int(g) for g, d in zip(where[:, 0], vote[1:]) if d]
