@@ -61,7 +61,7 @@ class Ledger:
     list that receives (communicator, op, peer, bytes) for every operation in posting order
     (communicator: (name, ranks); peer: the other rank's global number for send/recv, else None).
     `listeners`: functions called with (group, op, its ranks, peer or None, payload bytes) for each
-    operation asked of other ranks; the ledger only counts, whoever needs more listens (run/hang.py)."""
+    operation asked of other ranks; the ledger only counts, whoever needs more listens (ops/hang.py)."""
 
     entries: dict[tuple[str, str], Entry] = field(default_factory=lambda: defaultdict(Entry))
     trace: list[tuple] | None = None

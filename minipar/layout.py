@@ -36,13 +36,13 @@ MAX_STEPS = 2**38  # steps (or a count of them): the samples consumed, steps x g
 def setting(default, help: str, group: str, *, choices=None, within=None, acts_with=None, plan=None,
             shape=False) -> Any:
     """A setting, declared once: a dataclass field whose metadata all that reads the setting takes.
-        help, group  its train.py flag's --help and section (run/flags.py; "{default}": the default);
+        help, group  its train.py flag's --help and section (ops/command_line.py; "{default}": the default);
                      a bool is a switch (--sp, --no-sp); its --config file key is its name
         choices      the values its flag takes
         within       (test of a value, words): a number's range, refused outside it in the words
                      (run/config.check_ranges); None, a preset's, is never tested
         acts_with    (words, condition of the config): set to anything but its default where the
-                     condition is false, it would change nothing, and is refused (run/config.parse_args)
+                     condition is false, it would change nothing, and is refused (ops/command_line.parse_args)
         plan         cut, memory or pipeline: the planner chooses it and prints it (Layout.as_flags)
         shape        it overrides the field of its name in --model's preset"""
     meta = {"help": help.format(default=default), "group": group, "choices": choices, "within": within,

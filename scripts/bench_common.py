@@ -57,8 +57,8 @@ from minipar.collectives import Group, Ledger, all_reduce
 from minipar.data_parallel import clip_grads
 from minipar.mesh import Mesh
 from minipar.model import CONFIGS, Block, Llama, ModelConfig
+from minipar.ops.hang import start_distributed
 from minipar.run.config import TrainConfig
-from minipar.run.launch import start_distributed
 
 # ----------------------------------------------------------------------------------------------
 # Starting

@@ -46,9 +46,9 @@ from minipar.data_parallel import param_groups
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
 from minipar.moe import take_load
+from minipar.ops.hang import start_distributed
 from minipar.parallelize import adamw, build_grad_sync
 from minipar.run.config import ConfigError, TrainConfig
-from minipar.run.launch import start_distributed
 from minipar.run.train import build_model, train_step
 
 SIDES = ("minipar ep", "minipar ep=1", "torch DDP ep=1", "torch DDP dense")

@@ -403,7 +403,7 @@ def mfu_convention(device) -> str:
 def run_one(args) -> dict:
     """This process's part of one side (--one MODEL STRATEGY SIDE), under torchrun."""
     from minipar.mesh import Mesh
-    from minipar.run.launch import start_distributed
+    from minipar.ops.hang import start_distributed
 
     name, strategy, side = args.one
     if args.device == "cpu":

@@ -37,10 +37,10 @@ from bench_common import (
 from minipar.data_parallel import param_groups
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.ops.hang import start_distributed
 from minipar.parallelize import adamw, build_grad_sync
 from minipar.precision import resolve
 from minipar.run.config import TrainConfig
-from minipar.run.launch import start_distributed
 from minipar.run.train import train_step
 from minipar.zeropp import split_dp_by_node
 

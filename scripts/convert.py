@@ -23,8 +23,9 @@ from safetensors.torch import load_file
 
 from minipar.extras.hf import export_hf, import_hf
 from minipar.model import Llama
+from minipar.ops import checkpoint_checks, run_folder
+from minipar.ops.args import Parser, new_folder, refusals
 from minipar.run import checkpoint
-from minipar.run.args import Parser, new_folder, refusals
 from minipar.run.config import TrainConfig
 
 
@@ -54,9 +55,9 @@ def import_folder(hf_dir: str, out: str) -> Path:
 
 
 def export_folder(ckpt: str, hf_dir: str) -> Path:
-    path = checkpoint.resolve(ckpt, flag="export")
+    path = run_folder.resolve(ckpt, flag="export")
     with new_folder(hf_dir, "export's HF_DIR", source=ckpt) as tmp:
-        config = checkpoint.model_config_of(path, checkpoint.verify(path))
+        config = checkpoint_checks.model_config_of(path, checkpoint_checks.verified(path))
         weights = load_file(path / "model.safetensors")
         check_weights(config, weights, path)
         export_hf(config, weights, tmp)

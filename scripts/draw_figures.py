@@ -51,9 +51,9 @@ from minipar.context_parallel import zigzag_positions  # noqa: E402
 from minipar.data_parallel import bucket_params, by_grad_mean  # noqa: E402
 from minipar.model import Llama, get_config  # noqa: E402
 from minipar.moe import MoE  # noqa: E402
+from minipar.ops.args import new_folder, refusals, unoccupied  # noqa: E402
 from minipar.planning.estimate import activation_bytes, held_bytes  # noqa: E402
 from minipar.planning.planner import Cluster, step_time, weigh  # noqa: E402
-from minipar.run.args import new_folder, refusals, unoccupied  # noqa: E402
 from minipar.run.config import TrainConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ The text is tokenised with the run's own tokenizer, joined with <|endoftext|> be
 training, and cut into consecutive windows of --seq-len + 1 tokens (no shuffling, no overlap). The
 loss is the mean next-token cross-entropy over every target of every window; the perplexity is
 its exponential. Use text the run did not train on: train.py's --data is read whole. A bad flag
-or file is one line and exit code 2 (minipar/run/args.py).
+or file is one line and exit code 2 (minipar/ops/args.py).
 """
 
 import math
@@ -17,9 +17,11 @@ from tokenizers import Tokenizer
 
 from minipar.extras.generate import checkpoint_tokenizer, plain_model_from, run_config
 from minipar.layout import MAX_BATCH  # windows per forward, as train.py's --global-batch
+from minipar.ops import run_folder
+from minipar.ops.args import HelpFormatter, Parser, existing_file, non_negative_int, positive_int, refusals
 from minipar.run import checkpoint
-from minipar.run.args import HelpFormatter, InputError, Parser, existing_file, non_negative_int, positive_int, refusals
 from minipar.run.data import EOT, DataError, encode_files, find_files  # names a file that is not text
+from minipar.run.paths import InputError
 
 
 def parse_args(argv=None):
@@ -74,7 +76,7 @@ def main(argv=None) -> tuple[float, float]:
         args = parse_args(argv)
         if args.batch_size > MAX_BATCH:
             raise InputError(f"--batch-size {args.batch_size}: give 1 to {MAX_BATCH} windows")
-        path = checkpoint.resolve(args.checkpoint, flag="checkpoint")
+        path = run_folder.resolve(args.checkpoint, flag="checkpoint")
         model, state = plain_model_from(path)
         seq_len = window_length(args.seq_len, state, path, model.config.max_seq_len)
         tok = checkpoint_tokenizer(state, path, model.config.vocab_size, args.tokenizer, separator=True)  # joins files

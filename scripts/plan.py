@@ -7,7 +7,7 @@ Memory is minipar's own estimate (minipar/planning/estimate.py, checked byte for
 time is the stated model of minipar/planning/planner.py (compute at --mfu of --peak-tflops, communication
 at the given bandwidths). A layout fits when its fullest rank stays within --gpu-memory less --headroom.
 Nothing runs on a GPU: it is arithmetic, for any number of GPUs. A flag out of its range is one line and
-exit code 2 (minipar/run/args.py).
+exit code 2 (minipar/ops/args.py).
 
     .venv/bin/python scripts/plan.py --calibrate
 
@@ -37,11 +37,8 @@ import torch.multiprocessing as mp
 from minipar.collectives import ring_bytes_sent
 from minipar.layout import Layout
 from minipar.model import CONFIGS, Llama, get_config
-from minipar.parallelize import adamw
-from minipar.planning.planner import HEADROOM, Cluster, plan, step_flops, step_time
-from minipar.run.args import (
+from minipar.ops.args import (
     HelpFormatter,
-    InputError,
     Parser,
     byte_size,
     fraction,
@@ -50,6 +47,9 @@ from minipar.run.args import (
     positive_int,
     refusals,
 )
+from minipar.parallelize import adamw
+from minipar.planning.planner import HEADROOM, Cluster, plan, step_flops, step_time
+from minipar.run.paths import InputError
 
 
 def share_kept_free(text: str) -> float:

@@ -28,7 +28,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from minipar.run.args import InputError, refusals  # noqa: E402
+from minipar.ops.args import refusals  # noqa: E402
+from minipar.run.paths import InputError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--model", "tiny", "--vocab-size", "512", "--seq-len", "64", "--global-batch", "8", "--micro-batch", "8",

@@ -6,22 +6,15 @@
 A checkpoint holds every tensor at its single-device shape (checkpoint.py), so the plain model
 loads it directly. The tokenizer is the run's own, which the checkpoint keeps (older checkpoints:
 found in the data cache under the key the checkpoint keeps; or give --tokenizer). Generation keeps a KV
-cache (minipar/extras/generate.py). A bad flag or file is one line and exit code 2 (minipar/run/args.py).
+cache (minipar/extras/generate.py). A bad flag or file is one line and exit code 2 (minipar/ops/args.py).
 """
 
 import torch
 
 from minipar.extras.generate import checkpoint_tokenizer, generate, plain_model_from
-from minipar.run import checkpoint
-from minipar.run.args import (
-    HelpFormatter,
-    InputError,
-    Parser,
-    existing_file,
-    non_negative_float,
-    non_negative_int,
-    refusals,
-)
+from minipar.ops import run_folder
+from minipar.ops.args import HelpFormatter, Parser, existing_file, non_negative_float, non_negative_int, refusals
+from minipar.run.paths import InputError
 
 # Below MIN_TEMPERATURE the draw is all but greedy, and soon the logits divided by it overflow float32
 # (1e-40: a NaN draw); above MAX_TEMPERATURE every token is about as likely as any other.
@@ -50,7 +43,7 @@ def main(argv=None) -> str:
                              f"{MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}")
         if args.seed >= 2**64:  # a torch.Generator's seed is 64 bits
             raise InputError(f"--seed {args.seed}: give 0 to 2**64 - 1")
-        path = checkpoint.resolve(args.checkpoint, flag="checkpoint")
+        path = run_folder.resolve(args.checkpoint, flag="checkpoint")
         model, state = plain_model_from(path)
         tok = checkpoint_tokenizer(state, path, model.config.vocab_size, args.tokenizer)
         prompt = torch.tensor([tok.encode(args.prompt).ids or [0]])

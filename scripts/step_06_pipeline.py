@@ -31,11 +31,11 @@ from course_common import finish, say, start_gloo, to_rank0
 
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
+from minipar.ops.args import new_folder, unoccupied
 from minipar.parallelize import parallelize
 from minipar.pipeline.executor import Pipeline, stage_layers
 from minipar.pipeline.schedules import bubble_formula, build, peak_activations
 from minipar.pipeline.timeline import Timeline, simulate
-from minipar.run.args import new_folder, unoccupied
 
 CFG = get_config("tiny", n_layers=8)
 SEED, ROWS, SEQ = 0, 16, 32

@@ -15,7 +15,7 @@ message ('posted #k') and its handle's wait ('wait #k'). On the thread that runs
 Holistic Trace Analysis computes the overlap and an idle breakdown from GPU kernels only; on a CPU
 trace, which has none, it returns NaN or raises (docs/10_operating.md#profiling), so this script
 computes both from the host's ranges. (On a GPU the host waits for little, NCCL's kernels do: read
-HTA there.) A bad folder or file is one line and exit code 2 (minipar/run/args.py).
+HTA there.) A bad folder or file is one line and exit code 2 (minipar/ops/args.py).
 """
 
 import json
@@ -25,7 +25,8 @@ import sys
 from bisect import bisect_right
 from pathlib import Path
 
-from minipar.run.args import HelpFormatter, InputError, Parser, existing_folder, refusals, regular_file
+from minipar.ops.args import HelpFormatter, Parser, existing_folder, refusals
+from minipar.run.paths import InputError, regular_file
 
 MAX_BYTES = 2**31  # a few steps' trace is megabytes; json.loads holds several times the file in memory
 POSTED = re.compile(r"minipar .*, (posted|wait) #(\d+)$")  # a posted message and its wait share the number

@@ -37,9 +37,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from minipar.extras.replicas import lost_gpu_hours  # noqa: E402
-from minipar.run.args import InputError, Parser, new_folder, positive_int, refusals  # noqa: E402
-from minipar.run.config import parse_args  # noqa: E402
+from minipar.extras.replicas import check_settings, lost_gpu_hours  # noqa: E402
+from minipar.ops.args import Parser, new_folder, positive_int, refusals  # noqa: E402
+from minipar.ops.command_line import parse_args  # noqa: E402
+from minipar.run.paths import InputError  # noqa: E402
 
 CORPUS = str(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py")
 RUN = ["--model=tiny", "--vocab-size=512", "--seq-len=32", "--global-batch=8", "--micro-batch=2", "--lr=1e-2",
@@ -102,13 +103,13 @@ def group_argv(args, port: int) -> list[str]:
 
 
 def check_groups(args) -> None:
-    """train.py's own checks (minipar.run.config) of the command line each group will get, in its
-    world of --nproc-per-group ranks, before the lighthouse and any group start: a mistake is one
+    """train.py's own checks (parse_args, the replica groups' check_settings) of the command line each
+    group will get, in its world of --nproc-per-group ranks, before the lighthouse and any group start: a mistake is one
     line here, not a group's log (or torchrun's traceback) after the others have started."""
     world = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(args.nproc_per_group)  # what parse_args checks the layout against
     try:
-        parse_args([*group_argv(args, port=29510), f"--replica-group-id={args.groups - 1}"])
+        check_settings(parse_args([*group_argv(args, port=29510), f"--replica-group-id={args.groups - 1}"]))
     except InputError as e:
         raise InputError(f"each group's train.py (--groups is its --replica-groups, --nproc-per-group its "
                          f"world size): {e}") from None

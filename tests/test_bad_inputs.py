@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 
 from minipar.mesh import Groups
 from minipar.model import Llama, get_config
-from minipar.ops import cli
+from minipar.ops import cli, run_folder
+from minipar.ops.command_line import parse_args
 from minipar.run import checkpoint, launch
-from minipar.run.config import parse_args
 from minipar.run.data import data_key
 
 CORPUS = Path(sysconfig.get_paths()["stdlib"]) / "argparse.py"  # ~100 KB of UTF-8 text
@@ -189,7 +189,7 @@ def main(t, extra, world, monkeypatch):
 
     def run(cfg, resume, interrupt, extras=()):
         raise Started
-    monkeypatch.setattr(cli, "launch", run)
+    monkeypatch.setattr(cli, "launch_watched", run)
     return cli.main(base(t) + [a.format(t=t) for a in extra])
 
 
@@ -430,7 +430,7 @@ def test_bad_input_is_one_line_exit_2_and_no_process_group(t, extra, world, frag
 
 
 def test_a_preset_vocabulary_too_small_for_a_bpe_is_one_line(t, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "launch", lambda cfg, resume, interrupt, extras=(): pytest.fail("the checks passed"))
+    monkeypatch.setattr(cli, "launch_watched", lambda *started: pytest.fail("the checks passed"))
     assert cli.main([a for a in base(t) if not a.startswith("--vocab-size")]) == 2  # tiny's vocabulary: 256
     assert capsys.readouterr().err == ("minipar: error: --model tiny's vocabulary 256 cannot hold a byte-level BPE "
                                        "(the 256 bytes and <|endoftext|>): pass --vocab-size 257 or more\n")
@@ -448,7 +448,7 @@ def test_an_error_of_another_rank_alone_is_printed_by_it_with_its_rank(t, monkey
     pauses = []
     monkeypatch.setattr(cli.time, "sleep", pauses.append)
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.setattr(cli, "launch", lambda cfg, resume, interrupt, extras=(): pytest.fail("the checks passed"))
+    monkeypatch.setattr(cli, "launch_watched", lambda *started: pytest.fail("the checks passed"))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.chdir(t)
     assert cli.main(base(t) + ["--dp=2", f"--data={t}/missing.txt"]) == 2
@@ -547,7 +547,7 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_by_name_and_the_run_resumes_fr
         t, resume, monkeypatch, capsys):
     out = two_checkpoints_newest_corrupt(t, f"corrupt_newest_{resume.split()[-1]}")
     started = []
-    monkeypatch.setattr(cli, "launch", lambda cfg, path, interrupt, extras=(): started.append(path) or 0)
+    monkeypatch.setattr(cli, "launch_watched", lambda cfg, path, interrupt, extras=(): started.append(path) or 0)
     monkeypatch.chdir(t)
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -565,9 +565,9 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_by_name_and_the_run_resumes_fr
 
 def test_a_run_that_saved_over_a_set_aside_step_sets_the_next_one_aside_by_another_name(t):
     out = two_checkpoints_newest_corrupt(t, "set_aside_twice")
-    first = checkpoint.set_aside(out / "step_000008")
+    first = run_folder.set_aside(out / "step_000008")
     shutil.copytree(first, out / "step_000008")
-    assert checkpoint.set_aside(out / "step_000008").name == "step_000008.corrupt-2" and first.exists()
+    assert run_folder.set_aside(out / "step_000008").name == "step_000008.corrupt-2" and first.exists()
     assert [p.name for p in checkpoint.checkpoints(out)] == [STEP]
 
 

@@ -5,7 +5,7 @@ they were given.
 
 Each case runs the script's main() in this process (a subprocess costs seconds of torch import);
 one case per script also runs as `python scripts/X.py`, so the exit code and the stream are the
-program's own. The argparse types of minipar/run/args.py, which every script shares, are held to
+program's own. The argparse types of minipar/ops/args.py, which every script shares, are held to
 their ranges here too."""
 
 import argparse
@@ -24,9 +24,10 @@ from safetensors import safe_open
 from minipar.extras.hf import export_hf
 from minipar.mesh import Groups
 from minipar.model import Llama, get_config
-from minipar.run import args as checks
+from minipar.ops import args as checks
+from minipar.ops.command_line import parse_args
 from minipar.run import checkpoint
-from minipar.run.config import ConfigError, TrainConfig, parse_args
+from minipar.run.config import ConfigError, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"  # ~20 KB of held-out text

@@ -13,6 +13,7 @@ from safetensors import SafetensorError
 from minipar.data_parallel import optimizer_state, param_groups, set_optimizer_state
 from minipar.mesh import Groups
 from minipar.model import Llama, get_config
+from minipar.ops import run_folder
 from minipar.parallelize import adamw
 from minipar.run import checkpoint
 from minipar.run.config import TrainConfig
@@ -38,7 +39,7 @@ def test_round_trip_restores_weights_and_adamw_state_exactly(tmp_path):
     path = checkpoint.save(tmp_path, 2, *whole(model, opt), {"step": 2, "consumed": 16})
     fresh = Llama(get_config("tiny"), seed=99).double()
     fresh_opt = adamw(param_groups(fresh, TrainConfig()), 1e-2)
-    state, states = checkpoint.load(checkpoint.resolve(tmp_path), fresh)
+    state, states = checkpoint.load(run_folder.resolve(tmp_path), fresh)
     set_optimizer_state(fresh, fresh_opt, states)
     assert state == {"step": 2, "consumed": 16} and path.name == "step_000002"
     for (n, p), q in zip(model.named_parameters(), fresh.parameters()):
@@ -69,7 +70,7 @@ def test_damaged_checkpoints_are_named_and_a_saved_step_is_never_overwritten(tmp
     with pytest.raises(checkpoint.CheckpointError, match="optimizer.safetensors is missing"):
         checkpoint.verify(path)
     with pytest.raises(checkpoint.CheckpointError, match="no such folder"):
-        checkpoint.resolve(tmp_path / "nope")
+        run_folder.resolve(tmp_path / "nope")
 
 
 def tensor_data_start(path):
@@ -102,10 +103,10 @@ def test_a_folder_resumes_from_the_newest_checkpoint_that_verifies_and_names_tho
         checkpoint.save(tmp_path, step, *whole(model, opt), {"step": step, "consumed": 0})
     (tmp_path / "step_000010" / "model.safetensors").write_bytes(b"\x00garbage")
     skipped = []
-    assert checkpoint.resolve(tmp_path, skipped) == tmp_path / "step_000002"  # 10 sorts after 2 by number
+    assert run_folder.resolve(tmp_path, skipped) == tmp_path / "step_000002"  # 10 sorts after 2 by number
     assert len(skipped) == 1 and "step_000010 is corrupt: model.safetensors" in skipped[0]
     with pytest.raises(checkpoint.CheckpointError, match="step_000010 is corrupt"):  # asked for by name
-        checkpoint.resolve(tmp_path / "step_000010")
+        run_folder.resolve(tmp_path / "step_000010")
 
 
 def test_non_finite_weights_in_a_checkpoint_are_refused_on_load(tmp_path):
@@ -138,10 +139,10 @@ def test_the_out_lock_refuses_a_live_run_and_takes_over_a_dead_ones(tmp_path):
         (tmp_path / ".lock").write_text(f"{host} {alive.pid}")
         live = f"in use by another run \\(host {host}, pid {alive.pid}\\)"
         with pytest.raises(checkpoint.CheckpointError, match=live):
-            checkpoint.lock(tmp_path)
+            run_folder.lock(tmp_path)
         (tmp_path / ".lock").write_text(f"another-host {os.getpid()}")  # cannot tell: refused too
         with pytest.raises(checkpoint.CheckpointError, match="host another-host"):
-            checkpoint.lock(tmp_path)
+            run_folder.lock(tmp_path)
     finally:
         alive.kill()
         alive.wait()
@@ -150,14 +151,14 @@ def test_the_out_lock_refuses_a_live_run_and_takes_over_a_dead_ones(tmp_path):
     for name in (".tmp-123-step_000004", ".tmp-minipar-x", ".tmp-minipar-1-step_4b"):  # the user's: not our form
         (tmp_path / name).mkdir()
         (tmp_path / name / "notes.txt").write_text("mine")
-    notes = checkpoint.lock(tmp_path)
+    notes = run_folder.lock(tmp_path)
     assert f"took over the lock of a run that is gone (host {host}, pid {alive.pid})" in notes[0]
     assert notes[1:] == ["removed .tmp-minipar-123-step_000004, left by an interrupted save"]
     assert not (tmp_path / ".tmp-minipar-123-step_000004").exists()
     assert all((tmp_path / name / "notes.txt").read_text() == "mine"
                for name in (".tmp-123-step_000004", ".tmp-minipar-x", ".tmp-minipar-1-step_4b"))
     assert (tmp_path / ".lock").read_text() == f"{host} {os.getpid()}"
-    checkpoint.unlock(tmp_path)
+    run_folder.unlock(tmp_path)
     assert not (tmp_path / ".lock").exists()
 
 
@@ -176,22 +177,22 @@ def test_a_lock_not_in_minipars_form_is_refused_and_never_deleted(tmp_path, text
     (tmp_path / ".lock").write_text(text)
     os.utime(tmp_path / ".lock", (0, 0))  # long ago
     with pytest.raises(checkpoint.CheckpointError, match=r"holds a \.lock that is not minipar's .* never deletes it"):
-        checkpoint.lock(tmp_path)
+        run_folder.lock(tmp_path)
     assert (tmp_path / ".lock").read_text() == text and os.stat(tmp_path / ".lock").st_mtime == 0
-    checkpoint.unlock(tmp_path)  # not ours: kept
+    run_folder.unlock(tmp_path)  # not ours: kept
     assert (tmp_path / ".lock").read_text() == text
 
 
 def test_the_run_id_is_minipars_form_or_refused_and_a_new_run_replaces_only_its_own(tmp_path):
-    assert checkpoint.run_id(tmp_path) is None
-    first = checkpoint.name_run(tmp_path, None)
-    assert checkpoint.run_id(tmp_path) == first and len(first) == 12
-    assert checkpoint.name_run(tmp_path, first) == first  # resumed: kept
-    assert checkpoint.name_run(tmp_path, None) != first  # a new run in an --out that saved nothing
+    assert run_folder.run_id(tmp_path) is None
+    first = run_folder.name_run(tmp_path, None)
+    assert run_folder.run_id(tmp_path) == first and len(first) == 12
+    assert run_folder.name_run(tmp_path, first) == first  # resumed: kept
+    assert run_folder.name_run(tmp_path, None) != first  # a new run in an --out that saved nothing
     assert [p.name for p in tmp_path.iterdir()] == ["run_id"]  # no temporary left
     (tmp_path / "run_id").write_text("my run's name")
     with pytest.raises(checkpoint.CheckpointError, match="holds a run_id that is not minipar's"):
-        checkpoint.name_run(tmp_path, None)
+        run_folder.name_run(tmp_path, None)
     assert (tmp_path / "run_id").read_text() == "my run's name"
 
 

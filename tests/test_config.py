@@ -16,10 +16,10 @@ from test_train import CORPUS, losses, run
 
 from minipar.layout import setting
 from minipar.model import get_config
+from minipar.ops import command_line
+from minipar.ops.command_line import config_file_text, parse_args, parser
 from minipar.planning.planner import Choice
-from minipar.run import config
-from minipar.run.config import ConfigError, TrainConfig, config_file_text, effective, parse_args, parser
-from minipar.run.config_file import as_toml
+from minipar.run.config import ConfigError, TrainConfig, as_toml, effective
 
 # The same settings twice: as flags, and as a TOML file written by hand (dashes and underscores,
 # an integer for a float, switches as true/false).
@@ -220,7 +220,7 @@ class WithFusedAdam(TrainConfig):  # a new setting: this declaration is all it t
 
 
 def test_a_setting_declared_once_has_its_flag_help_file_key_refusal_and_planned_flag(tmp_path, monkeypatch):
-    monkeypatch.setattr(config, "TrainConfig", WithFusedAdam)
+    monkeypatch.setattr(command_line, "TrainConfig", WithFusedAdam)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     help_ = help_entries()["--fused-adam, --no-fused-adam"].strip()
     assert help_ == "one kernel steps every parameter's Adam (default: False)"

@@ -138,7 +138,8 @@ def test_bad_expert_layouts_are_refused_in_one_line():
     ("--model tiny --dp 2 --ep 2", "needs a mixture-of-experts model"),
 ])
 def test_bad_expert_layouts_on_the_command_line_are_refused_before_any_process_group(argv, words, monkeypatch):
-    from minipar.run.config import ConfigError, parse_args
+    from minipar.ops.command_line import parse_args
+    from minipar.run.config import ConfigError
 
     world = 1
     for flag, value in zip(argv.split()[::2], argv.split()[1::2]):

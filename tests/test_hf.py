@@ -30,6 +30,7 @@ from minipar.context_parallel import split_sequence, zigzag_positions  # noqa: E
 from minipar.extras.hf import HFError, import_hf  # noqa: E402
 from minipar.mesh import Mesh  # noqa: E402
 from minipar.model import rope_frequencies  # noqa: E402
+from minipar.ops import run_folder  # noqa: E402
 from minipar.run import checkpoint  # noqa: E402
 from minipar.tensor_parallel import gather_logits  # noqa: E402
 
@@ -127,7 +128,7 @@ def _logits(rank, world, ckpt, degrees, dtype):
     from minipar.pipeline.executor import Pipeline
 
     with Mesh.build(**degrees) as mesh:
-        path = checkpoint.resolve(ckpt)
+        path = run_folder.resolve(ckpt)
         config = checkpoint.model_config_of(path, checkpoint.verify(path))
         pipe = Pipeline(mesh.groups().pp, "1f1b", config.n_layers) if mesh.layout.pp > 1 else None
         model = parallel_llama(config, tp_group=mesh.groups().tp, cp_group=mesh.groups().cp,
@@ -172,7 +173,8 @@ def test_imported_model_gives_transformers_logits_under_each_layout(imported, la
 
 def test_tied_embeddings_refuse_a_pipeline_split():
     from minipar.model import get_config
-    from minipar.run.config import ConfigError, parse_args
+    from minipar.ops.command_line import parse_args
+    from minipar.run.config import ConfigError
 
     # one rule (parallelize.check_parallelize), asked by parallelize and by the run's checks
     with pytest.raises(ValueError, match="tied embeddings with --pp above 1"):
@@ -185,7 +187,7 @@ def test_export_then_import_round_trips_bitwise(imported, tmp_path):
     hf, ckpt, _ = imported
     convert().main(["export", str(ckpt), str(tmp_path / "hf")])
     again = convert().main(["import", str(tmp_path / "hf"), str(tmp_path / "again")])
-    first, second = load_file(checkpoint.resolve(ckpt) / "model.safetensors"), load_file(again / "model.safetensors")
+    first, second = load_file(run_folder.resolve(ckpt) / "model.safetensors"), load_file(again / "model.safetensors")
     assert first.keys() == second.keys()
     assert all(torch.equal(first[n], second[n]) and first[n].dtype == second[n].dtype for n in first)
     assert import_hf(hf)[0] == import_hf(tmp_path / "hf")[0]  # the same config
@@ -219,11 +221,12 @@ def test_bad_folders_are_refused_in_one_line(tmp_path, capsys):
 
 
 def test_init_from_refuses_weights_of_another_model(imported, tmp_path):
+    from minipar.ops.command_line import parse_args
     from minipar.ops.preflight import check_init_from
-    from minipar.run.config import ConfigError, parse_args
+    from minipar.run.config import ConfigError
 
     _, ckpt, name = imported
-    path = checkpoint.resolve(ckpt)
+    path = run_folder.resolve(ckpt)
     tie = ["--tie-embeddings"] if "untied" not in name else []
     with pytest.raises(ConfigError, match="--init-from and --resume"):
         parse_args(["--init-from", str(ckpt), "--resume", str(ckpt)])
@@ -238,11 +241,12 @@ SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "m
 
 def test_init_from_alone_takes_the_model_from_the_weights_and_a_flag_given_must_agree(imported, tmp_path):
     """As from_pretrained: no --model and no shape flag; the effective config holds the weights' shape."""
+    from minipar.ops.command_line import parse_args
     from minipar.ops.preflight import check_init_from
-    from minipar.run.config import ConfigError, effective, parse_args
+    from minipar.run.config import ConfigError, effective
 
     _, ckpt, _ = imported
-    path = checkpoint.resolve(ckpt)
+    path = run_folder.resolve(ckpt)
     saved = checkpoint.model_config_of(path, checkpoint.verify(path))
     tok = ["--tokenizer", str(tmp_path / "tokenizer.json")]  # a Hugging Face model comes with its own
     cfg = parse_args(["--init-from", str(ckpt.parent), *tok])  # the --out folder: its newest checkpoint

@@ -17,7 +17,7 @@ import pytest
 from test_train import ROOT, TORCHRUN, _worker_of, common, losses, run
 
 from minipar.ops import cli
-from minipar.run import saving
+from minipar.ops import interrupt as interrupt_
 from minipar.run.run_log import RunLog
 
 # The stop's line: the step every rank stopped after, and the command (ending in --resume CKPT) that continues.
@@ -39,7 +39,7 @@ def signal_self(sig):
 
 def test_a_ctrl_c_in_the_steps_waits_for_the_step_end_and_a_repeat_within_a_second_is_the_same_one():
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    with saving.Interrupt() as interrupt:
+    with interrupt_.Interrupt() as interrupt:
         interrupt.stepping = True
         signal_self(signal.SIGINT)
         first = interrupt.at
@@ -54,7 +54,7 @@ def test_a_sigterm_that_follows_no_ctrl_c_goes_to_the_handler_before_as_torchrun
     heard = []
     before = signal.signal(signal.SIGTERM, lambda sig, frame: heard.append(sig))  # stands in for the default
     try:
-        with saving.Interrupt() as interrupt:
+        with interrupt_.Interrupt() as interrupt:
             interrupt.stepping = True
             signal_self(signal.SIGTERM)
             assert heard == [signal.SIGTERM] and interrupt.at is None
@@ -70,7 +70,7 @@ def test_a_later_ctrl_c_or_one_before_the_steps_stops_at_once_with_one_line_from
     out = tmp_path / "out"
     (out / "step_000004").mkdir(parents=True)
     (out / ".lock").write_text(f"{socket.gethostname()} {os.getpid()}")  # rank 0's, which it gives back
-    with saving.Interrupt() as interrupt:
+    with interrupt_.Interrupt() as interrupt:
         interrupt.out = str(out)
         if when != "before the steps":
             interrupt.stepping = True
@@ -252,7 +252,7 @@ def test_the_stop_line_gives_the_whole_command_that_continues_the_run_its_own_re
         expected = "torchrun --nproc-per-node=2 scripts/train.py --dp 2 --steps=50 --resume runs/run_001/step_000045"
     else:
         expected = "scripts/train.py --dp 2 --steps=50 --resume runs/run_001/step_000045"
-    command = saving.rerun_command(ckpt)
+    command = interrupt_.rerun_command(ckpt)
     assert command.endswith(expected) and command.count("--resume") == 1, command
     if how in ("the launcher", "one process"):
         assert command.split()[0] in (sys.executable, os.path.relpath(sys.executable))  # the Python that ran it

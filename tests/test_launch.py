@@ -18,8 +18,7 @@ import torch.distributed.run as torchrun
 from test_bad_inputs import base
 from test_train import ROOT, TORCHRUN
 
-from minipar.ops import cli
-from minipar.run import launch
+from minipar.ops import cli, hang
 
 STATIC = "with torchrun's static rendezvous (--master-port): drop --master-port and use --standalone"
 BAD = [  # (torchrun's options and the run's flags, a fragment of the one line)
@@ -111,5 +110,5 @@ def test_joining_without_a_timeout_waits_as_torch_does():
     """The benchmarks join with timeout=None: no watchdog, and no line to format (it once raised a
     TypeError formatting None before the group started)."""
     started = []
-    launch.join(lambda: started.append(True), None)
+    hang.join(lambda: started.append(True), None)
     assert started == [True]

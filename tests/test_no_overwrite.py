@@ -2,7 +2,7 @@
 refuses a target that holds anything, in one line with exit 2, and leaves it byte-identical.
 
 The writers: convert.py import and export, draw_figures.py, plot_precision.py, train_ft.py, step_06_pipeline.py
-(all through minipar/run/args.new_folder: built beside the target, renamed into place) and
+(all through minipar/ops/args.new_folder: built beside the target, renamed into place) and
 train.py's --out (a run's own folder: only a run's checkpoints, lock and logs may be in it). The
 targets: a file, a folder holding a file, a checkpoint, a run's --out, a Hugging Face model, and
 the script's own source (the data-loss case: `convert.py export OUT OUT/step_000004` once
@@ -20,6 +20,7 @@ import pytest
 from test_bad_inputs_scripts import SCRIPTS, inputs, one_line
 from test_train import common, refused
 
+from minipar.ops import run_folder
 from minipar.run import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,8 +154,8 @@ def test_a_runs_own_files_and_its_json_log_do_not_make_its_out_foreign(tmp_path)
     for name in (".lock", "run_id", "wandb_run_id", "log.jsonl"):
         (out / name).write_text("")
     # train.py lets log.jsonl through only as this run's --log-json; a .tmp-* not of minipar's form is the user's
-    assert checkpoint.not_a_runs(out) == [".tmp-12-step_000012", ".tmp-x", "log.jsonl"]
-    assert checkpoint.not_a_runs(tmp_path / "missing") == []
+    assert run_folder.not_a_runs(out) == [".tmp-12-step_000012", ".tmp-x", "log.jsonl"]
+    assert run_folder.not_a_runs(tmp_path / "missing") == []
 
 
 def test_step_06_refuses_an_out_holding_an_earlier_runs_pngs(tmp_path):

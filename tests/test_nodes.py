@@ -21,7 +21,8 @@ from test_zero3 import zero3
 import minipar.collectives as C
 from minipar.mesh import LayoutError, Mesh, MeshLayout
 from minipar.ops import cli
-from minipar.run.config import ConfigError, parse_args
+from minipar.ops.command_line import parse_args
+from minipar.run.config import ConfigError
 from minipar.run.train import train_step
 
 E = 12  # elements per rank: divisible by every group size here
@@ -124,7 +125,7 @@ ARGV = ["--dp=4", "--micro-batch=1", "--no-wandb"]
 def test_a_bad_ranks_per_node_is_one_line_exit_2(flag, line, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setattr(cli, "launch", lambda cfg, resume, interrupt, extras=(): pytest.fail("the run started"))
+    monkeypatch.setattr(cli, "launch_watched", lambda cfg, resume, interrupt, extras=(): pytest.fail("the run started"))
     assert cli.main([*ARGV, flag]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("minipar: error: ") and line in lines[0], lines

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from minipar.run.config import parse_args
+from minipar.ops.command_line import parse_args
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 COMMANDS = re.findall(r"--nproc-per-node (\d+) scripts/train\.py ([^#\n]*?)\s*#", README)

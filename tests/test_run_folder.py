@@ -17,7 +17,7 @@ from test_bad_inputs_scripts import inputs
 from test_no_overwrite import WRITERS, refuses, snapshot
 from test_train import ROOT, TORCHRUN, common, refused
 
-from minipar.ops import cli
+from minipar.ops import cli, run_folder
 from minipar.run import checkpoint
 
 LONG = 250  # bytes: a name that fits (the file system takes 255), with no room for a `.tmp-<pid>-` prefix
@@ -74,7 +74,7 @@ def test_what_a_run_a_resume_an_export_and_a_figure_write_leaves_the_users_thing
     out, log = t / ("o" * LONG), t / ("l" * (LONG - 6) + ".jsonl")
     assert [p.name for p in checkpoint.checkpoints(out)] == ["step_000002", "step_000003"]
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert {r["run_id"] for r in records} == {checkpoint.run_id(out)}  # one run's records, rewritten by itself
+    assert {r["run_id"] for r in records} == {run_folder.run_id(out)}  # one run's records, rewritten by itself
     assert [(r["step"], "resumed" in r) for r in records] == [(1, False), (2, False), (2, True), (3, False)]
     assert sorted((t / ("h" * LONG)).iterdir()) and (t / "imported" / "step_000000").is_dir()
     assert sorted(p.name for p in (t / "figures").iterdir()) == ["01_ring_bytes.png"]

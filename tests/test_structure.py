@@ -19,12 +19,10 @@ LIBRARY = sorted((ROOT / "minipar").rglob("*.py"))
 # The library in tiers, each a folder with its own budget, set here and nowhere else. The course core
 # (chapters 0-8: minipar/ itself, pipeline/, planning/) is what a student reads in order; run/ is the
 # loop chapter 10 reads; ops/ (the command line and what protects a run) and extras/ (plug-ins beyond
-# the course: replica groups, Hugging Face, generation) are counted, not capped. Issue 39 asks run/ for
-# 1,800 lines: not met yet (args.py, checkpoint_checks.py, config_file.py, hang.py and the run-folder
-# lock are the operating tier's by the issue, and run/ still imports them).
+# the course: replica groups, profiling, Hugging Face, generation) are counted, not capped.
 TIERS = {"core": ("minipar/*.py", "minipar/pipeline/*.py", "minipar/planning/*.py"), "run": ("minipar/run/*.py",),
          "ops": ("minipar/ops/*.py",), "extras": ("minipar/extras/*.py",)}
-BUDGETS = {"core": 5_700, "run": 2_850}
+BUDGETS = {"core": 5_700, "run": 1_800}
 
 
 def tier_lines() -> dict[str, int]:

@@ -331,6 +331,7 @@ def test_solo_group_has_one_rank_at_index_zero_and_row_layer_checks_its_split():
 
 
 def _save_at_tp(rank, world, out):
+    from minipar.ops import run_folder
     from minipar.run import checkpoint
 
     with Mesh.build(tp=world) as mesh:
@@ -345,7 +346,7 @@ def _save_at_tp(rank, world, out):
         fresh = parallel_llama(gqa_config(), seed=9, tp_group=mesh.groups().tp).double()
         fresh_opt = adamw(param_groups(fresh, OPT), OPT.lr)
         torch.distributed.barrier()
-        _, states = checkpoint.load(checkpoint.resolve(out), fresh, mesh.groups())
+        _, states = checkpoint.load(run_folder.resolve(out), fresh, mesh.groups())
         set_optimizer_state(fresh, fresh_opt, states)
         for p, q in zip(model.parameters(), fresh.parameters()):
             assert torch.equal(p, q)
@@ -354,11 +355,12 @@ def _save_at_tp(rank, world, out):
 
 
 def test_checkpoint_written_at_tp4_loads_at_tp1_and_back(tmp_path):
+    from minipar.ops import run_folder
     from minipar.run import checkpoint
 
     params = run_ranks(4, _save_at_tp, tmp_path)[0]
     single = Llama(gqa_config(), seed=0).double()
-    checkpoint.load(checkpoint.resolve(tmp_path), single)
+    checkpoint.load(run_folder.resolve(tmp_path), single)
     for n, p in single.named_parameters():
         assert torch.equal(p.detach(), params[n]), n
     assert single.lm_head.weight.shape == (250, 32)  # stored without the padding rows

@@ -3,7 +3,7 @@ message the ledger counted during the profiled steps is a range named for it (ki
 payload bytes), each posted message paired with the range of its wait; scripts/trace_report.py
 reads the folder into shares of the step; a restart of --resume auto profiles nothing twice (the
 flag's refusals: test_config.py and test_bad_inputs.py). The ranges come from the clock
-(comm_clock.py), the steps' from run/profiling.py."""
+(comm_clock.py), the steps' from extras/profiling.py."""
 
 import importlib.util
 import json
@@ -23,12 +23,13 @@ from test_train import common, run
 
 from minipar.comm_clock import KINDS, WaitClock
 from minipar.data_parallel import param_groups
+from minipar.extras.profiling import StepProfiler
 from minipar.mesh import Mesh
 from minipar.model import get_config
 from minipar.ops.cli import check_profiled_steps
+from minipar.ops.command_line import parse_args
 from minipar.parallelize import adamw, build_grad_sync
-from minipar.run.config import ConfigError, TrainConfig, parse_args
-from minipar.run.profiling import StepProfiler
+from minipar.run.config import ConfigError, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RANGE = re.compile(r"minipar (\w+): (.+?)(?:, (posted|wait) #(\d+))?")  # kind: messages[, posted|wait #k]
@@ -167,7 +168,7 @@ def test_a_run_stopped_mid_trace_exits_with_its_own_code_and_writes_no_trace(tmp
 from minipar.collectives import Ledger
 from minipar.comm_clock import WaitClock
 from minipar.run.config import TrainConfig
-from minipar.run.profiling import StepProfiler
+from minipar.extras.profiling import StepProfiler
 import torch
 profiler = StepProfiler(TrainConfig(steps=3, profile_steps="2:3", out={str(tmp_path)!r}), WaitClock(), Ledger(),
                         torch.device("cpu"))

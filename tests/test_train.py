@@ -92,7 +92,7 @@ def refused(argv, monkeypatch, capsys) -> str:
     """cli.main(argv) in this process, as `python scripts/train.py argv` runs it (one rank, from the
     repository): it must return 2 with one line. A subprocess would prove the same at seconds of torch
     import each; test_world_size_... below runs the program itself, so exit 2 and no traceback are proven
-    end to end once. launch.launch (the process group, the training) fails the test if a check lets it through."""
+    end to end once. cli.launch_watched (the process group, the training) fails the test if a check lets it through."""
     from minipar.ops import cli
 
     monkeypatch.chdir(ROOT)
@@ -101,7 +101,7 @@ def refused(argv, monkeypatch, capsys) -> str:
     def started(cfg, resume, interrupt, extras=()):
         raise Started
 
-    monkeypatch.setattr(cli, "launch", started)
+    monkeypatch.setattr(cli, "launch_watched", started)
     capsys.readouterr()
     code = cli.main([str(a) for a in argv])
     out, err = capsys.readouterr()
@@ -310,11 +310,12 @@ def _one_rank_skips_an_all_reduce(rank, world, skip):
     import torch.distributed as dist
 
     from minipar.collectives import Group, Ledger, all_reduce
-    from minipar.run.hang import HangWatch, hang_report
+    from minipar.ops.hang import HangWatch, hang_report
 
     dist.barrier()  # both here (importing this file takes each rank its own time), then the 5 s limit
     ledger, limit = Ledger(), datetime.timedelta(seconds=5)
-    watch = HangWatch(ledger)
+    watch = HangWatch()
+    watch.listen(ledger)
     dp = Group("dp", dist.new_group([0, 1], timeout=limit), [0, 1], ledger)
     tp = Group("tp", dist.new_group([0, 1], timeout=limit), [0, 1], ledger)
     all_reduce(torch.ones(1), dp)

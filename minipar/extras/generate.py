@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from einops import repeat
 
 from minipar.model import Llama
+from minipar.ops import checkpoint_checks
+from minipar.ops.args import inside
 from minipar.run import checkpoint
-from minipar.run.args import inside
 from minipar.run.data import data_key, read_tokenizer
 
 
@@ -106,8 +107,8 @@ def generate(model: Llama, prompt: torch.Tensor, new_tokens: int, temperature: f
 def plain_model_from(path: Path) -> tuple[Llama, dict]:
     """The plain model holding a checkpoint's weights (any layout wrote it: tensors are stored at
     their single-device shapes), and the run's train state."""
-    state = checkpoint.verify(path)
-    config = checkpoint.model_config_of(path, state)
+    state = checkpoint_checks.verified(path)
+    config = checkpoint_checks.model_config_of(path, state)
     with torch.device("meta"):  # no initialisation: every weight comes from the checkpoint
         model = Llama(config, seed=0)
     model = model.to_empty(device="cpu")

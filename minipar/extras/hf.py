@@ -32,7 +32,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from minipar.model import ModelConfig
-from minipar.run.args import folder_path, inside, regular_file
+from minipar.ops.args import inside
+from minipar.run.paths import folder_path, regular_file
 
 # (transformers name, minipar name); "{}" is the layer number.
 NAMES = [("model.embed_tokens.weight", "tok_emb.weight"), ("model.norm.weight", "norm.weight"),

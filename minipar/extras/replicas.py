@@ -26,6 +26,7 @@ import http.client
 import http.server
 import logging
 import os
+import re
 import socket
 import time
 from dataclasses import fields
@@ -37,7 +38,7 @@ from minipar.collectives import Group, all_reduce, broadcast
 from minipar.data_parallel import GradSync
 from minipar.mesh import Mesh
 from minipar.run.batches import TokenData
-from minipar.run.config import ConfigError, TrainConfig, lighthouse_address
+from minipar.run.config import ConfigError, TrainConfig
 from minipar.run.run_log import RunLog
 from minipar.run.saving import TrainingStopped
 from minipar.run.step import StepHooks
@@ -46,9 +47,36 @@ from minipar.zero import ZeroDataParallel
 
 # -- the plug-in: what launch.main asks of this module (scripts/train.py hands it over) ------------
 def check(cfg: TrainConfig) -> None:
-    """Before any process group: a lighthouse must answer at --lighthouse (one line if not)."""
+    """Before any process group: the settings (`check_settings`), then a lighthouse must answer at
+    --lighthouse (one line if not)."""
+    check_settings(cfg)
     if cfg.replica_groups > 1:
         check_lighthouse(cfg.lighthouse, cfg.timeout)
+
+
+def check_settings(cfg: TrainConfig) -> None:
+    """A lighthouse to meet at, its address well-formed, and a batch every group can share."""
+    r = cfg.replica_groups
+    if r > 1 and not cfg.lighthouse:
+        raise ConfigError(f"--replica-groups {r} needs --lighthouse HOST:PORT, where torchft's lighthouse runs "
+                          "(scripts/train_ft.py starts one)")
+    if r > 1 and cfg.global_batch % (r * cfg.dp * cfg.micro_batch):
+        raise ConfigError(f"--global-batch {cfg.global_batch} is not divisible by --replica-groups {r} x --dp "
+                          f"{cfg.dp} x --micro-batch {cfg.micro_batch}: every group's ranks take whole "
+                          f"micro-batches of it")
+    if r > 1:
+        lighthouse_address(cfg.lighthouse)
+
+
+def lighthouse_address(text: str) -> tuple[str, int]:
+    """--lighthouse as (host, port): HOST:PORT, or http://HOST:PORT as torchft writes it; the host a
+    name, an IPv4 address or an [IPv6] one. Anything else is refused here, before any process group,
+    not found by torchft's connect attempt after --timeout."""
+    found = re.fullmatch(r"(?:http://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})/?", text)
+    if found is None or not 1 <= int(found[2]) <= 65535:
+        raise ConfigError(f"--lighthouse {text!r}: give HOST:PORT (e.g. localhost:29510, torchft_lighthouse's "
+                          f"default), the port 1 to 65535, at most one http:// before it and no spaces")
+    return found[1], int(found[2])
 
 
 def hooks_for(cfg: TrainConfig, mesh: Mesh, model: GradSync, log: RunLog) -> StepHooks | None:

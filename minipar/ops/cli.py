@@ -5,13 +5,13 @@ protects a run and its user, not what the course teaches (chapter 10 reads it; s
     main                    parse the command line and check it (config.py); --plan, --print-config: print, exit
       start_workers         given --nproc-per-node: the same checks once, then torchrun's agent, in-process (agent.py)
       check_memory          the estimator's peak per rank must fit (planning/)
-      check_paths           data, the checkpoint to resume, --out (locked by rank 0)
       check_extras          the plug-ins' checks (minipar/extras/: replica groups ask their lighthouse)
+      check_paths           data, the checkpoint to resume, --out (locked by rank 0)
       launch.launch         the process group, the mesh, the run log, the data, then train.run
       exit code             0 done; 2 bad input (one line); 3 the run diverged; 4 a rank stopped
                             answering within --timeout (hang_report names what it waited for,
                             and which ranks of the group never reached it: HangWatch listens
-                            to the ledger for it); 130 Ctrl-C (saving.Interrupt): stopped after a
+                            to the ledger for it); 130 Ctrl-C (interrupt.py): stopped after a
                             step all ranks agreed on, or at once at a second (a torchrun worker: 0)
 
 Everything checkable is checked before torch.distributed starts: a bad command line costs one
@@ -34,16 +34,19 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from minipar.extras import profiling
+from minipar.ops import run_folder
 from minipar.ops.agent import agent_options, run_agent, torchrun_options
+from minipar.ops.command_line import config_file_text, parse_args
+from minipar.ops.hang import HangWatch, RankTimeout, hang_report, start_distributed, stopped_answering
+from minipar.ops.interrupt import Interrupt
 from minipar.ops.preflight import check_files
 from minipar.planning.planner import check_memory, report
 from minipar.run import checkpoint
-from minipar.run.config import ConfigError, TrainConfig, config_file_text, parse_args
+from minipar.run.config import ConfigError, TrainConfig
 from minipar.run.data import DataError, find_files
-from minipar.run.hang import RankTimeout
 from minipar.run.launch import launch
-from minipar.run.profiling import traces_in_the_way
-from minipar.run.saving import Interrupt, TrainingStopped
+from minipar.run.saving import TrainingStopped
 
 
 def main(argv=None, extras: Sequence = ()) -> int:
@@ -67,9 +70,9 @@ def main(argv=None, extras: Sequence = ()) -> int:
                 return 0
             local = True
             check_memory(cfg)  # weights, gradients, optimizer state and activations must fit
+            check_extras(cfg, extras)  # before --out is made: a refused run leaves nothing
             resume = check_paths(cfg)
             interrupt.out = cfg.out
-            check_extras(cfg, extras)
         except ValueError as e:  # ConfigError, LayoutError, DataError, CheckpointError
             if not is_main:  # rank 0 says what every rank found; a node's own problem its ranks say, after it
                 if not local:
@@ -79,7 +82,7 @@ def main(argv=None, extras: Sequence = ()) -> int:
             print(f"minipar: error: {where}{e}", file=sys.stderr, flush=True)
             return 2
         try:
-            return launch(cfg, resume, interrupt, extras)
+            return launch_watched(cfg, resume, interrupt, [profiling, *extras])  # --profile-steps' profiler
         except (TrainingStopped, DataError) as e:  # alike on every rank: diverged; too little text held out
             code = 3 if isinstance(e, TrainingStopped) else 2
             if is_main:
@@ -90,7 +93,19 @@ def main(argv=None, extras: Sequence = ()) -> int:
             return 4
         finally:
             if is_main:  # killed instead (torchrun restarting us)? The next rank 0 takes the stale lock over
-                checkpoint.unlock(cfg.out)
+                run_folder.unlock(cfg.out)
+
+
+def launch_watched(cfg: TrainConfig, resume: Path | None, interrupt: Interrupt, extras: Sequence) -> int:
+    """The process group (a rank that never comes is named within --timeout), then the run
+    (launch.launch); a rank that stops answering becomes a RankTimeout naming what it waited for."""
+    device, watch = start_distributed(cfg.timeout), HangWatch()
+    try:
+        return launch(cfg, resume, device, interrupt, extras, watch=lambda mesh: watch.listen(mesh.ledger))
+    except RuntimeError as e:  # DistBackendError too: a rank stopped answering or died? name what we waited for
+        if not stopped_answering(e):
+            raise
+        raise RankTimeout(hang_report(cfg.timeout, watch, e)) from None
 
 
 def check_extras(cfg: TrainConfig, extras: Sequence) -> None:
@@ -122,19 +137,19 @@ def check_paths(cfg: TrainConfig, lock: bool = True) -> Path | None:
             raise ConfigError("--resume auto needs --out: the folder the run saves to and continues from")
         source = cfg.out if checkpoint.checkpoints(cfg.out) else None
     skipped, corrupt = [], []
-    resume = checkpoint.resolve(source, skipped, corrupt=corrupt) if source else None
+    resume = run_folder.resolve(source, skipped, corrupt=corrupt) if source else None
     if cfg.out is None:  # continue where we resume, else a fresh numbered folder, the same on every rank
         cfg.out = str(resume.parent) if resume else new_run_folder(cfg.timeout)
     if cfg.init_from:  # weights to start from: a checkpoint folder, or the newest in an --out folder
-        cfg.init_from = str(checkpoint.resolve(cfg.init_from, flag="--init-from"))
-    saved_id = checkpoint.run_id(cfg.out)  # a run_id not of minipar's form: refused here, never replaced
+        cfg.init_from = str(run_folder.resolve(cfg.init_from, flag="--init-from"))
+    saved_id = run_folder.run_id(cfg.out)  # a run_id not of minipar's form: refused here, never replaced
     kept = saved_id if cfg.resume else None  # a resumed run keeps its id (and its JSON log)
     check_files(cfg, resume, kept)  # the data is text, --out and the logs writable, the checkpoint of this run
     # Newer checkpoints of --out that do not verify are set aside (below), not in the way of this run's saves.
     ours = [p for p in corrupt if p.parent.resolve() == Path(cfg.out).expanduser().resolve()]
     start = json.loads((resume / "train_state.json").read_text())["step"] if resume else 0
     log = Path(cfg.log_json).expanduser().resolve() if cfg.log_json else None  # this run's log may live in --out
-    foreign = [n for n in checkpoint.not_a_runs(cfg.out) if Path(cfg.out).expanduser().resolve() / n != log]
+    foreign = [n for n in run_folder.not_a_runs(cfg.out) if Path(cfg.out).expanduser().resolve() / n != log]
     if foreign:  # a user's folder (a model, a home): a run never mixes its files into it
         raise ConfigError(f"--out {cfg.out} holds files that are not a minipar run's ({', '.join(foreign[:3])}"
                           f"{' ...' if len(foreign) > 3 else ''}): give a new or empty folder")
@@ -147,10 +162,10 @@ def check_paths(cfg: TrainConfig, lock: bool = True) -> Path | None:
             f"{cfg.out}, or choose another --out (nothing is overwritten)")
     profile_note = check_profiled_steps(cfg, start) if cfg.profile_steps else None
     if lock and os.environ.get("RANK", "0") == "0":
-        notes = checkpoint.lock(cfg.out)  # first: only the holder of --out moves anything in it
-        checkpoint.name_run(cfg.out, kept)
+        notes = run_folder.lock(cfg.out)  # first: only the holder of --out moves anything in it
+        run_folder.name_run(cfg.out, kept)
         for folder, why in zip(corrupt, skipped):  # --out's own set aside by name (unless an earlier attempt did)
-            moved = checkpoint.set_aside(folder).name if folder in ours and folder.exists() else None
+            moved = run_folder.set_aside(folder).name if folder in ours and folder.exists() else None
             notes.append(f"{why.split(';')[0]}: moved it aside to {moved}, resuming from an earlier one" if moved
                          else f"skipped {why}")
         notes += [profile_note] if profile_note else []
@@ -190,7 +205,7 @@ def check_profiled_steps(cfg: TrainConfig, start: int) -> str | None:
     traces need a new folder they can be written in (profiling.traces_in_the_way). A restart of
     --resume auto drops the flag instead and returns the note that says so: the attempt before it
     profiled those steps, or never reached them (folder new)."""
-    why = traces_in_the_way(cfg)
+    why = profiling.traces_in_the_way(cfg)
     if cfg.profiled()[0] <= start:
         why = f"this run resumes after step {start}: give steps it runs, from {start + 1}"
     if why is None:
@@ -222,7 +237,7 @@ def start_workers(agent: list[str], argv: list[str], extras: Sequence = ()) -> i
             return 2
     if workers_argv is None:
         return 0  # --plan, --print-config: printed
-    os.environ.setdefault("MINIPAR_COMMAND", json.dumps(sys.argv))  # the stop line's command (saving.rerun_command)
+    os.environ.setdefault("MINIPAR_COMMAND", json.dumps(sys.argv))  # the stop line's command (interrupt.rerun_command)
     return run_agent(agent, workers_argv)
 
 
@@ -239,8 +254,8 @@ def checked_for_workers(agent: list[str], argv: list[str], extras: Sequence = ()
             return None
         check_memory(cfg)
         out = cfg.out
-        check_paths(cfg, lock=False)
         check_extras(cfg, extras)  # before any worker: a lighthouse that is not there, they would each wait for
+        check_paths(cfg, lock=False)
         if int(opts.nproc_per_node) > 1:  # torchrun's own choice for several workers, said without its banner
             os.environ.setdefault("OMP_NUM_THREADS", "1")
     finally:

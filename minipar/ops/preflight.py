@@ -15,13 +15,26 @@ from pathlib import Path
 
 import torch
 
+from minipar.layout import SHAPE_FLAGS
 from minipar.model import CONFIGS, ModelConfig
+from minipar.ops.args import short_enough
+from minipar.ops.checkpoint_checks import check_tensors, model_config_of
 from minipar.precision import of_config, resolve
-from minipar.run.args import regular_file, short_enough
-from minipar.run.checkpoint import FROM_WEIGHTS, model_config_of
-from minipar.run.checkpoint_checks import check_tensors
-from minipar.run.config import SHAPE_FLAGS, ConfigError, TrainConfig
-from minipar.run.data import check_data, data_key, read_tokenizer
+from minipar.run.checkpoint import FROM_WEIGHTS
+from minipar.run.config import ConfigError, TrainConfig
+from minipar.run.data import (
+    DataError,
+    are_token_files,
+    cached,
+    check_encodes,
+    check_text,
+    corpus_key,
+    data_key,
+    find_files,
+    prepare,
+    read_tokenizer,
+)
+from minipar.run.paths import regular_file
 from minipar.run.run_log import json_log_records
 
 # What a resumed run must share with the checkpoint's run; the layout and --steps may change.
@@ -165,3 +178,30 @@ def check_init_from(cfg: TrainConfig, path: Path) -> None:
                     "choose the --model those weights have the shape of")
             raise ConfigError(f"--init-from {path}: its model has {name} {old}, this run's (--model {cfg.model}) "
                               f"{new}: {hint}")
+
+
+def check_data(path: str | None, seq_len: int, vocab_size: int, cache_dir: str | Path,
+               tokenizer: str | None = None, token_dtype: str = "uint16") -> int | None:
+    """Before any process group: the tokenizer loads; token files are scanned (prepared: cheap);
+    text files are UTF-8 with enough of it for one window of seq_len + 1 tokens (byte-level BPE
+    makes at most one token per byte, plus one <|endoftext|> per file). The standard library,
+    and a corpus tokenised before, are not read again. Returns the ids the data will use, where
+    known before tokenising (a tokenizer's, token files'), for the caller to fit in the model."""
+    files = find_files(path)
+    tok = read_tokenizer(tokenizer, separator=True) if tokenizer is not None else None
+    vocab = tok.get_vocab_size() if tok is not None else None
+    if are_token_files(path, files):
+        count = json.loads((prepare(path, vocab_size, cache_dir, tokenizer, token_dtype) / "meta.json").read_text())
+        if count["num_tokens"] <= seq_len:
+            raise DataError(f"--data {path} holds {count['num_tokens']} token ids, fewer than one window of --seq-len "
+                            f"{seq_len} + 1: give more or a shorter --seq-len")
+        return count["vocab_size"]
+    if tok is not None:
+        check_encodes(tok, tokenizer)
+    if path is None or cached(Path(cache_dir).expanduser() / corpus_key(files, vocab_size), files):
+        return vocab
+    size = sum(check_text(f) for f in files)
+    if size + len(files) <= seq_len:
+        raise DataError(f"--data {path} holds {size} bytes of text, fewer than one window of --seq-len {seq_len} "
+                        f"+ 1 tokens: give more text or a shorter --seq-len")
+    return vocab

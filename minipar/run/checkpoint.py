@@ -4,26 +4,16 @@
         model.safetensors       every parameter at its single-device shape, by its model name
         optimizer.safetensors   "<param name>/<state>" for each optimizer state tensor
                                 (header metadata: the optimizer's hyper-parameters)
-        train_state.json        step, windows of data consumed, scheduler state, the config,
-                                the data's fingerprint
+        train_state.json        step, windows consumed, the config, the data's fingerprint, and
+                                the sha256 of every file (and of its own contents)
         tokenizer.json          the tokenizer the run encoded its data with (if it had one)
 
-Because tensors are stored at their single-device shapes (tensor-parallel shards are gathered
-first, padding dropped), a checkpoint written at one layout can be loaded at another (torchtitan's
-"seed checkpoint" idea): each rank takes the slices it owns.
-
-A checkpoint is written to a hidden temporary folder, flushed to disk (fsync) and renamed into
-place only when complete, so a crash while saving never damages an earlier checkpoint, and a
-`step_*` folder is always whole; an existing one is never replaced. train_state.json, written
-last, holds the sha256 of both tensor files (and of the tokenizer) and of its own contents:
-loading checks them and fails with one line naming the bad file; checkpoint_checks.py checks what
-a checksum cannot (ranges, names, shapes, finite values). A corrupt checkpoint is never deleted:
-`set_aside` moves it out of the way by name. Folders and files take the user's umask.
-
-One run at a time writes into an --out folder: rank 0 holds `out/.lock` (host and pid) for the run;
-`out/run_id` names the run (its JSON log's records carry it). minipar clears or replaces only what
-it can tell it made: its `.tmp-minipar-<pid>-...` folders, and a lock in its "host pid" form whose
-process is gone. Any other name in --out is the user's, never touched (launch.check_paths refuses it).
+Tensors are stored at their single-device shapes (tensor-parallel shards gathered, padding
+dropped), so a checkpoint written at one layout loads at another: each rank takes its slices.
+A checkpoint is written to a temporary folder, fsynced and renamed into place only when whole:
+a crash while saving never damages an earlier one, and none is ever replaced. Which checkpoint to
+trust, and the --out folder's lock, are ops/run_folder.py's; what a checksum cannot catch,
+ops/checkpoint_checks.py's.
 """
 
 from __future__ import annotations
@@ -31,10 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
-import socket
-import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,56 +34,25 @@ from minipar.collectives import gather_object
 from minipar.mesh import Groups
 from minipar.model import CONFIGS, ModelConfig, get_config
 from minipar.placement import placement_of
-from minipar.run.args import InputError, folder_path, temporary_name
-from minipar.run.checkpoint_checks import CheckpointError, check_state, checked_model_config, state_digest
+from minipar.run.paths import temporary_name
 from minipar.tensor_parallel import padded, piece_of, unshard
 
 FILES = ("model.safetensors", "optimizer.safetensors", "train_state.json")
 
 
-TEMPORARY = r"\.tmp-minipar-\d+-(step_\d+|run_id)"  # what `save` and `name_run` build, renamed when whole
+class CheckpointError(ValueError):
+    """A missing, incomplete or corrupt checkpoint; the message says which and what to do."""
+
+
+def state_digest(state: dict) -> str:
+    """The sha256 of a train state (without its checksums), as JSON with sorted keys: the same
+    bytes whatever the order or indentation the file was written with."""
+    return hashlib.sha256(json.dumps(state, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def checkpoints(folder: str | Path) -> list[Path]:
     """The step_* checkpoints in a folder, oldest first."""
     return sorted((p for p in Path(folder).glob("step_*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
-
-
-def not_a_runs(out: str | Path) -> list[str]:
-    """The names in an --out folder that no run of minipar writes there (sorted)."""
-    own = re.compile(rf"step_\d+(\.corrupt(-\d+)?)?|{TEMPORARY}|\.lock|run_id|wandb|wandb_run_id|traces")
-    folder = Path(out).expanduser()
-    return sorted(p.name for p in folder.iterdir() if not own.fullmatch(p.name)) if folder.is_dir() else []
-
-
-def resolve(path: str | Path, skipped: list[str] | None = None, flag: str = "--resume",
-            corrupt: list[Path] | None = None) -> Path:
-    """A checkpoint folder, which must verify, or an --out folder whose newest step_* checkpoint
-    that verifies is taken; why each newer one was skipped is appended to `skipped`, the folder
-    itself to `corrupt` (for `set_aside`)."""
-    p = Path(path).expanduser()
-    if not os.path.lexists(p):
-        raise CheckpointError(f"{flag} {path}: no such folder")
-    try:
-        folder_path(p, f"{flag} {path}")  # a symlink loop, a broken link, a file
-    except InputError as e:
-        raise CheckpointError(str(e)) from None
-    if (p / "train_state.json").exists() or p.name.startswith("step_"):
-        verify(p)
-        return p
-    reasons = []
-    for step in reversed(checkpoints(p)):
-        try:
-            verify(step)
-            if skipped is not None:
-                skipped.extend(reasons)
-            return step
-        except CheckpointError as e:
-            reasons.append(str(e))
-            if corrupt is not None:
-                corrupt.append(step)
-    raise CheckpointError(f"{flag} {path}: no step_* checkpoint in it verifies" + (
-        f" (newest: {reasons[0]})" if reasons else ": neither a checkpoint nor a folder of step_* checkpoints"))
 
 
 def sha256(path: Path) -> str:
@@ -106,7 +62,7 @@ def sha256(path: Path) -> str:
 
 def verify(path: Path) -> dict:
     """Check every file of the checkpoint against its checksum; return its train state. Raises
-    CheckpointError naming the file."""
+    CheckpointError naming the file. (ops/checkpoint_checks.verified adds what a checksum cannot see.)"""
     for name in FILES:
         if not (path / name).exists():
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing; resume from another one")
@@ -125,20 +81,7 @@ def verify(path: Path) -> dict:
             from None
     except OSError as e:  # names the file
         raise CheckpointError(f"checkpoint {path} cannot be read ({e}); resume from another one") from None
-    check_state(path, state)
     return state
-
-
-def set_aside(folder: Path) -> Path:
-    """Move a checkpoint that does not verify out of the way, by name (never deleted: it may be
-    worth a look): step_000008 -> step_000008.corrupt (.corrupt-2, ... if taken). `checkpoints`
-    no longer lists it, so a run can save that step again."""
-    target, n = folder.with_name(f"{folder.name}.corrupt"), 1
-    while target.exists():
-        n += 1
-        target = folder.with_name(f"{folder.name}.corrupt-{n}")
-    os.rename(folder, target)
-    return target
 
 
 def hyper_params(optimizer: torch.optim.Optimizer) -> list[dict]:
@@ -209,94 +152,6 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def lock(out: str | Path) -> list[str]:
-    """Rank 0 claims --out for this run: `out/.lock` holds "host pid". A lock whose process is gone
-    (same host, pid not alive: a crash, or torchrun restarting rank 0) is taken over; then the
-    temporary folders of interrupted saves are removed. Returns notes for the log."""
-    out, notes, me = Path(out), [], f"{socket.gethostname()} {os.getpid()}"
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(out / ".lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
-    except FileExistsError:
-        notes.append(stale_lock(out / ".lock"))  # raises unless it is minipar's and its run is gone
-        (out / ".lock").unlink(missing_ok=True)
-        fd = os.open(out / ".lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
-    try:
-        os.write(fd, me.encode())
-    except OSError:  # a full disk: the empty file is ours (O_EXCL made it), and would read as someone else's
-        (out / ".lock").unlink()
-        raise
-    finally:
-        os.close(fd)
-    for tmp in out.iterdir():  # only the lock holder saves here: these are from a crash
-        if re.fullmatch(TEMPORARY, tmp.name):
-            shutil.rmtree(tmp, ignore_errors=True)
-            notes.append(f"removed {tmp.name}, left by an interrupted save")
-    return notes
-
-
-def stale_lock(path: Path) -> str:
-    """Why the lock at `path` may be taken over (a note for the log): it is minipar's ("host pid")
-    and that pid is not alive on this host. Otherwise CheckpointError: its run may be alive, or it
-    is not minipar's (another tool's, or a run between creating it and writing it, microseconds).
-    A lock that is not minipar's is never deleted."""
-    try:
-        words = path.read_text(errors="replace").split()
-    except FileNotFoundError:  # given back meanwhile
-        return "the lock of a run that just ended was gone when taken"
-    if len(words) != 2 or not words[1].isdigit():
-        raise CheckpointError(f"--out {path.parent} holds a .lock that is not minipar's (\"host pid\"): another "
-                              f"program's, or a run claiming --out this very moment; minipar never deletes it: "
-                              f"pass another --out, or remove {path} if it is yours and unused")
-    host, pid = words
-    if host != socket.gethostname() or pid_alive(int(pid)):
-        raise CheckpointError(f"--out {path.parent} is in use by another run (host {host}, pid {pid}); wait for it, "
-                              f"or pass another --out (delete {path} if that run is gone)")
-    return f"took over the lock of a run that is gone (host {host}, pid {pid})"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, but another user's
-        return True
-    return True
-
-
-def unlock(out: str | Path) -> None:
-    """Give --out back at the end of the run (only our own lock)."""
-    path = Path(out) / ".lock"
-    if path.exists() and path.read_text() == f"{socket.gethostname()} {os.getpid()}":
-        path.unlink()
-
-
-def run_id(out: str | Path) -> str | None:
-    """The id of the run in --out (`out/run_id`, 12 hex digits), or None if it has none yet. A file
-    of that name in another form is not minipar's: CheckpointError (it is never replaced)."""
-    path = Path(out).expanduser() / "run_id"
-    if not os.path.lexists(path):
-        return None
-    text = path.read_text(errors="replace").strip() if path.is_file() else ""
-    if not re.fullmatch(r"[0-9a-f]{12}", text):
-        raise CheckpointError(f"--out {path.parent} holds a run_id that is not minipar's (12 hex digits): "
-                              f"give a new or empty folder")
-    return text
-
-
-def name_run(out: str | Path, kept: str | None) -> str:
-    """Rank 0, holding the lock: write this run's id to `out/run_id` and return it: `kept` (a
-    resumed run's), else a new one (a new run: an id left by an earlier attempt that saved nothing
-    is replaced, as minipar's own)."""
-    new = kept or uuid.uuid4().hex[:12]
-    if new != run_id(out):
-        tmp = Path(out) / temporary_name("run_id")
-        tmp.write_text(new)
-        os.replace(tmp, Path(out) / "run_id")
-    return new
-
-
 def load(path: Path, model: nn.Module, groups: Groups | None = None) -> tuple[dict, dict]:
     """Load weights into an already built model, each rank reading only its shard (tp, ep:
     `groups`; None: one device) of the single-device tensors, of its pipeline stage's parameters.
@@ -341,8 +196,8 @@ def saved_model(path: str | Path) -> tuple[str | None, ModelConfig] | None:
 def model_config_of(path: Path, state: dict) -> ModelConfig:
     """The model a checkpoint's weights are for: stored beside them (train.py, convert.py import),
     or, in a checkpoint from before that, the run's --model with the tokenizer's vocabulary."""
-    if "model_config" in state:
-        return checked_model_config(path, state["model_config"])
+    if "model_config" in state:  # checked before the run (ops/checkpoint_checks.checked_model_config)
+        return ModelConfig(**state["model_config"])
     run = state["config"]
     with safe_open(path / "model.safetensors", "pt") as f:
         vocab = f.get_slice("tok_emb.weight").get_shape()[0]

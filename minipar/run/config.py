@@ -1,11 +1,12 @@
-"""The run's configuration: one dataclass, its command line (and `--config run.toml`,
-config_file.py), and the checks made before any process group exists.
+"""The run's configuration: one dataclass of settings, each declared once (layout.setting: its
+flag, help, range and when it acts; ops/command_line.py reads them into train.py's flags), and
+the checks made before any process group exists.
 
 The model is `--model`'s preset with any shape flag in its place (`--dim 64 --n-layers 2`), its
 vocabulary included: `--model 8b` builds the 8B model of the preset, whatever the data. The BPE
 trained on `--data` has `--bpe-vocab` tokens (default: the model's vocabulary, at most 4096) and
 must fit in the model's; embedding rows beyond it are never used (a `--tokenizer` file, or token
-files' ids, must fit too: ops/preflight.py checks them). `parse_args` returns the
+files' ids, must fit too: ops/preflight.py checks them). `resolved` is the
 effective config, every setting explicit: each run prints it and saves it with each checkpoint.
 
 Every check here (and the layout's own, layout.py's Layout.validate) runs on every rank
@@ -15,18 +16,15 @@ eight ranks waiting forever for each other.
 
 from __future__ import annotations
 
-import argparse
+import json
 import math
-import os
 import re
 from dataclasses import asdict, dataclass, fields, replace
 
-from minipar.layout import MAX_BATCH, MAX_STEPS, SHAPE_FLAGS, Layout, setting
+from minipar.layout import MAX_BATCH, MAX_STEPS, Layout, setting
 from minipar.model import ModelConfig
-from minipar.run import checkpoint, flags
-from minipar.run.args import InputError
-from minipar.run.config_file import as_toml, read_config_file
 from minipar.run.data import DataError, are_token_files, find_files
+from minipar.run.paths import InputError
 from minipar.zeropp import parse as parse_zeropp
 
 
@@ -112,7 +110,8 @@ class TrainConfig(Layout):
                                         acts_with=("--resume", lambda c: c.resume is not None))
     replica_groups: int = setting(1, "fault tolerance: the run is this many replica groups, each a torchrun job with "
                                   "this layout inside, averaging gradients through torchft; a lost group is dropped "
-                                  "and rejoins with a peer's state (needs the torchft package)", "layout")
+                                  "and rejoins with a peer's state (needs the torchft package)", "layout",
+                                  within=(lambda v: 1 <= v <= 1024, "1 (none) to 1024"))
     replica_group_id: int = setting(0, "which replica group this job is", "layout",
                                     acts_with=("--replica-groups 2 or more", lambda c: c.replica_groups > 1))
     lighthouse: str | None = setting(None, "HOST:PORT of torchft's lighthouse, where the replica groups agree each "
@@ -146,7 +145,9 @@ class TrainConfig(Layout):
             ("seq_len", (lambda v: 1 <= v <= max_seq_len, f"1 to --model {self.model}'s max_seq_len, {max_seq_len}")),
             ("eval_every", (lambda v: self.val_fraction > 0 or v == 0,
                             "0 (at the end) or more steps, with --val-fraction above 0")),
-            ("virtual_stages", (lambda v: v == 1 or v > 1 and self.pp > 1, "1, or more with --pp > 1"))]
+            ("virtual_stages", (lambda v: v == 1 or v > 1 and self.pp > 1, "1, or more with --pp > 1")),
+            ("replica_group_id", (lambda v: 0 <= v < self.replica_groups,
+                                  f"0 to --replica-groups - 1 ({self.replica_groups - 1})"))]
         for name, (fine, want) in rules:
             value = getattr(self, name)
             if value is not None and not fine(value):
@@ -162,26 +163,8 @@ class TrainConfig(Layout):
         self.check_ranges(m.max_seq_len)
         super().validate(world_size)
         self.check_vocab(m)
-        self.check_replicas()
         if self.init_from and self.resume:
             raise ConfigError("--init-from and --resume: choose one (--resume continues a run, --init-from starts one)")
-
-    def check_replicas(self) -> None:
-        """Replica groups: a seat among them, a lighthouse to meet at, and a batch every group can share."""
-        r = self.replica_groups
-        if not 1 <= r <= 1024:
-            raise ConfigError(f"--replica-groups {r}: give 1 (none) to 1024")
-        if not 0 <= self.replica_group_id < r:
-            raise ConfigError(f"--replica-group-id {self.replica_group_id}: give 0 to --replica-groups - 1 ({r - 1})")
-        if r > 1 and not self.lighthouse:
-            raise ConfigError(f"--replica-groups {r} needs --lighthouse HOST:PORT, where torchft's lighthouse runs "
-                              "(scripts/train_ft.py starts one)")
-        if r > 1:
-            lighthouse_address(self.lighthouse)
-        if r > 1 and self.global_batch % (r * self.dp * self.micro_batch):
-            raise ConfigError(f"--global-batch {self.global_batch} is not divisible by --replica-groups {r} x --dp "
-                              f"{self.dp} x --micro-batch {self.micro_batch}: every group's ranks take whole "
-                              f"micro-batches of it")
 
     def profiled(self) -> tuple[int, int] | None:
         """--profile-steps A:B as (A, B), both profiled, or None; steps the run does not reach are refused."""
@@ -213,57 +196,6 @@ class TrainConfig(Layout):
                               f"{m.vocab_size}: pass a smaller --bpe-vocab, or --vocab-size {self.bpe_size()} or more")
 
 
-def lighthouse_address(text: str) -> tuple[str, int]:
-    """--lighthouse as (host, port): HOST:PORT, or http://HOST:PORT as torchft writes it; the host a
-    name, an IPv4 address or an [IPv6] one. Anything else is refused here, before any process group,
-    not found by torchft's connect attempt after --timeout."""
-    found = re.fullmatch(r"(?:http://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})/?", text)
-    if found is None or not 1 <= int(found[2]) <= 65535:
-        raise ConfigError(f"--lighthouse {text!r}: give HOST:PORT (e.g. localhost:29510, torchft_lighthouse's "
-                          f"default), the port 1 to 65535, at most one http:// before it and no spaces")
-    return found[1], int(found[2])
-
-
-def parser() -> argparse.ArgumentParser:
-    """train.py's command line, its defaults this dataclass's (flags.py)."""
-    return flags.parser(TrainConfig())
-
-
-def parse_args(argv=None) -> TrainConfig:
-    """The effective config of a command line (and its --config file), checked; see `resolved`."""
-    p, d = parser(), TrainConfig()
-    acts_with = {f.name: f.metadata["acts_with"] for f in fields(d) if f.metadata["acts_with"]}
-    p.set_defaults(model=None, **dict.fromkeys(acts_with))  # None: not named (--model: --init-from's or the default)
-    args = p.parse_args(argv)
-    if args.config:  # the file's values become the defaults: a flag given on the command line still wins
-        if os.path.exists(args.config) and not os.path.isfile(args.config):  # a FIFO: reading it would block
-            raise ConfigError(f"--config {args.config} is not a regular file: give a TOML file")
-        try:
-            p.set_defaults(**read_config_file(args.config, p))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        args = p.parse_args(argv)
-    saved = checkpoint.saved_model(args.init_from) if args.init_from and not (args.model or args.resume) else None
-    if saved is not None:  # the weights state their model, as from_pretrained reads it; a flag given must agree
-        args.model, model = saved  # an imported model's preset: the default (its shape says all)
-        vars(args).update({n: getattr(model, n) for n in (*SHAPE_FLAGS, "tie_embeddings") if getattr(args, n) is None})
-    # a setting named at its default asks for nothing (the effective config names them all)
-    named = {k for k in acts_with if getattr(args, k) not in (None, getattr(d, k))}
-    cfg = TrainConfig(**{**vars(args), **{k: getattr(d, k) for k in ("model", *acts_with) if getattr(args, k) is None}})
-    layout = cfg.dp * cfg.tp * cfg.pp * cfg.cp  # --plan, --print-config: the ranks the flags ask for, none launched
-    world = layout if cfg.plan or cfg.print_config else int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.ranks_per_node is None:  # torchrun's ranks on this node; without torchrun, one node
-        cfg.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    cfg.validate(world)
-    idle = sorted(k for k in named if not acts_with[k][1](cfg))  # a walk of --data only if a setting asks for it
-    if idle:
-        value = getattr(cfg, idle[0])
-        given = f"--{idle[0].replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")  # a switch: named
-        raise ConfigError(f"{given} acts only with {acts_with[idle[0]][0]}, which this run has not: it would change "
-                          f"nothing; leave it out")
-    return cfg.resolved()
-
-
 def data_kind(data: str | None) -> str | None:
     """--data's kind: "tokens" (.bin token files) or "text"; None where it cannot be read here (then
     launch.check_paths says why, on each node that cannot: a node's files are its own)."""
@@ -273,16 +205,13 @@ def data_kind(data: str | None) -> str | None:
         return None
 
 
-# What a --config file cannot carry over to another run: its folders and files, and what only asks for a print.
-THIS_RUN_ONLY = ("out", "resume", "init_from", "log_json", "config", "plan", "print_config")
-
-
-def config_file_text(cfg: TrainConfig) -> str:
-    """--print-config: the effective config as a --config file that reproduces this run (its own
-    folders and files left out: another run writes its own)."""
-    return as_toml({k: v for k, v in asdict(cfg).items() if k not in THIS_RUN_ONLY}) + "\n"
-
-
 def effective(cfg: TrainConfig) -> str:
     """The line each run prints first: every setting, in the file syntax --config reads."""
     return "effective config: " + as_toml(asdict(cfg)).replace("\n", ", ")
+
+
+def as_toml(settings: dict) -> str:
+    """Settings as TOML lines (`key = value`); None, which TOML cannot say, is left out."""
+    def toml(v):
+        return "true" if v is True else "false" if v is False else json.dumps(v) if isinstance(v, str) else repr(v)
+    return "\n".join(f"{k.replace('_', '-')} = {toml(v)}" for k, v in settings.items() if v is not None)

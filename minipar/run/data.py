@@ -5,7 +5,8 @@ running interpreter's `Lib/`): several megabytes of real text that exists on eve
 can run minipar, with no download. `--data PATH` takes your own text file or folder instead, or
 token files in nanoGPT's format (`.bin`: a bare array of uint16 or uint32 ids, `--token-dtype`),
 which are read where they lie. A file that cannot be read, is not UTF-8 text, or is not a whole
-number of ids is refused by name before any process group starts (check_data), never skipped.
+number of ids is refused by name before any process group starts (ops/preflight.check_data),
+never skipped.
 
 Preparation runs once per corpus and tokenizer (cached under a key of the files' names, sizes and
 times, and the tokenizer), streaming, so memory stays bounded whatever the corpus's size:
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minipar.run.args import InputError, regular_file, regular_if_present
+from minipar.run.paths import InputError, regular_file, regular_if_present
 
 EOT = "<|endoftext|>"
 DEFAULT_CACHE = Path.home() / ".cache" / "minipar"
@@ -109,33 +110,6 @@ def check_text(f: Path, chunk: int = 1 << 20) -> int:
                         f"convert or remove it") from None
     except OSError as e:
         raise DataError(f"--data: cannot read {f} ({e.strerror})") from None
-
-
-def check_data(path: str | None, seq_len: int, vocab_size: int, cache_dir: str | Path,
-               tokenizer: str | None = None, token_dtype: str = "uint16") -> int | None:
-    """Before any process group: the tokenizer loads; token files are scanned (prepared: cheap);
-    text files are UTF-8 with enough of it for one window of seq_len + 1 tokens (byte-level BPE
-    makes at most one token per byte, plus one <|endoftext|> per file). The standard library,
-    and a corpus tokenised before, are not read again. Returns the ids the data will use, where
-    known before tokenising (a tokenizer's, token files'), for the caller to fit in the model."""
-    files = find_files(path)
-    tok = read_tokenizer(tokenizer, separator=True) if tokenizer is not None else None
-    vocab = tok.get_vocab_size() if tok is not None else None
-    if are_token_files(path, files):
-        count = json.loads((prepare(path, vocab_size, cache_dir, tokenizer, token_dtype) / "meta.json").read_text())
-        if count["num_tokens"] <= seq_len:
-            raise DataError(f"--data {path} holds {count['num_tokens']} token ids, fewer than one window of --seq-len "
-                            f"{seq_len} + 1: give more or a shorter --seq-len")
-        return count["vocab_size"]
-    if tok is not None:
-        check_encodes(tok, tokenizer)
-    if path is None or cached(Path(cache_dir).expanduser() / corpus_key(files, vocab_size), files):
-        return vocab
-    size = sum(check_text(f) for f in files)
-    if size + len(files) <= seq_len:
-        raise DataError(f"--data {path} holds {size} bytes of text, fewer than one window of --seq-len {seq_len} "
-                        f"+ 1 tokens: give more text or a shorter --seq-len")
-    return vocab
 
 
 def corpus_key(files: list[Path], tag) -> str:

@@ -1,21 +1,12 @@
 """What a run shows: the progress bar, the log lines, the JSON log and wandb.
 
-Per-step metrics are gathered from every rank over a group of their own (with its own ledger, so
-the model's ledger shows only the traffic of training itself): the loss (from the ranks that
-compute it), each rank's peak memory and pipeline idle time. Rank 0 writes them where the user
-asked: a line every `--log-every` steps, tqdm, and every record (`publish`) both as one JSON
-object (`--log-json`) and to wandb, flattened (`comm/dp/all_reduce/sent`, `peak_memory/1`): wandb
-gets every figure the JSON has. wandb is offline unless the user has logged in; its run id is kept
-in --out, so a resumed run (same --out) continues the same wandb run. Each JSON record carries
-minipar's own run id (checkpoint.name_run): a resumed run rewrites no log but its own.
-
-Exposed communication (comm_clock.py): the time rank 0 waited in the model's collectives during
-the step, by kind (dp, tp, cp, pp, ep), and its share of the step; the metrics' own gather is not
-counted. Every rank has its own figure; the log shows rank 0's.
-With --profile-steps, `tick` and `step` also begin and end each profiled step's trace (profiling.py).
-
-Peak memory is the GPU's peak allocation; on the CPU, the rise of the process's peak resident set
-over its size once the data is ready (Linux resets the peak there: the tokenizer's is not the run's).
+Per-step metrics are gathered from every rank over a group of their own (its own ledger: the
+model's shows only training's traffic): the loss (from the ranks that compute it), each rank's
+peak memory and pipeline idle time, and rank 0's exposed communication (comm_clock.py). Rank 0
+writes them where the user asked: a line every `--log-every` steps, tqdm, and every record both
+as one JSON object (`--log-json`, each carrying the run's id) and to wandb (offline unless the
+user has logged in; a resumed run continues the same wandb run). Peak memory is the GPU's peak
+allocation; on the CPU, the rise of the peak resident set once the data is ready.
 """
 
 from __future__ import annotations
@@ -37,10 +28,8 @@ from tqdm import tqdm
 from minipar.collectives import Group, Ledger, all_gather
 from minipar.comm_clock import WaitClock, exposed_line
 from minipar.mesh import Mesh
-from minipar.run import checkpoint
-from minipar.run.args import InputError, temporary_name
 from minipar.run.config import TrainConfig
-from minipar.run.profiling import StepProfiler
+from minipar.run.paths import InputError, temporary_name
 from minipar.run.step import take_expert_load
 
 # Dense bfloat16 peak FLOP/s, for model FLOPs utilisation (MFU) on known GPUs.
@@ -52,16 +41,16 @@ class RunLog:
 
     def __init__(self, cfg: TrainConfig, mesh: Mesh, device: torch.device, interrupt=None):
         self.cfg, self.mesh, self.device = cfg, mesh, device
-        self.interrupt = interrupt  # saving.Interrupt: whether this rank heard Ctrl-C travels in each step's gather
+        self.interrupt = interrupt  # ops/interrupt.py: whether this rank heard Ctrl-C travels in each step's gather
         self.world, self.is_main = dist.get_world_size(), dist.get_rank() == 0
         self.group = Group("log", dist.group.WORLD, list(range(self.world)), Ledger())  # module docstring
         self.clock = mesh.ledger.clock = WaitClock(cuda=device.type == "cuda")  # the model's waits, each step
-        self.profiler = StepProfiler(cfg, self.clock, mesh.ledger, device) if cfg.profile_steps else None
+        self.timed: list = []  # what begins and ends with each step (extras/profiling.py's StepProfiler)
         self.losses: list[float] = []
         self.extra: dict[str, Any] = {}  # figures the loop adds to each record (replica groups taking part)
         self.wandb: Any = None  # rank 0's wandb run, JSON log file and progress bar, from start()
         self.file: Any = None
-        self.run_id: str | None = None  # --out's, in each JSON record (checkpoint.name_run)
+        self.run_id: str | None = None  # --out's, in each JSON record (ops/run_folder.name_run)
         self.bar: Any = None
         self.memory_base = 0  # CPU: resident bytes when measuring began (launch: memory_baseline)
 
@@ -89,7 +78,8 @@ class RunLog:
                 where = self.wandb.settings.sync_dir
                 self.say(f"wandb: offline, logged in {where} (wandb sync uploads it)" if self.wandb.offline
                          else f"wandb: {self.wandb.url}")
-            self.run_id = checkpoint.run_id(cfg.out)  # launch.check_paths named the run: its records carry it
+            named = Path(cfg.out) / "run_id"  # cli.check_paths named the run (ops/run_folder.py): records carry it
+            self.run_id = named.read_text().strip() if named.exists() else None
             self.file = open_json_log(cfg.log_json, start, self.run_id) if cfg.log_json else None
             self.bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
 
@@ -97,8 +87,8 @@ class RunLog:
         """Step `step` (from 0) begins: its clocks start (and, with --profile-steps, its trace)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        if self.profiler:
-            self.profiler.begin(step)
+        for timed in self.timed:
+            timed.begin(step)
         self.clock.reset()
         self.t0 = time.perf_counter()
 
@@ -107,8 +97,8 @@ class RunLog:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - self.t0
-        if self.profiler:
-            self.profiler.end(step)
+        for timed in self.timed:
+            timed.end(step)
         record = self.record(step, loss, grad_norm, lr, dt, wrapper, pipeline)
         self.losses.append(record["loss"])
         if not self.is_main:

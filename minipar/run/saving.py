@@ -1,4 +1,4 @@
-"""The checkpoint policy: when the loop saves, and what it never saves; and Ctrl-C's stop.
+"""The checkpoint policy: when the loop saves, and what it never saves.
 
 A run saves after every `--save-every` steps, after its last, and where Ctrl-C stopped it. Every
 rank helps: the tp shards and pp stages are gathered into full tensors (checkpoint.gather_full),
@@ -6,23 +6,13 @@ rank 0 writes them with the data's fingerprint and tokenizer (checkpoint.save: a
 renamed when whole), and the others wait for it. A non-finite weight anywhere stops the run instead
 (`TrainingStopped`, exit 3): nothing bad is ever saved, and the last good checkpoint stays the newest.
 
-Ctrl-C (SIGINT) is a normal way to stop (`Interrupt`): whether a rank heard it travels in the step's
-metrics gather (run_log.py), so every rank stops after the same step and none waits in a collective.
-torchrun passes a Ctrl-C on to its workers, a terminal may signal them too, SIGTERM may follow: a
-repeat within a second is the same Ctrl-C. A later one, or one before the steps, stops at once.
+Ctrl-C stops a run after a step every rank agrees on (ops/interrupt.py hears it; whether a rank
+heard it travels in the step's metrics gather, run_log.py) and saves that step.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shlex
-import signal
-import sys
-import threading
-import time
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
@@ -73,72 +63,3 @@ def save(cfg: TrainConfig, step: int, consumed: int, wrapper: GradSync, mesh: Me
     all_reduce(failed, log.group, op="max")  # the others wait for rank 0 here, and learn whether it saved
     if failed.item():
         raise TrainingStopped(failure or "rank 0 could not write the checkpoint (its line says why)")
-
-
-class Interrupt:
-    """Ctrl-C's handling in this process, inside `with` (see the module docstring)."""
-
-    out: str | None = None  # --out, once checked: a stop's line names its newest checkpoint
-    at: float | None = None  # when the first Ctrl-C came (time.monotonic); None: none yet
-    stepping = False  # the steps have begun: a Ctrl-C waits for the end of the step
-    replaced: dict = {}  # the handlers it replaced, put back at the end
-
-    def __enter__(self) -> Interrupt:
-        if threading.current_thread() is threading.main_thread():  # the only thread that may set handlers
-            self.replaced = {s: signal.signal(s, self.heard) or signal.SIG_DFL for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def heard(self, sig: int, frame=None) -> None:
-        if self.at is not None and time.monotonic() - self.at < 1.0:
-            return  # the same Ctrl-C again: from the terminal and from torchrun, or torchrun's SIGTERM after it
-        if sig == signal.SIGTERM and self.at is None:  # no Ctrl-C before: torchrun ending the run, as ever
-            signal.signal(sig, self.replaced[sig])
-            return os.kill(os.getpid(), sig)  # to the handler it replaced: by default, the end
-        if self.at is None and self.stepping:  # stop after this step, every rank alike (RunLog.record)
-            self.at = time.monotonic()
-            return
-        if os.environ.get("RANK", "0") == "0":  # a second Ctrl-C, or one before the steps: at once
-            sys.stdout.flush()
-            from tqdm import tqdm  # the progress bar's line cleared first: the stop's line stands alone
-            tqdm.write(f"minipar: interrupted{' again' if self.at else ''}: stopped at once; {resume_hint(self.out)}",
-                       file=sys.stderr)
-            sys.stderr.flush()
-            if self.out:
-                checkpoint.unlock(self.out)
-        os._exit(130)
-
-    def __exit__(self, *exc) -> None:
-        if self.at is not None:  # the handlers back once the copies of a Ctrl-C are all in
-            time.sleep(max(0.0, self.at + 1.0 - time.monotonic()))
-        for sig, handler in self.replaced.items():
-            signal.signal(sig, handler)
-
-
-def resume_hint(out: str | None) -> str:
-    """What a stopped run resumes from: --out's newest checkpoint, if it has one, as a command to paste."""
-    newest = checkpoint.checkpoints(out)[-1:] if out else []
-    return f"continue with: {rerun_command(newest[0])}" if newest else "no checkpoint was saved"
-
-
-def rerun_command(resume: Path) -> str:
-    """The command that started this run, as it was typed, with `--resume resume` in place of its own:
-    `make train`'s (MINIPAR_MAKE_ARGS: its ARGS), train.py's launcher's (MINIPAR_COMMAND: its argv), a
-    bare torchrun's (its workers cannot see its options: the usual ones), or one process's."""
-    def without_resume(argv: list[str]) -> list[str]:
-        drop = {i for i, a in enumerate(argv) if a == "--resume"}
-        return [a for i, a in enumerate(argv) if i not in drop and i - 1 not in drop and not a.startswith("--resume=")]
-
-    def shown(path: str) -> str:  # .venv/bin/python rather than /home/.../.venv/bin/python
-        relative = os.path.relpath(path)
-        return relative if not relative.startswith("..") else path
-    if "MINIPAR_MAKE_ARGS" in os.environ:
-        args = [*without_resume(shlex.split(os.environ["MINIPAR_MAKE_ARGS"])), "--resume", str(resume)]
-        return f"make train ARGS={shlex.quote(shlex.join(args))}"
-    if "MINIPAR_COMMAND" in os.environ:
-        argv = json.loads(os.environ["MINIPAR_COMMAND"])
-        argv = [shown(sys.executable), shown(argv[0]), *argv[1:]]
-    elif "LOCAL_WORLD_SIZE" in os.environ:
-        argv = ["torchrun", f"--nproc-per-node={os.environ['LOCAL_WORLD_SIZE']}", shown(sys.argv[0]), *sys.argv[1:]]
-    else:
-        argv = [shown(sys.executable), shown(sys.argv[0]), *sys.argv[1:]]
-    return shlex.join([*without_resume(argv), "--resume", str(resume)])

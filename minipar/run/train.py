@@ -1,9 +1,8 @@
 """The training loop: this rank's model, parallelized and wrapped, then the steps.
 
-The last chapter of each part of the course: every piece built so far, run together. launch.py
-has checked the command line and the files, started the process group, built the mesh, the run
-log and the data; `run` builds the plain model, parallelizes it, wraps it for gradient sync,
-loads what it resumes, and runs the steps:
+Every piece built so far, run together. ops/ has checked the command line and the files, launch.py
+built the mesh, the run log and the data; `run` builds the plain model, parallelizes it, wraps it
+for gradient sync, loads what it resumes, and runs the steps:
 
     one optimizer step, on each rank:
         lr <- warm-up then cosine                                  (lr_at)
@@ -173,7 +172,7 @@ class Job:
 
 def train_loop(job: Job, start: int, consumed: int) -> bool:
     """The steps, from `start` (`consumed` samples in): batch, step, log; validate and save when due.
-    True if Ctrl-C stopped them (saving.Interrupt): after the step where the log's gather said so."""
+    True if Ctrl-C stopped them (ops/interrupt.py): after the step where the log's gather said so."""
     cfg, mesh, data, model, pipeline, log = job.cfg, job.mesh, job.data, job.model, job.pipeline, job.log
     bad = 0  # consecutive steps skipped for a non-finite gradient norm
     step, hooks = start, job.hooks
@@ -207,7 +206,7 @@ def train_loop(job: Job, start: int, consumed: int) -> bool:
             saving.save(cfg, step + 1, consumed, model, mesh, log, data, quiet=stop)
         if stop:
             log.say(f"minipar: interrupted: stopped after step {step + 1} of {cfg.steps}, on every rank; "
-                    f"{saving.resume_hint(cfg.out)}")
+                    f"{log.interrupt.resume_hint(cfg.out)}")
             return True
         step += 1
     return False

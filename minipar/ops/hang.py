@@ -1,4 +1,4 @@
-"""When a run hangs: what this rank waited for, in one line.
+"""When ranks do not answer: one that never reaches the start, or stops mid-run, is named in one line.
 
 A rank that stops answering (stopped, dead, stuck in another step) leaves the others waiting in a
 collective until --timeout. Each rank that gives up then says which operation it last asked of
@@ -8,21 +8,23 @@ others, on which group and with which number, and which ranks of that group neve
     dp/all_reduce #7 with ranks [0, 1]: ranks [1] never reached it (at #6) ...
 
 HangWatch listens to the mesh's Ledger (collectives.py), which only counts; `arrivals` compares
-the ranks' counts through the store torch.distributed started with. launch.py turns the report
-into exit code 4.
+the ranks' counts through the store torch.distributed started with. `start_distributed` names a
+rank that never reaches the rendezvous (`join`). cli.py turns either into exit code 4.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import socket
+import sys
 import threading
 import time
 from collections import defaultdict
 
+import torch
 import torch.distributed as dist
-
-from minipar.collectives import Ledger
 
 
 class RankTimeout(RuntimeError):
@@ -33,9 +35,12 @@ class HangWatch:
     """Listens to a Ledger: the last operation this rank asked of others, (group, op, its ranks,
     peer or None), and how many it has asked of each group; named if the job hangs."""
 
-    def __init__(self, ledger: Ledger):
+    def __init__(self):
         self.last: tuple | None = None
         self.posted: dict[str, int] = defaultdict(int)
+
+    def listen(self, ledger) -> None:
+        """From the ledger's next call on (cli.py: the mesh's, as launch.launch builds it)."""
         ledger.listeners.append(self.heard)
 
     def heard(self, group: str, op: str, ranks: tuple, peer: int | None, nbytes: int) -> None:
@@ -99,3 +104,50 @@ def arrivals(group: str, ranks: tuple, posted: dict[str, int], wait: float) -> s
     said = [f"ranks {list(behind)} never reached it (at #{', #'.join(map(str, behind.values()))})"] * bool(behind)
     said += [f"ranks {silent} did not say (stopped, died, or waiting on another group)"] * bool(silent)
     return f": {'; '.join(said)}" if said else ": every rank of the group reached it"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_distributed(timeout: float | None = None) -> torch.device:
+    """NCCL on GPUs, gloo on CPU. Without torchrun, a world of one. timeout: seconds (None: torch's).
+    Under torchrun, a rank that does not come is named within the timeout (`join`)."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    limit = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    if "RANK" in os.environ:
+        if backend == "nccl":  # one GPU per local rank (ranks beyond the GPU count share them)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        join(lambda: dist.init_process_group(backend, **limit), timeout)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, **limit)
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def join(start, timeout: float | None) -> None:
+    """Run `start` (init_process_group), which waits at the rendezvous for every rank. Past
+    --timeout it is a RankTimeout naming the rendezvous; should it wait on regardless (a store
+    connection retried, gloo's mesh), a watchdog says the same line and ends the process."""
+    rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "?")
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    limit = "none" if timeout is None else f"{timeout:g} s"  # None: wait as long as torch does (benchmarks)
+    line = (f"rank {rank}: the process group did not start within --timeout {limit}: the {world} ranks did "
+            f"not all reach the rendezvous at {where} (a rank did not start, died, or has another --master-port)")
+    done = threading.Event()
+
+    def watchdog():
+        if not done.wait(timeout + 15):
+            print(f"minipar: error: {line}", file=sys.stderr, flush=True)
+            os._exit(4)
+    if timeout is not None:
+        threading.Thread(target=watchdog, daemon=True).start()
+    try:
+        start()
+    except (RuntimeError, ValueError) as e:  # DistStoreError, DistNetworkError: timed out or refused
+        raise RankTimeout(f"{line} ({str(e).splitlines()[0][:160]})") from None
+    finally:
+        done.set()

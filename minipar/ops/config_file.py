@@ -12,7 +12,7 @@ the wrong type or outside the flag's choices, is refused with one line naming th
 are then checked with the command line's own rules (config.py). The same conversions apply as on
 the command line (`lr = 1` is 1.0), so a file reproduces the run of the equivalent flags exactly.
 
-`as_toml` writes settings back in the same syntax: the effective config every run prints.
+config.as_toml writes settings back in the same syntax: the effective config every run prints.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import json
 import tomllib
 from typing import Any
 
-from minipar.run.args import regular_if_present
+from minipar.run.paths import regular_if_present
 
 KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
@@ -62,10 +62,3 @@ def flag_value(flag: argparse.Action, value, where: str):
     if flag.choices is not None and value not in flag.choices:
         raise ValueError(f"{where} = {json.dumps(value)} is not one of {', '.join(map(str, flag.choices))}")
     return value
-
-
-def as_toml(settings: dict) -> str:
-    """Settings as TOML lines (`key = value`); None, which TOML cannot say, is left out."""
-    def toml(v):
-        return "true" if v is True else "false" if v is False else json.dumps(v) if isinstance(v, str) else repr(v)
-    return "\n".join(f"{k.replace('_', '-')} = {toml(v)}" for k, v in settings.items() if v is not None)

@@ -3,7 +3,7 @@
 A checkpoint's checksums (train_state.json's "sha256") catch a flipped bit or a truncated file;
 these checks catch what a checksum cannot: a train state out of its range, a model_config no
 model has, tensors of the wrong name, shape or value. They run on every rank before any process
-group starts (launch.check_paths), so a bad checkpoint costs one line, not a traceback on each
+group starts (cli.check_paths), so a bad checkpoint costs one line, not a traceback on each
 rank mid-step:
 
     train_state.json      step >= 0 and this folder's; windows consumed >= the step; the
@@ -15,8 +15,6 @@ rank mid-step:
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import fields
 from pathlib import Path
 
@@ -25,16 +23,21 @@ from safetensors import safe_open
 
 from minipar import moe  # noqa: F401 - a checkpoint may hold experts: moe.py adds their block to the model
 from minipar.model import Llama, ModelConfig
+from minipar.run import checkpoint
+from minipar.run.checkpoint import CheckpointError, verify
 
 
-class CheckpointError(ValueError):
-    """A missing, incomplete or corrupt checkpoint; the message says which and what to do."""
+def verified(path: Path) -> dict:
+    """checkpoint.verify's checksums, then the train state's fields (`check_state`): the train state."""
+    state = verify(path)
+    check_state(path, state)
+    return state
 
 
-def state_digest(state: dict) -> str:
-    """The sha256 of a train state (without its checksums), as JSON with sorted keys: the same
-    bytes whatever the order or indentation the file was written with."""
-    return hashlib.sha256(json.dumps(state, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+def model_config_of(path: Path, state: dict) -> ModelConfig:
+    """checkpoint.model_config_of, the model_config checked first (`checked_model_config`)."""
+    return checked_model_config(path, state["model_config"]) if "model_config" in state else \
+        checkpoint.model_config_of(path, state)
 
 
 def check_state(path: Path, state: dict) -> None:

@@ -8,12 +8,10 @@ A bad flag or file costs one line and exit code 2, never a traceback, and names 
 
     Parser             argparse, with its errors one line (an InputError), not a usage block
     positive_int ...   argparse types: a number in its range, a size with a unit, a file, a folder
-    regular_file       a file that can be read without blocking: not a FIFO, a device, a loop
     inside             a path written in a file stays in the folder the user gave
     new_folder         what a script writes: built beside the target, renamed into place; a target
                        holding anything is refused (nothing a user owns is overwritten or mixed into)
     short_enough       each name in a path fits the file system (255 bytes), or one line up front
-    temporary_name     minipar's own temporary names: marked, and short whatever the target's length
     refusals()         a script's checks: any InputError (or other ValueError, OSError) -> one line, exit 2
 
 Why the file checks: a FIFO given as a file blocks its reader forever, a symlink loop reads as "no
@@ -23,22 +21,17 @@ such file", and a path read from a file (a shard list, a cache key) may climb ou
 from __future__ import annotations
 
 import argparse
-import errno
 import math
 import os
 import re
-import secrets
 import shutil
-import stat
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-
-class InputError(ValueError):
-    """A bad command line or input file; the message names it and says what to give instead."""
+from minipar.run.paths import InputError, folder_path, regular_file, temporary_name
 
 
 class Parser(argparse.ArgumentParser):
@@ -160,47 +153,6 @@ def existing_folder(text: str) -> Path:
 # ----------------------------------------------------------------------------------------------
 
 
-def _stat(path: Path, name: str) -> os.stat_result:
-    """The stat of what `path` leads to, or one line: missing, a broken link, a loop, unreadable."""
-    try:
-        return path.stat()
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise InputError(f"{name} is a symlink loop (a link that leads back to itself): point it at a real "
-                             f"file or folder") from None
-        if e.errno == errno.ENOENT:
-            what = "a broken link (its target is gone)" if path.is_symlink() else "no such file or directory"
-            raise InputError(f"{name}: {what}") from None
-        raise InputError(f"{name}: cannot read it ({e.strerror})") from None
-
-
-def regular_file(path: str | Path, name: str | None = None) -> Path:
-    """`path` (~ expanded) if it is a regular file, or a link to one; a FIFO, a device or a socket
-    would block or never end, a folder is not a file. `name` says it in the message (a flag and path)."""
-    p, name = Path(path).expanduser(), name or str(path)
-    mode = _stat(p, name).st_mode
-    if stat.S_ISDIR(mode):
-        raise InputError(f"{name} is a folder: give a file")
-    if not stat.S_ISREG(mode):
-        raise InputError(f"{name} is not a regular file (a FIFO, socket or device, which would block or never "
-                         f"end): give a file")
-    return p
-
-
-def regular_if_present(path: str | Path, name: str | None = None) -> Path:
-    """regular_file, but a path with nothing there passes: its reader says so in its own words."""
-    p = Path(path).expanduser()
-    return regular_file(p, name or str(path)) if os.path.lexists(p) else p
-
-
-def folder_path(path: str | Path, name: str | None = None) -> Path:
-    """`path` (~ expanded) if it is a folder, or a link to one."""
-    p, name = Path(path).expanduser(), name or str(path)
-    if not stat.S_ISDIR(_stat(p, name).st_mode):
-        raise InputError(f"{name} is not a folder: give a folder")
-    return p
-
-
 def inside(base: str | Path, relative: str | Path, name: str) -> Path:
     """base / relative, if it stays inside `base` as written: no `..` that climbs out, no absolute
     path elsewhere. (Links inside `base` are followed as usual: a Hugging Face cache's snapshot
@@ -225,13 +177,6 @@ def short_enough(path: str | Path, name: str) -> Path:
             raise InputError(f"{name}: the name {part[:20]}... is {len(os.fsencode(part))} bytes, more than the "
                              f"{NAME_MAX} a file system takes in one name: give a shorter one")
     return p
-
-
-def temporary_name(what: str = "") -> str:
-    """A name for something minipar builds and renames into place: `.tmp-minipar-<pid>-<what or a
-    random tag>`. The marker says it is minipar's (only such names are ever cleared); its length
-    does not grow with the target's, so it fits wherever the target's name fits."""
-    return f".tmp-minipar-{os.getpid()}-{what or secrets.token_hex(4)}"
 
 
 def unoccupied(path: str | Path, name: str, source: str | Path | None = None) -> Path:

@@ -6,7 +6,8 @@ as a range `ProfilerStep#N` (the name TensorBoard and Holistic Trace Analysis lo
 message of the ledger as a range named by the clock (comm_clock.py): 'minipar dp: dp/all_reduce
 65536 B' for a blocking call, ', posted #7' and ', wait #7' for a posted one and its wait. The
 folder is new for each run: the launch refuses one that exists (nothing is written over). Without
-the flag nothing here runs: no profiler, no ranges, no listener on the ledger.
+the flag nothing here runs: no profiler, no ranges, no listener on the ledger. A plug-in (cli.py
+hands it to the run): `hooks_for` puts a StepProfiler among the run log's timed steps.
 
 Open a file in ui.perfetto.dev, or `tensorboard --logdir <out>/traces` (with torch-tb-profiler);
 scripts/trace_report.py reads the folder and says, per rank, how much communication hid behind
@@ -26,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from minipar.collectives import Ledger
 from minipar.comm_clock import WaitClock
 from minipar.run.config import TrainConfig
+from minipar.run.run_log import RunLog
 
 
 def trace_folder(cfg: TrainConfig) -> Path:
@@ -87,3 +89,13 @@ class StepProfiler:
             self.profiler.export_chrome_trace(str(final.with_suffix(".part")))  # renamed once whole: never half a trace
             final.with_suffix(".part").rename(final)
             self.profiler = None
+
+
+def check(cfg: TrainConfig) -> None:
+    """Nothing to check before the run: cli.check_profiled_steps checks --profile-steps against --out."""
+
+
+def hooks_for(cfg: TrainConfig, mesh, wrapper, log: RunLog) -> None:
+    """The plug-in's part: no step hooks; with --profile-steps, a StepProfiler timed with each step."""
+    if cfg.profile_steps:
+        log.timed.append(StepProfiler(cfg, log.clock, mesh.ledger, log.device))
