@@ -9,7 +9,7 @@ folder is new for each run: the launch refuses one that exists (nothing is writt
 the flag nothing here runs: no profiler, no ranges, no listener on the ledger.
 
 Open a file in ui.perfetto.dev, or `tensorboard --logdir <out>/traces` (with torch-tb-profiler);
-scripts/trace_report.py reads the folder and says, per rank, how much communication hid behind
+scripts/tools/trace_report.py reads the folder and says, per rank, how much communication hid behind
 computation and where the step's time went.
 """
 
