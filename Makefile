@@ -47,7 +47,7 @@ test-kernels: $(STAMP)
 # The course checks itself: each chapter's captured output (step scripts and train.py logs) against
 # a fresh run, and every line anchor against its definition (minutes: not in `make test`).
 docs-check: $(STAMP)
-	$(BIN)/python scripts/docs_check.py
+	$(BIN)/python scripts/tools/docs_check.py
 
 # The full 4D layout on 16 ranks through train.py: minutes on a laptop, so not in `make test`.
 test-slow: $(STAMP)
@@ -65,9 +65,9 @@ test-gpu:
 
 # 125m and 1b, bf16, seq 2048: minipar against PyTorch's own per strategy (DDP, ZeRO optimizer, FSDP2,
 # DTensor TP, torch.distributed.pipelining, context_parallel); appends to docs/benchmarks.md.
-# More flags for scripts/bench_gpu.py in ARGS, e.g. make bench-gpu ARGS="--models 1b --strategies dp".
+# More flags for scripts/bench/bench_gpu.py in ARGS, e.g. make bench-gpu ARGS="--models 1b --strategies dp".
 bench-gpu:
-	PYTHONPATH=$(CURDIR) $(GPU_PY) scripts/bench_gpu.py --compile --fused-adamw --append docs/benchmarks.md $(ARGS)
+	PYTHONPATH=$(CURDIR) $(GPU_PY) scripts/bench/bench_gpu.py --compile --fused-adamw --append docs/benchmarks.md $(ARGS)
 
 # The exercises of docs/exercises/: make exercise N=3.1 (chapter 3, exercise 1) checks
 # docs/exercises/ex3_1_*.py against one device or the library's own figure (seconds); make exercise
@@ -84,7 +84,7 @@ lint: $(STAMP)
 	$(BIN)/mypy minipar
 
 bench: $(STAMP)
-	$(BIN)/torchrun --standalone --nproc-per-node 2 scripts/bench_dp.py
+	$(BIN)/torchrun --standalone --nproc-per-node 2 scripts/bench/bench_dp.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -4,7 +4,7 @@ teaches (each file in exactly one chapter), its scripts and its reading time.
 One map, read three ways. tests/test_structure.py holds the code to its order: a module imports
 only modules of its own chapter or an earlier one, so a reader who opens chapter n's code meets
 nothing of a later chapter. The README's chapter table is written from it (`readme_table`), and
-scripts/docs_check.py and a test fail when the two differ. And a reader can use it as it is: the
+scripts/tools/docs_check.py and a test fail when the two differ. And a reader can use it as it is: the
 order in which to open the files.
 """
 
@@ -25,34 +25,34 @@ class Chapter(NamedTuple):
 
 CHAPTERS = (
     Chapter("0", "One device, and why it is not enough", "00_one_device.md", ("model.py", "course.py"),
-            ("scripts/step_00_one_device.py",), 15),
+            ("scripts/course/step_00_one_device.py",), 15),
     Chapter("1", "Collectives and the byte ledger", "01_collectives.md",
             ("collectives.py", "comm_clock.py", "autograd_ops.py", "order_check.py", "mesh.py", "placement.py"),
-            ("scripts/step_01_collectives.py",), 30),
+            ("scripts/course/step_01_collectives.py",), 30),
     Chapter("2", "Data parallelism by hand", "02_data_parallel.md", ("data_parallel.py",),
-            ("scripts/step_02_data_parallel.py", "scripts/step_02b_dataparallel_vs_ddp.py"), 25),
-    Chapter("3", "ZeRO, stages 1-3", "03_zero.md", ("zero.py", "zero3.py"), ("scripts/step_03_zero.py",), 40),
+            ("scripts/course/step_02_data_parallel.py", "scripts/course/step_02b_dataparallel_vs_ddp.py"), 25),
+    Chapter("3", "ZeRO, stages 1-3", "03_zero.md", ("zero.py", "zero3.py"), ("scripts/course/step_03_zero.py",), 40),
     Chapter("3b", "Mixed precision", "03b_mixed_precision.md", ("precision.py",),
-            ("scripts/step_03b_mixed_precision.py", "scripts/plot_precision.py"), 15),
+            ("scripts/course/step_03b_mixed_precision.py", "scripts/tools/plot_precision.py"), 15),
     Chapter("3c", "ZeRO++ across nodes", "03c_zero_plus_plus.md", ("quantize.py", "zeropp.py"),
-            ("scripts/step_03c_zero_plus_plus.py",), 15),
+            ("scripts/course/step_03c_zero_plus_plus.py",), 15),
     Chapter("4", "Tensor and sequence parallelism", "04_tensor_parallel.md", ("tensor_parallel.py",),
-            ("scripts/step_04_tensor_parallel.py", "scripts/step_04b_tp_overlap.py"), 50,
+            ("scripts/course/step_04_tensor_parallel.py", "scripts/course/step_04b_tp_overlap.py"), 50,
             "and the tensor step of `parallelize.py` (chapter 7)"),
     Chapter("5", "Context parallelism", "05_context_parallel.md", ("context_parallel.py",),
-            ("scripts/step_05_context_parallel.py", "scripts/step_05b_ulysses.py"), 50),
+            ("scripts/course/step_05_context_parallel.py", "scripts/course/step_05b_ulysses.py"), 50),
     Chapter("6", "Pipeline parallelism", "06_pipeline.md",
             ("pipeline/schedules.py", "pipeline/timeline.py", "pipeline/executor.py"),
-            ("scripts/step_06_pipeline.py", "scripts/step_06b_zero_bubble_v.py"), 65),
+            ("scripts/course/step_06_pipeline.py", "scripts/course/step_06b_zero_bubble_v.py"), 65),
     Chapter("7", "Expert parallelism (mixture of experts), and the seam that applies every parallelism",
             "07_expert_parallel.md", ("moe.py", "expert_parallel.py", "parallelize.py"),
-            ("scripts/step_07_expert_parallel.py",), 45),
+            ("scripts/course/step_07_expert_parallel.py",), 45),
     Chapter("8", "Memory and choosing a layout", "08_memory_and_planning.md",
             ("layout.py", "planning/estimate.py", "planning/estimate_moe.py", "planning/estimate_zeropp.py",
              "planning/traffic.py", "planning/planner.py"),
-            ("scripts/step_08_plan.py", "scripts/step_08b_search_space.py", "scripts/step_08c_roofline.py",
-             "scripts/plan.py", "scripts/plan_vs_published.py"), 40),
-    Chapter("9", "All four dimensions at once", "09_4d.md", (), ("scripts/step_09_4d.py",), 20,
+            ("scripts/course/step_08_plan.py", "scripts/course/step_08b_search_space.py",
+             "scripts/course/step_08c_roofline.py", "scripts/tools/plan.py", "scripts/tools/plan_vs_published.py"), 40),
+    Chapter("9", "All four dimensions at once", "09_4d.md", (), ("scripts/course/step_09_4d.py",), 20,
             "the chapters above, together (16 ranks)"),
     Chapter("10", "Appendix: operating minipar (the whole run: checks, data, loop, checkpoints, refusals)",
             "10_operating.md",
@@ -61,12 +61,12 @@ CHAPTERS = (
              "ops/cli.py", "ops/command_line.py", "ops/config_file.py", "ops/args.py", "ops/preflight.py",
              "ops/checkpoint_checks.py", "ops/run_folder.py", "ops/interrupt.py", "ops/hang.py", "ops/agent.py",
              "extras/hf.py", "extras/generate.py", "extras/profiling.py"),
-            ("scripts/train.py", "scripts/trace_report.py", "scripts/sample.py", "scripts/eval.py",
-             "scripts/convert.py"), 35),
+            ("scripts/train.py", "scripts/tools/trace_report.py", "scripts/tools/sample.py", "scripts/tools/eval.py",
+             "scripts/tools/convert.py"), 35),
     Chapter("10b", "Fault tolerance: checkpoint-restart, its cost at scale, replica groups on torchft",
             "10b_fault_tolerance.md", ("extras/replicas.py",), ("scripts/train_ft.py", "make train-ft"), 30),
     Chapter("11", "Capstone: plan 70B on 64 GPUs, build selective recompute, prove it, plan again",
-            "11_capstone.md", (), ("scripts/plan.py", "make exercise N=11.1"), 60,
+            "11_capstone.md", (), ("scripts/tools/plan.py", "make exercise N=11.1"), 60,
             "`parallelize.py` (`recompute_mlps`), `planning/estimate.py`, `planning/planner.py`"),
 )
 ORDER = {c.number: i for i, c in enumerate(CHAPTERS)}

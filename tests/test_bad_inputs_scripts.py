@@ -34,8 +34,13 @@ TEXT = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"  # ~20 KB of held-o
 VOCAB = 288  # the tiny model's embedding rows: the BPE below (256 bytes, <|endoftext|>, a few merges) fits
 
 
+def script_path(name: str) -> Path:
+    """scripts/tools/NAME.py, or scripts/NAME.py for the run's launchers (train.py, train_ft.py)."""
+    return ROOT / "scripts" / (f"{name}.py" if name.startswith("train") else f"tools/{name}.py")
+
+
 def script(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_script", script_path(name))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -228,7 +233,7 @@ def test_each_script_as_a_program_exits_2_with_one_line_and_no_traceback(t):
              "trace_report": ([f"{t}/fifo"], "is not a folder"),
              "train_ft": (["--groups", "1"], "give 2 or more")}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    running = {name: subprocess.Popen([sys.executable, str(ROOT / "scripts" / f"{name}.py"), *argv], cwd=t, env=env,
+    running = {name: subprocess.Popen([sys.executable, str(script_path(name)), *argv], cwd=t, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for name, (argv, _) in cases.items()}
     for name, process in running.items():
@@ -317,13 +322,13 @@ def test_a_parser_error_is_one_line_naming_the_program():
 
 
 def test_a_step_script_run_without_torchrun_names_the_command_in_one_line(tmp_path):
-    """`python scripts/step_06_pipeline.py` (exercise 6.2's old hint) once ended in torch's env://
+    """`python scripts/course/step_06_pipeline.py` (exercise 6.2's old hint) once ended in torch's env://
     traceback; every multi-rank course script starts through course_common.start_gloo, which says
     how to launch it, from the script's own docstring."""
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "step_06_pipeline.py")], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "course" / "step_06_pipeline.py")], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300,
                           env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
-    command = ".venv/bin/torchrun --standalone --nproc-per-node 4 scripts/step_06_pipeline.py"
+    command = ".venv/bin/torchrun --standalone --nproc-per-node 4 scripts/course/step_06_pipeline.py"
     said = "step_06_pipeline.py runs on several ranks: launch it with torchrun, e.g. "
     assert proc.stderr.splitlines() == [said + command]

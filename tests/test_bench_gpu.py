@@ -30,8 +30,8 @@ FLAGS = ["--device", "cpu", "--ranks", "2", "--models", "tiny", "--steps", "1", 
 
 
 def bench_gpu():
-    if str(ROOT / "scripts") not in sys.path:
-        sys.path.insert(0, str(ROOT / "scripts"))
+    if str(ROOT / "scripts" / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts" / "bench"))
     import bench_gpu as module
 
     return module
@@ -143,7 +143,7 @@ def test_the_fsdp2_peer_reduce_scatters_every_micro_batch_as_zero_does(strategy)
 @pytest.mark.float32
 def test_the_bench_gpu_orchestrator_runs_each_side_in_fresh_processes_on_cpu(tmp_path):
     rows_file = tmp_path / "rows.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), *FLAGS, "--strategies", "tp", "pp", "cp",
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_gpu.py"), *FLAGS, "--strategies", "tp", "pp", "cp",
            "--rows", str(rows_file)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})

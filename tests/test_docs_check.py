@@ -1,11 +1,11 @@
-"""scripts/docs_check.py: the rules by which a chapter's captured output matches a fresh run."""
+"""scripts/tools/docs_check.py: the rules by which a chapter's captured output matches a fresh run."""
 
 import importlib.util
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("docs_check", ROOT / "scripts" / "docs_check.py")
+spec = importlib.util.spec_from_file_location("docs_check", ROOT / "scripts" / "tools" / "docs_check.py")
 docs_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(docs_check)
 

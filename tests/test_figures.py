@@ -1,4 +1,4 @@
-"""The course's pictures are drawn from the library's numbers (scripts/draw_figures.py), and the
+"""The course's pictures are drawn from the library's numbers (scripts/tools/draw_figures.py), and the
 numbers they show say what the chapters say. The loss-parity figure trains six runs and is left to
 the script; its claim (every layout equals one process) is tests/test_loss_parity.py's."""
 
@@ -20,7 +20,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("draw_figures_script", ROOT / "scripts" / "draw_figures.py")
+    spec = importlib.util.spec_from_file_location("draw_figures_script", ROOT / "scripts" / "tools" / "draw_figures.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,4 +1,4 @@
-"""Generation (minipar/extras/generate.py, scripts/sample.py): the KV cache changes nothing but the cost."""
+"""Generation (minipar/extras/generate.py, scripts/tools/sample.py): the KV cache changes nothing but the cost."""
 
 import importlib.util
 import subprocess
@@ -58,7 +58,7 @@ def trained(tmp_path_factory) -> Path:
 
 
 def script(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / "scripts" / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

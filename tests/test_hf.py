@@ -1,4 +1,4 @@
-"""Hugging Face Llama interop (minipar/extras/hf.py, scripts/convert.py, train.py --init-from).
+"""Hugging Face Llama interop (minipar/extras/hf.py, scripts/tools/convert.py, train.py --init-from).
 
 Every test builds a small random LlamaForCausalLM locally (no download) and holds minipar to the
 logits transformers itself computes, on one process and under tp2, pp2 and cp2.
@@ -49,7 +49,7 @@ TOL = {torch.float32: dict(rtol=7e-5, atol=1.5e-4), torch.float64: dict(rtol=0, 
 
 
 def convert():
-    spec = importlib.util.spec_from_file_location("convert_script", ROOT / "scripts" / "convert.py")
+    spec = importlib.util.spec_from_file_location("convert_script", ROOT / "scripts" / "tools" / "convert.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

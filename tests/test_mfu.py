@@ -54,7 +54,7 @@ def test_tying_changes_no_flops_only_the_parameters():
 
 
 def test_bench_gpu_states_the_convention_its_mfu_uses():
-    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts" / "bench")
     if scripts not in sys.path:
         sys.path.insert(0, scripts)
     import bench_gpu

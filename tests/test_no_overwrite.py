@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def script(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / "scripts" / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -165,9 +165,9 @@ def test_step_06_refuses_an_out_holding_an_earlier_runs_pngs(tmp_path):
     (target / "1f1b_measured.png").write_bytes(b"an earlier run's picture")
     before = snapshot(target)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                           str(ROOT / "scripts" / "step_06_pipeline.py"), "--out", str(target)],
+                           str(ROOT / "scripts" / "course" / "step_06_pipeline.py"), "--out", str(target)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "scripts")})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert proc.returncode != 0 and f"--out {target} holds files" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
     assert "Traceback" not in proc.stdout and snapshot(target) == before
 

@@ -1,4 +1,4 @@
-"""The layout planner (minipar/planning/planner.py, scripts/plan.py): it picks what practitioners pick."""
+"""The layout planner (minipar/planning/planner.py, scripts/tools/plan.py): it picks what practitioners pick."""
 
 import functools
 import importlib.util
@@ -59,7 +59,8 @@ def test_the_planner_weighs_zero3_with_recompute_torchtitans_8b_shape_fits_where
 
 @functools.cache
 def plan_70b():
-    """scripts/plan.py's 70b question (README): 64 GPUs of 80 GB, 8 a node, 8,192 tokens, 1,024 sequences a step."""
+    """scripts/tools/plan.py's 70b question (README): 64 GPUs of 80 GB, 8 a node, 8,192 tokens, 1,024 sequences a
+    step."""
     return plan("70b", Cluster(64), seq_len=8192, global_batch=1024)
 
 
@@ -146,7 +147,7 @@ def test_a_calibrated_clock_adds_each_messages_latency_at_its_groups_measured_ba
 
 
 def test_plan_py_calibrate_refuses_a_layout_it_cannot_read_or_too_few_steps_in_one_line_before_measuring(capsys):
-    spec = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "plan.py")
+    spec = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "tools" / "plan.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     for flags, says in ((["--calibrate-layouts", "--dp 2;--zero 3"], "'--zero 3' is not a layout"),
@@ -192,7 +193,7 @@ def test_the_planners_bubble_is_the_schedules_own_simulated_idle_fraction(schedu
 
 
 def test_plan_py_prints_the_choice_and_why_the_usual_alternatives_lose(capsys):
-    spec = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "plan.py")
+    spec = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "tools" / "plan.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     script.main(["--model", "8b", "--gpus", "8", "--gpu-memory", "80GB", "--seq-len", "8192", "--global-batch", "512"])
@@ -220,7 +221,7 @@ def test_interleaved_stages_are_weighed_and_picked_where_the_bubble_costs_more_t
 
 
 def test_a_layout_that_fits_the_whole_memory_but_not_nine_tenths_is_refused_unless_the_headroom_is_0(capsys):
-    spec = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "plan.py")
+    spec = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "tools" / "plan.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     case = ["--model", "8b", "--gpus", "8", "--gpu-memory", "24GB", "--seq-len", "4096", "--global-batch", "32"]
@@ -248,7 +249,7 @@ def test_plan_py_calibrate_measures_predicts_runs_and_tables_a_layout_leaving_no
     import subprocess
     import sys
 
-    cmd = [sys.executable, str(ROOT / "scripts" / "plan.py"), "--calibrate", "--calibrate-layouts", "--dp 2",
+    cmd = [sys.executable, str(ROOT / "scripts" / "tools" / "plan.py"), "--calibrate", "--calibrate-layouts", "--dp 2",
            "--calibrate-steps", "7"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})

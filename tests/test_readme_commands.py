@@ -24,7 +24,8 @@ def test_readme_train_command_passes_the_checks(nproc, args, monkeypatch):
 
 # The commands that read a trained checkpoint (sample.py, eval.py), run as written from a folder
 # that holds a tiny checkpoint under the README's runs/run_001 and this README (the text eval reads).
-READERS = re.findall(r"^\.venv/bin/python scripts/(sample|eval)\.py (runs/run_001 [^#\n]*?)\s*(?:#.*)?$", README, re.M)
+READERS = re.findall(r"^\.venv/bin/python scripts/tools/(sample|eval)\.py (runs/run_001 [^#\n]*?)\s*(?:#.*)?$",
+                     README, re.M)
 
 
 def test_the_readme_shows_sample_and_eval_on_the_first_run():

@@ -47,7 +47,7 @@ def test_the_loop_imports_nothing_from_planning_ops_or_extras():
 
 def test_no_function_in_the_library_or_the_scripts_is_over_60_lines():
     long = []
-    for path in LIBRARY + sorted((ROOT / "scripts").glob("*.py")):
+    for path in LIBRARY + sorted((ROOT / "scripts").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
                 long.append(f"{path.relative_to(ROOT)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
@@ -55,9 +55,9 @@ def test_no_function_in_the_library_or_the_scripts_is_over_60_lines():
 
 
 def test_no_script_imports_another_script_but_the_shared_helpers():
-    scripts = {p.stem for p in (ROOT / "scripts").glob("*.py")}
+    scripts = {p.stem for p in (ROOT / "scripts").rglob("*.py")}
     helpers = {"bench_common", "course_common"}
-    for path in (ROOT / "scripts").glob("*.py"):
+    for path in (ROOT / "scripts").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
@@ -171,7 +171,7 @@ def test_an_import_of_a_later_chapter_is_found_wherever_it_is():  # the check ab
 
 def test_the_readmes_chapter_table_is_written_from_the_map():
     readme = (ROOT / "README.md").read_text()
-    assert course.readme_table() in readme, "run scripts/docs_check.py --write-table"
+    assert course.readme_table() in readme, "run scripts/tools/docs_check.py --write-table"
     assert all(f"`{f}`" in course.readme_table() for c in course.CHAPTERS for f in c.files)
 
 

@@ -1,6 +1,6 @@
 """--profile-steps A:B: each rank writes a trace that loads as Chrome-trace JSON, in which every
 message the ledger counted during the profiled steps is a range named for it (kind, group/op,
-payload bytes), each posted message paired with the range of its wait; scripts/trace_report.py
+payload bytes), each posted message paired with the range of its wait; scripts/tools/trace_report.py
 reads the folder into shares of the step; a restart of --resume auto profiles nothing twice (the
 flag's refusals: test_config.py and test_bad_inputs.py). The ranges come from the clock
 (comm_clock.py), the steps' from extras/profiling.py."""
@@ -37,7 +37,7 @@ MESSAGE = re.compile(r"(\w+)/(\w+) (\d+) B")  # one message of a range: group/op
 
 
 def trace_report():
-    spec = importlib.util.spec_from_file_location("trace_report", ROOT / "scripts" / "trace_report.py")
+    spec = importlib.util.spec_from_file_location("trace_report", ROOT / "scripts" / "tools" / "trace_report.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

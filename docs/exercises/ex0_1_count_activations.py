@@ -16,7 +16,7 @@ out a few small tensors).
 The estimator's `activation_bytes` is switched off while the checker runs your code: count, don't
 look up.
 
-The library's own, after you tried: `kept_for_backward` in scripts/step_00_one_device.py.
+The library's own, after you tried: `kept_for_backward` in scripts/course/step_00_one_device.py.
 
 Check: make exercise N=0.1 (one process, a few seconds)
 """

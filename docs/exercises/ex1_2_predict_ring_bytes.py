@@ -4,7 +4,7 @@ N ranks each hold a float32 tensor of E elements (S = 4 E bytes); `make exercise
 your N and E (drawn from SEED below). By the ring algorithm, how many bytes does one rank send in
     an all-reduce of it,  a reduce-scatter of it,  an all-gather whose result is S bytes?
 Write the three numbers of bytes. The answer key is the ledger's own formula,
-`ring_bytes_sent` in minipar/collectives.py; `scripts/step_01_collectives.py` prints the ledger.
+`ring_bytes_sent` in minipar/collectives.py; `scripts/course/step_01_collectives.py` prints the ledger.
 
 Check: make exercise N=1.2
 """

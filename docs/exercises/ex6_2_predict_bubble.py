@@ -7,7 +7,7 @@ work alone; chapter 6, "The bubble", gives both)? Work it out on paper first, th
 as a number (a fraction like 3 / 7 is fine). The answer key is the simulated timeline
 (minipar.pipeline.timeline.simulate). Chapter 6's script draws one for p = 4, m = 8 on 4 ranks:
 
-    .venv/bin/torchrun --standalone --nproc-per-node 4 scripts/step_06_pipeline.py
+    .venv/bin/torchrun --standalone --nproc-per-node 4 scripts/course/step_06_pipeline.py
 
 Check: make exercise N=6.2
 """

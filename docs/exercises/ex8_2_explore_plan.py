@@ -11,7 +11,7 @@ Which one does the planner rank fastest among those that fit? Run it on your cas
 (8 GPUs, 8,192 tokens); yours is another, where the winner changes. Then explain from the parts
 why the others lose (or do not fit).
 
-    python scripts/plan.py --model 8b --gpus G --seq-len s --global-batch B --top 60
+    python scripts/tools/plan.py --model 8b --gpus G --seq-len s --global-batch B --top 60
 
 Check: make exercise N=8.2 (a few seconds: it asks the planner about the four)
 """

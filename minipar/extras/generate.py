@@ -100,7 +100,7 @@ def generate(model: Llama, prompt: torch.Tensor, new_tokens: int, temperature: f
 
 
 # ----------------------------------------------------------------------------------------------
-# A checkpoint on one process (scripts/sample.py, scripts/eval.py)
+# A checkpoint on one process (scripts/tools/sample.py, scripts/tools/eval.py)
 # ----------------------------------------------------------------------------------------------
 
 

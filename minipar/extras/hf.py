@@ -17,7 +17,7 @@ the same way round ([out, in]). Only the names differ, and where the settings li
 
 A checkpoint may be split over several files, listed in model.safetensors.index.json. This file
 reads and writes them with safetensors and json only: transformers is needed to run the exported
-model, never to convert it (scripts/convert.py drives it).
+model, never to convert it (scripts/tools/convert.py drives it).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ the flag nothing here runs: no profiler, no ranges, no listener on the ledger. A
 hands it to the run): `hooks_for` puts a StepProfiler among the run log's timed steps.
 
 Open a file in ui.perfetto.dev, or `tensorboard --logdir <out>/traces` (with torch-tb-profiler);
-scripts/trace_report.py reads the folder and says, per rank, how much communication hid behind
+scripts/tools/trace_report.py reads the folder and says, per rank, how much communication hid behind
 computation and where the step's time went.
 """
 

@@ -61,7 +61,7 @@ class Cluster:
     inter_bandwidth: float = 50e9  # bytes/s per GPU between nodes (400 Gb/s InfiniBand)
     memory_bandwidth: float = 3.35e12  # bytes/s per GPU (H100 SXM HBM3)
     headroom: float = HEADROOM
-    # Measured (scripts/plan.py --calibrate): each group size's (size, α seconds a message, β bytes/s)
+    # Measured (scripts/tools/plan.py --calibrate): each group size's (size, α seconds a message, β bytes/s)
     # stands for the bandwidths above and adds a latency to every message.
     links: tuple[tuple[int, float, float], ...] = ()
 

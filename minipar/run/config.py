@@ -96,15 +96,15 @@ class TrainConfig(Layout):
     resume: str | None = setting(None, "a checkpoint folder, an --out folder (its newest that verifies), or auto: "
                                  "--out's newest if it has one, else start fresh (for torchrun --max-restarts)", "run")
     init_from: str | None = setting(None, "start from these weights at step 0 with a fresh optimizer: a checkpoint "
-                                    "folder, e.g. one scripts/convert.py import wrote from a Hugging Face model; "
+                                    "folder, e.g. one scripts/tools/convert.py import wrote from a Hugging Face model; "
                                     "without --model, the model's preset and shape are the weights'", "model")
     wandb: bool = setting(True, "log to wandb (offline unless you have logged in)", "run")
     log_json: str | None = setting(None, "write one JSON object per step to this file (default: none)", "run")
     log_every: int = setting(10, "print a log line every N steps", "run",
                              within=(lambda v: 1 <= v <= MAX_STEPS, "1 or more steps, at most 2**38"))
     profile_steps: str | None = setting(None, "A:B: torch.profiler over steps A to B (from 1) on every rank, a "
-                                        "Chrome trace per rank in --out/traces/steps_A-B (scripts/trace_report.py "
-                                        "reads them)", "run")
+                                        "Chrome trace per rank in --out/traces/steps_A-B "
+                                        "(scripts/tools/trace_report.py reads them)", "run")
     allow_config_change: bool = setting(False, "--resume with another --data, --seq-len, --global-batch, --seed or "
                                         "learning-rate schedule (default: off)", "run",
                                         acts_with=("--resume", lambda c: c.resume is not None))

@@ -18,7 +18,7 @@ MiB = 2**20
 
 def _cfg(model: str, model_vocab: int | None = None, **kw):
     """(model config, train config) validated for its world; model_vocab: a smaller vocabulary for the
-    model alone, as scripts/step_09_4d.py uses."""
+    model alone, as scripts/course/step_09_4d.py uses."""
     from minipar.model import get_config
     from minipar.run.config import TrainConfig
     c = get_config(model, vocab_size=model_vocab) if model_vocab else get_config(model)

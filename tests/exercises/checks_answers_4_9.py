@@ -101,7 +101,7 @@ BUBBLE_SPACE = [dict(p=p, m=m) for p, m in ((2, 6), (2, 10), (3, 3), (3, 10), (3
 def bubble_problems(answer, v: dict) -> list[str]:
     """The idle fraction; an answer equal to the bubble ratio (p - 1)/m is told which one it is."""
     p, m = v["p"], v["m"]
-    how = "run .venv/bin/torchrun --standalone --nproc-per-node 4 scripts/step_06_pipeline.py, then think again"
+    how = "run .venv/bin/torchrun --standalone --nproc-per-node 4 scripts/course/step_06_pipeline.py, then think again"
     if not number_problems(answer, (p - 1) / m, 0.01, "", ""):
         how = f"{answer} is the bubble ratio (p - 1)/m, idle time over the work alone: the question asks over the " \
               "whole step, work and idle time together (chapter 6, \"The bubble\")"
@@ -219,7 +219,7 @@ def _plan_question(v: dict) -> str:
     letters = "   ".join(f"{k} {_flags(x)}" for k, x in plan_choices(v["gpus"]).items())
     return (f"Llama-3.1-8B on {v['gpus']} H100s (80 GB, 10% kept free, 8 a node), {v['global_batch']:,} sequences of "
             f"{v['seq_len']:,} tokens a step: of   {letters}   which does the planner rank fastest among those "
-            f"that fit? (python scripts/plan.py --model 8b --gpus {v['gpus']} --seq-len {v['seq_len']} "
+            f"that fit? (python scripts/tools/plan.py --model 8b --gpus {v['gpus']} --seq-len {v['seq_len']} "
             f"--global-batch {v['global_batch']} --top 60)")
 
 
@@ -228,7 +228,7 @@ check_explore_plan = Predict(
     lambda answer, v: choice_problems(answer, truth_plan_choice(**v),
                                       {k: _flags(x) for k, x in plan_choices(v["gpus"]).items()},
                                       "the planner ranks another first among the layouts that fit: run "
-                                      f"python scripts/plan.py --model 8b --gpus {v['gpus']} --seq-len "
+                                      f"python scripts/tools/plan.py --model 8b --gpus {v['gpus']} --seq-len "
                                       f"{v['seq_len']} --global-batch {v['global_batch']} --top 60"),
     lambda v: [])  # a letter: nothing the chapters could print gives it away
 

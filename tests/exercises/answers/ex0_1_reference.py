@@ -1,4 +1,4 @@
-"""Exercise 0.1, the chapter's own count: scripts/step_00_one_device.py's saved-tensor hook."""
+"""Exercise 0.1, the chapter's own count: scripts/course/step_00_one_device.py's saved-tensor hook."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""Exercise 8.2, an answer: read off scripts/plan.py for the variant, as the student does, here by
+"""Exercise 8.2, an answer: read off scripts/tools/plan.py for the variant, as the student does, here by
 asking the planner's own functions about the four layouts (fits, then the fewest seconds)."""
 
 

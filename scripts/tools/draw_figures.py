@@ -1,0 +1,388 @@
+"""The course's pictures, drawn from the library's own numbers (the chapters show docs/img/*.png).
+
+    .venv/bin/python scripts/tools/draw_figures.py                              # all nine, into runs/figures
+    .venv/bin/python scripts/tools/draw_figures.py zero tp --out /tmp/figures   # some of them, elsewhere
+
+--out is a new folder (one that holds anything is refused, docs/img included: nothing is drawn
+over); copy the PNGs into docs/img/ to update the course's. The loss runs take a minute or two.
+
+    memory    one device's bytes by kind (weights, gradients, AdamW, activations) for 1b, 8b and 70b,
+              bf16-mixed, one 4,096-token sequence (planning/estimate: held_bytes, activation_bytes),
+              against an H100's 80 GB                                                    chapter 0
+    ring      the bytes each rank sends per byte of payload for all-reduce, all-gather and reduce-
+              scatter as N grows (collectives.ring_bytes_sent): 2(N-1)/N and (N-1)/N      chapter 1
+    buckets   DataParallel's gradient buckets of the small model (float32, 1 MiB, in backward order:
+              data_parallel.bucket_params) and each one's all-reduce bytes per rank at dp 4 chapter 2
+    zero      who holds what under ZeRO 0-3 at dp 4, at the end of backward and after the gradients'
+              reduce-scatter (planning/estimate.held_bytes: equal to what the ranks hold,
+              tests/test_mixed_precision.py)                                               chapter 3
+    tp        the column/row split of the MLP at tp 2 (the shard shapes parallelize cuts)   chapter 4
+    zigzag    which cp rank holds each query row of causal attention, contiguous against zigzag
+              (context_parallel.zigzag_positions), and the work each rank does          chapter 5
+    experts   the tokens each ep rank sends each other in one MoE layer's all-to-all (the router
+              of the small-moe model on random tokens)                                   chapter 7
+    layouts   every layout the planner weighs for 8b on 8 H100s (seq 8,192, 1,024 sequences a step):
+              its fullest rank's bytes (estimate.peak_bytes) against its step time (planner.step_time),
+              those that fit in 80 GB less 10% headroom marked, the pick circled          chapter 8
+    parity    the same training run under six layouts (scripts/train.py, float64): one curve, and
+              each layout's largest difference from one process                         chapter 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
+
+from minipar.collectives import ring_bytes_sent  # noqa: E402
+from minipar.context_parallel import zigzag_positions  # noqa: E402
+from minipar.data_parallel import bucket_params, by_grad_mean  # noqa: E402
+from minipar.model import Llama, get_config  # noqa: E402
+from minipar.moe import MoE  # noqa: E402
+from minipar.ops.args import new_folder, refusals, unoccupied  # noqa: E402
+from minipar.planning.estimate import activation_bytes, held_bytes  # noqa: E402
+from minipar.planning.planner import Cluster, step_time, weigh  # noqa: E402
+from minipar.run.config import TrainConfig  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]  # one per rank
+
+
+def zero_held(stage: int) -> dict[str, dict[str, int]]:
+    """What each of 4 dp ranks holds under `stage` (small model, bf16-mixed), in bytes by kind, at the
+    two moments of a step: the end of backward, and after the gradients' reduce-scatter (the step).
+    They differ only at stage 1, which the paper defines by the first: its optimizer state is sharded
+    but every rank still holds every gradient (P_os). minipar's stage 1 accumulates whole .grad
+    tensors during backward and keeps only its slice once they are reduce-scattered."""
+    c = get_config("small")
+    after = held_bytes(c, TrainConfig(model="small", dp=4, zero=stage, precision="bf16-mixed"))
+    if stage != 1:
+        return {"end of backward": after, "after reduce-scatter": after}
+    whole = held_bytes(c, TrainConfig(model="small", dp=1, precision="bf16-mixed"))["grads"]  # every bf16 grad
+    return {"end of backward": {**after, "grads": whole}, "after reduce-scatter": after}
+
+
+def zero(out: Path) -> None:
+    kinds = ("params", "grads", "optimizer")
+    labels = ("weights (bf16) + fp32 masters", "gradients (bf16)", "AdamW momentum, variance (fp32)")
+    held = [zero_held(stage) for stage in range(4)]
+    fig, ax = plt.subplots(figsize=(7.6, 4.8))
+    for m, (moment, hatch) in enumerate((("end of backward", ""), ("after reduce-scatter", "//"))):
+        x = [stage + (m - 0.5) * 0.4 for stage in range(4)]
+        bottom = [0.0] * 4
+        for kind, label, color in zip(kinds, labels, COLORS):
+            mib = [h[moment][kind] / 2**20 for h in held]
+            ax.bar(x, mib, width=0.38, bottom=bottom, color=color, hatch=hatch, edgecolor="white",
+                   label=label if m == 0 else None)
+            bottom = [b + v for b, v in zip(bottom, mib)]
+        for xi, total in zip(x, bottom):
+            ax.text(xi, total, f"{total:.1f}", ha="center", va="bottom", fontsize=8)
+    ax.bar([0], [0], color="white", edgecolor="grey", hatch="//", label="hatched: after the reduce-scatter")
+    ax.set_xticks(range(4), ["no ZeRO", "stage 1\n(optimizer)", "stage 2\n(+ gradients)", "stage 3\n(+ weights)"])
+    fig.text(0.01, 0.01, "Left bar of each pair: the end of backward; right (hatched): after the gradients' "
+             "reduce-scatter, at the step.\nStage 1 still holds every gradient at the end of backward (the paper's "
+             "P_os); stage 2 never does.\nNo ZeRO: the gradients' bar includes DataParallel's flat all-reduce "
+             "buffers (2 Psi).", fontsize=7)
+    ax.set_ylabel("MiB held by each of 4 dp ranks")
+    ax.set_title("small model in bf16-mixed, dp 4: (2 + 2 + 12) Psi, split stage by stage")
+    ax.legend(fontsize=8)
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
+    fig.savefig(out / "03_zero_stages.png", dpi=110)
+
+
+def _matrix(ax, x, y, w, h, parts, vertical, label):
+    """A w x h matrix at (x, y) cut into `parts` colored slices: columns if vertical, else rows."""
+    for r in range(parts):
+        if parts == 1:  # whole, the same on every rank
+            ax.add_patch(Rectangle((x, y), w, h, color="lightgray"))
+        elif vertical:
+            ax.add_patch(Rectangle((x + r * w / parts, y), w / parts, h, color=COLORS[r], alpha=0.75))
+        else:
+            ax.add_patch(Rectangle((x, y + h - (r + 1) * h / parts), w, h / parts, color=COLORS[r], alpha=0.75))
+    ax.add_patch(Rectangle((x, y), w, h, fill=False, linewidth=1.2))
+    ax.text(x + w / 2, y - 0.35, label, ha="center", va="top", fontsize=8)
+
+
+def tp(out: Path) -> None:
+    c, t = get_config("small"), 2
+    d, f = c.dim, c.ffn_dim
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    _matrix(ax, 0, 1, 1.2, 2, 1, True, f"X [tokens, {d}]\nwhole on every rank")
+    ax.text(1.7, 2.35, "f", fontsize=13, ha="center", style="italic")
+    ax.text(1.7, 1.75, "×", fontsize=14, ha="center")
+    _matrix(ax, 2.2, 1, 2.4, 2, t, True, f"W_gate, W_up: columns cut\n[{d}, {f}] -> [{d}, {f // t}] a rank")
+    ax.text(5.0, 2, "=", fontsize=14, ha="center")
+    _matrix(ax, 5.4, 1, 2.4, 2, t, True, f"H = silu(X W_gate) * X W_up\n[tokens, {f // t}] a rank, no message")
+    ax.text(8.05, 2, "×", fontsize=14, ha="center")
+    _matrix(ax, 8.3, 0.4, 1.2, 3.2, t, False, f"W_down: rows cut\n[{f}, {d}] -> [{f // t}, {d}] a rank")
+    ax.text(9.9, 2.35, "g", fontsize=13, ha="center", style="italic")
+    ax.text(9.9, 1.75, "=", fontsize=14, ha="center")
+    _matrix(ax, 10.3, 1, 1.2, 2, 1, True, "Y = sum of the partial\nproducts (g: all-reduce)")
+    ax.set_xlim(-0.3, 11.8)
+    ax.set_ylim(-0.8, 4)
+    ax.axis("off")
+    ax.set_title(f"Tensor parallelism at tp {t}: the MLP's column-then-row split (colors: ranks)")
+    fig.tight_layout()
+    fig.savefig(out / "04_tp_column_row.png", dpi=110)
+
+
+def zigzag(out: Path) -> None:
+    cp, s = 4, 16
+    owners = {"contiguous": [p // (s // cp) for p in range(s)], "zigzag": [0] * s}
+    for r in range(cp):
+        for p in zigzag_positions(r, cp, s).tolist():
+            owners["zigzag"][p] = r
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4.4))
+    for ax, (name, owner) in zip(axes, owners.items()):
+        work = [sum(q + 1 for q in range(s) if owner[q] == r) for r in range(cp)]  # keys each rank's queries see
+        for q in range(s):
+            for k in range(q + 1):
+                ax.add_patch(Rectangle((k, s - 1 - q), 1, 1, color=COLORS[owner[q]], alpha=0.8))
+        ax.set_xlim(0, s)
+        ax.set_ylim(0, s)
+        ax.set_aspect("equal")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.set_xlabel("key position 0 .. 15")
+        ax.set_ylabel("query position (0 at top)")
+        ax.set_title(f"{name}: score blocks per rank {work}", fontsize=10)
+    fig.suptitle(f"Causal attention, {s} tokens on cp = {cp} ranks (color: the rank holding the query)")
+    fig.tight_layout()
+    fig.savefig(out / "05_zigzag.png", dpi=110)
+
+
+def experts(out: Path) -> None:
+    c, ep, tokens = get_config("small-moe"), 4, 256
+    torch.manual_seed(0)
+    moe = MoE(c)
+    torch.nn.init.normal_(moe.router.weight, std=c.dim**-0.5)
+    chosen = moe.probabilities(torch.randn(tokens, c.dim)).topk(c.top_k, dim=-1).indices  # [T, k]
+    per_rank, local = tokens // ep, c.n_experts // ep
+    sent = torch.zeros(ep, ep, dtype=torch.long)  # [from the token's rank, to the expert's rank]
+    for t, row in enumerate(chosen.tolist()):
+        for e in row:
+            sent[t // per_rank, e // local] += 1
+    fig, ax = plt.subplots(figsize=(5.2, 4.4))
+    ax.imshow(sent, cmap="Blues")
+    for i in range(ep):
+        for j in range(ep):
+            ax.text(j, i, int(sent[i, j]), ha="center", va="center", color="black" if i != j else "darkred")
+    ax.set_xticks(range(ep), [f"rank {j}\nexperts {j * local}-{j * local + local - 1}" for j in range(ep)], fontsize=8)
+    ax.set_yticks(range(ep), [f"rank {i}" for i in range(ep)])
+    ax.set_xlabel("to the rank holding the expert")
+    ax.set_ylabel(f"from the rank holding the token ({per_rank} tokens)")
+    off = int(sent.sum() - sent.diagonal().sum())
+    ax.set_title(f"One MoE layer's all-to-all, top-{c.top_k} of {c.n_experts} experts at ep {ep}:\n"
+                 f"{off} of {int(sent.sum())} assignments leave their rank (diagonal: stay)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / "07_expert_all_to_all.png", dpi=110)
+
+
+GB = 1e9  # an H100's 80 GB are decimal (planner.Cluster.memory)
+
+
+def one_device_memory() -> dict[str, dict[str, int]]:
+    """What one device would hold for each real model, in bytes by kind: bf16-mixed, one sequence of
+    4,096 tokens (chapter 0's table: scripts/course/step_00_one_device.py)."""
+    held = {}
+    for name in ("1b", "8b", "70b"):
+        c = get_config(name)
+        cfg = TrainConfig(model=name, seq_len=4096, micro_batch=1, global_batch=1, precision="bf16-mixed")
+        held[name] = {**held_bytes(c, cfg), "activations": activation_bytes(c, cfg)}
+    return held
+
+
+def memory(out: Path) -> None:
+    kinds = ("params", "grads", "optimizer", "activations")
+    labels = ("weights (bf16) + fp32 masters", "gradients (bf16)", "AdamW momentum, variance (fp32)",
+              "activations (one 4,096-token sequence)")
+    held = one_device_memory()
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    names, bottom = list(held), [0.0] * len(held)
+    for kind, label, color in zip(kinds, labels, [*COLORS[:3], "#8172b3"]):
+        gib = [held[n][kind] / 2**30 for n in names]
+        ax.bar(names, gib, bottom=bottom, color=color, label=label)
+        bottom = [b + v for b, v in zip(bottom, gib)]
+    for i, total in enumerate(bottom):
+        ax.text(i, total, f"{total:,.0f} GiB\n({total * 2**30 / (80 * GB):.1f} H100s)", ha="center", va="bottom",
+                fontsize=8)
+    ax.axhline(80 * GB / 2**30, color="black", linestyle="--", linewidth=1, label="one H100: 80 GB (74.5 GiB)")
+    ax.set_ylim(0, max(bottom) * 1.12)
+    ax.set_ylabel("GiB on one device")
+    ax.set_title("One device, bf16-mixed: model states (16 bytes a parameter) and activations", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(out / "00_one_device_memory.png", dpi=110)
+
+
+RING_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+RING_N = range(2, 33)
+RING_PAYLOAD = math.lcm(*RING_N)  # bytes: a payload every N divides, so no byte is lost to rounding
+
+
+def ring_curves(nbytes: int = RING_PAYLOAD) -> dict[str, list[float]]:
+    """Bytes each rank sends per byte of an nbytes payload, by op, for N = 2 .. 32 (ring_bytes_sent)."""
+    return {op: [ring_bytes_sent(op, nbytes, n) / nbytes for n in RING_N] for op in RING_OPS}
+
+
+def ring(out: Path) -> None:
+    curves = ring_curves()
+    fig, ax = plt.subplots(figsize=(6.8, 4.2))
+    styles = {"all_reduce": ("-o", "all-reduce: 2(N-1)/N"), "all_gather": ("-s", "all-gather: (N-1)/N"),
+              "reduce_scatter": (":x", "reduce-scatter: (N-1)/N")}
+    for (op, curve), color in zip(curves.items(), COLORS):
+        style, label = styles[op]
+        ax.plot(list(RING_N), curve, style, color=color, label=label, markersize=4)
+    for level in (1, 2):
+        ax.axhline(level, color="grey", linewidth=0.6, linestyle="--")
+    ax.set_xlabel("ranks N")
+    ax.set_ylabel("bytes each rank sends / payload bytes S")
+    ax.set_ylim(0, 2.2)
+    ax.set_title("The ring's cost per rank is nearly flat in N (collectives.ring_bytes_sent)")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out / "01_ring_bytes.png", dpi=110)
+
+
+BUCKET_MB, BUCKET_DP = 1.0, 4
+
+
+def gradient_buckets() -> list[tuple[str, int, int]]:
+    """The small model's DataParallel buckets in float32 at bucket_mb 1, in backward order, as
+    (first .. last parameter, payload bytes, bytes each of 4 dp ranks sends for its all-reduce)."""
+    model = Llama(get_config("small"), seed=0)
+    names = {id(p): n for n, p in model.named_parameters()}
+    rows = []
+    for params in by_grad_mean(list(reversed(list(model.parameters())))).values():  # as DataParallel._make_buckets
+        for chunk in bucket_params(params, BUCKET_MB):
+            nbytes = sum(p.numel() * p.element_size() for p in chunk)
+            rows.append((f"{names[id(chunk[0])]} .. {names[id(chunk[-1])]}", nbytes,
+                         ring_bytes_sent("all_reduce", nbytes, BUCKET_DP)))
+    return rows
+
+
+def buckets(out: Path) -> None:
+    rows = gradient_buckets()
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    y = list(range(len(rows)))
+    ax.barh([i + 0.2 for i in y], [r[1] / 2**20 for r in rows], height=0.4, color=COLORS[0], label="bucket's gradients")
+    ax.barh([i - 0.2 for i in y], [r[2] / 2**20 for r in rows], height=0.4, color=COLORS[1],
+            label=f"sent by each rank in its all-reduce, dp {BUCKET_DP}: 2(N-1)/N = 1.5 x")
+    ax.set_yticks(y, [f"bucket {i}\n" + r[0].replace(" .. ", " ..\n") for i, r in enumerate(rows)], fontsize=7)
+    ax.invert_yaxis()  # bucket 0, the first backward fills, at the top
+    ax.axvline(BUCKET_MB, color="grey", linestyle="--", linewidth=0.8)
+    ax.set_xlabel(f"MiB (dashed: bucket_mb = {BUCKET_MB:g}, a bucket closes once it reaches it)")
+    ax.set_title(f"small model, float32: {len(rows)} gradient buckets in the order backward fills them", fontsize=10)
+    ax.legend(fontsize=8, loc="center right")
+    fig.tight_layout()
+    fig.savefig(out / "02_gradient_buckets.png", dpi=110)
+
+
+PLANNED = dict(model="8b", cluster=Cluster(8), seq_len=8192, global_batch=1024)
+
+
+def layout_points() -> list[tuple[str, int, float]]:
+    """Every layout the planner weighs for 8b on 8 H100s: (its flags, its fullest rank's bytes, its step's
+    seconds), by the planner's own functions (planner.plan keeps those whose bytes fit in 80 GB less the
+    headroom; it times only those, so the others are timed here)."""
+    c, cluster = get_config(PLANNED["model"]), PLANNED["cluster"]
+    return [(ch.flags(), ch.memory, (ch.time or step_time(c, ch.cfg, cluster))["total"])
+            for ch in weigh(PLANNED["model"], cluster, PLANNED["seq_len"], PLANNED["global_batch"])]
+
+
+def planned(out: Path) -> None:
+    points, limit = layout_points(), PLANNED["cluster"].usable
+    fits = [p for p in points if p[1] <= limit]
+    too_big = [p for p in points if p[1] > limit]
+    best = min(fits, key=lambda p: p[2])
+    fig, ax = plt.subplots(figsize=(7.4, 4.8))
+    ax.scatter([p[2] for p in too_big], [p[1] / GB for p in too_big], marker="x", color="grey", s=18,
+               label=f"does not fit ({len(too_big)})")
+    ax.scatter([p[2] for p in fits], [p[1] / GB for p in fits], color=COLORS[0], s=14,
+               label=f"fits ({len(fits)})")
+    ax.scatter([best[2]], [best[1] / GB], s=160, facecolors="none", edgecolors=COLORS[3], linewidths=2,
+               label=f"the planner's pick: {best[0]}")
+    ax.axhline(limit / GB, color="black", linestyle="--", linewidth=1)
+    ax.text(ax.get_xlim()[1], limit / GB, f"{limit / GB:.0f} GB: 80 less 10% headroom ", ha="right", va="bottom",
+            fontsize=8)
+    ax.set_xlabel("step time, seconds (planner.step_time)")
+    ax.set_ylabel("GB on the fullest rank (estimate.peak_bytes)")
+    ax.set_title(f"8b on 8 H100s, seq {PLANNED['seq_len']:,}, {PLANNED['global_batch']:,} sequences a step: "
+                 "every layout", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "08_layouts_8b.png", dpi=110)
+
+
+PARITY_RUN = ["--model", "tiny", "--vocab-size", "512", "--seq-len", "32", "--global-batch", "8", "--micro-batch", "2",
+              "--steps", "40", "--lr", "3e-3", "--warmup", "5", "--dtype", "float64", "--log-every", "100",
+              "--no-wandb"]
+LAYOUTS = {"one process": [], "dp 2": ["--dp", "2"], "tp 2 + sp": ["--tp", "2", "--sp"], "pp 2 (1F1B)": ["--pp", "2"],
+           "cp 2": ["--cp", "2"], "dp 2, ZeRO-3": ["--dp", "2", "--zero", "3"]}
+
+
+def losses(flags: list[str], folder: Path) -> list[float]:
+    log, ranks = folder / "log.jsonl", 1 if not flags else 2
+    folder.mkdir(parents=True)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+    argv = [*launcher, str(ROOT / "scripts" / "train.py"), *PARITY_RUN, *flags, "--out", str(folder / "out"),
+            "--log-json", str(log), "--cache-dir", str(folder.parent / "cache")]
+    done = subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"scripts/train.py {' '.join(flags)} failed:\n{done.stderr[-2000:]}")
+    return [json.loads(line)["loss"] for line in log.read_text().splitlines() if "loss" in json.loads(line)]
+
+
+def parity(out: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        curves = {name: losses(flags, Path(tmp) / str(i)) for i, (name, flags) in enumerate(LAYOUTS.items())}
+    reference = curves["one process"]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True, height_ratios=(3, 2))
+    steps = range(1, len(reference) + 1)
+    for i, (name, curve) in enumerate(curves.items()):
+        top.plot(steps, curve, label=name, linewidth=4 - 0.5 * i, alpha=0.8, color=f"C{i}")
+        if name != "one process":
+            bottom.semilogy(steps, [abs(a - b) or 1e-18 for a, b in zip(curve, reference)], label=name,
+                            color=f"C{i}", marker="o", markersize=3, linestyle="none")
+    top.set_ylabel("training loss")
+    top.set_title("tiny Llama, float64: the same run under six layouts")
+    top.legend(fontsize=8)
+    bottom.set_ylabel("|loss - one process|\n(0 drawn at 1e-18)")
+    bottom.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out / "09_loss_parity.png", dpi=110)
+
+
+FIGURES = {"memory": memory, "ring": ring, "buckets": buckets, "zero": zero, "tp": tp, "zigzag": zigzag,
+           "experts": experts, "layouts": planned, "parity": parity}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", choices=[[], *FIGURES], help="the figures to draw (default: all)")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "figures", help="a new folder for the PNGs")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    with refusals():
+        unoccupied(args.out, "--out")
+    with new_folder(args.out, "--out") as folder:  # built beside --out, renamed into place when all are drawn
+        for name in args.names or FIGURES:
+            FIGURES[name](folder)
+            print(f"drew {name}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
