@@ -39,6 +39,7 @@ CHAPTERS = (
     Chapter("4", "Tensor and sequence parallelism", "04_tensor_parallel.md", ("tensor_parallel.py",),
             ("scripts/step_04_tensor_parallel.py", "scripts/step_04b_tp_overlap.py"), 50,
             "and the tensor step of `parallelize.py` (chapter 7)"),
+    Chapter("4c", "Muon: the optimizer that needs the whole matrix", "04c_muon.md", ("muon.py",), (), 20),
     Chapter("5", "Context parallelism", "05_context_parallel.md", ("context_parallel.py",),
             ("scripts/step_05_context_parallel.py", "scripts/step_05b_ulysses.py"), 50),
     Chapter("6", "Pipeline parallelism", "06_pipeline.md",

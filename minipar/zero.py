@@ -75,6 +75,7 @@ class ZeroBucket:
         dtype = torch.promote_types(self.full.dtype, torch.float32)
         device = "cpu" if offload else self.full.device  # CPU offload: state and update live in host memory
         self.master = nn.Parameter(self.full[self.slice].to(device=device, dtype=dtype).clone())  # [padded // N]
+        self.master.bucket = self  # what it is a slice of: Muon (chapter 4c) gathers the whole matrices
         if precision is not None and precision.mixed:  # chapter 3b's policy, handed in by parallelize
             self.full = self.full.to(precision.working)  # the working weights: bf16
             self.reduce = precision.reduce

@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, fields, replace
 
-from minipar.layout import MAX_BATCH, MAX_STEPS, SHAPE_FLAGS, Layout, setting
+from minipar.layout import MAX_BATCH, MAX_STEPS, SHAPE_FLAGS, Layout, flag_of, setting
 from minipar.model import ModelConfig
 from minipar.run import checkpoint, flags
 from minipar.run.args import InputError
@@ -258,7 +258,7 @@ def parse_args(argv=None) -> TrainConfig:
     idle = sorted(k for k in named if not acts_with[k][1](cfg))  # a walk of --data only if a setting asks for it
     if idle:
         value = getattr(cfg, idle[0])
-        given = f"--{idle[0].replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")  # a switch: named
+        given = flag_of(idle[0], value)  # as given: --muon-lr 0.05, --tp-overlap, --no-muon-nesterov
         raise ConfigError(f"{given} acts only with {acts_with[idle[0]][0]}, which this run has not: it would change "
                           f"nothing; leave it out")
     return cfg.resolved()
