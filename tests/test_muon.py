@@ -37,8 +37,14 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
 
 
+# The models, by name: a dense one, one with experts, and that one without its load-balancing loss (which
+# is a loss per micro-batch: data parallelism's micro-batches are not one device's, so its gradient differs).
+MODELS = {"tiny": get_config("tiny"), "tiny-moe": get_config("tiny-moe"),
+          "tiny-moe-no-aux": get_config("tiny-moe", aux_loss_coef=0.0)}
+
+
 def new_model(name: str) -> Llama:
-    return Llama(get_config(name), seed=1).double()
+    return Llama(MODELS[name], seed=1).double()
 
 
 def in_muon(name: str, p: torch.Tensor) -> bool:  # the test's own statement of the rule: the blocks' matrices
