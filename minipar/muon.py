@@ -63,15 +63,15 @@ def adjusted_lr(lr: float, shape: tuple[int, ...], rule: str) -> float:
     return lr * ratio
 
 
-def is_muon(name: str, p: nn.Parameter) -> bool:
+def is_muon(name: str, ndim: int) -> bool:
     """Muon steps the matrices inside the transformer blocks (and each expert of a stack)."""
-    return name.startswith("layers.") and p.dim() >= 2
+    return name.startswith("layers.") and ndim >= 2
 
 
 def muon_param_groups(model: nn.Module, cfg, adamw_groups: list[dict]) -> list[dict]:
     """Muon's group (the blocks' matrices, cfg's muon_* settings) before `adamw_groups` (data_parallel's
     param_groups) with those matrices taken out. lr_scale: the schedule's factor applies to both."""
-    muon = [p for n, p in model.named_parameters() if is_muon(n, p)]
+    muon = [p for n, p in model.named_parameters() if is_muon(n, p.dim())]
     ids = {id(p) for p in muon}
     options = dict(lr=cfg.muon_lr, lr_scale=cfg.muon_lr / cfg.lr, weight_decay=cfg.weight_decay,
                    momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,

@@ -11,6 +11,8 @@ momentum element would have to straddle to flip (odds about 1e-16 / 2^-8 per ele
 
 import pytest
 import torch
+from harness import tiers
+from safetensors.torch import load_file
 from test_data_parallel import global_batch
 from test_train import common, losses, refused, run
 from torch import nn
@@ -156,9 +158,36 @@ def test_muon_flags_that_would_change_nothing_or_are_out_of_range_are_refused_in
     assert "invalid choice: 'rms'" in line(optimizer="muon", muon_adjust_lr="rms")
 
 
-def test_training_with_optimizer_muon_lowers_the_loss(tmp_path):
-    run(common(tmp_path, steps=20, optimizer="muon", out=tmp_path / "m", log_json=tmp_path / "m.jsonl"))
-    loss = losses(tmp_path / "m.jsonl")
+@pytest.fixture(scope="module")
+def muon_run(tmp_path_factory):
+    """20 steps of scripts/train.py --optimizer muon on one process, saved at steps 10 and 20."""
+    tmp = tmp_path_factory.mktemp("muon")
+    run(common(tmp, steps=20, save_every=10, optimizer="muon", out=tmp / "m", log_json=tmp / "m.jsonl"))
+    return tmp
+
+
+def test_training_with_optimizer_muon_lowers_the_loss(muon_run):
+    loss = losses(muon_run / "m.jsonl")
     assert sorted(loss) == list(range(1, 21))
     first, last = sum(loss[s] for s in range(1, 6)) / 5, sum(loss[s] for s in range(16, 21)) / 5
     assert last < first - 0.5, (first, last)
+
+
+@pytest.mark.parametrize("layout", tiers([{}, {"dp": 2, "zero": 1}], fast=0), ids=["same", "dp2-zero1"])
+def test_a_muon_run_resumes_its_momentum_and_continues_its_losses(muon_run, layout):
+    """The momentum saves by parameter name, as AdamW's moments do, and loads into any layout."""
+    out = muon_run / f"resumed{len(layout)}"
+    run(common(muon_run, steps=20, optimizer="muon", resume=muon_run / "m" / "step_000010", out=out,
+               log_json=f"{out}.jsonl", **layout), nproc=layout.get("dp"))
+    before, after = losses(muon_run / "m.jsonl"), losses(f"{out}.jsonl")
+    assert sorted(after) == list(range(11, 21))
+    for step in after:
+        assert after[step] == pytest.approx(before[step], rel=1e-12 if not layout else 1e-10), step
+    saved = load_file(muon_run / "m" / "step_000010" / "optimizer.safetensors")
+    assert "layers.0.attn.wq.weight/momentum_buffer" in saved and "tok_emb.weight/exp_avg" in saved
+
+
+def test_a_resume_that_changes_the_optimizer_is_refused_in_one_line(muon_run, monkeypatch, capsys):
+    line = refused(common(muon_run, steps=30, resume=muon_run / "m" / "step_000020", out=muon_run / "x")
+                   + ["--allow-config-change"], monkeypatch, capsys)
+    assert "--optimizer adamw differs from the checkpoint's muon" in line and "pass --optimizer muon" in line
