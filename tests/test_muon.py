@@ -39,9 +39,9 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
 
 
-# The models, by name: a dense one, one with experts, and that one without its load-balancing loss (which
+# The models, by name: a dense one (and 4 layers of it), one with experts, and that one without its load-balancing loss (which
 # is a loss per micro-batch: data parallelism's micro-batches are not one device's, so its gradient differs).
-MODELS = {"tiny": get_config("tiny"), "tiny-moe": get_config("tiny-moe"),
+MODELS = {"tiny": get_config("tiny"), "tiny4": get_config("tiny", n_layers=4), "tiny-moe": get_config("tiny-moe"),
           "tiny-moe-no-aux": get_config("tiny-moe", aux_loss_coef=0.0)}
 
 
