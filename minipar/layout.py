@@ -19,7 +19,7 @@ from minipar.context_parallel import CP_ATTENTION, check_cp_layout
 from minipar.expert_parallel import check_expert_layout
 from minipar.mesh import MeshLayout, check_counts
 from minipar.model import CONFIGS, ModelConfig, ModelError, config_from
-from minipar.muon import ADJUST_LR, OPTIMIZERS
+from minipar.muon import ADJUST_LR, MUON_METHODS, OPTIMIZERS
 from minipar.parallelize import check_parallelize, check_zero
 from minipar.pipeline.executor import check_pipeline
 from minipar.pipeline.schedules import SCHEDULES, ScheduleError
@@ -63,6 +63,7 @@ def has_experts(layout: Layout) -> bool:
 
 
 MUON = ("--optimizer muon", lambda c: c.optimizer == "muon")  # what the muon_* settings act with
+MUON_ZERO = ("--optimizer muon with --zero 1 or more", lambda c: c.optimizer == "muon" and c.zero > 0)
 
 
 @dataclass
@@ -140,6 +141,9 @@ class Layout:
     muon_adjust_lr: str = setting("original", "Muon's lr per matrix shape: original, sqrt(max(1, rows/cols)); "
                                   "match_rms_adamw, 0.2 sqrt(max(rows, cols)) (default: {default})", "optimisation",
                                   choices=ADJUST_LR, acts_with=MUON)
+    muon_method: str = setting("gather", "ZeRO's slices and Muon's matrices: gather (the slices of each matrix a "
+                               "slice cuts) or whole (slices end between matrices: uneven; default: {default})",
+                               "optimisation", choices=MUON_METHODS, acts_with=MUON_ZERO)
     dtype: str | None = setting(None, "float64: all in float64 (proofs; no --precision); float32 = --precision "
                                 "fp32, bfloat16 = bf16-autocast", "optimisation", choices=DTYPES)
     precision: str | None = setting(None, "fp32; bf16-autocast (fp32 weights, bf16 matmuls); bf16-mixed (the ZeRO "

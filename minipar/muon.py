@@ -9,7 +9,8 @@ Newton-Schulz iterations approximate. That needs every element of M at once:
     tp 2, wq cut by rows:   [M0]  all-gather over tp   [M0]  Newton-Schulz   [O0]  keep  [O0] on rank 0
                             [M1]  ------------------>  [M1]  ------------->  [O1]  --->  [O1] on rank 1
     ZeRO, a flat bucket cut anywhere: all-gather every rank's slice (dp), orthogonalise each matrix
-    that overlaps this rank's slice, keep the slice ("gather everywhere": redundant, but simple)
+    that overlaps this rank's slice, keep the slice (--muon-method gather); or slices that end only
+    between matrices (whole: zero.kept_whole), uneven, each rank's matrices all its own: no gather
 
 The gather travels in bf16: Newton-Schulz runs in bf16 whatever the weights' dtype (as
 torch.optim.Muon does), so a rank that gathers the same matrix gets the very same update as one
@@ -31,6 +32,7 @@ from minipar.placement import placement_of
 
 OPTIMIZERS = ("adamw", "muon")
 ADJUST_LR = ("original", "match_rms_adamw")
+MUON_METHODS = ("gather", "whole")  # under ZeRO: gather the matrices its slices cut, or cut none (zero.kept_whole)
 # Jordan et al.'s quintic: steep at 0, so small singular values grow fast; 5 steps leave every one in
 # about [0.7, 1.2], not exactly 1, which trains as well as U V^T.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -70,14 +72,22 @@ def is_muon(name: str, ndim: int) -> bool:
 
 def muon_param_groups(model: nn.Module, cfg, adamw_groups: list[dict]) -> list[dict]:
     """Muon's group (the blocks' matrices, cfg's muon_* settings) before `adamw_groups` (data_parallel's
-    param_groups) with those matrices taken out. lr_scale: the schedule's factor applies to both."""
+    param_groups) with those matrices taken out. lr_scale: the schedule's factor applies to both;
+    keep_whole: ZeRO's slices end between matrices (zero.kept_whole)."""
     muon = [p for n, p in model.named_parameters() if is_muon(n, p.dim())]
     ids = {id(p) for p in muon}
     options = dict(lr=cfg.muon_lr, lr_scale=cfg.muon_lr / cfg.lr, weight_decay=cfg.weight_decay,
                    momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
-                   adjust_lr=cfg.muon_adjust_lr)
+                   adjust_lr=cfg.muon_adjust_lr, keep_whole=cfg.muon_method == "whole")
     rest = [{**g, "params": [p for p in g["params"] if id(p) not in ids]} for g in adamw_groups]
     return [{"params": muon, "muon": True, **options}, *rest]
+
+
+def cuts_a_parameter(bucket) -> bool:
+    """Whether a ZeRO bucket's slices cut one of its parameters (its first and last elements in two
+    slices): every rank answers alike, so all or none gather."""
+    n = bucket.padded // bucket.group.size
+    return any(start // n != (start + q.numel() - 1) // n for q, start in zip(bucket.params, bucket.offsets))
 
 
 class Muon(torch.optim.AdamW):
@@ -116,19 +126,20 @@ class Muon(torch.optim.AdamW):
 
     def pieces(self, p: torch.Tensor, update: torch.Tensor, steps: int) -> Iterator[tuple]:
         """(where in p, its orthogonalised update, the model's parameter it belongs to), for each
-        parameter p holds: itself, or, for a ZeRO master slice, each one its slice overlaps."""
+        parameter p holds: itself, or, for a ZeRO master slice, each one its slice overlaps. A bucket
+        cut only between parameters (--muon-method whole) holds its matrices whole: no gather."""
         bucket = getattr(p, "bucket", None)
         if bucket is None:
             yield p, self.orthogonalised(update, p, steps), p
             return
-        flat = self.gather_slices(update, bucket.group)  # [padded]: every rank's slice
-        mine, start = bucket.slice, 0
-        for q, whole in zip(bucket.params, bucket.views(flat)):
+        mine = bucket.slice
+        flat = self.gather_slices(update, bucket.group) if cuts_a_parameter(bucket) else None  # [padded]
+        for q, start in zip(bucket.params, bucket.offsets):
             lo, hi = max(start, mine.start), min(start + q.numel(), mine.stop)
             if lo < hi:  # this rank holds elements lo..hi of the flat bucket, of q
-                ortho = self.orthogonalised(whole, q, steps).reshape(-1)
+                source, at = (flat, start) if flat is not None else (update, start - mine.start)  # q all here
+                ortho = self.orthogonalised(source[at : at + q.numel()].view(q.shape), q, steps).reshape(-1)
                 yield p[lo - mine.start : hi - mine.start], ortho[lo - start : hi - start], q
-            start += q.numel()
 
     def gather_slices(self, update: torch.Tensor, group: Group) -> torch.Tensor:
         return all_gather(update.bfloat16(), group)  # [padded]; bf16: what Newton-Schulz reads

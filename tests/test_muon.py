@@ -24,6 +24,7 @@ from minipar.muon import newton_schulz
 from minipar.parallelize import adamw, build_grad_sync, optimizer_of
 from minipar.run.config import TrainConfig
 from minipar.run.train import train_step
+from minipar.zero import kept_whole
 
 # Eight steps' schedule factors: a warm-up then a decay, one factor for both groups' learning rates.
 FACTORS = (0.25, 0.5, 0.75, 1.0, 0.9, 0.7, 0.5, 0.3)
@@ -39,8 +40,8 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
 
 
-# The models, by name: a dense one (and 4 layers of it), one with experts, and that one without its load-balancing loss (which
-# is a loss per micro-batch: data parallelism's micro-batches are not one device's, so its gradient differs).
+# The models, by name: a dense one (and 4 layers of it), one with experts, and that one without its
+# load-balancing loss (a loss per micro-batch: data parallelism's micro-batches are not one device's).
 MODELS = {"tiny": get_config("tiny"), "tiny4": get_config("tiny", n_layers=4), "tiny-moe": get_config("tiny-moe"),
           "tiny-moe-no-aux": get_config("tiny-moe", aux_loss_coef=0.0)}
 
@@ -132,6 +133,32 @@ def test_one_device_muon_equals_torch_muon_with_adamw_over_8_steps_in_float64(va
         assert not torch.equal(p, start[name])  # every parameter was stepped
 
 
+LAYER = [1024, 512, 512, 1024, 2048, 2048, 2048]  # tiny's layer: wq, wk, wv, wo, w_gate, w_up, w_down
+
+
+@pytest.mark.parametrize("sizes,n", [(LAYER, 2), (LAYER, 4), ([7, 1, 1, 1, 9, 3], 3), ([5], 4), ([3, 3], 8)])
+def test_kept_whole_ends_every_slice_between_parameters_with_the_least_padding_it_can(sizes, n):
+    offsets, padded = kept_whole(sizes, n)
+    slice_size = padded // n
+    assert padded % n == 0 and offsets == sorted(offsets) and offsets[-1] + sizes[-1] <= padded
+    assert all(start // slice_size == (start + size - 1) // slice_size for start, size in zip(offsets, sizes))
+    assert all(a + s <= b for a, s, b in zip(offsets, sizes, offsets[1:]))  # in order, never overlapping
+    # the largest slice as small as any cut into n runs of consecutive parameters allows (all cuts, tried)
+    best = min(max(sum(run) for run in runs) for runs in cuts_into(sizes, n))
+    assert slice_size == best
+
+
+def cuts_into(sizes, n):
+    """Every way to cut `sizes` into at most n runs of consecutive items."""
+    if n == 1 or len(sizes) <= 1:
+        yield [sizes]
+        return
+    yield [sizes]
+    for i in range(1, len(sizes)):
+        for rest in cuts_into(sizes[i:], n - 1):
+            yield [sizes[:i], *rest]
+
+
 def test_muon_groups_hold_the_blocks_matrices_and_adamw_the_embedding_head_and_norms():
     model = new_model("tiny-moe")
     groups, _ = optimizer_of(model, CFG, Groups())
@@ -154,6 +181,8 @@ def test_muon_flags_that_would_change_nothing_or_are_out_of_range_are_refused_in
     assert "--no-muon-nesterov acts only with --optimizer muon" in line("--no-muon-nesterov")
     assert "--muon-ns-steps 0: give 1 to 99 iterations" in line(optimizer="muon", muon_ns_steps=0)
     assert "--muon-momentum 1.0: give 0 to below 1" in line(optimizer="muon", muon_momentum=1.0)
+    assert "--muon-method whole acts only with --optimizer muon with --zero 1 or more" in line(
+        optimizer="muon", muon_method="whole")
     assert "invalid choice: 'sgd'" in line(optimizer="sgd")
     assert "invalid choice: 'rms'" in line(optimizer="muon", muon_adjust_lr="rms")
 

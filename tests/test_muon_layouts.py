@@ -20,7 +20,7 @@ from test_muon import CFG, FACTORS, MODELS, minipar_run, new_model, relative_err
 import minipar.run.train as train
 from minipar.context_parallel import split_sequence
 from minipar.mesh import Mesh
-from minipar.muon import Muon
+from minipar.muon import Muon, cuts_a_parameter
 from minipar.parallelize import build_grad_sync, optimizer_of
 from minipar.run.config import TrainConfig
 from minipar.tensor_parallel import unshard
@@ -69,8 +69,8 @@ def _run(rank, world, model_name, layout, accum=1, shard_alone=False):
         with wrapper.gathered():
             params = {n: unshard(p.detach(), p, groups).clone() for n, p in model.named_parameters()}
         muon_masters = {id(p) for g in wrapper.optimizer.param_groups if g.get("muon") for p in g["params"]}
-        buckets = [(b.padded, id(b.master) in muon_masters) for b in getattr(wrapper, "buckets", [])
-                   if hasattr(b, "padded")]
+        buckets = [(b.padded, id(b.master) in muon_masters and cuts_a_parameter(b))
+                   for b in getattr(wrapper, "buckets", []) if hasattr(b, "padded")]  # ZeRO's: (size, gathers)
         holds_loss = pipeline is None or pipeline.holds_last()
         return dict(losses=losses if holds_loss else None, params=params, ledgers=ledgers, buckets=buckets,
                     cut=matrices_cut(wrapper, muon_masters))
@@ -80,10 +80,8 @@ def matrices_cut(wrapper, muon_masters) -> int:
     """How many of Muon's parameters a ZeRO slice boundary falls inside (the case gathering is for)."""
     cut = 0
     for b in (b for b in getattr(wrapper, "buckets", []) if id(getattr(b, "master", None)) in muon_masters):
-        bounds, start = [k * b.padded // b.group.size for k in range(1, b.group.size)], 0
-        for q in b.params:
-            cut += any(start < x < start + q.numel() for x in bounds)
-            start += q.numel()
+        bounds = [k * b.padded // b.group.size for k in range(1, b.group.size)]
+        cut += sum(any(start < x < start + q.numel() for x in bounds) for q, start in zip(b.params, b.offsets))
     return cut
 
 
@@ -113,6 +111,10 @@ LAYOUTS = [
     (2, "tiny", dict(dp=2, zero=2), 2), (4, "tiny", dict(dp=4, zero=2), 1),
     (2, "tiny", dict(dp=2, zero=3), 1), (4, "tiny", dict(dp=4, zero=3), 2),
     (2, "tiny-moe-no-aux", dict(dp=2, zero=1), 1),
+    # ZeRO's slices ending only between matrices (--muon-method whole): nothing to gather
+    (2, "tiny", dict(dp=2, zero=1, muon_method="whole"), 1), (4, "tiny", dict(dp=4, zero=2, muon_method="whole"), 2),
+    (4, "tiny", dict(dp=4, zero=3, muon_method="whole"), 1),
+    (2, "tiny-moe-no-aux", dict(dp=2, zero=3, muon_method="whole"), 1),
     # tp: alone, with sp, with dp, with ZeRO-1 over dp; tp 4 is more than tiny's 2 kv heads: wk and wv
     # are whole on every tp rank (their gradients summed over tp)
     (2, "tiny", dict(tp=2), 1), (2, "tiny", dict(tp=2, sp=True), 1), (4, "tiny", dict(dp=2, tp=2), 1),
@@ -130,23 +132,27 @@ IDS = [f"{m}-" + "-".join(f"{k}{v}" for k, v in layout.items()) + f"-micro{a}" f
 def test_muon_equals_one_device_in_float64_under_every_layout(world, model_name, layout, accum):
     results = run_ranks_once(world, _run, model_name, layout, accum, timeout=300)
     assert_equals_one_device(results, model_name)
-    assert (results[0]["cut"] > 0) == (layout.get("zero", 0) > 0)  # ZeRO's slices cut through matrices
+    # ZeRO's slices cut through matrices (the case gathering is for), unless they end between them
+    assert (results[0]["cut"] > 0) == (layout.get("zero", 0) > 0 and layout.get("muon_method") != "whole")
 
 
-@pytest.mark.parametrize("world,zero", tiers([(2, 0), (2, 1), (4, 2)], fast=1))
-def test_muon_sends_one_bf16_all_gather_of_its_buckets_beyond_what_adamw_sends(world, zero):
+@pytest.mark.parametrize("world,zero,method", tiers([(2, 0, "gather"), (2, 1, "gather"), (4, 2, "gather"),
+                                                     (4, 1, "whole"), (2, 3, "whole")], fast=[1, 3]))
+def test_muon_sends_one_bf16_all_gather_of_its_buckets_beyond_what_adamw_sends(world, zero, method):
     """Plain dp: the one all-reduce of gradients, no more (every rank holds whole matrices). ZeRO 1-2:
     beside the reduce-scatter of gradients and the all-gather of weights (8 bytes a number in float64),
-    one all-gather of each Muon bucket's update in bf16: 2 bytes a number, (N-1)/N of them sent."""
+    one all-gather in bf16 of the update of each Muon bucket whose slices cut a matrix: 2 bytes a number,
+    (N-1)/N of them sent. With --muon-method whole, none: ZeRO pads instead, to end slices between matrices."""
     accum = 2 if (world, zero) == (4, 2) else 1
-    for r in run_ranks_once(world, _run, "tiny", dict(dp=world, zero=zero), accum, timeout=300):
+    layout = dict(dp=world, zero=zero, muon_method=method) if zero else dict(dp=world)
+    for r in run_ranks_once(world, _run, "tiny", layout, accum, timeout=300):
         for ledger in r["ledgers"]:
             if zero == 0:
                 assert "dp/all_gather" not in ledger
                 continue
-            weights = sum(padded * 8 for padded, _ in r["buckets"])
-            muon = sum(padded * 2 for padded, is_muon in r["buckets"] if is_muon)
-            assert muon > 0 and ledger["dp/all_gather"]["bytes"] == weights + muon
+            weights = sum(padded * 8 for padded, _ in r["buckets"]) * (1 if zero < 3 else 2)  # ZeRO-3: fwd, bwd
+            muon = sum(padded * 2 for padded, gathers in r["buckets"] if gathers)
+            assert (muon > 0) == (method == "gather") and ledger["dp/all_gather"]["bytes"] == weights + muon
             assert ledger["dp/all_gather"]["sent"] == (weights + muon) * (world - 1) // world
 
 
