@@ -128,7 +128,8 @@ LAYOUTS = [
 IDS = [f"{m}-" + "-".join(f"{k}{v}" for k, v in layout.items()) + f"-micro{a}" for _, m, layout, a in LAYOUTS]
 
 
-@pytest.mark.parametrize("world,model_name,layout,accum", tiers(LAYOUTS, fast=[2, 9, 16]), ids=IDS)
+@pytest.mark.parametrize("world,model_name,layout,accum", tiers(LAYOUTS, fast=[0, 2, 6, 10, 14, 20, 24, 25]),
+                         ids=IDS)
 def test_muon_equals_one_device_in_float64_under_every_layout(world, model_name, layout, accum):
     results = run_ranks_once(world, _run, model_name, layout, accum, timeout=300)
     assert_equals_one_device(results, model_name)
@@ -136,15 +137,18 @@ def test_muon_equals_one_device_in_float64_under_every_layout(world, model_name,
     assert (results[0]["cut"] > 0) == (layout.get("zero", 0) > 0 and layout.get("muon_method") != "whole")
 
 
-@pytest.mark.parametrize("world,zero,method", tiers([(2, 0, "gather"), (2, 1, "gather"), (4, 2, "gather"),
-                                                     (4, 1, "whole"), (2, 3, "whole")], fast=[1, 3]))
-def test_muon_sends_one_bf16_all_gather_of_its_buckets_beyond_what_adamw_sends(world, zero, method):
+# (world, zero, method, micro-batches a rank): the runs of LAYOUTS above, read again
+LEDGERS = [(2, 0, "gather", 1), (2, 1, "gather", 1), (4, 2, "gather", 1), (4, 2, "whole", 2), (4, 3, "whole", 1)]
+
+
+@pytest.mark.parametrize("world,zero,method,accum", tiers(LEDGERS, fast=[1, 3]))
+def test_muon_sends_one_bf16_all_gather_of_its_buckets_beyond_what_adamw_sends(world, zero, method, accum):
     """Plain dp: the one all-reduce of gradients, no more (every rank holds whole matrices). ZeRO 1-2:
     beside the reduce-scatter of gradients and the all-gather of weights (8 bytes a number in float64),
     one all-gather in bf16 of the update of each Muon bucket whose slices cut a matrix: 2 bytes a number,
     (N-1)/N of them sent. With --muon-method whole, none: ZeRO pads instead, to end slices between matrices."""
-    accum = 2 if (world, zero) == (4, 2) else 1
-    layout = dict(dp=world, zero=zero, muon_method=method) if zero else dict(dp=world)
+    layout = {"dp": world, **({"zero": zero} if zero else {})}  # as LAYOUTS writes them: one run for both tests
+    layout.update({"muon_method": "whole"} if method == "whole" else {})
     for r in run_ranks_once(world, _run, "tiny", layout, accum, timeout=300):
         for ledger in r["ledgers"]:
             if zero == 0:
