@@ -33,8 +33,8 @@ from minipar.placement import placement_of
 OPTIMIZERS = ("adamw", "muon")
 ADJUST_LR = ("original", "match_rms_adamw")
 MUON_METHODS = ("gather", "whole")  # under ZeRO: gather the matrices its slices cut, or cut none (zero.kept_whole)
-# Jordan et al.'s quintic: steep at 0, so small singular values grow fast; 5 steps leave every one in
-# about [0.7, 1.2], not exactly 1, which trains as well as U V^T.
+# Jordan et al.'s quintic: steep at 0, so small singular values grow fast; 5 steps take every one above
+# a tenth of the largest to about [0.7, 1.2], not exactly 1, which trains as well as U V^T.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7  # the norm below which a matrix is not scaled up
 
