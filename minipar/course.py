@@ -1,11 +1,10 @@
 """The course's map: its chapters in reading order, each with its document, the library files it
 teaches (each file in exactly one chapter), its scripts and its reading time.
 
-One map, read three ways. tests/test_structure.py holds the code to its order: a module imports
-only modules of its own chapter or an earlier one, so a reader who opens chapter n's code meets
-nothing of a later chapter. The README's chapter table is written from it (`readme_table`), and
-scripts/tools/docs_check.py and a test fail when the two differ. And a reader can use it as it is: the
-order in which to open the files.
+One map, read three ways. tests/test_structure.py holds the code to its order: a module imports only
+its own chapter's modules or an earlier one's, so chapter n's code shows nothing of a later chapter.
+The README's chapter table is written from it (`readme_table`; scripts/tools/docs_check.py and a
+test fail when they differ). And a reader can take it as the order in which to open the files.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ CHAPTERS = (
     Chapter("4", "Tensor and sequence parallelism", "04_tensor_parallel.md", ("tensor_parallel.py",),
             ("scripts/course/step_04_tensor_parallel.py", "scripts/course/step_04b_tp_overlap.py"), 50,
             "and the tensor step of `parallelize.py` (chapter 7)"),
+    Chapter("4c", "Muon: the optimizer that needs the whole matrix", "04c_muon.md", ("muon.py",), (), 20),
     Chapter("5", "Context parallelism", "05_context_parallel.md", ("context_parallel.py",),
             ("scripts/course/step_05_context_parallel.py", "scripts/course/step_05b_ulysses.py"), 50),
     Chapter("6", "Pipeline parallelism", "06_pipeline.md",
@@ -57,10 +57,10 @@ CHAPTERS = (
     Chapter("10", "Appendix: operating minipar (the whole run: checks, data, loop, checkpoints, refusals)",
             "10_operating.md",
             ("run/config.py", "run/paths.py", "run/data.py", "run/batches.py", "run/step.py", "run/train.py",
-             "run/validation.py", "run/run_log.py", "run/saving.py", "run/checkpoint.py", "run/launch.py",
-             "ops/cli.py", "ops/command_line.py", "ops/config_file.py", "ops/args.py", "ops/preflight.py",
-             "ops/checkpoint_checks.py", "ops/run_folder.py", "ops/interrupt.py", "ops/hang.py", "ops/agent.py",
-             "extras/hf.py", "extras/generate.py", "extras/profiling.py"),
+             "run/validation.py", "run/run_log.py", "run/saving.py", "run/checkpoint.py", "run/launch.py", "ops/cli.py",
+             "ops/command_line.py", "ops/config_file.py", "ops/args.py", "ops/preflight.py", "ops/checkpoint_checks.py",
+             "ops/run_folder.py", "ops/interrupt.py", "ops/hang.py", "ops/agent.py", "extras/hf.py",
+             "extras/generate.py", "extras/profiling.py"),
             ("scripts/train.py", "scripts/tools/trace_report.py", "scripts/tools/sample.py", "scripts/tools/eval.py",
              "scripts/tools/convert.py"), 35),
     Chapter("10b", "Fault tolerance: checkpoint-restart, its cost at scale, replica groups on torchft",

@@ -28,7 +28,7 @@ from torch import nn
 
 from minipar.collectives import Group, all_reduce, broadcast
 from minipar.mesh import Groups
-from minipar.placement import DENSE, placement_of, sync_partial_grads
+from minipar.placement import DENSE, place, placement_of, sync_partial_grads
 
 
 class Precision(Protocol):
@@ -234,7 +234,8 @@ class DataParallel(GradSync):
                 broadcast(t.data, self.group, src=0)
         # bf16-mixed: each parameter gets an fp32 master, a copy, which the optimizer (built on the model's
         # fp32 parameters) steps; the parameter becomes its bf16 working copy. Else each is its own master.
-        self.master = {p: nn.Parameter(p.detach().clone()) if self.mixed else p for p in module.parameters()}
+        self.master = {p: place(nn.Parameter(p.detach().clone()), placement_of(p)) if self.mixed else p
+                       for p in module.parameters()}  # placed as its parameter: Muon gathers a tp shard's matrix
         if precision is not None and precision.mixed:
             for p in module.parameters():
                 p.data = p.data.to(precision.working)

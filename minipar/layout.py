@@ -19,6 +19,7 @@ from minipar.context_parallel import CP_ATTENTION, check_cp_layout
 from minipar.expert_parallel import check_expert_layout
 from minipar.mesh import MeshLayout, check_counts
 from minipar.model import CONFIGS, ModelConfig, ModelError, config_from
+from minipar.muon import ADJUST_LR, MUON_METHODS, OPTIMIZERS
 from minipar.parallelize import check_parallelize, check_zero
 from minipar.pipeline.executor import check_pipeline
 from minipar.pipeline.schedules import SCHEDULES, ScheduleError
@@ -59,6 +60,10 @@ def shape_setting(what: str, most: int) -> Any:
 
 def has_experts(layout: Layout) -> bool:
     return layout.model_config().n_experts > 0
+
+
+MUON = ("--optimizer muon", lambda c: c.optimizer == "muon")  # what the muon_* settings act with
+MUON_ZERO = ("--optimizer muon with --zero 1 or more", lambda c: c.optimizer == "muon" and c.zero > 0)
 
 
 @dataclass
@@ -120,8 +125,25 @@ class Layout:
                                 within=(lambda v: 1 <= v <= MAX_BATCH, f"1 to {MAX_BATCH} sequences"))
     micro_batch: int = setting(8, "sequences per forward on one rank", "optimisation",
                                within=(lambda v: 1 <= v <= MAX_BATCH, f"1 to {MAX_BATCH} sequences"))
-    weight_decay: float = setting(0.1, "AdamW's, on matrices only", "optimisation",
+    weight_decay: float = setting(0.1, "AdamW's (and Muon's), on matrices only", "optimisation",
                                   within=(lambda v: 0 <= v < math.inf, "0 or more"))
+    optimizer: str = setting("adamw", "adamw, or muon: Muon on the matrices inside the blocks, AdamW on the "
+                             "embedding, head and norms (default: {default})", "optimisation", choices=OPTIMIZERS)
+    muon_lr: float = setting(0.02, "Muon's peak learning rate; the schedule scales it as it scales --lr",
+                             "optimisation", within=(lambda v: 0 < v < math.inf, "a learning rate above 0"),
+                             acts_with=MUON)
+    muon_momentum: float = setting(0.95, "Muon's momentum (default: {default})", "optimisation",
+                                   within=(lambda v: 0 <= v < 1, "0 to below 1"), acts_with=MUON)
+    muon_nesterov: bool = setting(True, "Muon steps along the momentum's look-ahead (Nesterov; default)",
+                                  "optimisation", acts_with=MUON)
+    muon_ns_steps: int = setting(5, "Newton-Schulz iterations per Muon step (default: {default})", "optimisation",
+                                 within=(lambda v: 1 <= v <= 99, "1 to 99 iterations"), acts_with=MUON)
+    muon_adjust_lr: str = setting("original", "Muon's lr per matrix shape: original, sqrt(max(1, rows/cols)); "
+                                  "match_rms_adamw, 0.2 sqrt(max(rows, cols)) (default: {default})", "optimisation",
+                                  choices=ADJUST_LR, acts_with=MUON)
+    muon_method: str = setting("gather", "ZeRO's slices and Muon's matrices: gather (the slices of each matrix a "
+                               "slice cuts) or whole (slices end between matrices: uneven; default: {default})",
+                               "optimisation", choices=MUON_METHODS, acts_with=MUON_ZERO)
     dtype: str | None = setting(None, "float64: all in float64 (proofs; no --precision); float32 = --precision "
                                 "fp32, bfloat16 = bf16-autocast", "optimisation", choices=DTYPES)
     precision: str | None = setting(None, "fp32; bf16-autocast (fp32 weights, bf16 matmuls); bf16-mixed (the ZeRO "

@@ -15,7 +15,8 @@ With every degree 1 the model is returned as it came. Then the wrapper that sync
 around it, chosen in one place (`build_grad_sync`): DataParallel (zero 0, chapter 2),
 ZeroDataParallel (1-2) or Zero3DataParallel (3, with ZeRO++'s transport; chapter 3), each handed
 the precision policy (chapter 3b). `adamw` holds AdamW's settings once: betas (0.9, 0.95) and eps
-1e-8, as GPT-3 and Llama train. Chapter 10, section 4 follows one rank through it.
+1e-8, as GPT-3 and Llama train; `optimizer_of` chooses --optimizer's (Muon: chapter 4c). Chapter
+10, section 4 follows one rank through it.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from torch import nn
 
 from minipar.collectives import Group
 from minipar.context_parallel import global_token_count, install_context_parallel
-from minipar.data_parallel import DataParallel, GradSync
+from minipar.data_parallel import DataParallel, GradSync, param_groups
 from minipar.expert_parallel import parallelize_experts
 from minipar.mesh import Groups
 from minipar.model import Llama, ModelError
+from minipar.muon import Muon, muon_param_groups
 from minipar.precision import FULL, Precision
 from minipar.tensor_parallel import (
     ColumnParallelLinear,
@@ -196,6 +198,15 @@ EPS = 1e-8
 def adamw(param_groups: list[dict], lr: float, **options) -> torch.optim.AdamW:
     """AdamW as minipar trains with it; `options`: torch's own (fused=True on GPUs, say)."""
     return torch.optim.AdamW(param_groups, lr=lr, betas=BETAS, eps=EPS, **options)
+
+
+def optimizer_of(model: nn.Module, cfg, groups: Groups) -> tuple[list[dict], Callable]:
+    """--optimizer's param groups for `model` and the function that builds it on them (build_grad_sync's
+    make_optimizer): AdamW; or Muon on the blocks' matrices with AdamW on the rest (muon.py, chapter 4c)."""
+    if cfg.optimizer == "muon":
+        return (muon_param_groups(model, cfg, param_groups(model, cfg)),
+                partial(Muon, lr=cfg.lr, groups=groups, betas=BETAS, eps=EPS))
+    return param_groups(model, cfg), partial(adamw, lr=cfg.lr)
 
 
 def check_zero(zero: int, offload: bool = False, zeropp: tuple[str, ...] = (), pp: int = 1) -> None:

@@ -53,28 +53,63 @@ def model_state_bytes(psi: float, n: int, stage: int, weight: float = 2, grad: f
     return psi * (weight / (n if stage >= 3 else 1) + grad / (n if stage >= 2 else 1) + k / (n if stage >= 1 else 1))
 
 
+def packed(sizes: list[int], n: int) -> tuple[list[int], int]:
+    """(where each parameter starts, the flat size): one after another, padded to a multiple of n."""
+    return [sum(sizes[:i]) for i in range(len(sizes))], -(-sum(sizes) // n) * n
+
+
+def kept_whole(sizes: list[int], n: int) -> tuple[list[int], int]:
+    """As `packed`, but no parameter is cut: at most n runs of consecutive parameters, the largest run
+    (S) as small as can be, run r at r x S. A slice is then whole parameters and padding (uneven)."""
+    def runs(most: int) -> list[int]:  # where each run begins, when a run holds at most `most`
+        begins, total = [0], 0
+        for i, size in enumerate(sizes):
+            if total + size > most:
+                begins.append(i)
+                total = 0
+            total += size
+        return begins
+
+    low, high = max(sizes), sum(sizes)
+    while low < high:  # bisect for the smallest S that n runs can hold
+        mid = (low + high) // 2
+        if len(runs(mid)) <= n:
+            high = mid
+        else:
+            low = mid + 1
+    begins, offsets, run, at = runs(low), [], -1, 0
+    for i, size in enumerate(sizes):
+        if i in begins:  # the next run, at the next rank's slice
+            run += 1
+            at = run * low
+        offsets.append(at)
+        at += size
+    return offsets, n * low
+
+
 class ZeroBucket:
     """Some parameters as one flat vector, padded to a multiple of N; this rank owns 1/N of it. The
     parameters become views into that flat vector (`full`), so the all-gather after the step writes
     the new weights straight into them, with no copy. `master`: this rank's slice in fp32 (float64
     stays float64), what the optimizer updates; `grad_slice`: its gradient, in the weights' dtype.
-    bf16-mixed: `full` (and the gradients) become bf16 once the master is taken."""
+    bf16-mixed: `full` (and the gradients) become bf16 once the master is taken. `whole`: slices end
+    only between parameters (`kept_whole`: Muon's matrices, chapter 4c)."""
 
     def __init__(self, params: list[nn.Parameter], group: Group, spread: tuple[Group, ...] = (),
-                 offload: bool = False, precision: Precision | None = None):
+                 offload: bool = False, precision: Precision | None = None, whole: bool = False):
         self.params, self.group = params, group
         self.reduce: torch.dtype | None = None  # the gradients' own dtype, unless bf16-mixed (below)
         # Where the rest of this bucket's gradient lives, for a norm over the whole of it: other tp or
         # ep shards of these same parameters (`spread`), and the other dp ranks' slices (`group`).
         self.spread = spread + (group,)
-        numel = sum(p.numel() for p in params)
-        self.padded = -(-numel // group.size) * group.size  # numel rounded up to a multiple of N
+        self.offsets, self.padded = (kept_whole if whole else packed)([p.numel() for p in params], group.size)
         # Rank r owns elements [r * padded/N, (r+1) * padded/N): e.g. numel 10, N 4: padded 12, slices of 3.
         self.slice = slice(group.rank * self.padded // group.size, (group.rank + 1) * self.padded // group.size)
         self.full = self._flatten([p.detach() for p in params])  # [padded]
         dtype = torch.promote_types(self.full.dtype, torch.float32)
         device = "cpu" if offload else self.full.device  # CPU offload: state and update live in host memory
         self.master = nn.Parameter(self.full[self.slice].to(device=device, dtype=dtype).clone())  # [padded // N]
+        self.master.bucket = self  # what it is a slice of: Muon (chapter 4c) gathers the whole matrices
         if precision is not None and precision.mixed:  # chapter 3b's policy, handed in by parallelize
             self.full = self.full.to(precision.working)  # the working weights: bf16
             self.reduce = precision.reduce
@@ -85,12 +120,13 @@ class ZeroBucket:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """A flat [padded] vector seen as this bucket's parameters, in order, without copies."""
-        sizes = [p.numel() for p in self.params]
-        return [t.view(p.shape) for p, t in zip(self.params, flat.split([*sizes, flat.numel() - sum(sizes)]))]
+        return [flat[o : o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]
 
     def _flatten(self, tensors) -> torch.Tensor:
-        flat = torch.cat([t.reshape(-1) for t in tensors])  # [numel]
-        return torch.nn.functional.pad(flat, (0, self.padded - flat.numel()))  # [padded], zeros at the end
+        flat = tensors[0].new_zeros(self.padded)  # [padded], zeros where no parameter is
+        for view, t in zip(self.views(flat), tensors):
+            view.copy_(t)
+        return flat
 
     def reduce_scatter_grads(self) -> None:
         """Add this rank's slice of the dp-mean of the bucket's gradients to grad_slice; free them."""
@@ -137,7 +173,8 @@ class ZeroDataParallel(GradSync):
         self.buckets: list = []  # ZeroBucket, or ZeRO-3's ShardedBucket
         masters: list[list[nn.Parameter]] = [[] for _ in param_groups]
         for i, dims, chunk in bucket_plan(param_groups, lambda params: self._chunks(params, bucket_mb)):
-            bucket = self._new_bucket(chunk, groups.reduction(dims), groups.shards(placement_of(chunk[0])))
+            whole = param_groups[i].get("keep_whole", False)  # an optimizer that needs whole matrices asks
+            bucket = self._new_bucket(chunk, groups.reduction(dims), groups.shards(placement_of(chunk[0])), whole)
             self.buckets.append(bucket)
             masters[i].append(bucket.master)
         self.optimizer = make_optimizer([{**{k: v for k, v in pg.items() if k != "params"}, "params": ms}
@@ -148,8 +185,8 @@ class ZeroDataParallel(GradSync):
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready))
 
-    def _new_bucket(self, params, group: Group, spread: tuple[Group, ...]) -> ZeroBucket:
-        return ZeroBucket(params, group, spread, self.offload, self.precision)
+    def _new_bucket(self, params, group: Group, spread: tuple[Group, ...], whole: bool = False) -> ZeroBucket:
+        return ZeroBucket(params, group, spread, self.offload, self.precision, whole)
 
     def _chunks(self, params, bucket_mb):
         return bucket_params(params, bucket_mb)

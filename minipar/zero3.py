@@ -78,8 +78,8 @@ class ShardedBucket(ZeroBucket):
     sends its messages (plain: a Transport)."""
 
     def __init__(self, params: list[nn.Parameter], group: Group, spread: tuple[Group, ...],
-                 precision: Precision | None = None, transport: Transport | None = None):
-        super().__init__(params, group, spread, precision=precision)  # parameters: views into self.full [padded]
+                 precision: Precision | None = None, transport: Transport | None = None, whole: bool = False):
+        super().__init__(params, group, spread, precision=precision, whole=whole)  # views into self.full [padded]
         self.shard = self.master.detach().to(self.full.dtype)  # [padded / N]; the master when of one dtype
         self.transport = transport or Transport()
         self.work: Any = None  # the gather in flight
@@ -128,8 +128,8 @@ class Zero3DataParallel(ZeroDataParallel):
             unit.register_forward_hook(lambda mod, args, out, i=i: self._after_forward(i, out))
 
     # Buckets: one per unit and kind of parameter, never spanning two units.
-    def _new_bucket(self, params, group: Group, spread: tuple[Group, ...]) -> ShardedBucket:
-        return ShardedBucket(params, group, spread, self.precision, self._transport)
+    def _new_bucket(self, params, group: Group, spread: tuple[Group, ...], whole: bool = False) -> ShardedBucket:
+        return ShardedBucket(params, group, spread, self.precision, self._transport, whole)
 
     def _chunks(self, params, bucket_mb):
         return unit_chunks(self._units, params)

@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 from minipar import moe  # noqa: F401 - a checkpoint may hold experts: moe.py adds their block to the model
 from minipar.model import Llama, ModelConfig
+from minipar.muon import is_muon
 from minipar.run import checkpoint
 from minipar.run.checkpoint import CheckpointError, verify
 
@@ -84,7 +85,8 @@ def checked_model_config(path: Path, saved: dict) -> ModelConfig:
     return config
 
 
-def check_tensors(path: Path, config: ModelConfig, optimizer: bool = True, one_step: bool = False) -> None:
+def check_tensors(path: Path, config: ModelConfig, optimizer: bool = True, one_step: bool = False,
+                  muon: bool = False) -> None:
     """The module docstring's checks of model.safetensors, and of optimizer.safetensors if `optimizer`.
     Every tensor is read, one at a time (memory: the largest tensor), every rank: as long as
     verify's checksum, which reads the files once already."""
@@ -100,22 +102,25 @@ def check_tensors(path: Path, config: ModelConfig, optimizer: bool = True, one_s
         for name in sorted(names):
             check_tensor(path, "model.safetensors", name, f.get_tensor(name), shapes[name])
     if optimizer:
-        check_optimizer(path, shapes, one_step)
+        check_optimizer(path, shapes, one_step, muon)
 
 
-def check_optimizer(path: Path, shapes: dict, one_step: bool) -> None:
-    """optimizer.safetensors holds, for every parameter of `shapes`, all of AdamW's state
-    (exp_avg and exp_avg_sq at its shape, a finite scalar step) or, for every one, none (an
-    import; a run saves it for all). one_step (--zero >= 1): every step count alike, since a ZeRO
-    bucket flattens the state of several parameters and keeps one count for them all; a partial
-    state would be a KeyError, or a count silently taken from another parameter, mid-load."""
+def check_optimizer(path: Path, shapes: dict, one_step: bool, muon: bool = False) -> None:
+    """optimizer.safetensors holds, for every parameter of `shapes`, all of its optimizer's state
+    (AdamW's: exp_avg and exp_avg_sq at its shape, a finite scalar step; with `muon`, the blocks'
+    matrices hold Muon's momentum_buffer instead) or, for every one, none (an import; a run saves it
+    for all). one_step (--zero >= 1): every step count alike, since a ZeRO bucket flattens the state
+    of several parameters and keeps one count for them all; a partial state would be a KeyError, or
+    a count silently taken from another parameter, mid-load."""
+    wanted = {name: MUON_SLOTS if muon and is_muon(name, len(shape)) else ADAMW_SLOTS for name, shape in shapes.items()}
+    kind = "Muon or AdamW" if muon else "AdamW"
     slots: dict[str, set] = {}
     steps: dict[str, float] = {}
     with safe_open(path / "optimizer.safetensors", "pt") as f:
         for key in sorted(f.keys()):
             name, _, slot = key.rpartition("/")
-            if name not in shapes or slot not in ADAMW_SLOTS:
-                raise CheckpointError(f"checkpoint {path}: optimizer.safetensors holds {key!r}, no AdamW state of "
+            if name not in shapes or slot not in wanted[name]:
+                raise CheckpointError(f"checkpoint {path}: optimizer.safetensors holds {key!r}, no {kind} state of "
                                       f"the model; resume from another one")
             value = f.get_tensor(key)
             check_tensor(path, "optimizer.safetensors", key, value, () if slot == "step" else shapes[name])
@@ -123,13 +128,13 @@ def check_optimizer(path: Path, shapes: dict, one_step: bool) -> None:
             if slot == "step":
                 steps[name] = value.item()
     for name, held in slots.items():
-        if held != set(ADAMW_SLOTS):
+        if held != set(wanted[name]):
             raise CheckpointError(f"checkpoint {path}: optimizer.safetensors lacks {name}/"
-                                  f"{sorted(set(ADAMW_SLOTS) - held)[0]} (it has {sorted(held)}); resume from another "
+                                  f"{sorted(set(wanted[name]) - held)[0]} (it has {sorted(held)}); resume from another "
                                   f"one")
     if slots and slots.keys() != shapes.keys():
         none = sorted(shapes.keys() - slots.keys())
-        raise CheckpointError(f"checkpoint {path}: optimizer.safetensors holds AdamW state for {len(slots)} of the "
+        raise CheckpointError(f"checkpoint {path}: optimizer.safetensors holds {kind} state for {len(slots)} of the "
                               f"{len(shapes)} parameters, none for {none[0]}{' ...' if len(none) > 1 else ''} (a run "
                               f"saves it for all of them or none); resume from another one")
     if one_step and len(set(steps.values())) > 1:
@@ -140,6 +145,7 @@ def check_optimizer(path: Path, shapes: dict, one_step: bool) -> None:
 
 
 ADAMW_SLOTS = ("exp_avg", "exp_avg_sq", "step")
+MUON_SLOTS = ("momentum_buffer",)
 
 
 def check_tensor(path: Path, file: str, name: str, value: torch.Tensor, shape: tuple) -> None:

@@ -12,7 +12,7 @@ import argparse
 import os
 from dataclasses import asdict, fields
 
-from minipar.layout import SHAPE_FLAGS
+from minipar.layout import SHAPE_FLAGS, flag_of
 from minipar.ops.args import HelpFormatter, Parser
 from minipar.ops.config_file import read_config_file
 from minipar.run import checkpoint
@@ -73,7 +73,7 @@ def parse_args(argv=None) -> TrainConfig:
     idle = sorted(k for k in named if not acts_with[k][1](cfg))  # a walk of --data only if a setting asks for it
     if idle:
         value = getattr(cfg, idle[0])
-        given = f"--{idle[0].replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")  # a switch: named
+        given = flag_of(idle[0], value)  # as given: --muon-lr 0.05, --tp-overlap, --no-muon-nesterov
         raise ConfigError(f"{given} acts only with {acts_with[idle[0]][0]}, which this run has not: it would change "
                           f"nothing; leave it out")
     return cfg.resolved()

@@ -40,8 +40,9 @@ from minipar.run.run_log import json_log_records
 # What a resumed run must share with the checkpoint's run; the layout and --steps may change.
 # WEIGHT_SETTINGS never (the weights would not fit); --max-seq-len may grow (no weight has its size).
 WEIGHT_SETTINGS = ("model", *(name for name in SHAPE_FLAGS if name != "max_seq_len"), "tie_embeddings")
-RESUMED_SETTINGS = (*WEIGHT_SETTINGS, "data", "bpe_vocab", "seq_len", "global_batch", "seed", "lr", "min_lr_ratio",
-                    "warmup", "val_fraction")
+RESUMED_SETTINGS = (*WEIGHT_SETTINGS, "optimizer", "data", "bpe_vocab", "seq_len", "global_batch", "seed", "lr",
+                    "muon_lr", "min_lr_ratio", "warmup", "val_fraction")
+NEVER_CHANGED = (*WEIGHT_SETTINGS, "optimizer")  # nor the optimizer: its saved state is another's (Muon's, AdamW's)
 
 
 def check_files(cfg: TrainConfig, resume: Path | None, run_id: str | None = None) -> None:
@@ -64,7 +65,7 @@ def check_files(cfg: TrainConfig, resume: Path | None, run_id: str | None = None
         state = json.loads((resume / "train_state.json").read_text())
         check_resume(cfg, state, resume)
         # names, shapes, finite, AdamW's state whole: before any process group
-        check_tensors(resume, model_config_of(resume, state), one_step=cfg.zero >= 1)
+        check_tensors(resume, model_config_of(resume, state), one_step=cfg.zero >= 1, muon=cfg.optimizer == "muon")
     if cfg.init_from:
         check_init_from(cfg, Path(cfg.init_from))
 
@@ -104,7 +105,7 @@ def check_json_log(path: str, resumed: bool, run_id: str | None) -> None:
 
 def check_resume(cfg: TrainConfig, state: dict, path: Path) -> None:
     """A resumed run continues the saved one: RESUMED_SETTINGS must match (--allow-config-change
-    accepts a change, but never of WEIGHT_SETTINGS: the weights would not fit), and the
+    accepts a change, but never of NEVER_CHANGED: the weights or optimizer state would not fit), and the
     checkpoint must be short of --steps (--resume auto, a restart, may find the run finished).
     A setting a checkpoint from before it lacks had its default then."""
     saved = state.get("config") if isinstance(state, dict) else None
@@ -122,10 +123,10 @@ def check_resume(cfg: TrainConfig, state: dict, path: Path) -> None:
     for name in RESUMED_SETTINGS:
         old, new, flag = before[name], getattr(cfg, name), "--" + name.replace("_", "-")
         same = old == new or (name == "data" and old and new and Path(old).resolve() == Path(new).resolve())
-        if not same and (name in WEIGHT_SETTINGS or not cfg.allow_config_change):
+        if not same and (name in NEVER_CHANGED or not cfg.allow_config_change):
             keep = f"pass {flag if old else '--no-' + flag[2:]}" if isinstance(old, bool) else \
                 f"pass {flag} {old}" if old is not None else f"leave {flag} out"
-            also = "" if name in WEIGHT_SETTINGS else ", or --allow-config-change to accept the change"
+            also = "" if name in NEVER_CHANGED else ", or --allow-config-change to accept the change"
             raise ConfigError(f"{flag} {new} differs from the checkpoint's {old} ({path}): {keep} to continue it{also}")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # a default precision is the device's
     was, now = resolve(before["precision"], before["dtype"], None, device).name, of_config(cfg, device).name

@@ -26,16 +26,15 @@ import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
 
 from minipar import zeropp
-from minipar.data_parallel import GradSync, param_groups
+from minipar.data_parallel import GradSync
 from minipar.mesh import Mesh
 from minipar.model import Llama
-from minipar.parallelize import adamw, build_grad_sync, parallelize
+from minipar.parallelize import build_grad_sync, optimizer_of, parallelize
 from minipar.pipeline.executor import Pipeline
 from minipar.precision import of_config
 from minipar.run import checkpoint, saving, validation
@@ -142,7 +141,7 @@ def run(cfg: TrainConfig, resume: Path | None, mesh: Mesh, data: TokenData, log:
         start, consumed = state["step"], state["consumed"]
         log.say(f"resumed from {resume} at step {start}")
     # Each gradient is averaged over the group its Placement names (dense: dp x cp), by --zero's wrapper.
-    wrapper = build_grad_sync(model, mesh.groups(), param_groups(model, cfg), partial(adamw, lr=cfg.lr),
+    wrapper = build_grad_sync(model, mesh.groups(), *optimizer_of(model, cfg, mesh.groups()),
                               zero=cfg.zero, bucket_mb=cfg.bucket_mb, offload=cfg.offload, precision=chosen,
                               zeropp=zeropp.parse(cfg.zeropp) if cfg.zeropp else ())
     if saved_states is not None:
@@ -182,7 +181,7 @@ def train_loop(job: Job, start: int, consumed: int) -> bool:
         if log.interrupt:  # from here a Ctrl-C waits for the end of the step; before, while a plug-in
             log.interrupt.stepping = True  # waits on others (up to --timeout), it stops at once
         for group in model.optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
+            group["lr"] = lr_at(step, cfg) * group.get("lr_scale", 1.0)  # Muon's group: its lr / --lr
         rows = hooks.rows(data, consumed, cfg.global_batch, cfg.dp, mesh.coord("dp"))
         micro = micro_batches_of(rows, mesh, cfg.micro_batch, job.device)
         log.tick(step)
