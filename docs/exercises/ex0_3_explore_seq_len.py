@@ -15,14 +15,24 @@ Check: make exercise N=0.3
 
 ANSWER = None  # a sequence length from the table
 
-if __name__ == "__main__":
-    from minipar.model import get_config
-    from minipar.planning.estimate import activation_bytes, held_bytes
-    from minipar.run.config import TrainConfig
+if __name__ == "__main__":  # chapter 0's own tools: the plain model, and autograd's saved-tensor hooks
+    import torch
+
+    from minipar.model import Llama, get_config
 
     c = get_config("small")
+    model = Llama(c, seed=0)  # float32
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}  # kept anyway: not activations
+    states = 16 * sum(p.numel() for p in model.parameters())  # weights, gradients, AdamW's 2 moments: 4 x 4 bytes
     print(f"{'seq_len':>8}{'activations':>16}{'model states':>16}")
-    for seq_len in (64, 128, 256, 512, 1024, 2048):
-        cfg = TrainConfig(model="small", seq_len=seq_len, micro_batch=1, global_batch=1, dtype="float32")
-        print(f"{seq_len:>8}{activation_bytes(c, cfg) / 2**20:>12.2f} MiB"
-              f"{sum(held_bytes(c, cfg).values()) / 2**20:>12.2f} MiB")
+    for seq_len in (64, 128, 256, 512, 1024):
+        kept: dict[int, int] = {}  # each storage autograd keeps for backward, once
+
+        def pack(t):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        tokens = torch.randint(0, c.vocab_size, (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(tokens[:, :-1], tokens[:, 1:])
+        activations = sum(n for ptr, n in kept.items() if ptr not in weights)
+        print(f"{seq_len:>8}{activations / 2**20:>12.2f} MiB{states / 2**20:>12.2f} MiB")
