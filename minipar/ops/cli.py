@@ -2,12 +2,12 @@
 group, then run (run/launch.py) or become torchrun's agent (agent.py). The operating tier: what
 protects a run and its user, not what the course teaches (chapter 10 reads it; skip it at first).
 
-    main                    parse the command line and check it (config.py); --plan, --print-config: print, exit
+    main                    parse the command line and check it (command_line.py); --plan, --print-config: print
       start_workers         given --nproc-per-node: the same checks once, then torchrun's agent, in-process (agent.py)
       check_memory          the estimator's peak per rank must fit (planning/)
       check_extras          the plug-ins' checks (minipar/extras/: replica groups ask their lighthouse)
       check_paths           data, the checkpoint to resume, --out (locked by rank 0)
-      launch.launch         the process group, the mesh, the run log, the data, then train.run
+      launch_watched        the process group (hang.py), then launch.launch: the mesh, the log, the data, the loop
       exit code             0 done; 2 bad input (one line); 3 the run diverged; 4 a rank stopped
                             answering within --timeout (hang_report names what it waited for,
                             and which ranks of the group never reached it: HangWatch listens
