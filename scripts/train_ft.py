@@ -238,8 +238,8 @@ def costs() -> list[str]:
         layout = Layout(model="405b", tp=8, pp=16, sp=True, seq_len=8192, micro_batch=1, global_batch=16,
                         precision="bf16-mixed", recompute=recompute)
         fits.append(peak_bytes(CONFIGS["405b"], layout) / 1e9)
-    return lines + [f"does a group of tp 8 x pp 16 hold 405B (seq 8,192, micro-batch 1, bf16-mixed, sp)? the "
-                    f"estimator's peak:", f"  {fits[0]:.1f} GB per GPU without recompute, {fits[1]:.1f} GB with "
+    return lines + ["does a group of tp 8 x pp 16 hold 405B (seq 8,192, micro-batch 1, bf16-mixed, sp)? the "
+                    "estimator's peak:", f"  {fits[0]:.1f} GB per GPU without recompute, {fits[1]:.1f} GB with "
                     f"full recompute, of {80 * 0.9:.0f} GB usable (80 GB less 10%)"]
 
 

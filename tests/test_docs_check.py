@@ -150,4 +150,4 @@ def test_every_chapter_is_at_most_about_400_lines_of_prose():
     chapters = sorted(p for p in (ROOT / "docs").glob("[01]*.md"))
     assert len(chapters) >= 15
     long = {p.name: n for p in chapters if (n := prose_lines(p.read_text())) > PROSE_LINES}
-    assert not long, f"chapters over {PROSE_LINES} lines of prose (move measurement diaries to docs/benchmarks.md): {long}"
+    assert not long, f"over {PROSE_LINES} lines of prose (move measurement diaries to docs/benchmarks.md): {long}"

@@ -122,18 +122,21 @@ def prose() -> None:
     full = find(weighed, dp=8, zero=3, recompute=True)
     mlp = find(weighed, dp=8, zero=3, recompute_mlp=True)
     t, gb = pick.time["total"], eight.usable / 1e9
-    print(f"""For an 8B Llama on one node the fastest layout that fits in the whole 80 GB is `{fastest.flags()}`,
-{total(c8, fastest, eight):.1f} s a step. It needs {fastest.memory / 1e9:.1f} GB, though, and only {gb:.0f} of the 80 may be used: the pick is `{pick.flags()}`, {t - total(c8, fastest, eight):.1f} s slower, whose bubble and pipeline messages
-({pick.time['bubble']:.1f} s and {pick.time['pp']:.1f} s) cost less than the alternatives' recompute. (`scripts/tools/plan.py
---headroom 0` gives the faster pick back.)
-""")
-    print(f"""The planner weighs whole-layer recompute with ZeRO-3 too (a layer's replay runs on the gather its
-backward makes anyway, so it adds no bytes: `zero3.py`): `{full.flags()}` fits in {full.memory / 1e9:.1f} GB but is
-{full.time['total'] - t:.2f} s slower per step, all of it compute, since replaying every whole layer adds a third of a
-step's compute (8/6). `{mlp.flags()}`, the MLPs alone recomputed, fits in {mlp.memory / 1e9:.1f} GB and
-is {mlp.time['total'] - t:.2f} s slower than the pick.
-""")
-    c70, many = get_config("70b"), Cluster(64)
+    say_wrapped(f"For an 8B Llama on one node the fastest layout that fits in the whole 80 GB is "
+                f"`{fastest.flags()}`, {total(c8, fastest, eight):.1f} s a step. "
+                f"It needs {fastest.memory / 1e9:.1f} GB, "
+                f"though, and only {gb:.0f} of the 80 may be used: the pick is `{pick.flags()}`, "
+                f"{t - total(c8, fastest, eight):.1f} s slower, whose bubble and pipeline messages "
+                f"({pick.time['bubble']:.1f} s and {pick.time['pp']:.1f} s) cost less than the alternatives' "
+                "recompute. "
+                "(`scripts/tools/plan.py --headroom 0` gives the faster pick back.)")
+    say_wrapped("The planner weighs whole-layer recompute with ZeRO-3 too (a layer's replay runs on the gather its "
+                f"backward makes anyway, so it adds no bytes: `zero3.py`): `{full.flags()}` fits in "
+                f"{full.memory / 1e9:.1f} GB but is {full.time['total'] - t:.2f} s slower per step, all of it compute, "
+                f"since replaying every whole layer adds a third of a step's compute (8/6). `{mlp.flags()}`, the MLPs "
+                f"alone recomputed, fits in {mlp.memory / 1e9:.1f} GB and is {mlp.time['total'] - t:.2f} s slower than "
+                "the pick.")
+    many = Cluster(64)
     weighed = weigh("70b", many, 8192, 256)
     fits = plan("70b", many, seq_len=8192, global_batch=256)[0]
     pick, t = fits[0], fits[0].time["total"]
@@ -141,13 +144,22 @@ is {mlp.time['total'] - t:.2f} s slower than the pick.
     kept = find(weighed, tp=pick.cfg.tp, pp=pick.cfg.pp, cp=pick.cfg.cp, zero=pick.cfg.zero, recompute=False,
                 recompute_mlp=False)
     looped = next(ch for ch in fits if ch.cfg.schedule == "interleaved")
-    print(f"""For 70B on 64 GPUs ZeRO-3 over every GPU fits only with recompute (`{zero3.flags()}`, {zero3.memory / 1e9:.1f} GB),
-{zero3.time['total'] - t:.1f} s slower per step than the pick: it gathers every weight across InfiniBand for every
-micro-batch. The pick, `{pick.flags()}`, cuts the model inside nodes (tp) and across them (pp),
-splits the long sequences (cp) and recomputes the MLPs: the same layout keeping every activation
-needs {kept.memory / 1e9:.1f} GB, over the {gb:.0f} usable. Interleaving pays little here: 1F1B's bubble is {pick.time['bubble'] / t:.1%}
-of the pick's step, and the best interleaved layout (`{looped.flags()}`) is {looped.time['total'] - t:.1f} s
-slower.""")
+    say_wrapped(f"For 70B on 64 GPUs ZeRO-3 over every GPU fits only with recompute (`{zero3.flags()}`, "
+                f"{zero3.memory / 1e9:.1f} GB), {zero3.time['total'] - t:.1f} s slower per step than the pick: it "
+                f"gathers every weight across InfiniBand for every micro-batch. The pick, `{pick.flags()}`, cuts the "
+                "model inside nodes (tp) and across them (pp), splits the long sequences (cp) and recomputes the "
+                f"MLPs: the same layout keeping every activation needs {kept.memory / 1e9:.1f} GB, over the {gb:.0f} "
+                f"usable. Interleaving pays little here: 1F1B's bubble is {pick.time['bubble'] / t:.1%} of the pick's "
+                f"step, and the best interleaved layout (`{looped.flags()}`) is "
+                f"{looped.time['total'] - t:.1f} s slower.",
+                last=True)
+
+
+def say_wrapped(paragraph: str, last: bool = False) -> None:
+    """A paragraph of the chapter, wrapped as the chapter wraps it (docs-check compares it line by line)."""
+    import textwrap
+
+    print(textwrap.fill(paragraph, 100, break_on_hyphens=False) + ("" if last else "\n"))
 
 
 def main() -> None:

@@ -120,25 +120,30 @@ def prose() -> None:
     t = pick.time
     flags = f"--tp {pick.cfg.tp} --pp {pick.cfg.pp} --cp {pick.cfg.cp}"
     ring = 2 * (8 - 1) / 8
-    print(f"""- **Compute-bound is not free.** The roofline's min() assumes the two sides overlap. minipar's tp
-  messages are on the critical path (a layer waits for its all-reduce; `--tp-overlap` hides only
-  f's backward one), so the clock adds them to the compute. And compute-bound says only that the
-  messages take less time than the arithmetic, not that they are a small share: at the ridge they
-  take as long. 8b at tp 8 is {(f8 / b8) / ridge:.1f} times above the ridge, so it sends for {s8:.0%} of its
-  compute time at peak (the last column).
-- **At the clock's MFU.** The clock runs compute at {mfu:.0%} MFU, so its compute takes 1 / {mfu} as
-  long as at peak and its effective ridge over NVLink is {mfu} · {ridge:,.0f} = {mfu * ridge:,.0f} FLOPs per
-  byte. Part (c)'s pick for 70b on 64 GPUs (`{flags} ...`) has tp {pick.cfg.tp}: it sends for
-  {mfu * ridge:,.0f} / {f70 / b70:,.0f} = {mfu * ridge / (f70 / b70):.1%} of its compute time by the roofline, and the clock gives
-  {t['tp']:.1f} s on tp against {t['compute']:.1f} s of compute ({t['tp'] / t['compute']:.1%}). The clock also counts bf16 autocast's
-  residual stream in fp32 (half again the bytes), and attention's score FLOPs and the MLPs'
-  recompute (more compute), which pull the two ways.
-- **The roof is the ring's.** The bytes here are a ring all-reduce's, 2(tp − 1)/tp of the message
-  ({ring} at tp 8). On an H100 node NCCL may instead reduce inside the NVSwitch (NVLink SHARP, its
-  NVLS algorithm), where each GPU sends its message about once: up to {ring} times fewer bytes at
-  tp 8. The table and the planner assume the ring, an upper bound on tp's bytes.
-- **The roofline counts bandwidth only.** A decode step's all-reduces carry one token's d numbers,
-  a few KB, where chapter 1's α, microseconds a message, sets the time, not the bytes.""")
+    bullets = [
+        "**Compute-bound is not free.** The roofline's min() assumes the two sides overlap. minipar's tp messages "
+        "are on the critical path (a layer waits for its all-reduce; `--tp-overlap` hides only f's backward one), "
+        "so the clock adds them to the compute. And compute-bound says only that the messages take less time than "
+        "the arithmetic, not that they are a small share: at the ridge they take as long. 8b at tp 8 is "
+        f"{(f8 / b8) / ridge:.1f} times above the ridge, so it sends for {s8:.0%} of its compute time at peak (the "
+        "last column).",
+        f"**At the clock's MFU.** The clock runs compute at {mfu:.0%} MFU, so its compute takes 1 / {mfu} as long as "
+        f"at peak and its effective ridge over NVLink is {mfu} · {ridge:,.0f} = {mfu * ridge:,.0f} FLOPs per byte. "
+        f"Part (c)'s pick for 70b on 64 GPUs (`{flags} ...`) has tp {pick.cfg.tp}: it sends for "
+        f"{mfu * ridge:,.0f} / {f70 / b70:,.0f} = {mfu * ridge / (f70 / b70):.1%} of its compute time by the "
+        f"roofline, and the clock gives {t['tp']:.1f} s on tp against {t['compute']:.1f} s of compute "
+        f"({t['tp'] / t['compute']:.1%}). The clock also counts bf16 autocast's residual stream in fp32 (half again "
+        "the bytes), and attention's score FLOPs and the MLPs' recompute (more compute), which pull the two ways.",
+        f"**The roof is the ring's.** The bytes here are a ring all-reduce's, 2(tp − 1)/tp of the message ({ring} "
+        "at tp 8). On an H100 node NCCL may instead reduce inside the NVSwitch (NVLink SHARP, its NVLS algorithm), "
+        f"where each GPU sends its message about once: up to {ring} times fewer bytes at tp 8. The table and the "
+        "planner assume the ring, an upper bound on tp's bytes.",
+        "**The roofline counts bandwidth only.** A decode step's all-reduces carry one token's d numbers, a few KB, "
+        "where chapter 1's α, microseconds a message, sets the time, not the bytes."]
+    import textwrap
+
+    for bullet in bullets:
+        print(textwrap.fill(bullet, 100, initial_indent="- ", subsequent_indent="  ", break_on_hyphens=False))
 
 
 def main() -> None:
