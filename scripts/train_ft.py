@@ -232,7 +232,8 @@ def costs() -> list[str]:
     lines += [f"  + every GPU redoes the step in flight ({step_s:.1f} s):  {redo:>12,.0f}  ({redo / total:.2%})",
               f"  + every GPU waits torchft's 60 s timeout, at worst:  {stall:>12,.0f}  ({stall / total:.2%})",
               f"  replica groups, all told: between {(grouped + redo) / total:.2%} and "
-              f"{(grouped + redo + stall) / total:.2%}"]
+              f"{(grouped + redo + stall) / total:.2%}; the stall alone is {stall / grouped:.1f} times the "
+              "group's restarts"]
     fits = []
     for recompute in (False, True):
         layout = Layout(model="405b", tp=8, pp=16, sp=True, seq_len=8192, micro_batch=1, global_batch=16,
