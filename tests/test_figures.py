@@ -27,11 +27,13 @@ def _script():
 
 
 def test_the_diagrams_are_drawn_as_pngs_under_the_names_the_chapters_link(tmp_path):
-    _script().main(["memory", "ring", "buckets", "zero", "tp", "zigzag", "experts", "layouts", "--out", str(tmp_path)])
+    _script().main(["memory", "ring", "buckets", "zero", "tp", "zigzag", "experts", "layouts", "zeropp", "roofline",
+                    "mesh", "commit", "--out", str(tmp_path)])
     for name in ("00_one_device_memory", "01_ring_bytes", "02_gradient_buckets", "03_zero_stages", "04_tp_column_row",
-                 "05_zigzag", "07_expert_all_to_all", "08_layouts_8b"):
+                 "05_zigzag", "07_expert_all_to_all", "08_layouts_8b", "03c_zeropp_hops", "08_roofline",
+                 "09_mesh_nodes", "10b_commit_timeline"):
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == PNG, name
-        chapter = next((ROOT / "docs").glob(f"{name[:2]}_*.md")).read_text()
+        chapter = next((ROOT / "docs").glob(f"{name.split('_')[0]}_*.md")).read_text()
         assert f"(img/{name}.png)" in chapter, name
         assert (ROOT / "docs" / "img" / f"{name}.png").exists(), name  # the committed picture
     assert "(img/09_loss_parity.png)" in (ROOT / "docs" / "09_4d.md").read_text()
@@ -110,3 +112,58 @@ def test_the_layouts_figure_draws_what_the_planner_weighs_and_its_pick():
     assert sorted(p[1] for p in points if p[1] <= limit) == sorted(ch.memory for ch in fits)
     best = min((p for p in points if p[1] <= limit), key=lambda p: p[2])
     assert best[0] == fits[0].flags() and (best[1], best[2]) == (fits[0].memory, fits[0].time["total"])
+
+
+def test_the_zeropp_figure_draws_the_estimators_bytes_and_all_three_options_cut_the_cross_node_ones_4x():
+    from minipar.layout import Layout
+    from minipar.planning.estimate_zeropp import bucket_messages
+
+    bars = _script().zeropp_bars()
+    plain, every = bars["ZeRO-3"], bars["qwz,hpz,qgz"]
+    c = get_config("8b")
+    unit = 2 * c.dim * c.dim + 2 * c.dim * c.n_kv_heads * c.head_dim + 3 * c.dim * c.ffn_dim
+    cfg = Layout(model="8b", dp=16, zero=3, ranks_per_node=8, precision="bf16-mixed")
+    assert plain["inside a node"] + plain["across nodes"] == sum(b for _, b in bucket_messages(unit, cfg, 2, 2))
+    assert bars["hpz"]["across nodes"] < plain["across nodes"] < bars["hpz"]["inside a node"] + 1e12
+    assert plain["across nodes"] / every["across nodes"] > 4  # ZeRO++'s claim: 4x fewer cross-node bytes
+
+
+def test_the_roofline_figure_draws_the_roofline_scripts_numbers_on_either_side_of_the_ridges():
+    points, h100 = _script().roofline_points(), Cluster(8)
+    hbm = dict(points["hbm"])
+    ridge = h100.flops / h100.memory_bandwidth
+    assert hbm["q T=1"] < 2 < ridge < hbm["q T=512"] < hbm["q T=4,096"] == 4096 / 3  # decode left, training right
+    nvlink, ib = dict(points["nvlink"]), dict(points["infiniband"])
+    assert set(ib) == {"1b tp 16", "8b tp 16", "70b tp 16"}  # tp 16 crosses nodes
+    assert all(v < h100.flops / h100.inter_bandwidth for v in ib.values())  # all communication-bound
+    assert nvlink["1b tp 8"] < h100.flops / h100.intra_bandwidth < nvlink["8b tp 8"]
+
+
+def test_the_mesh_figure_keeps_tp_cp_and_dp_inside_a_node_and_sends_pp_across():
+    from minipar.mesh import MeshLayout
+
+    script = _script()
+    layout, cells = MeshLayout(**script.MESH), script.mesh_cells()
+    node = {rank: n for rank, n, _ in cells}
+    assert sorted(node.values()) == [0] * 8 + [1] * 8
+    for dim in ("tp", "cp", "dp"):
+        assert all(len({node[r] for r in group}) == 1 for group in layout.groups(dim)), dim
+    assert all(len({node[r] for r in group}) == 2 for group in layout.groups("pp"))
+
+
+def test_the_commit_timeline_never_takes_the_survivor_back_and_heals_the_restarted_group_before_it_steps():
+    segments = _script().commit_timeline(steps=8, kill=3)
+    survivor = [(start, end, step) for group, start, end, what, step in segments
+                if group == 0 and what in ("step", "redo")]
+    assert [step for *_, step in survivor] == list(range(1, 9))  # every step committed once, in order
+    in_flight = [(g, w) for g, *_, w, step in segments if step == 3][:2]
+    assert in_flight == [(0, "not committed"), (1, "not committed")]
+    assert all(a[1] <= b[0] for a, b in zip(survivor, survivor[1:]))
+    restarted = [what for group, *_, what, _ in segments if group == 1]
+    restarted = restarted[restarted.index("restart"):]
+    assert restarted[:3] == ["restart", "heal", "step"]  # back, healed from group 0's state, then stepping
+    alone = [end - start for start, end, step in survivor if 3 <= step and not any(
+        g == 1 and w == "step" and s == step for g, *_, w, s in segments)]
+    assert alone and all(t == 2 for t in alone)  # P = 1 of R = 2 groups: a step takes R / P as long
+    ours = [what for group, *_, what, _ in segments if group == 0]
+    assert ours[ours.index("not committed"):][:3] == ["not committed", "stall", "redo"]

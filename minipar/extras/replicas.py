@@ -103,7 +103,8 @@ def lost_gpu_hours(gpus: int, gpu_mtbf_hours: float, hours: float, restart_hours
     (group_gpus None): each stops every GPU for the restart and throws away the work since the last
     save, half an interval on average: gpus x (restart + interval / 2) each. Replica groups of
     `group_gpus`: only the failed GPU's group stops, for its restart; the others train on and lose
-    only the step in flight (seconds, left out): group_gpus x restart each."""
+    the stall until the failure shows (up to torchft's timeout) and the step in flight, which every GPU
+    redoes: left out here, scripts/train_ft.py --costs adds them. group_gpus x restart each."""
     failures = gpus * hours / gpu_mtbf_hours
     if group_gpus is None:
         return failures * gpus * (restart_hours + checkpoint_every_hours / 2)

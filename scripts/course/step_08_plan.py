@@ -104,7 +104,69 @@ def part_c() -> None:
                 f"{ch.memory / 1e9:5.1f} GB")
 
 
+def prose() -> None:
+    """--prose: the chapter's paragraphs on part (c)'s picks, their numbers from the planner (no processes)."""
+    from minipar.planning.planner import step_time, weigh
+
+    def find(weighed, **want):
+        return next(ch for ch in weighed if all(getattr(ch.cfg, k) == v for k, v in want.items())
+                    and ch.cfg.schedule != "interleaved")
+
+    def total(c, ch, cluster):
+        return ch.time["total"] if ch.time else step_time(c, ch.cfg, cluster)["total"]
+
+    c8, eight = get_config("8b"), Cluster(8)
+    weighed = weigh("8b", eight, 8192, 1024)
+    pick = plan("8b", eight, seq_len=8192, global_batch=1024)[0][0]
+    fastest = min((ch for ch in weighed if ch.memory <= 80e9), key=lambda ch: total(c8, ch, eight))
+    full = find(weighed, dp=8, zero=3, recompute=True)
+    mlp = find(weighed, dp=8, zero=3, recompute_mlp=True)
+    t, gb = pick.time["total"], eight.usable / 1e9
+    say_wrapped(f"For an 8B Llama on one node the fastest layout that fits in the whole 80 GB is "
+                f"`{fastest.flags()}`, {total(c8, fastest, eight):.1f} s a step. "
+                f"It needs {fastest.memory / 1e9:.1f} GB, "
+                f"though, and only {gb:.0f} of the 80 may be used: the pick is `{pick.flags()}`, "
+                f"{t - total(c8, fastest, eight):.1f} s slower, whose bubble and pipeline messages "
+                f"({pick.time['bubble']:.1f} s and {pick.time['pp']:.1f} s) cost less than the alternatives' "
+                "recompute. "
+                "(`scripts/tools/plan.py --headroom 0` gives the faster pick back.)")
+    say_wrapped("The planner weighs whole-layer recompute with ZeRO-3 too (a layer's replay runs on the gather its "
+                f"backward makes anyway, so it adds no bytes: `zero3.py`): `{full.flags()}` fits in "
+                f"{full.memory / 1e9:.1f} GB but is {full.time['total'] - t:.2f} s slower per step, all of it compute, "
+                f"since replaying every whole layer adds a third of a step's compute (8/6). `{mlp.flags()}`, the MLPs "
+                f"alone recomputed, fits in {mlp.memory / 1e9:.1f} GB and is {mlp.time['total'] - t:.2f} s slower than "
+                "the pick.")
+    many = Cluster(64)
+    weighed = weigh("70b", many, 8192, 256)
+    fits = plan("70b", many, seq_len=8192, global_batch=256)[0]
+    pick, t = fits[0], fits[0].time["total"]
+    zero3 = find(weighed, dp=64, zero=3, recompute=True)
+    kept = find(weighed, tp=pick.cfg.tp, pp=pick.cfg.pp, cp=pick.cfg.cp, zero=pick.cfg.zero, recompute=False,
+                recompute_mlp=False)
+    looped = next(ch for ch in fits if ch.cfg.schedule == "interleaved")
+    say_wrapped(f"For 70B on 64 GPUs ZeRO-3 over every GPU fits only with recompute (`{zero3.flags()}`, "
+                f"{zero3.memory / 1e9:.1f} GB), {zero3.time['total'] - t:.1f} s slower per step than the pick: it "
+                f"gathers every weight across InfiniBand for every micro-batch. The pick, `{pick.flags()}`, cuts the "
+                "model inside nodes (tp) and across them (pp), splits the long sequences (cp) and recomputes the "
+                f"MLPs: the same layout keeping every activation needs {kept.memory / 1e9:.1f} GB, over the {gb:.0f} "
+                f"usable. Interleaving pays little here: 1F1B's bubble is {pick.time['bubble'] / t:.1%} of the pick's "
+                f"step, and the best interleaved layout (`{looped.flags()}`) is "
+                f"{looped.time['total'] - t:.1f} s slower.",
+                last=True)
+
+
+def say_wrapped(paragraph: str, last: bool = False) -> None:
+    """A paragraph of the chapter, wrapped as the chapter wraps it (docs-check compares it line by line)."""
+    import textwrap
+
+    print(textwrap.fill(paragraph, 100, break_on_hyphens=False) + ("" if last else "\n"))
+
+
 def main() -> None:
+    import sys
+
+    if sys.argv[1:] == ["--prose"]:
+        return prose()
     start_gloo()
     part_a()
     if dist.get_rank() == 0:  # no processes needed from here on

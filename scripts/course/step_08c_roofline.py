@@ -16,8 +16,15 @@
 
 No processes: arithmetic on the presets' shapes and planner.Cluster's H100 figures.
 
+    .venv/bin/python scripts/course/step_08c_roofline.py --prose
+
+prints instead the chapter's paragraphs whose numbers come from here and from the planner's pick for
+70b on 64 GPUs (docs-check compares them with the chapter, word for word).
+
 Chapter: docs/08_memory_and_planning.md.
 """
+
+import sys
 
 from minipar.collectives import ring_bytes_sent
 from minipar.model import ModelConfig, get_config
@@ -78,18 +85,70 @@ def part_b() -> None:
     ridges = "; ".join(f"ridge over {n}'s {bw / 1e9:.0f} GB/s: {H100.flops / bw:,.0f} FLOP/byte" for n, bw in links)
     print("\n(b) tp: a rank's training FLOPs of one layer against the bytes it sends, per token (T cancels)\n"
           f"    {ridges}; tp {node} fills a node of {node}, tp {2 * node} crosses nodes")
-    print(f"    {'model':<6}{'tp':>3}  {'link':<11}{'FLOPs/token':>13}{'bytes/token':>13}{'FLOP/byte':>11}   bound")
+    print(f"    {'model':<6}{'tp':>3}  {'link':<11}{'FLOPs/token':>13}{'bytes/token':>13}{'FLOP/byte':>11}   bound"
+          "           sending / computing at peak")
+    for model, tp, name, flops, sent, share in tp_rows():
+        bound = "compute" if share < 1 else "communication"
+        print(f"    {model:<6}{tp:>3}  {name:<11}{flops:>13,}{sent:>13,}{flops / sent:>11,.0f}   {bound:<16}"
+              f"{share:>8.0%}")
+
+
+def tp_rows() -> list[tuple[str, int, str, int, int, float]]:
+    """(model, tp, link, a rank's FLOPs and bytes sent per token, the time sending over the time computing
+    at peak: the ridge over the intensity) for each model and tp of part (b)."""
+    links, node, rows = (("NVLink", H100.intra_bandwidth), ("InfiniBand", H100.inter_bandwidth)), H100.gpus_per_node, []
     for model in MODELS:
         c = get_config(model)
         for tp in (2, 4, 8, 16):
             name, bw = links[tp > node]
             flops = 6 * rank_weights(c, tp)
             sent = 4 * ring_bytes_sent("all_reduce", c.dim * BF16, tp)  # 2 all-reduces forward, 2 backward
-            bound = "compute" if flops / sent > H100.flops / bw else "communication"
-            print(f"    {model:<6}{tp:>3}  {name:<11}{flops:>13,}{sent:>13,}{flops / sent:>11,.0f}   {bound}")
+            rows.append((model, tp, name, flops, sent, H100.flops / bw / (flops / sent)))
+    return rows
+
+
+def prose() -> None:
+    """The chapter's paragraphs on the roofline and the planner's clock, their numbers computed here."""
+    from minipar.planning.planner import plan
+
+    rows = {(m, tp): (f, b, share) for m, tp, _, f, b, share in tp_rows()}
+    mfu, ridge = 0.45, H100.flops / H100.intra_bandwidth
+    f8, b8, s8 = rows["8b", 8]
+    f70, b70, _ = rows["70b", 2]
+    fits, _ = plan("70b", Cluster(64), seq_len=8192, global_batch=256)
+    pick = fits[0]
+    t = pick.time
+    flags = f"--tp {pick.cfg.tp} --pp {pick.cfg.pp} --cp {pick.cfg.cp}"
+    ring = 2 * (8 - 1) / 8
+    bullets = [
+        "**Compute-bound is not free.** The roofline's min() assumes the two sides overlap. minipar's tp messages "
+        "are on the critical path (a layer waits for its all-reduce; `--tp-overlap` hides only f's backward one), "
+        "so the clock adds them to the compute. And compute-bound says only that the messages take less time than "
+        "the arithmetic, not that they are a small share: at the ridge they take as long. 8b at tp 8 is "
+        f"{(f8 / b8) / ridge:.1f} times above the ridge, so it sends for {s8:.0%} of its compute time at peak (the "
+        "last column).",
+        f"**At the clock's MFU.** The clock runs compute at {mfu:.0%} MFU, so its compute takes 1 / {mfu} as long as "
+        f"at peak and its effective ridge over NVLink is {mfu} · {ridge:,.0f} = {mfu * ridge:,.0f} FLOPs per byte. "
+        f"Part (c)'s pick for 70b on 64 GPUs (`{flags} ...`) has tp {pick.cfg.tp}: it sends for "
+        f"{mfu * ridge:,.0f} / {f70 / b70:,.0f} = {mfu * ridge / (f70 / b70):.1%} of its compute time by the "
+        f"roofline, and the clock gives {t['tp']:.1f} s on tp against {t['compute']:.1f} s of compute "
+        f"({t['tp'] / t['compute']:.1%}). The clock also counts bf16 autocast's residual stream in fp32 (half again "
+        "the bytes), and attention's score FLOPs and the MLPs' recompute (more compute), which pull the two ways.",
+        f"**The roof is the ring's.** The bytes here are a ring all-reduce's, 2(tp − 1)/tp of the message ({ring} "
+        "at tp 8). On an H100 node NCCL may instead reduce inside the NVSwitch (NVLink SHARP, its NVLS algorithm), "
+        f"where each GPU sends its message about once: up to {ring} times fewer bytes at tp 8. The table and the "
+        "planner assume the ring, an upper bound on tp's bytes.",
+        "**The roofline counts bandwidth only.** A decode step's all-reduces carry one token's d numbers, a few KB, "
+        "where chapter 1's α, microseconds a message, sets the time, not the bytes."]
+    import textwrap
+
+    for bullet in bullets:
+        print(textwrap.fill(bullet, 100, initial_indent="- ", subsequent_indent="  ", break_on_hyphens=False))
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--prose"]:
+        return prose()
     part_a()
     part_b()
 

@@ -39,6 +39,12 @@ to step K (the `/K` of its step lines read as the shown total), and skips the sh
 and `saved .../step_N` lines past K. A block with no line left to compare fails, so a check cannot
 pass by skipping everything.
 
+Generated prose. A number of the prose that the code computes (a planner's pick, a ratio, a count)
+is not typed: the lines between `<!-- text: COMMAND -->` and `<!-- /text -->` are what COMMAND
+prints, word for word and number for number (no measured number is let through, unlike a block),
+and must appear in its fresh output in the same order. A typed number that the code no longer
+prints fails the check.
+
 Line anchors. A link to a definition, `[name](../minipar/zero.py#L120)` or [`Class.method`](...),
 must point at the line that defines it (`def name` or `class name`, the last dotted part); a
 moved definition fails the check until the anchor is updated. Anchors are checked on every run,
@@ -61,6 +67,8 @@ from minipar.course import readme_table
 
 ROOT = Path(__file__).resolve().parents[2]
 MARK = re.compile(r"<!-- output: (.+?) -->")
+TEXT = re.compile(r"<!-- text: (.+?) -->")  # generated prose, up to TEXT_END
+TEXT_END = "<!-- /text -->"
 CHEAPER = re.compile(r"\s*\(checked on its first (\d+) steps?\)$")
 ANCHOR = re.compile(r"\[`?([\w.]+)(?:\([^`\]]*\))?`?\]\(([^)#\s]+\.py)#L(\d+)\)")  # [`name(args)`](f.py#L9)
 MEASURED_AFTER = re.compile(r"(?:peak mem|bubble) $")  # a log's memory and idle time: this machine's
@@ -78,6 +86,29 @@ def blocks(chapter: Path) -> list[tuple[str, list[str]]]:
             end = next(j for j in range(i + 2, len(lines)) if lines[j].lstrip().startswith("```"))
             found.append((mark.group(1), lines[i + 2:end]))
     return found
+
+
+def text_blocks(chapter: Path) -> list[tuple[str, list[str]]]:
+    """(command, the prose lines) of every generated paragraph of a chapter, TEXT to TEXT_END."""
+    lines, found = chapter.read_text().splitlines(), []
+    for i, line in enumerate(lines):
+        mark = TEXT.search(line)
+        if mark:
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == TEXT_END), None)
+            if end is None:
+                raise ValueError(f"{chapter.name}: {line.strip()} has no {TEXT_END} after it")
+            found.append((mark.group(1), lines[i + 1:end]))
+    return found
+
+
+def first_text_mismatch(shown: list[str], fresh: list[str]) -> str | None:
+    """None if the prose lines appear, each exactly, in order in the fresh output, else the first that does not."""
+    at = 0
+    for line in (s for s in shown if s.strip()):
+        at = next((j + 1 for j in range(at, len(fresh)) if fresh[j].rstrip() == line.rstrip()), -1)
+        if at < 0:
+            return line
+    return None
 
 
 def last_digit(number: str) -> float:
@@ -216,6 +247,14 @@ def check_outputs(chapters: list[Path]) -> int:
     outputs: dict[tuple[str, int | None], list[str]] = {}
     failed = 0
     for chapter in chapters:
+        for marked, shown in text_blocks(chapter):
+            if (marked, None) not in outputs:
+                print(f"running {marked}", flush=True)
+                outputs[marked, None] = run(marked)
+            miss = first_text_mismatch(shown, outputs[marked, None]) if any(x.strip() for x in shown) \
+                else "(the generated text is empty)"
+            failed += miss is not None
+            print(f"  {chapter.name}: " + ("OK (text)" if miss is None else f"STALE TEXT: no fresh line is {miss!r}"))
         for marked, shown in blocks(chapter):
             cheaper = CHEAPER.search(marked)
             command, steps = CHEAPER.sub("", marked), int(cheaper.group(1)) if cheaper else None

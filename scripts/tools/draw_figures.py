@@ -1,6 +1,6 @@
 """The course's pictures, drawn from the library's own numbers (the chapters show docs/img/*.png).
 
-    .venv/bin/python scripts/tools/draw_figures.py                              # all nine, into runs/figures
+    .venv/bin/python scripts/tools/draw_figures.py                              # all thirteen, into runs/figures
     .venv/bin/python scripts/tools/draw_figures.py zero tp --out /tmp/figures   # some of them, elsewhere
 
 --out is a new folder (one that holds anything is refused, docs/img included: nothing is drawn
@@ -26,6 +26,17 @@ over); copy the PNGs into docs/img/ to update the course's. The loss runs take a
               those that fit in 80 GB less 10% headroom marked, the pick circled          chapter 8
     parity    the same training run under six layouts (scripts/train.py, float64): one curve, and
               each layout's largest difference from one process                         chapter 9
+    zeropp    ZeRO++'s two hops: the bytes one rank sends per micro-batch for one ZeRO-3 unit of 8b
+              at dp 16 on 2 nodes, inside its node and across nodes, plain and with qwz, hpz, qgz
+              (planning/estimate_zeropp.bucket_messages)                                 chapter 3c
+    roofline  attainable FLOP/s against FLOPs per byte on an H100 (planner.Cluster): HBM's roof with
+              8b's matmuls at three token counts, and the NVLink and InfiniBand roofs with tp's
+              FLOPs per byte sent (scripts/course/step_08c_roofline.py's arithmetic)      chapter 8
+    mesh      the 16 ranks of chapter 9's pp 2 x dp 2 x cp 2 x tp 2 on two nodes of 8 (mesh.MeshLayout):
+              which ranks share a node, and each kind of group                          chapter 9
+    commit    the commit protocol's timeline: two replica groups, group 1 killed, the survivor's
+              stall and redone step, its steps alone (R / P as long), group 1's restart, heal and
+              rejoin (commit_timeline: the protocol of extras/replicas.py, in step units) chapter 10b
 """
 
 from __future__ import annotations
@@ -365,8 +376,199 @@ def parity(out: Path) -> None:
     fig.savefig(out / "09_loss_parity.png", dpi=110)
 
 
+def zeropp_bars() -> dict[str, dict[str, int]]:
+    """Bytes one rank sends per micro-batch for one ZeRO-3 unit (a layer of 8b, bf16) at dp 16 on 2 nodes
+    of 8, by where they travel: {variant: {"inside a node": ..., "across nodes": ...}}. A dp message
+    rides a ring over both nodes: 2 of its 16 hops cross, so its bytes are split 14/16 inside and
+    2/16 across (the ranks' mean share); dp_intra stays inside, dp_cross crosses."""
+    from minipar.layout import Layout
+    from minipar.planning.estimate_zeropp import bucket_messages
+
+    c = get_config("8b")
+    unit = 2 * c.dim * c.dim + 2 * c.dim * c.n_kv_heads * c.head_dim + 3 * c.dim * c.ffn_dim  # q, o; k, v; MLP
+    unit = -(-unit // 16) * 16
+    bars = {}
+    for variant in ("", "qwz", "hpz", "qgz", "qwz,hpz,qgz"):
+        cfg = Layout(model="8b", dp=16, zero=3, zeropp=variant or None, ranks_per_node=8, precision="bf16-mixed")
+        inside = across = 0.0
+        for name, nbytes in bucket_messages(unit, cfg, width=2, wire=2):
+            group = name.split("/")[0]
+            if group == "dp_intra":
+                inside += nbytes
+            elif group == "dp_cross":
+                across += nbytes
+            else:
+                inside, across = inside + nbytes * 14 / 16, across + nbytes * 2 / 16
+        bars[variant or "ZeRO-3"] = {"inside a node": inside, "across nodes": across}
+    return bars
+
+
+def zeropp_figure(out: Path) -> None:
+    bars = zeropp_bars()
+    fig, ax = plt.subplots(figsize=(7.4, 4.2))
+    names = list(bars)
+    inside = [bars[n]["inside a node"] / 2**20 for n in names]
+    across = [bars[n]["across nodes"] / 2**20 for n in names]
+    ax.bar(names, inside, color=COLORS[0], label="inside a node (NVLink)")
+    ax.bar(names, across, bottom=inside, color=COLORS[3], label="across nodes (InfiniBand)")
+    for i in range(len(names)):
+        ax.text(i, inside[i] + across[i], f"{across[i]:.0f} MiB across", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("MiB one rank sends per micro-batch\n(one 8b layer, bf16)")
+    ax.set_title("ZeRO++'s two hops at dp 16 on 2 nodes of 8 (estimate_zeropp.bucket_messages)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "03c_zeropp_hops.png", dpi=110)
+
+
+def _roofline_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("step_08c", ROOT / "scripts" / "course" / "step_08c_roofline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def roofline_points() -> dict[str, list[tuple[str, float]]]:
+    """{"hbm": [(8b matmul at T, FLOP per byte of HBM)], "nvlink"/"infiniband": [(model tp, FLOP per byte
+    sent)]}: part (a)'s and part (b)'s arithmetic of step_08c_roofline.py."""
+    script = _roofline_script()
+    c = get_config("8b")
+    hbm = [(f"{name} T={t:,}", f / b) for name, n_in, n_out in script.matmuls(c) if name in ("q", "k", "down")
+           for t in script.TOKENS for f, b in [script.flops_and_bytes(t, n_in, n_out)]]
+    links = {"nvlink": [], "infiniband": []}
+    for model, tp, link, flops, sent, _ in script.tp_rows():
+        links[link.lower()].append((f"{model} tp {tp}", flops / sent))
+    return {"hbm": hbm, **links}
+
+
+def roofline(out: Path) -> None:
+    h100, points = Cluster(8), roofline_points()
+    fig, ax = plt.subplots(figsize=(7.4, 4.8))
+    xs = [2.0**e for e in range(-1, 17)]
+    roofs = (("HBM3", h100.memory_bandwidth, COLORS[0], "hbm"), ("NVLink", h100.intra_bandwidth, COLORS[2], "nvlink"),
+             ("InfiniBand", h100.inter_bandwidth, COLORS[3], "infiniband"))
+    for name, bw, color, key in roofs:
+        ax.loglog(xs, [min(h100.flops, x * bw) / 1e12 for x in xs], color=color,
+                  label=f"{name} {bw / 1e9:,.0f} GB/s: ridge {h100.flops / bw:,.0f} FLOP/byte")
+        for label, x in points[key]:
+            ax.plot([x], [min(h100.flops, x * bw) / 1e12], "o", color=color, markersize=4)
+            if label in ("q T=1", "q T=512", "1b tp 8", "8b tp 8", "1b tp 16", "8b tp 16", "70b tp 16"):
+                up = label in ("q T=512", "8b tp 8")
+                ax.annotate(label, (x, min(h100.flops, x * bw) / 1e12), fontsize=7, xytext=(-10, 8 if up else -12),
+                            textcoords="offset points")
+    ax.set_xlabel("FLOPs per byte moved (HBM) or sent (tp's all-reduces)")
+    ax.set_ylabel("attainable TFLOP/s (bf16 peak 989)")
+    ax.set_title("the roofline of an H100: 8b's matmuls, and tp's messages", fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out / "08_roofline.png", dpi=110)
+
+
+MESH = dict(world_size=16, pp=2, dp=2, cp=2, tp=2, ranks_per_node=8)
+
+
+def mesh_cells() -> list[tuple[int, int, dict[str, int]]]:
+    """(rank, its node, its coordinates) of chapter 9's 16 ranks on two nodes of 8 (mesh.MeshLayout)."""
+    from minipar.mesh import MeshLayout
+
+    layout = MeshLayout(**MESH)
+    return [(r, layout.node(r), layout.coords(r)) for r in range(layout.world_size)]
+
+
+def mesh(out: Path) -> None:
+    from minipar.mesh import MeshLayout
+
+    layout, cells = MeshLayout(**MESH), mesh_cells()
+    fig, ax = plt.subplots(figsize=(8.2, 3.6))
+    place = {}
+    for rank, node, co in cells:
+        x = node * 4.6 + (rank % 8) % 4 * 1.05
+        y = 1.3 - (rank % 8) // 4 * 1.3
+        place[rank] = (x, y)
+        ax.add_patch(Rectangle((x, y), 0.9, 0.9, facecolor=COLORS[co["dp"]] + "55", edgecolor="black"))
+        ax.text(x + 0.45, y + 0.6, f"rank {rank}", ha="center", fontsize=8)
+        ax.text(x + 0.45, y + 0.25, f"pp{co['pp']} dp{co['dp']}\ncp{co['cp']} tp{co['tp']}", ha="center", fontsize=6)
+    for node in range(layout.nodes):
+        ax.add_patch(Rectangle((node * 4.6 - 0.15, -0.15), 4.35, 2.55, fill=False, linestyle="--"))
+        ax.text(node * 4.6 + 2.0, 2.5, f"node {node} (pp stage {node})", ha="center", fontsize=9)
+    for dim, color, dy in (("tp", "black", -0.12), ("cp", COLORS[2], -0.05), ("pp", COLORS[3], 0.92)):
+        for i, group in enumerate(layout.groups(dim)):
+            (x0, y0), (x1, y1) = place[group[0]], place[group[-1]]
+            lift = dy + (0.1 * (i % 4) if dim == "pp" else 0)  # the 8 pp pairs, apart
+            ax.plot([x0 + 0.45, x1 + 0.45], [y0 + lift, y1 + lift], color=color, linewidth=1.5, marker="o",
+                    markersize=3, label=dim if i == 0 else None)
+    ax.set_xlim(-0.4, 9.2)
+    ax.set_ylim(-0.4, 3.0)
+    ax.axis("off")
+    ax.set_title("pp 2 x dp 2 x cp 2 x tp 2 on two nodes of 8: tp and cp inside a node, pp across "
+                 "(colour: dp replica)", fontsize=9)
+    ax.legend(fontsize=7, loc="lower center", ncol=3, bbox_to_anchor=(0.5, -0.12))
+    fig.tight_layout()
+    fig.savefig(out / "09_mesh_nodes.png", dpi=110)
+
+
+def commit_timeline(steps: int = 8, kill: int = 3, timeout: float = 1.5, restart: float = 4.0,
+                    heal: float = 0.5) -> list[tuple[int, float, float, str, int]]:
+    """The commit protocol of two replica groups in step units (one step of both groups = 1), as
+    segments (group, start, end, what, step): "step" (committed), "not committed" (the step in flight
+    when group 1 dies: its allreduce fails, the vote says no, nothing changes), "stall" (waiting for the failed
+    allreduce, up to the timeout), "redo" (the step taken again without the dead group), "restart",
+    "heal" (the peer's state downloaded). Group 1 dies during step `kill`; while P of R = 2 groups
+    take part a step takes R / P as long (replicas.rows: the survivors take the missing group's rows)."""
+    segments, t, alone_until = [], 0.0, None
+    for step in range(1, steps + 1):
+        if step == kill:
+            segments += [(0, t, t + 1, "not committed", step), (1, t, t + 0.5, "not committed", step)]  # 1 dies
+            segments.append((0, t + 1, t + 1 + timeout, "stall", step))
+            t += 1 + timeout
+            segments.append((0, t, t + 2, "redo", step))  # P = 1 of R = 2: twice as long, then committed
+            back = t - timeout - 0.5 + restart  # group 1's restart began when it died
+            segments.append((1, t - timeout - 0.5, back, "restart", step))
+            t += 2
+            alone_until = back
+            continue
+        if alone_until is not None and t < alone_until:
+            segments.append((0, t, t + 2, "step", step))
+            t += 2
+            continue
+        if alone_until is not None:  # the next quorum takes group 1 back: it heals, then both step
+            segments.append((1, t, t + heal, "heal", step))
+            segments.append((0, t, t + heal, "quorum", step))
+            t += heal
+            alone_until = None
+        segments += [(0, t, t + 1, "step", step), (1, t, t + 1, "step", step)]
+        t += 1
+    return segments
+
+
+def commit(out: Path) -> None:
+    colors = {"step": COLORS[0], "not committed": "#8fa9d6", "redo": COLORS[1], "stall": "#bbbbbb",
+              "restart": COLORS[3], "heal": COLORS[2],
+              "quorum": "#dddddd"}
+    fig, ax = plt.subplots(figsize=(8.4, 2.8))
+    seen = set()
+    for group, start, end, what, step in commit_timeline():
+        ax.broken_barh([(start, end - start)], (1 - group - 0.35, 0.7), facecolors=colors[what], edgecolor="black",
+                       label=what if what not in seen else None)
+        seen.add(what)
+        if what in ("step", "redo", "not committed"):
+            ax.text((start + end) / 2, 1 - group, str(step), ha="center", va="center", fontsize=7, color="white")
+    kill = next(s for g, s, e, w, _ in commit_timeline() if g == 1 and w == "restart")
+    ax.annotate("SIGKILL", (kill, 0), xytext=(kill, -0.75), ha="center", fontsize=8,
+                arrowprops=dict(arrowstyle="->"))
+    ax.set_yticks([1, 0], ["group 0", "group 1"])
+    ax.set_xlabel("time, in steps of both groups (a step of one group alone: R / P = 2)")
+    ax.set_title("the commit protocol: a kill, the survivor's stall and redone step, a restart, a heal", fontsize=9)
+    ax.legend(fontsize=7, ncol=7, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    ax.set_ylim(-1.0, 1.6)
+    fig.tight_layout()
+    fig.savefig(out / "10b_commit_timeline.png", dpi=110)
+
+
 FIGURES = {"memory": memory, "ring": ring, "buckets": buckets, "zero": zero, "tp": tp, "zigzag": zigzag,
-           "experts": experts, "layouts": planned, "parity": parity}
+           "experts": experts, "layouts": planned, "parity": parity, "zeropp": zeropp_figure, "roofline": roofline,
+           "mesh": mesh, "commit": commit}
 
 
 def main(argv: list[str] | None = None) -> None:
