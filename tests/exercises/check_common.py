@@ -12,7 +12,10 @@ import contextlib
 import getpass
 import importlib
 import importlib.util
+import os
 import random
+import sys
+import sysconfig
 import types
 import zlib
 from collections.abc import Callable
@@ -37,12 +40,18 @@ def load(path) -> object:
     return module
 
 
+_ATTEMPTING = [0]  # > 0 while the checker calls one of the student's functions
+
+
 def attempt(fn, *args):
     """Call the student's fn; a NotImplementedError becomes NotImplementedYet with its hint."""
+    _ATTEMPTING[0] += 1
     try:
         return fn(*args)
     except NotImplementedError as e:
-        raise NotImplementedYet(f"{fn.__name__}: not implemented yet ({e})") from None
+        raise NotImplementedYet(f"{getattr(fn, '__name__', fn)}: not implemented yet ({e})") from None
+    finally:
+        _ATTEMPTING[0] -= 1
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -51,29 +60,163 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"max abs diff {(a.double() - b.double()).abs().max().item():.3g}"
 
 
-@contextlib.contextmanager
-def switched_off(names: tuple[str, ...], why: str = "it is the library's own answer; write it yourself"):
-    """While the student's file is loaded and run, each "module:attribute" of `names` (the library's
-    own answer to the exercise) is a function that raises, saying `why`: an answer must not delegate
-    to it. The checker keeps the originals it imported; library code that calls one refuses too.
-    "module:Class.method" switches off one method of a class."""
-    saved = []
+# -- The library's answer, off by every route --------------------------------------------------
+#
+# While a student's file is loaded and run, each function of `names` (the library's own answer, and
+# the siblings that compute it) refuses wherever it is reached: in every module that holds it (a
+# re-export such as minipar.zero.bucket_params is the same object), in a module executed again
+# (importlib.reload, a fresh import after `del sys.modules[...]`, exec_module of the library's file),
+# and nothing the answer runs may open the library's sources outside the import system, any file
+# under tests/ (the checkers' keys, the reference answers), or start a process. A call refuses when
+# the student's code is on the call stack (the student's file, or code compiled from a string); the
+# checker's own calls, with no student frame under them, reach the original.
+
+_RUN: dict | None = None  # the student's run in progress: {"student": str, "off": {module: {path: why}}}
+_TESTS, _ANSWERS, _LIBRARY = str(ROOT / "tests") + os.sep, str(ROOT / "tests" / "exercises" / "answers") + os.sep, \
+    str(ROOT / "minipar") + os.sep
+_TRUSTED = tuple({str(ROOT / "minipar") + os.sep, _TESTS, str(Path(torch.__file__).parents[1]) + os.sep,
+                  *(sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib"))})
+_CHECKER_MODULES = ("check_common", "checks", "harness", "run", "conftest", "test_exercises")
+
+
+def _student_on_stack() -> bool:
+    """Whether a frame of the student's code (its file, or anything not of the library, the checkers,
+    torch or the standard library: code compiled from a string too) is on the call stack."""
+    if _ATTEMPTING[0]:  # the checker called the student's function, which may be the library's itself
+        return True
+    frame = sys._getframe(2)
+    while frame is not None and frame is not _RUN["base"]:  # below the checker's own entry: not the student
+        name = frame.f_code.co_filename
+        if (name == _RUN["student"] or name.startswith(_ANSWERS)
+                or not (name.startswith(_TRUSTED) or name.startswith("<frozen"))):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _refusing(original, name: str, why: str):
+    def refuse(*args, **kwargs):
+        if _RUN is None or not _student_on_stack():
+            return original(*args, **kwargs)  # the checker's own call
+        raise RuntimeError(f"{name} is off in this exercise: {why}")
+    refuse.__name__ = getattr(original, "__name__", name)
+    refuse._minipar_refuses = original
+    return refuse
+
+
+def _module_name_of(module) -> str | None:
+    """The dotted name of the library module a module object was executed from (by its file)."""
+    file = getattr(module, "__file__", None)
+    if not file or not os.path.abspath(file).startswith(_LIBRARY):
+        return None
+    rel = Path(os.path.abspath(file)).relative_to(ROOT).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
+def _switch_off_in(module, saved: list) -> None:
+    """Switch off, by name, what `module` (a library module just executed) defines of the answer."""
+    for path, why in _RUN["off"].get(_module_name_of(module) or "", {}).items():
+        *owners, attr = path.split(".")
+        holder = module
+        for owner in owners:
+            holder = getattr(holder, owner)
+        original = getattr(holder, attr)
+        if not hasattr(original, "_minipar_refuses"):
+            saved.append((holder, attr, original))
+            setattr(holder, attr, _refusing(original, f"{_module_name_of(module)}.{path}", why))
+
+
+_LOADING = [0]  # > 0 while the import system executes a library module (it may open its source)
+
+
+def _audit(event: str, args) -> None:
+    if _RUN is None:
+        return
+    if event in ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn"):
+        raise RuntimeError("starting a process is off in this exercise: write the answer in your file")
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        path = os.path.abspath(os.fsdecode(args[0]))
+        if path in (_RUN["student"], _RUN["cached"]) or any("linecache" in f.f_code.co_filename for f in _frames()):
+            return
+        if path.startswith(_TESTS):
+            raise RuntimeError(f"reading {os.path.relpath(path, ROOT)} is off in this exercise: the checkers and "
+                               f"the reference answers are not yours to read or run")
+        if path.startswith(_LIBRARY) and not _LOADING[0]:
+            raise RuntimeError(f"reading {os.path.relpath(path, ROOT)} is off in this exercise: import the "
+                               f"library, do not execute its source again")
+
+
+def _frames():
+    frame = sys._getframe(1)
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+sys.addaudithook(_audit)
+_exec_module = importlib._bootstrap_external._LoaderBasics.exec_module
+
+
+def _exec_module_switched_off(self, module):
+    """The import system's exec_module, with the answer switched off in what it executed again."""
+    _LOADING[0] += 1
     try:
+        _exec_module(self, module)
+    finally:
+        _LOADING[0] -= 1
+    if _RUN is not None:
+        _switch_off_in(module, _RUN["saved"])
+
+
+@contextlib.contextmanager
+def switched_off(names: tuple[str, ...], why: str = "it is the library's own answer; write it yourself",
+                 student=None):
+    """While the student's file (`student`, its path) is loaded and run, each "module:attribute" of
+    `names` (the library's own answer to the exercise, and the siblings that compute it) refuses,
+    saying `why`, however it is reached (see above). "module:Class.method" switches off one method."""
+    global _RUN
+    if _RUN is not None:  # nested: the outer switch-off holds
+        yield
+        return
+    saved: list = []
+    student = os.path.abspath(student) if student else ""
+    _RUN = {"base": sys._getframe(2), "student": student, "off": {},
+            "cached": student and importlib.util.cache_from_source(student),
+            "saved": saved}
+    hidden = {name: sys.modules.pop(name) for name in list(sys.modules)
+              if name in _CHECKER_MODULES or name.startswith(("checks", "answers", "tests."))}
+    importlib._bootstrap_external._LoaderBasics.exec_module = _exec_module_switched_off
+    try:
+        originals: dict[int, tuple] = {}
         for name in names:
             module_name, path = name.split(":")
+            _RUN["off"].setdefault(module_name, {})[path] = why
             *owners, attr = path.split(".")
             holder = importlib.import_module(module_name)
             for owner in owners:
                 holder = getattr(holder, owner)
-            saved.append((holder, attr, getattr(holder, attr)))
-
-            def refuse(*args, _name=f"{module_name}.{path}", **kwargs):
-                raise RuntimeError(f"{_name} is off in this exercise: {why}")
+            original = getattr(holder, attr)
+            refuse = _refusing(original, f"{module_name}.{path}", why)
+            saved.append((holder, attr, original))
             setattr(holder, attr, refuse)
+            if not owners:
+                originals[id(original)] = (original, refuse)
+        for module in list(sys.modules.values()) + list(hidden.values()):  # every module that holds one
+            found = getattr(module, "__dict__", None)
+            if not isinstance(found, dict):
+                continue
+            for key, value in list(found.items()):
+                hit = originals.get(id(value))
+                if hit is not None and value is hit[0]:
+                    saved.append((module, key, value))
+                    setattr(module, key, hit[1])
         yield
     finally:
+        importlib._bootstrap_external._LoaderBasics.exec_module = _exec_module
         for holder, attr, original in reversed(saved):
             setattr(holder, attr, original)
+        sys.modules.update(hidden)
+        _RUN = None
 
 
 def guarded(rank_fn, off: tuple[str, ...] = (), why: str | None = None):
@@ -81,7 +224,7 @@ def guarded(rank_fn, off: tuple[str, ...] = (), why: str | None = None):
     library's functions switched off (switched_off, saying `why`) while the student's file loads and runs."""
     def run(rank, world, path, *args):
         try:
-            with switched_off(off, *([why] if why else [])):
+            with switched_off(off, *([why] if why else []), student=path):
                 return rank_fn(rank, world, load(path), *args)
         except NotImplementedYet as e:
             return {"problems": [str(e)]}

@@ -203,7 +203,7 @@ def reference_step(model: nn.Module, optimizer: torch.optim.Optimizer, grads: li
 
 def check_commit_step(path, run_ranks=None) -> list[str]:
     try:
-        with switched_off(COMMIT_OFF):
+        with switched_off(COMMIT_OFF, student=path):
             return _commit_problems(load(path).ft_step)
     except NotImplementedYet as e:
         return [str(e)]
