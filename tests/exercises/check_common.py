@@ -8,10 +8,14 @@ A checker never raises for a wrong answer: it returns the problems, as lines a s
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import getpass
+import hashlib
 import importlib
 import importlib.util
+import json
+import operator
 import os
 import random
 import sys
@@ -345,16 +349,17 @@ def as_number(x) -> float | None:
 
 
 def _off(value: float | None, truth: float, rel: float) -> str:
-    """'' when value is within rel of truth; else which way it is off."""
+    """'' when value is within rel of truth; else that it is not (never which way: a direction would
+    let an answer be found by bisecting instead of worked out)."""
     if value is None:
         return "not a number"
     if abs(value - truth) <= rel * abs(truth):
         return ""
-    return "the library's is more" if truth > value else "the library's is less"
+    return "wrong"
 
 
 def number_problems(answer, truth: float, rel: float, what: str, how: str) -> list[str]:
-    """[] when answer is within `rel` of truth, else one line saying which way it is off."""
+    """[] when answer is within `rel` of truth, else one line saying that it is not."""
     off = _off(as_number(answer), truth, rel)
     return [f"ANSWER = {answer!r}: not {what}: {off} ({how})"] if off else []
 
@@ -363,8 +368,8 @@ def numbers_problems(answer, truths: tuple, rel: float, names: tuple, how: str) 
     """The same for a tuple of numbers, naming each one that is off."""
     if not isinstance(answer, (tuple, list)) or len(answer) != len(truths):
         return [f"ANSWER = {answer!r}: write {len(truths)} numbers, ({', '.join(names)})"]
-    wrong = [f"{name}: {a!r} is not it, {off}" for name, a, t in zip(names, answer, truths)
-             if (off := _off(as_number(a), t, rel))]
+    wrong = [f"{name}: {a!r} is not it" + (f", {off}" if off != "wrong" else "")
+             for name, a, t in zip(names, answer, truths) if (off := _off(as_number(a), t, rel))]
     return [f"ANSWER = {tuple(answer)!r}: " + "; ".join(wrong) + f" ({how})"] if wrong else []
 
 
@@ -378,14 +383,109 @@ def choice_problems(answer, truth, choices: dict, how: str) -> list[str]:
 
 # -- Predict: the question's numbers drawn from a seed, so that the answer is no look-up -----------
 
-def seed_of(student, override: int | None = None) -> tuple[int, str]:
+def seed_of(written: dict, override: int | None = None) -> tuple[int, str]:
     """(the seed, where it came from): `override` (the tests), the file's SEED, or the user's name."""
     if override is not None:
         return override, "given"
-    if getattr(student, "SEED", None) is not None:
-        return int(student.SEED), "SEED in your file"
+    if isinstance(written.get("SEED"), int):
+        return written["SEED"], "SEED in your file"
     user = getpass.getuser()
     return zlib.crc32(user.encode()) % 1000, f"from your user name {user!r}; set SEED in the file to change it"
+
+
+# -- Predict: the answer is a number or a choice written out, never code; a few tries per variant --
+
+class NotAValue(Exception):
+    pass
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv, ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def _value(node):
+    """A written-out value: a number (arithmetic of numbers too, 3 / 7 exactly), a string, or a list,
+    tuple or dict of them; anything else (a name, a call, a lambda) is code."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, str)) and not isinstance(
+            node.value, bool):
+        return Fraction(node.value) if isinstance(node.value, int) else node.value
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return type(node.elts)(_value(e) for e in node.elts) if isinstance(node, ast.List) else tuple(
+            _value(e) for e in node.elts)
+    if isinstance(node, ast.Dict) and None not in node.keys:
+        return {_value(k): _value(x) for k, x in zip(node.keys, node.values)}
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_number(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        left, right = _number(node.left), _number(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > 64:
+            raise NotAValue("a power that large")
+        return _OPS[type(node.op)](left, right)
+    raise NotAValue(ast.unparse(node))
+
+
+def _number(node):
+    x = _value(node)
+    if isinstance(x, (str, list, tuple)):
+        raise NotAValue(ast.unparse(node))
+    return x
+
+
+def _plain(x):
+    """Fractions back to ints where whole (a choice of 3 stays 3), lists as they were written."""
+    if isinstance(x, Fraction):
+        return int(x) if x.denominator == 1 else float(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_plain(e) for e in x)
+    if isinstance(x, dict):
+        return {_plain(k): _plain(e) for k, e in x.items()}
+    return x
+
+
+def written_values(path) -> dict:
+    """SEED and ANSWER as the student's file writes them, read without running the file: a value
+    written out, or NotAValue (ANSWER = a call, a function, a name: code, which a prediction is not)."""
+    found = {}
+    for node in ast.parse(Path(path).read_text(), str(path)).body:
+        targets = (node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AnnAssign) and node.value is not None else [])
+        for target in targets:
+            if isinstance(target, ast.Name) and target.id in ("SEED", "ANSWER"):
+                if isinstance(node.value, ast.Constant) and node.value.value is None:
+                    found[target.id] = None
+                    continue
+                try:
+                    found[target.id] = _plain(_value(node.value))
+                except (NotAValue, ZeroDivisionError, OverflowError) as e:
+                    found[target.id] = NotAValue(str(e))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name in (
+                "SEED", "ANSWER"):
+            found[node.name] = NotAValue(f"def {node.name}")
+    return found
+
+
+# Tries: a variant takes MAX_TRIES different wrong answers; then its key stays unchecked (a new SEED
+# draws a new variant). Kept per user in this file; the tests point it elsewhere.
+MAX_TRIES = 3
+TRIES_FILE = Path.home() / ".cache" / "minipar" / "exercise_tries.json"
+
+
+def _tries(key: str, answer, right: bool) -> int:
+    """How many different wrong answers this variant has had, counting `answer` when it is wrong."""
+    try:
+        book = json.loads(TRIES_FILE.read_text())
+    except (OSError, ValueError):
+        book = {}
+    wrong = book.setdefault(key, [])
+    if len(wrong) >= MAX_TRIES:
+        return len(wrong) + 1
+    if not right and repr(answer) not in wrong:
+        wrong.append(repr(answer))
+        TRIES_FILE.parent.mkdir(parents=True, exist_ok=True)
+        temporary = TRIES_FILE.with_name(f".{TRIES_FILE.name}.{os.getpid()}")
+        temporary.write_text(json.dumps(book, indent=0))
+        temporary.replace(TRIES_FILE)
+    return len(wrong)
 
 
 class Predict:
@@ -394,8 +494,11 @@ class Predict:
     `problems(answer, v)`: the answer against the library's key for v. `keys(v)`: the key as the
     chapters would print it (tests/test_exercises.py greps docs/ for each: none may appear).
 
-    ANSWER in the student's file is a value, or a function of the variant (ANSWER(v), v.p, v.m, ...):
-    the reference answers in tests/exercises/answers/ are functions, so they pass for every seed."""
+    ANSWER in the student's file is a value written out (a number, a fraction like 3 / 7, a choice,
+    a list of them), read without running the file: code that computes it is refused, and so is a
+    variant's answer after MAX_TRIES different wrong ones. The reference answers in
+    tests/exercises/answers/ write their variant's value, and a `formula(v)` the tests run on every
+    variant."""
 
     def __init__(self, space: list[dict], question: Callable[[dict], str], problems: Callable, keys: Callable):
         self.space, self.question, self.problems, self.keys = space, question, problems, keys
@@ -405,17 +508,26 @@ class Predict:
 
     def asked(self, path, seed: int | None = None) -> str:
         """The line `make exercise` prints first: which variant, and its question."""
-        student = load(path)
-        seed, source = seed_of(student, seed)
+        seed, source = seed_of(written_values(path), seed)
         return f"your variant: seed {seed} ({source}): {self.question(self.variant(seed))}"
 
     def __call__(self, path, run_ranks=None, seed: int | None = None) -> list[str]:
-        student = load(path)
-        v = self.variant(seed_of(student, seed)[0])
-        try:
-            answer = answer_of(student)
-            if callable(answer):
-                answer = answer(types.SimpleNamespace(**v))
-        except NotImplementedYet as e:
-            return [f"{e}: {self.question(v)}"]
-        return self.problems(answer, v)
+        written = written_values(path)
+        if isinstance(written.get("SEED"), NotAValue) or not isinstance(written.get("SEED"), (int, type(None))):
+            return [f"SEED = {written['SEED']}: write a whole number (or None), not code"]
+        seed = seed_of(written, seed)[0]
+        v = self.variant(seed)
+        answer = written.get("ANSWER")
+        if answer is None:
+            return [f"ANSWER: not answered yet (write your answer in the file): {self.question(v)}"]
+        if isinstance(answer, NotAValue):
+            return [f"ANSWER = {answer}: a prediction is a number (or a choice) written out, not code that "
+                    f"computes it: work it out, then write the value"]
+        problems = self.problems(answer, v)
+        tried = _tries(hashlib.sha1(self.question(v).encode()).hexdigest()[:16], answer, not problems)
+        if tried > MAX_TRIES:
+            return [f"no tries left at this variant (seed {seed}): {MAX_TRIES} different wrong answers were given; "
+                    f"set SEED in the file to another whole number for a new variant, and work it out first"]
+        if problems:
+            problems[-1] += f" [try {tried} of {MAX_TRIES} at this variant]"
+        return problems
