@@ -55,6 +55,7 @@ def _ring_rank(rank, world, student):
         group = world_group("ring")
         expected = sum(_rank_input(r, length) for r in range(world))
         t = _rank_input(rank, length)
+        group.ledger.trace = []  # each message with its peer
         out = attempt(student.ring_all_reduce, t, group)
         out = t if out is None else out
         if out.shape != expected.shape or not torch.allclose(out, expected, rtol=0, atol=1e-9):
@@ -64,6 +65,11 @@ def _ring_rank(rank, world, student):
         if others:
             problems.append(f"rank {rank}: N={world}: the ledger shows {others} on the group: a ring is built "
                             f"from send and recv alone")
+        peers = sorted({peer for (_, op, peer, _) in group.ledger.trace if op == "send"})
+        if len(peers) > 1:
+            problems.append(f"rank {rank}: N={world}, length {length}: sent to ranks {peers}: not a ring, which "
+                            f"sends only to its next rank; each chunk travels N-1 hops, summed on the way, not "
+                            f"straight to the rank that reduces it")
         sent[length] = (group.ledger.get("ring", "send").bytes, group.ledger.get("ring", "send").calls)
         if problems:  # a wrong ring may send chunks of sizes the peer does not expect: stop before it does
             break
