@@ -15,6 +15,7 @@ from harness import run_ranks
 sys.path.insert(0, str(Path(__file__).parent / "exercises"))
 import check_common  # noqa: E402
 import checks  # noqa: E402
+import checks_answers_4_9  # noqa: E402
 import checks_collectives  # noqa: E402
 import checks_fault_tolerance  # noqa: E402
 from check_common import Predict, load  # noqa: E402
@@ -55,15 +56,16 @@ WRONG_SAYS = {
             "wrong_unledgered": "the ledger shows no all_reduce on the group",
             "wrong_every_grad": "expected each gradient all-reduced once, 1696 bytes over 4 parameters",
             "wrong_delegates": "minipar.data_parallel.DataParallel " + OFF},
-    "2.2": {"wrong": "the ledger shows 4 all-reduces of [32, 512, 128, 1024] bytes, expected one per bucket",
+    "2.2": {"wrong": "the ledger shows 5 all-reduces of [32, 512, 128, 1024, 64] bytes, expected one per bucket",
             "wrong_blocking": "all_reduce #0 was blocking (async_op=False): backward stood still",
             "wrong_wait_in_hook": "the handle of all_reduce #0 was waited for during backward",
             "wrong_at_finish": "no all-reduce started before backward's last gradient was ready",
-            "wrong_forward_order": "all-reduces of [32, 640, 1024] bytes, expected one per bucket: [672, 1024]",
-            "wrong_off_by_one": "bucket_bytes=544: the ledger shows 2 all-reduces of [672, 1024] bytes, expected "
-                                "one per bucket: [544, 1152]",
+            "wrong_forward_order": "all-reduces of [1568, 192] bytes, expected one per bucket: [1216, 544]",
+            "wrong_off_by_one": "bucket_bytes=192: the ledger shows 2 all-reduces of [544, 1216] bytes, expected "
+                                "one per bucket: [192, 1024, 544]",
             "wrong_no_divide": "summed, not averaged?",
-            "wrong_delegates": "minipar.data_parallel.bucket_params " + OFF},
+            "wrong_delegates": "minipar.data_parallel.bucket_params " + OFF,
+            "wrong_last_param": "bucket_bytes=600: tied.gate.grad differs from the whole batch's gradient"},
     "2.3": {"wrong": "all-reduces at --bucket-mb 0.25: 28 is not it"},
     "3.1": {"wrong": "after step 1 the parameters differ from Adam on one device",
             "wrong_all_reduce": "the ledger shows all_gather x3 (576 bytes), all_reduce x3 (576 bytes), 288 bytes "
@@ -95,7 +97,7 @@ WRONG_SAYS = {
             "wrong_build": "minipar.pipeline.schedules.gpipe " + OFF},
     "6.2": {"wrong": "is the bubble ratio (p - 1)/m, idle time over the work alone"},
     "6.3": {"wrong": "under 1F1B: 1 is not it"},
-    "6.4": {"wrong": ": wrong ("},
+    "6.4": {"wrong": ": wrong (", "wrong_float": "ANSWER = 27: not the fewest micro-batches"},
     "7.1": {"wrong": "the output differs from the plain MoE layer's on one device: max abs diff",
             "wrong_no_grad": "x.grad differs from one device's",
             "wrong_gather_all": "forward: the ledger shows [('all_gather', 960), ('reduce_scatter', 960)] on the ep "
@@ -131,6 +133,11 @@ WRONG_SAYS = {
              "wrong_keeps_all": "the MLP ran again in backward, but its first forward kept all it saves",
              "wrong_delegates": "minipar.parallelize.recompute_mlps " + OFF},
 }
+# Right answers other than the reference, which the checkers once refused (issue 40): each must pass.
+RIGHT = {"2.2": ("right_queue_callback",),  # waits in a callback queued on autograd's engine, as DDP does
+         "10b.2": ("right_logs_loss",)}  # all-reduces its loss for the log too, as minipar's replica groups do
+RIGHT_ANSWERS = [(number, which) for number, answers in sorted(RIGHT.items()) for which in answers]
+
 CATALOGUE = [(number, which) for number, answers in sorted(WRONG_SAYS.items()) for which in answers]
 
 
@@ -140,7 +147,7 @@ def test_every_exercise_has_its_file_a_reference_and_a_catalogue_of_wrong_answer
         assert name.startswith(f"ex{number.replace('.', '_')}_"), name
         assert (checks.EXERCISES_DIR / name).exists() and answer(number, "reference").exists(), number
         files = {f.stem.split("_", 2)[2] for f in ANSWERS.glob(f"ex{number.replace('.', '_')}_*.py")}
-        assert files == {"reference", *WRONG_SAYS[number]}, (number, files)  # every file in the catalogue
+        assert files == {"reference", *WRONG_SAYS[number], *RIGHT.get(number, ())}, (number, files)
         if kind == "implement":  # the algorithm's mistakes, not only one: a catalogue
             assert len(WRONG_SAYS[number]) >= 3, number
 
@@ -159,6 +166,18 @@ def test_every_chapter_0_to_9_has_three_exercises_and_1_to_8_implement_and_predi
 @pytest.mark.parametrize("number", sorted(checks.EXERCISES))
 def test_exercise_checker_passes_the_library_answer(number):
     assert checks.check(number, answer(number, "reference"), run_ranks) == []
+
+
+@pytest.mark.parametrize("number,which", RIGHT_ANSWERS)
+def test_exercise_checker_passes_each_right_answer_other_than_the_reference(number, which):
+    assert checks.check(number, answer(number, which), run_ranks) == []
+
+
+def test_explore_microbatches_key_is_exact_28_not_floats_27():
+    """1F1B at p = 4: 3/(m + 3), exactly 1/10 at m = 27, which is not under 10%."""
+    assert checks_answers_4_9.truth_microbatches_for_bubble() == 28
+    assert checks.check("6.4", answer("6.4", "reference")) == []
+    assert checks.check("6.4", answer("6.4", "wrong_float")) != []
 
 
 @pytest.mark.parametrize("number", sorted(checks.EXERCISES))
