@@ -126,7 +126,10 @@ WRONG_SAYS = {
                                    "when ft_step returned, the gradients of ['hidden.weight', 'hidden.bias', "
                                    "'out.weight', 'out.bias'] were still there",
               "wrong_delegates": "minipar.extras.replicas.Replicas.gate " + OFF,
-              "wrong_train_step": "minipar.run.train.train_step " + OFF},
+              "wrong_train_step": "minipar.run.train.train_step " + OFF,
+              "wrong_votes_twice": "step 1: manager.should_commit() was asked 2 times",
+              "wrong_vote_before_wait": "step 1: manager.should_commit() was asked before the gradients' allreduces "
+                                        "were waited for"},
     "11.1": {"wrong_full_layer": "its input alone: that is full-layer recompute, which redoes attention too",
              "wrong_no_recompute": "the MLP still saves gate, silu(gate), up and their product",
              "wrong_attention": "attention keeps its activations and is not recomputed",
