@@ -20,7 +20,6 @@ import os
 import random
 import sys
 import sysconfig
-import types
 import zlib
 from collections.abc import Callable
 from fractions import Fraction
@@ -166,11 +165,12 @@ _exec_module = importlib._bootstrap_external._LoaderBasics.exec_module
 
 def _exec_module_switched_off(self, module):
     """The import system's exec_module, with the answer switched off in what it executed again."""
-    _LOADING[0] += 1
+    library = _module_name_of(module) is not None
+    _LOADING[0] += library
     try:
         _exec_module(self, module)
     finally:
-        _LOADING[0] -= 1
+        _LOADING[0] -= library
     if _RUN is not None:
         _switch_off_in(module, _RUN["saved"])
 
@@ -195,6 +195,8 @@ def switched_off(names: tuple[str, ...], why: str = "it is the library's own ans
     importlib._bootstrap_external._LoaderBasics.exec_module = _exec_module_switched_off
     try:
         originals: dict[int, tuple] = {}
+        for name in names:  # every module first: one may subclass another's class (zero3's of zero's)
+            importlib.import_module(name.split(":")[0])
         for name in names:
             module_name, path = name.split(":")
             _RUN["off"].setdefault(module_name, {})[path] = why
@@ -284,36 +286,6 @@ def where(rank: int, world: int, group, dim: str) -> str:
     if group.size == world:
         return f"rank {rank}: {dim}={world}"
     return f"rank {rank}: {dim}={group.size} (its group: ranks {group.ranks} of {world}; the group, not the world)"
-
-
-def held_tensors(obj, skip: tuple[torch.Tensor, ...] = ()) -> list[torch.Tensor]:
-    """The tensors an object holds, one per storage, found through its attributes, containers and any
-    torch optimizer's state; the storages of `skip` (tensors the caller owns) left out."""
-    seen, found = set(), {}
-    skipped = {t.untyped_storage().data_ptr() for t in skip}
-    todo = [obj]
-    while todo:
-        x = todo.pop()
-        if id(x) in seen or isinstance(x, (type, str, bytes, int, float, bool)) or x is None:
-            continue
-        seen.add(id(x))
-        if isinstance(x, torch.Tensor):
-            ptr = x.untyped_storage().data_ptr()
-            if ptr not in skipped and x.numel() > 1:  # a scalar (Adam's step) is not state worth counting
-                found.setdefault(ptr, x)
-            if x.grad is not None:
-                todo.append(x.grad)
-        elif isinstance(x, torch.optim.Optimizer):
-            todo += [x.state, x.param_groups]
-        elif isinstance(x, dict):
-            todo += [*x.keys(), *x.values()]
-        elif isinstance(x, (list, tuple, set, frozenset)):
-            todo += list(x)
-        elif isinstance(x, torch.nn.Module):
-            todo += [*x.parameters(), *x.buffers()]
-        elif hasattr(x, "__dict__") and not isinstance(x, (types.FunctionType, types.MethodType, types.ModuleType)):
-            todo += list(vars(x).values())
-    return list(found.values())
 
 
 def storage_numel(t: torch.Tensor) -> int:

@@ -12,7 +12,9 @@ own answer is switched off while the student's code runs.
 
 from __future__ import annotations
 
+import gc
 import itertools
+import weakref
 
 import torch
 from check_common import (
@@ -20,7 +22,6 @@ from check_common import (
     attempt,
     collect,
     guarded,
-    held_tensors,
     load,
     max_diff,
     on_ranks,
@@ -167,7 +168,10 @@ def _grad_problems(at: str, model, reference, group) -> list[str]:
 # 2.1 Data-parallel gradient averaging with hooks
 # ----------------------------------------------------------------------------------------------
 
-DP_OFF = ("minipar.data_parallel:DataParallel", "minipar.data_parallel:GradSync", "minipar.data_parallel:GradBucket")
+# The library's DataParallel, and its siblings that average gradients too (ZeRO's wrappers)
+DP_OFF = ("minipar.data_parallel:DataParallel", "minipar.data_parallel:GradSync", "minipar.data_parallel:GradBucket",
+          "minipar.zero:ZeroDataParallel", "minipar.zero:ZeroBucket", "minipar.zero3:Zero3DataParallel",
+          "minipar.zero3:ShardedBucket")
 
 
 def _dp_rank(rank, world, student, group_size):
@@ -205,8 +209,9 @@ class _Tangled(torch.nn.Module):
     so backward finishes it first), and `gate` is tied: it scales the input and shifts the output, so
     its gradient is ready last, once both uses have sent theirs. Buckets are built from the parameters
     in reverse definition order (as the exercise says, and bucket_params does): tied.gate, hidden.bias,
-    hidden.weight, out.bias, out.weight; backward finishes out.bias and out.weight first, tied.gate last. A bucket launched when its "last" parameter's hook fires,
-    without counting which of its gradients are ready, sends a gradient backward has not finished."""
+    hidden.weight, out.bias, out.weight; backward finishes out.bias and out.weight first, tied.gate last.
+    A bucket launched when its "last" parameter's hook fires, without counting which of its gradients
+    are ready, sends a gradient backward has not finished."""
 
     def __init__(self, seed: int = 0):
         super().__init__()
@@ -230,7 +235,7 @@ def _tangled_reference(x, target) -> torch.nn.Module:
 # The test model's buckets (reverse definition order): 64, 128, 1024, 32, 512 bytes. 192 = 64 + 128: a
 # bucket closes at exactly its size (at least bucket_bytes, as bucket_params does).
 BUCKET_BYTES = (600, 192, 1, 10**9)
-BUCKET_OFF = DP_OFF + ("minipar.data_parallel:bucket_params",)
+BUCKET_OFF = DP_OFF + ("minipar.data_parallel:bucket_params", "minipar.zero:bucket_plan")  # ZeRO's buckets too
 
 
 def expected_bucket_bytes(model, bucket_bytes: int) -> list[int]:
@@ -352,7 +357,8 @@ def check_buckets(path, run_ranks) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 
 ZERO_P, ZERO_STEPS = 24, 3
-ZERO_OFF = ("minipar.zero:ZeroDataParallel", "minipar.zero:ZeroBucket")
+ZERO_OFF = ("minipar.zero:ZeroDataParallel", "minipar.zero:ZeroBucket", "minipar.zero3:Zero3DataParallel",
+            "minipar.zero3:ShardedBucket")  # ZeRO-3's classes are ZeRO-1's, subclassed
 
 
 def _zero1_grad(group, rank: int, step: int) -> torch.Tensor:
@@ -386,15 +392,50 @@ def _zero1_traffic_problems(at: str, group) -> list[str]:
                "ZeRO-1 needs only its own)" if "all_reduce" in seen else "")]
 
 
-def _zero1_state_problems(at: str, optimizer, skip, n: int) -> list[str]:
-    """What the optimizer holds besides flat_param and the gradients it was handed: this rank's slice,
-    Adam's m and v for it (3 P/N numbers; a P/N gradient slice more is fine), nothing of P numbers."""
-    held = held_tensors(optimizer, skip)
+class _Allocations:
+    """Every tensor made while it is active (each op's outputs, through torch's dispatcher: factories,
+    arithmetic, views, collectives' outputs), kept by weak reference. `alive(skip)`: those still alive
+    afterwards, one per storage, the storages of `skip` and scalars left out. What an optimizer holds,
+    measured so, is found wherever it hides it (an attribute, a closure, a functools.partial, a global)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        made = self.made = []
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                made.extend(weakref.ref(t) for t in torch.utils._pytree.tree_leaves(out)
+                            if isinstance(t, torch.Tensor))
+                return out
+        self.mode = Record
+
+    def run(self, fn, *args):
+        with self.mode():
+            return fn(*args)
+
+    def alive(self, skip: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        gc.collect()
+        skipped = {t.untyped_storage().data_ptr() for t in skip}
+        found = {}
+        for ref in self.made:
+            t = ref()
+            if t is not None and storage_numel(t) > 1 and t.untyped_storage().data_ptr() not in skipped:
+                found.setdefault(t.untyped_storage().data_ptr(), t)
+        return list(found.values())
+
+
+def _zero1_state_problems(at: str, optimizer, held: list[torch.Tensor], n: int) -> list[str]:
+    """What the optimizer allocated and still holds besides flat_param and the gradients it was handed:
+    this rank's slice, Adam's m and v for it (3 P/N numbers; a P/N gradient slice more is fine),
+    nothing of P numbers."""
     numbers = sum(storage_numel(t) for t in held)
     whole = [t for t in held if storage_numel(t) >= ZERO_P]
     claimed = attempt(optimizer.state_numel)
     if whole or numbers > 4 * ZERO_P // n:
-        return [f"{at}: the optimizer holds {len(held)} tensors of {numbers} numbers besides flat_param"
+        return [f"{at}: the optimizer holds {len(held)} tensors of {numbers} numbers besides flat_param (allocated "
+                f"in its construction and steps, still alive after them)"
                 + (f", {len(whole)} of them of all P = {ZERO_P} (Adam's m and v over the whole vector?)" if whole
                    else "") + f" (state_numel() says {claimed}): ZeRO-1 keeps this rank's slice and its m and v, "
                 f"3 P/N = {3 * ZERO_P // n}"]
@@ -408,18 +449,19 @@ def _zero1_rank(rank, world, student, group_size):
     n, at = group.size, where(rank, world, group, "dp")
     torch.manual_seed(3)
     reference = torch.randn(ZERO_P, dtype=torch.float64)
-    flat, state, grads = reference.clone(), {}, []
-    optimizer = attempt(student.Zero1Adam, flat, group, 0.1)
+    flat, state, grads, allocations = reference.clone(), {}, [], _Allocations()
+    optimizer = allocations.run(attempt, student.Zero1Adam, flat, group, 0.1)
     for step in range(ZERO_STEPS):
         adam_by_hand(reference, sum(_zero1_grad(group, r, step) for r in range(n)) / n, state, step + 1, 0.1)
         grads.append(_zero1_grad(group, group.rank, step))
-        attempt(optimizer.step, grads[-1])
+        allocations.run(attempt, optimizer.step, grads[-1])
         if not torch.allclose(flat, reference, rtol=1e-10, atol=1e-12):
             by_slice = (flat - reference).abs().reshape(n, -1).amax(1)
             return {"problems": [f"{at}: after step {step + 1} the parameters differ from Adam on one device: "
                                  f"{max_diff(flat, reference)}; by rank slice: "
                                  f"{[f'{d:.3g}' for d in by_slice.tolist()]}"]}
-    return {"problems": _zero1_traffic_problems(at, group) + _zero1_state_problems(at, optimizer, (flat, *grads), n)}
+    held = allocations.alive((flat, *grads))
+    return {"problems": _zero1_traffic_problems(at, group) + _zero1_state_problems(at, optimizer, held, n)}
 
 
 _zero1_rank_guarded = guarded(_zero1_rank, ZERO_OFF)

@@ -36,11 +36,14 @@ TP_OFF = ("minipar.tensor_parallel:ColumnParallelLinear", "minipar.tensor_parall
           "minipar.tensor_parallel:RowParallelLinear",
           "minipar.tensor_parallel:ParallelMLP")
 ZIGZAG_OFF = ("minipar.context_parallel:zigzag_positions", "minipar.context_parallel:split_sequence")
-GPIPE_OFF = ("minipar.pipeline.schedules:gpipe",)  # build("gpipe", ...) calls it: off too
+# gpipe, and every sibling schedule (sorting 1F1B's actions gives GPipe's); build() calls them: off too
+GPIPE_OFF = tuple(f"minipar.pipeline.schedules:{name}" for name in ("gpipe", "naive", "one_f_one_b", "interleaved",
+                                                                    "zero_bubble_h1", "zero_bubble_v"))
 MOE_OFF = ("minipar.expert_parallel:expert_parallel_dispatch", "minipar.expert_parallel:parallelize_experts",
            "minipar.moe:MoE")
-ACTIVATIONS_OFF = ("minipar.planning.estimate:activation_bytes",)
-STATES_OFF = ("minipar.zero:model_state_bytes",)
+ACTIVATIONS_OFF = tuple(f"minipar.planning.estimate:{name}" for name in (
+    "activation_bytes", "layer_activation_bytes", "head_activation_bytes", "moe_layer_activation_bytes"))
+STATES_OFF = ("minipar.zero:model_state_bytes", "minipar.precision:model_state_bytes")  # the sibling, by precision
 
 # ----------------------------------------------------------------------------------------------
 # 4.1 Column-parallel then row-parallel linear
