@@ -5,6 +5,7 @@ traceback, and fails every wrong answer of its catalogue (the plausible mistakes
 wrong group, blocking where asynchronous is asked, the right result by the wrong traffic, a call of
 the library's answer), naming what differs. The answers are in tests/exercises/answers/."""
 
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -175,6 +176,13 @@ for _number, _says in DELEGATES.items():
     for _which, _what in _says.items():  # a bare name: the library's function of that name, off
         WRONG_SAYS[_number][_which] = _what if " " in _what else f"{OFF_AT[_number]}{_what} {OFF}"
 
+# Every predict exercise (and the explore ones drawn from a seed): ANSWER as code that computes it
+NOT_CODE = "a prediction is a number (or a choice) written out, not code that computes it"
+for _number, (_, _, _, _checker, _) in checks.EXERCISES.items():
+    if isinstance(_checker, Predict):
+        WRONG_SAYS[_number]["wrong_callable"] = NOT_CODE
+WRONG_SAYS["8.3"]["wrong_checker_key"] = NOT_CODE  # the checker's key, called when the file loads
+
 CATALOGUE = [(number, which) for number, answers in sorted(WRONG_SAYS.items()) for which in answers]
 
 
@@ -340,3 +348,55 @@ def test_no_predict_answer_is_printed_in_the_chapters():
     text = "\n".join(f.read_text() for f in [*docs.glob("*.md"), *docs.glob("exercises/*")] if f.is_file())
     printed = [(n, v, k) for n, c in PREDICTS.items() for v in c.space for k in c.keys(v) if k in text]
     assert not printed, printed
+
+
+def _another(x, i: int):
+    """A wrong answer of the same shape as x, the i-th of several different ones."""
+    if isinstance(x, bool) or x is None:
+        return x
+    if isinstance(x, (int, float)):
+        return x * (i + 2) + 1
+    if isinstance(x, str):
+        return next(c for c in "ABCDEFGH"[i:] + "ABCDEFGH" if c != x.upper()) if len(x) == 1 else f"{x}{'x' * (i + 1)}"
+    if isinstance(x, (list, tuple)):
+        return type(x)(_another(e, i) for e in x)
+    return {k: _another(e, i) for k, e in x.items()}
+
+
+@pytest.mark.parametrize("number", sorted(PREDICTS))
+def test_predict_cannot_be_bisected_three_wrong_answers_per_variant_then_no_more(number, tmp_path):
+    """A bisecting student is stopped: the feedback says wrong, never which way; after MAX_TRIES
+    different wrong answers at a variant, not even the right one is checked there (the same wrong
+    answer again costs nothing; another SEED, another variant, has its own tries)."""
+    right = check_common.written_values(answer(number, "reference"))["ANSWER"]
+    student = tmp_path / "student.py"
+
+    def tried(value, seed=0):
+        student.write_text(f"SEED = {seed}\nANSWER = {value!r}\n")
+        return checks.check(number, student)
+
+    for i in range(check_common.MAX_TRIES):
+        problems = tried(_another(right, i))
+        assert problems and problems[-1].endswith(f"[try {i + 1} of {check_common.MAX_TRIES} at this variant]")
+        assert not any(way in p for p in problems for way in ("the library's is", "more than", "less than"))
+        if i + 1 < check_common.MAX_TRIES:  # the same again: no try spent
+            assert tried(_another(right, i))[-1].endswith(f"[try {i + 1} of {check_common.MAX_TRIES} at this variant]")
+    assert tried(right) == [f"no tries left at this variant (seed 0): {check_common.MAX_TRIES} different wrong "
+                            "answers were given; set SEED in the file to another whole number for a new variant, "
+                            "and work it out first"]
+    predict = PREDICTS[number]
+    seed = next(s for s in range(1, 99) if predict.question(predict.variant(s)) != predict.question(predict.variant(0)))
+    formula = load(answer(number, "reference")).formula
+    assert tried(formula(SimpleNamespace(**predict.variant(seed))), seed) == []  # its own tries
+    assert len(json.loads(check_common.TRIES_FILE.read_text())) == 1  # kept per variant, in the user's file
+
+
+def test_predict_reads_the_answer_without_running_the_file(tmp_path):
+    """ANSWER is read from the file's text: 3 / 7 is exact arithmetic of numbers; a name, a call or a
+    function is code, and refused before anything of the file runs."""
+    student = tmp_path / "student.py"
+    student.write_text("raise SystemExit('the file was run')\nSEED = 0\nANSWER = (2 - 1) / 7\n")
+    assert check_common.written_values(student) == {"SEED": 0, "ANSWER": 1 / 7}
+    for code in ("ANSWER = len('abc')", "ANSWER = lambda v: 0.5", "def ANSWER(v):\n    return 0.5", "ANSWER = x"):
+        student.write_text(f"SEED = 0\n{code}\n")
+        assert NOT_CODE in checks.check("6.2", student)[0], code
