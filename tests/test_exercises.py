@@ -168,7 +168,7 @@ DELEGATES = {
     "6.1": {"wrong_reload": "gpipe", "wrong_sibling": "one_f_one_b",
             "wrong_exec_source": "reading minipar/pipeline/schedules.py is off in this exercise",
             "wrong_runs_reference": "reading tests/exercises/answers/ex6_1_reference.py is off in this exercise"},
-    "7.1": {"wrong_reload": "expert_parallel_dispatch"},
+    "7.1": {"wrong_reload": "expert_parallel_dispatch", "wrong_reexport": "minipar.moe.MoE " + OFF},
     "8.1": {"wrong_reload": "model_state_bytes", "wrong_sibling": "minipar.precision.model_state_bytes " + OFF},
     "10b.2": {"wrong_reload": "Replicas.gate"},
 }
