@@ -400,3 +400,27 @@ def test_predict_reads_the_answer_without_running_the_file(tmp_path):
     for code in ("ANSWER = len('abc')", "ANSWER = lambda v: 0.5", "def ANSWER(v):\n    return 0.5", "ANSWER = x"):
         student.write_text(f"SEED = 0\n{code}\n")
         assert NOT_CODE in checks.check("6.2", student)[0], code
+
+
+def test_every_threshold_key_is_an_exact_computation():
+    """Where a question asks for a threshold, its key is computed exactly (fractions or whole bytes),
+    and agrees with the closed form: 1F1B's and GPipe's bubbles are (p - 1)/(m + p - 1) exactly, as
+    fractions of the simulated timeline; the ring's α-β time is a fraction; 6.4's key is 28."""
+    from fractions import Fraction
+
+    import checks_answers_0_3
+
+    from minipar.pipeline.schedules import build
+    from minipar.pipeline.timeline import simulate
+    for p, m in [(2, 6), (3, 10), (4, 27), (4, 28), (5, 6), (6, 16)]:
+        for name in ("gpipe", "1f1b"):
+            assert checks_answers_4_9.exact_idle(simulate(build(name, p, m))) == Fraction(p - 1, m + p - 1)
+    assert checks_answers_4_9.truth_microbatches_for_bubble() == 28  # 3/30 is not under 1/10; 3/31 is
+    for nbytes in (2**20, 64 * 2**20):
+        n = checks_answers_0_3.truth_doubling_ranks(nbytes)
+        t = checks_answers_0_3.all_reduce_seconds
+        assert isinstance(t(nbytes, n), Fraction) and t(nbytes, n) >= 2 * t(nbytes, 2) > t(nbytes, n - 1)
+    for v in checks_answers_4_9.CAUSAL_SPACE:  # last chunk's work over the first's: a ratio of whole numbers
+        c = v["seq_len"] // v["cp"]
+        work = Fraction(sum(range(v["seq_len"] - c + 1, v["seq_len"] + 1)), sum(range(1, c + 1)))
+        assert checks_answers_4_9.truth_contiguous_imbalance(v["cp"], v["seq_len"]) == float(work)

@@ -56,7 +56,7 @@ def causal_work(positions) -> int:
 def truth_contiguous_imbalance(cp: int = 4, seq_len: int = 1024) -> float:
     import torch
     chunks = torch.arange(seq_len).chunk(cp)  # the contiguous cut, rank r: chunk r
-    return causal_work(chunks[-1]) / causal_work(chunks[0])
+    return float(Fraction(causal_work(chunks[-1]), causal_work(chunks[0])))
 
 
 # Chapter 5 draws cp 4 (and 1,024 tokens in the exercise as first written)
