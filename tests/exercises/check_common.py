@@ -100,13 +100,16 @@ def _student_on_stack() -> bool:
     return False
 
 
+_REFUSERS: set[int] = set()  # the ids of the refusing stand-ins (kept alive by `saved` while they count)
+
+
 def _refusing(original, name: str, why: str):
     def refuse(*args, **kwargs):
         if _RUN is None or not _student_on_stack():
             return original(*args, **kwargs)  # the checker's own call
         raise RuntimeError(f"{name} is off in this exercise: {why}")
     refuse.__name__ = getattr(original, "__name__", name)
-    refuse._minipar_refuses = original
+    _REFUSERS.add(id(refuse))
     return refuse
 
 
@@ -127,7 +130,7 @@ def _switch_off_in(module, saved: list) -> None:
         for owner in owners:
             holder = getattr(holder, owner)
         original = getattr(holder, attr)
-        if not hasattr(original, "_minipar_refuses"):
+        if id(original) not in _REFUSERS:
             saved.append((holder, attr, original))
             setattr(holder, attr, _refusing(original, f"{_module_name_of(module)}.{path}", why))
 
@@ -225,6 +228,7 @@ def switched_off(names: tuple[str, ...], why: str = "it is the library's own ans
         for holder, attr, original in reversed(saved):
             setattr(holder, attr, original)
         sys.modules.update(hidden)
+        _REFUSERS.clear()
         _RUN = None
 
 
@@ -418,7 +422,11 @@ def written_values(path) -> dict:
     """SEED and ANSWER as the student's file writes them, read without running the file: a value
     written out, or NotAValue (ANSWER = a call, a function, a name: code, which a prediction is not)."""
     found = {}
-    for node in ast.parse(Path(path).read_text(), str(path)).body:
+    try:
+        tree = ast.parse(Path(path).read_text(), str(path))
+    except SyntaxError as e:
+        return {"unparsed": f"line {e.lineno}: {e.msg}"}
+    for node in tree.body:
         targets = (node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
             node, ast.AnnAssign) and node.value is not None else [])
         for target in targets:
@@ -485,6 +493,8 @@ class Predict:
 
     def __call__(self, path, run_ranks=None, seed: int | None = None) -> list[str]:
         written = written_values(path)
+        if "unparsed" in written:
+            return [f"{path}: the file does not parse ({written['unparsed']}): write ANSWER = your value"]
         if isinstance(written.get("SEED"), NotAValue) or not isinstance(written.get("SEED"), (int, type(None))):
             return [f"SEED = {written['SEED']}: write a whole number (or None), not code"]
         seed = seed_of(written, seed)[0]
