@@ -159,7 +159,7 @@ DELEGATES = {
             "wrong_sibling": "minipar.zero.ZeroDataParallel " + OFF},
     "2.2": {"wrong_reexport": "bucket_params", "wrong_reload": "bucket_params",
             "wrong_sibling": "minipar.zero.bucket_plan " + OFF},
-    "3.1": {"wrong_reexport": "ZeroDataParallel", "wrong_reload": "ZeroDataParallel",
+    "3.1": {"wrong_delegates": "ZeroDataParallel", "wrong_reexport": "ZeroDataParallel", "wrong_reload": "ZeroDataParallel",
             "wrong_sibling": "minipar.zero3.Zero3DataParallel " + OFF},
     "4.1": {"wrong_reexport": "ColumnParallelLinear", "wrong_reload": "ColumnParallelLinear",
             "wrong_sibling": "ParallelMLP"},
@@ -206,6 +206,22 @@ def test_every_chapter_0_to_9_has_three_exercises_and_1_to_8_implement_and_predi
     assert sorted(kinds.pop("10b")) == ["implement", "predict"]  # fault tolerance: the vote, and what it saves
     assert all(len(k) >= 3 for k in kinds.values()), kinds
     assert all("implement" in kinds[str(c)] and {"predict", "explore"} & set(kinds[str(c)]) for c in range(1, 9))
+
+
+def test_the_catalogue_holds_each_kind_of_wrong_answer():
+    """Each implement exercise (the capstone's aside): the algorithm's mistakes (a wrong result, the
+    right one by the wrong traffic or order), and the library's answer by an import, a reload, and a
+    re-export or a sibling; each predict exercise: an ANSWER that is code (and a test
+    bisects each: test_predict_cannot_be_bisected_...)."""
+    for number, (_, kind, _, checker, _) in checks.EXERCISES.items():
+        says = WRONG_SAYS[number]
+        if kind == "implement" and number != "11.1":
+            mistakes = [w for w, said in says.items() if OFF not in said and "is off in this exercise" not in said]
+            assert len(mistakes) >= 2, number  # a wrong result, and a right one by the wrong traffic or order
+            assert {"wrong_reload"} <= set(says) and {"wrong_reexport", "wrong_sibling"} & set(says), number
+            assert any(w in says for w in ("wrong_delegates", "wrong_estimator")), number  # the plain import
+        if isinstance(checker, Predict):
+            assert says.get("wrong_callable") == NOT_CODE, number
 
 
 @pytest.mark.parametrize("number", sorted(checks.EXERCISES))
