@@ -129,7 +129,7 @@ WRONG_SAYS = {
                                    "when ft_step returned, the gradients of ['hidden.weight', 'hidden.bias', "
                                    "'out.weight', 'out.bias'] were still there",
               "wrong_delegates": "minipar.extras.replicas.Replicas.gate " + OFF,
-              "wrong_train_step": "minipar.run.train.train_step " + OFF,
+              "wrong_sibling": "minipar.run.train.train_step " + OFF,  # the loop's step: a sibling of the gate
               "wrong_votes_twice": "step 1: manager.should_commit() was asked 2 times",
               "wrong_vote_before_wait": "step 1: manager.should_commit() was asked before the gradients' allreduces "
                                         "were waited for"},
@@ -159,7 +159,8 @@ DELEGATES = {
             "wrong_sibling": "minipar.zero.ZeroDataParallel " + OFF},
     "2.2": {"wrong_reexport": "bucket_params", "wrong_reload": "bucket_params",
             "wrong_sibling": "minipar.zero.bucket_plan " + OFF},
-    "3.1": {"wrong_delegates": "ZeroDataParallel", "wrong_reexport": "ZeroDataParallel", "wrong_reload": "ZeroDataParallel",
+    "3.1": {"wrong_delegates": "ZeroDataParallel", "wrong_reexport": "ZeroDataParallel",
+            "wrong_reload": "ZeroDataParallel",
             "wrong_sibling": "minipar.zero3.Zero3DataParallel " + OFF},
     "4.1": {"wrong_reexport": "ColumnParallelLinear", "wrong_reload": "ColumnParallelLinear",
             "wrong_sibling": "ParallelMLP"},
