@@ -1,9 +1,11 @@
 """The exercises of docs/exercises/ can be failed: each checker passes an answer written out (never a
 call of the library's own function, which the implement checkers switch off), fails the skeleton a
 student starts from, saying "not implemented yet" (or "not answered yet") rather than dumping a
-traceback, and fails every wrong answer of its catalogue (the plausible mistakes: off by one, the
-wrong group, blocking where asynchronous is asked, the right result by the wrong traffic, a call of
-the library's answer), naming what differs. The answers are in tests/exercises/answers/."""
+traceback, passes the right answers it once refused, and fails every wrong answer of its catalogue
+(the plausible mistakes: off by one, the wrong group, blocking where asynchronous is asked, the
+right result by the wrong traffic or order; the library's answer by each route: an import, a
+re-export, a reload, a sibling, its source executed, the reference run; a prediction that is code,
+or found by bisecting), naming what differs. The answers are in tests/exercises/answers/."""
 
 import json
 import sys

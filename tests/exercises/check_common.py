@@ -1,7 +1,8 @@
 """What every exercise checker shares: loading a student's file, turning a skeleton's
 NotImplementedError (or an `ANSWER = None`) into one line, running a check on gloo ranks without
 letting a wrong answer kill the pool, switching off the library's own answer while the student's
-code runs, counting the tensors an object holds, and comparing an answer with the library's figure.
+code runs (by every route: see switched_off), reading a prediction as a value written out (never
+running it) with a few tries per variant, and comparing an answer with the library's figure.
 
 A checker never raises for a wrong answer: it returns the problems, as lines a student can act on.
 """

@@ -5,9 +5,11 @@ the world instead of its group fails there); the per-rank functions live at modu
 workers import them by name) and load the student's file from its path on each rank.
 
 Each grades the algorithm, not only the result: the ledger says which collectives ran on how many
-bytes, a wrapped torch.distributed.all_reduce says whether a bucket's message was in flight while
-backward ran, the tensors a ZeRO-1 optimizer holds say where its Adam state lives, and the library's
-own answer is switched off while the student's code runs.
+bytes, and which peer each of a ring's sends went to; a wrapped torch.distributed.all_reduce says
+whether a bucket's message was in flight while backward ran (on a model whose gradients finish out
+of definition order, with a tied weight); what a ZeRO-1 optimizer allocated and still holds says
+where its Adam state lives; and the library's own answer (and its siblings) is switched off while
+the student's code runs.
 """
 
 from __future__ import annotations
