@@ -146,14 +146,17 @@ def _audit(event: str, args) -> None:
         raise RuntimeError("starting a process is off in this exercise: write the answer in your file")
     if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
         path = os.path.abspath(os.fsdecode(args[0]))
-        if path in (_RUN["student"], _RUN["cached"]) or any("linecache" in f.f_code.co_filename for f in _frames()):
-            return
+        if path in (_RUN["student"], _RUN["cached"]) or any(f.f_code.co_filename.endswith(_SHOWING) for f in _frames()):
+            return  # a warning or a traceback showing a line of the file
         if path.startswith(_TESTS):
             raise RuntimeError(f"reading {os.path.relpath(path, ROOT)} is off in this exercise: the checkers and "
                                f"the reference answers are not yours to read or run")
         if path.startswith(_LIBRARY) and not _LOADING[0]:
             raise RuntimeError(f"reading {os.path.relpath(path, ROOT)} is off in this exercise: import the "
                                f"library, do not execute its source again")
+
+
+_SHOWING = (os.sep + "warnings.py", os.sep + "traceback.py")
 
 
 def _frames():
