@@ -444,3 +444,23 @@ def test_every_threshold_key_is_an_exact_computation():
         c = v["seq_len"] // v["cp"]
         work = Fraction(sum(range(v["seq_len"] - c + 1, v["seq_len"] + 1)), sum(range(1, c + 1)))
         assert checks_answers_4_9.truth_contiguous_imbalance(v["cp"], v["seq_len"]) == float(work)
+
+
+def test_a_switch_off_leaves_the_library_as_it_was_even_after_a_reload():
+    """After an answer that reloads the library's module (or takes it out of sys.modules), every
+    function and class of the library is the one it was, and the checkers' modules are back."""
+    import importlib
+    import sys
+
+    import minipar.context_parallel
+    import minipar.pipeline.schedules
+    before = (minipar.context_parallel.zigzag_positions, minipar.context_parallel.split_sequence,
+              minipar.pipeline.schedules.gpipe, minipar.pipeline.schedules.Action)
+    exec_module = importlib._bootstrap_external._LoaderBasics.exec_module
+    for number, which in (("5.1", "wrong_reload"), ("5.1", "wrong_fresh_import"), ("6.1", "wrong_reload")):
+        assert checks.check(number, answer(number, which)) != []
+    assert (minipar.context_parallel.zigzag_positions, minipar.context_parallel.split_sequence,
+            minipar.pipeline.schedules.gpipe, minipar.pipeline.schedules.Action) == before
+    assert sys.modules["minipar.context_parallel"] is minipar.context_parallel
+    assert importlib._bootstrap_external._LoaderBasics.exec_module is exec_module
+    assert sys.modules["checks"] is checks and sys.modules["check_common"] is check_common

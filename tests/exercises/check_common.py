@@ -199,6 +199,8 @@ def switched_off(names: tuple[str, ...], why: str = "it is the library's own ans
             "saved": saved}
     hidden = {name: sys.modules.pop(name) for name in list(sys.modules)
               if name in _CHECKER_MODULES or name.startswith(("checks", "answers", "tests."))}
+    library = {name: (module, dict(module.__dict__)) for name, module in list(sys.modules.items())
+               if name == "minipar" or name.startswith("minipar.")}  # as it was: a reload is undone after
     importlib._bootstrap_external._LoaderBasics.exec_module = _exec_module_switched_off
     try:
         originals: dict[int, tuple] = {}
@@ -231,6 +233,9 @@ def switched_off(names: tuple[str, ...], why: str = "it is the library's own ans
         importlib._bootstrap_external._LoaderBasics.exec_module = _exec_module
         for holder, attr, original in reversed(saved):
             setattr(holder, attr, original)
+        for name, (module, attributes) in library.items():  # what a reload or a fresh import replaced
+            sys.modules[name] = module
+            module.__dict__.update(attributes)
         sys.modules.update(hidden)
         _REFUSERS.clear()
         _RUN = None
