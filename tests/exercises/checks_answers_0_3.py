@@ -9,6 +9,7 @@ A predict exercise asks about a variant the chapter does not print, drawn from a
 
 from __future__ import annotations
 
+from fractions import Fraction
 from functools import lru_cache
 
 from check_common import Predict, answer_of, in_process, number_problems, numbers_problems
@@ -111,10 +112,12 @@ check_predict_ring_bytes = Predict(
 ALPHA, BETA = 80e-6, 0.55e-9  # chapter 1's fit on gloo, rounded: s per ring step, s per byte
 
 
-def all_reduce_seconds(nbytes: int, n: int) -> float:
-    """The ring all-reduce under the α-β model: 2(N-1) steps, each an α, plus β per byte sent."""
+def all_reduce_seconds(nbytes: int, n: int) -> Fraction:
+    """The ring all-reduce under the α-β model: 2(N-1) steps, each an α, plus β per byte sent; exact
+    (the rounded α and β as the decimals they are written as), so that "doubles" is no float's luck."""
     from minipar.collectives import ring_bytes_sent
-    return ALPHA * 2 * (n - 1) + BETA * ring_bytes_sent("all_reduce", nbytes, n)
+    alpha, beta = Fraction(str(ALPHA)), Fraction(str(BETA))
+    return alpha * 2 * (n - 1) + beta * ring_bytes_sent("all_reduce", nbytes, n)
 
 
 def truth_doubling_ranks(nbytes: int) -> int:

@@ -4,6 +4,7 @@ variant the chapter does not print, drawn from a seed)."""
 
 from __future__ import annotations
 
+from fractions import Fraction
 from functools import lru_cache
 
 from check_common import Predict, answer_of, choice_problems, in_process, number_problems, numbers_problems
@@ -55,7 +56,7 @@ def causal_work(positions) -> int:
 def truth_contiguous_imbalance(cp: int = 4, seq_len: int = 1024) -> float:
     import torch
     chunks = torch.arange(seq_len).chunk(cp)  # the contiguous cut, rank r: chunk r
-    return causal_work(chunks[-1]) / causal_work(chunks[0])
+    return float(Fraction(causal_work(chunks[-1]), causal_work(chunks[0])))
 
 
 # Chapter 5 draws cp 4 (and 1,024 tokens in the exercise as first written)
@@ -138,10 +139,20 @@ check_predict_activations = Predict(
     lambda v: [str(truth_peak_activations(v["p"], v["m"], v["rank"]))])
 
 
+def exact_idle(timeline) -> Fraction:
+    """A simulated timeline's idle fraction, exactly: unit costs (F 1, B 2) make every start and end a
+    whole number, so busy time over ranks x makespan is a ratio of integers (the float 1 - busy/total
+    rounds: 1 - 0.9 is 0.0999...98, and "under 10%" would take 3/30, exactly 10%)."""
+    busy = sum(Fraction(end) - Fraction(start) for row in timeline.rows for start, end, _ in row)
+    return 1 - busy / (len(timeline.rows) * Fraction(timeline.makespan))
+
+
 @lru_cache
-def truth_microbatches_for_bubble(p: int = 4, below: float = 0.10) -> int:
-    from minipar.planning.planner import pipeline_idle
-    return next(m for m in range(1, 200) if pipeline_idle("1f1b", p, m) < below)
+def truth_microbatches_for_bubble(p: int = 4, below: Fraction = Fraction(1, 10)) -> int:
+    """The fewest m with 1F1B's simulated bubble strictly under `below` (exactly: 28 at p = 4)."""
+    from minipar.pipeline.schedules import build
+    from minipar.pipeline.timeline import simulate
+    return next(m for m in range(1, 200) if exact_idle(simulate(build("1f1b", p, m))) < below)
 
 
 @in_process

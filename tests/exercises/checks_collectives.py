@@ -5,14 +5,18 @@ the world instead of its group fails there); the per-rank functions live at modu
 workers import them by name) and load the student's file from its path on each rank.
 
 Each grades the algorithm, not only the result: the ledger says which collectives ran on how many
-bytes, a wrapped torch.distributed.all_reduce says whether a bucket's message was in flight while
-backward ran, the tensors a ZeRO-1 optimizer holds say where its Adam state lives, and the library's
-own answer is switched off while the student's code runs.
+bytes, and which peer each of a ring's sends went to; a wrapped torch.distributed.all_reduce says
+whether a bucket's message was in flight while backward ran (on a model whose gradients finish out
+of definition order, with a tied weight); what a ZeRO-1 optimizer allocated and still holds says
+where its Adam state lives; and the library's own answer (and its siblings) is switched off while
+the student's code runs.
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
+import weakref
 
 import torch
 from check_common import (
@@ -20,7 +24,6 @@ from check_common import (
     attempt,
     collect,
     guarded,
-    held_tensors,
     load,
     max_diff,
     on_ranks,
@@ -55,6 +58,7 @@ def _ring_rank(rank, world, student):
         group = world_group("ring")
         expected = sum(_rank_input(r, length) for r in range(world))
         t = _rank_input(rank, length)
+        group.ledger.trace = []  # each message with its peer
         out = attempt(student.ring_all_reduce, t, group)
         out = t if out is None else out
         if out.shape != expected.shape or not torch.allclose(out, expected, rtol=0, atol=1e-9):
@@ -64,6 +68,11 @@ def _ring_rank(rank, world, student):
         if others:
             problems.append(f"rank {rank}: N={world}: the ledger shows {others} on the group: a ring is built "
                             f"from send and recv alone")
+        peers = sorted({peer for (_, op, peer, _) in group.ledger.trace if op == "send"})
+        if len(peers) > 1:
+            problems.append(f"rank {rank}: N={world}, length {length}: sent to ranks {peers}: not a ring, which "
+                            f"sends only to its next rank; each chunk travels N-1 hops, summed on the way, not "
+                            f"straight to the rank that reduces it")
         sent[length] = (group.ledger.get("ring", "send").bytes, group.ledger.get("ring", "send").calls)
         if problems:  # a wrong ring may send chunks of sizes the peer does not expect: stop before it does
             break
@@ -161,7 +170,10 @@ def _grad_problems(at: str, model, reference, group) -> list[str]:
 # 2.1 Data-parallel gradient averaging with hooks
 # ----------------------------------------------------------------------------------------------
 
-DP_OFF = ("minipar.data_parallel:DataParallel", "minipar.data_parallel:GradSync", "minipar.data_parallel:GradBucket")
+# The library's DataParallel, and its siblings that average gradients too (ZeRO's wrappers)
+DP_OFF = ("minipar.data_parallel:DataParallel", "minipar.data_parallel:GradSync", "minipar.data_parallel:GradBucket",
+          "minipar.zero:ZeroDataParallel", "minipar.zero:ZeroBucket", "minipar.zero3:Zero3DataParallel",
+          "minipar.zero3:ShardedBucket")
 
 
 def _dp_rank(rank, world, student, group_size):
@@ -194,14 +206,42 @@ def check_dp_hooks(path, run_ranks) -> list[str]:
 # 2.2 A bucketed all-reduce
 # ----------------------------------------------------------------------------------------------
 
-# The test model's gradients: 32, 512, 128, 1024 bytes in backward order. 544 = 32 + 512: a bucket
-# closes at exactly its size (at least bucket_bytes, as bucket_params does).
-BUCKET_BYTES = (600, 544, 1, 10**9)
-BUCKET_OFF = DP_OFF + ("minipar.data_parallel:bucket_params",)
+class _Tangled(torch.nn.Module):
+    """2.2's model. Its gradients finish out of definition order (`out`, defined first, is used last,
+    so backward finishes it first), and `gate` is tied: it scales the input and shifts the output, so
+    its gradient is ready last, once both uses have sent theirs. Buckets are built from the parameters
+    in reverse definition order (as the exercise says, and bucket_params does): tied.gate, hidden.bias,
+    hidden.weight, out.bias, out.weight; backward finishes out.bias and out.weight first, tied.gate last.
+    A bucket launched when its "last" parameter's hook fires, without counting which of its gradients
+    are ready, sends a gradient backward has not finished."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.out = torch.nn.Linear(16, 4)  # defined first, used last
+        self.hidden = torch.nn.Linear(8, 16)
+        self.tied = torch.nn.ParameterDict({"gate": torch.linspace(0.5, 1.5, 8)})  # used at both ends
+        self.double()
+
+    def forward(self, x):
+        gate = self.tied["gate"]
+        return self.out(torch.tanh(self.hidden(x * gate))) + gate[:4]  # [b, 4]
+
+
+def _tangled_reference(x, target) -> torch.nn.Module:
+    reference = _Tangled()
+    ((reference(x) - target) ** 2).mean().backward()
+    return reference
+
+
+# The test model's buckets (reverse definition order): 64, 128, 1024, 32, 512 bytes. 192 = 64 + 128: a
+# bucket closes at exactly its size (at least bucket_bytes, as bucket_params does).
+BUCKET_BYTES = (600, 192, 1, 10**9)
+BUCKET_OFF = DP_OFF + ("minipar.data_parallel:bucket_params", "minipar.zero:bucket_plan")  # ZeRO's buckets too
 
 
 def expected_bucket_bytes(model, bucket_bytes: int) -> list[int]:
-    """The library's buckets (data_parallel.bucket_params, parameters in backward order), in bytes."""
+    """The library's buckets (data_parallel.bucket_params, parameters in reverse definition order), in bytes."""
     params = list(reversed(list(model.parameters())))
     return [sum(p.numel() * p.element_size() for p in b) for b in bucket_params(params, bucket_bytes / 2**20)]
 
@@ -251,7 +291,8 @@ class _WatchedWork:
 
 def _overlap_problems(at: str, watch: _Watch, buckets: int) -> list[str]:
     """Every bucket's all-reduce asynchronous, the first started before backward's last gradient, none
-    waited for before backward ended, each waited for in finish()."""
+    waited for before backward's last gradient was ready (a wait in a callback queued on autograd's
+    engine, which runs once every gradient is ready, is fine: DDP waits there), each waited for."""
     events = watch.events
     posts = [e for e in events if e[0] == "post"]
     end = events.index(("end",))
@@ -264,14 +305,14 @@ def _overlap_problems(at: str, watch: _Watch, buckets: int) -> list[str]:
     if buckets > 1 and not any(events.index(e) < last_ready for e in posts):
         return [f"{at}: no all-reduce started before backward's last gradient was ready: launch each bucket "
                 f"from the hooks, as soon as its gradients are ready. Events: {watch.drawn()}"]
-    early = [e[1] for i, e in enumerate(events) if e[0] == "wait" and i < end]
+    early = [e[1] for i, e in enumerate(events) if e[0] == "wait" and i < min(end, last_ready)]
     if early:
         return [f"{at}: the handle of all_reduce #{early[0]} was waited for during backward: it was not in flight "
                 f"while backward ran; wait in finish(). Events: {watch.drawn()}"]
     waited = {e[1] for e in events if e[0] == "wait"}
     unwaited = [e[1] for e in posts if e[1] not in waited]
     if unwaited:
-        return [f"{at}: finish() never waited for the handle of all_reduce #{unwaited[0]}: its result may not have "
+        return [f"{at}: nobody waited for the handle of all_reduce #{unwaited[0]}: its result may not have "
                 f"arrived when it is read. Events: {watch.drawn()}"]
     return []
 
@@ -289,9 +330,9 @@ def _bucket_problems(at, model, reference, group, want: list[int]) -> list[str]:
 def _bucket_rank(rank, world, student, group_size):
     group = world_group("dp", group_size)
     x, target, rows = _batch(group)
-    reference = _reference_grads(x, target)
+    reference = _tangled_reference(x, target)
     for bucket_bytes in BUCKET_BYTES:
-        model, at = _mlp(), f"{where(rank, world, group, 'dp')}, bucket_bytes={bucket_bytes}"
+        model, at = _Tangled(), f"{where(rank, world, group, 'dp')}, bucket_bytes={bucket_bytes}"
         want = expected_bucket_bytes(model, bucket_bytes)
         group.ledger.trace = []
         watch = _Watch(model)
@@ -318,7 +359,8 @@ def check_buckets(path, run_ranks) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 
 ZERO_P, ZERO_STEPS = 24, 3
-ZERO_OFF = ("minipar.zero:ZeroDataParallel", "minipar.zero:ZeroBucket")
+ZERO_OFF = ("minipar.zero:ZeroDataParallel", "minipar.zero:ZeroBucket", "minipar.zero3:Zero3DataParallel",
+            "minipar.zero3:ShardedBucket")  # ZeRO-3's classes are ZeRO-1's, subclassed
 
 
 def _zero1_grad(group, rank: int, step: int) -> torch.Tensor:
@@ -352,15 +394,50 @@ def _zero1_traffic_problems(at: str, group) -> list[str]:
                "ZeRO-1 needs only its own)" if "all_reduce" in seen else "")]
 
 
-def _zero1_state_problems(at: str, optimizer, skip, n: int) -> list[str]:
-    """What the optimizer holds besides flat_param and the gradients it was handed: this rank's slice,
-    Adam's m and v for it (3 P/N numbers; a P/N gradient slice more is fine), nothing of P numbers."""
-    held = held_tensors(optimizer, skip)
+class _Allocations:
+    """Every tensor made while it is active (each op's outputs, through torch's dispatcher: factories,
+    arithmetic, views, collectives' outputs), kept by weak reference. `alive(skip)`: those still alive
+    afterwards, one per storage, the storages of `skip` and scalars left out. What an optimizer holds,
+    measured so, is found wherever it hides it (an attribute, a closure, a functools.partial, a global)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        made = self.made = []
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                made.extend(weakref.ref(t) for t in torch.utils._pytree.tree_leaves(out)
+                            if isinstance(t, torch.Tensor))
+                return out
+        self.mode = Record
+
+    def run(self, fn, *args):
+        with self.mode():
+            return fn(*args)
+
+    def alive(self, skip: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        gc.collect()
+        skipped = {t.untyped_storage().data_ptr() for t in skip}
+        found = {}
+        for ref in self.made:
+            t = ref()
+            if t is not None and storage_numel(t) > 1 and t.untyped_storage().data_ptr() not in skipped:
+                found.setdefault(t.untyped_storage().data_ptr(), t)
+        return list(found.values())
+
+
+def _zero1_state_problems(at: str, optimizer, held: list[torch.Tensor], n: int) -> list[str]:
+    """What the optimizer allocated and still holds besides flat_param and the gradients it was handed:
+    this rank's slice, Adam's m and v for it (3 P/N numbers; a P/N gradient slice more is fine),
+    nothing of P numbers."""
     numbers = sum(storage_numel(t) for t in held)
     whole = [t for t in held if storage_numel(t) >= ZERO_P]
     claimed = attempt(optimizer.state_numel)
     if whole or numbers > 4 * ZERO_P // n:
-        return [f"{at}: the optimizer holds {len(held)} tensors of {numbers} numbers besides flat_param"
+        return [f"{at}: the optimizer holds {len(held)} tensors of {numbers} numbers besides flat_param (allocated "
+                f"in its construction and steps, still alive after them)"
                 + (f", {len(whole)} of them of all P = {ZERO_P} (Adam's m and v over the whole vector?)" if whole
                    else "") + f" (state_numel() says {claimed}): ZeRO-1 keeps this rank's slice and its m and v, "
                 f"3 P/N = {3 * ZERO_P // n}"]
@@ -374,18 +451,19 @@ def _zero1_rank(rank, world, student, group_size):
     n, at = group.size, where(rank, world, group, "dp")
     torch.manual_seed(3)
     reference = torch.randn(ZERO_P, dtype=torch.float64)
-    flat, state, grads = reference.clone(), {}, []
-    optimizer = attempt(student.Zero1Adam, flat, group, 0.1)
+    flat, state, grads, allocations = reference.clone(), {}, [], _Allocations()
+    optimizer = allocations.run(attempt, student.Zero1Adam, flat, group, 0.1)
     for step in range(ZERO_STEPS):
         adam_by_hand(reference, sum(_zero1_grad(group, r, step) for r in range(n)) / n, state, step + 1, 0.1)
         grads.append(_zero1_grad(group, group.rank, step))
-        attempt(optimizer.step, grads[-1])
+        allocations.run(attempt, optimizer.step, grads[-1])
         if not torch.allclose(flat, reference, rtol=1e-10, atol=1e-12):
             by_slice = (flat - reference).abs().reshape(n, -1).amax(1)
             return {"problems": [f"{at}: after step {step + 1} the parameters differ from Adam on one device: "
                                  f"{max_diff(flat, reference)}; by rank slice: "
                                  f"{[f'{d:.3g}' for d in by_slice.tolist()]}"]}
-    return {"problems": _zero1_traffic_problems(at, group) + _zero1_state_problems(at, optimizer, (flat, *grads), n)}
+    held = allocations.alive((flat, *grads))
+    return {"problems": _zero1_traffic_problems(at, group) + _zero1_state_problems(at, optimizer, held, n)}
 
 
 _zero1_rank_guarded = guarded(_zero1_rank, ZERO_OFF)

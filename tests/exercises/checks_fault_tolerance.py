@@ -120,10 +120,11 @@ class Work:
     """An allreduce in flight. torchft's divides the summed tensor by the groups taking part in wait()
     (its callback, and where an error is reported): not waited for, the tensor holds the sum."""
 
-    def __init__(self, tensor: torch.Tensor, names: list[str], divisor: int = 1):
-        self.tensor, self.names, self.divisor, self.waited = tensor, names, divisor, False
+    def __init__(self, tensor: torch.Tensor, names: list[str], log: list, divisor: int = 1):
+        self.tensor, self.names, self.log, self.divisor, self.waited = tensor, names, log, divisor, False
 
     def wait(self, timeout=None) -> bool:
+        self.log.append(("wait", self.names))
         if not self.waited:
             self.waited = True
             self.tensor.div_(self.divisor)
@@ -136,7 +137,9 @@ class FakeManager:
     model.parameters() order), and its work's wait() divides by the groups (reduce_op=SUM: no
     division). On a try that fails, the first allreduce errs: its tensor is left corrupt (NaN), each
     later one is a no-op, and should_commit() says False. `log`: what ft_step called, in order:
-    ("allreduce", [names]), ("should_commit", vote), ("step",); `works`: the allreduces' works."""
+    ("allreduce", [names]), ("wait", [names]), ("should_commit", vote), ("step",); `works`: the
+    allreduces' works. A tensor that is none of the gradients (names []) is summed with nothing: a
+    scalar is the loss or a metric for the log, which a step may average too."""
 
     def __init__(self, model: nn.Module):
         self.model, self.log, self.works, self.others, self.fails, self.errored = model, [], [], [], False, False
@@ -151,7 +154,7 @@ class FakeManager:
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op=None) -> Work:
         names = self._which(tensor)
         self.log.append(("allreduce", names))
-        self.works.append(Work(tensor, names))
+        self.works.append(Work(tensor, names, self.log))
         if self.errored:  # torchft: after the first error every allreduce returns at once
             return self.works[-1]
         if self.fails:  # a group lost during it: the tensor may hold anything
@@ -203,7 +206,7 @@ def reference_step(model: nn.Module, optimizer: torch.optim.Optimizer, grads: li
 
 def check_commit_step(path, run_ranks=None) -> list[str]:
     try:
-        with switched_off(COMMIT_OFF):
+        with switched_off(COMMIT_OFF, student=path):
             return _commit_problems(load(path).ft_step)
     except NotImplementedYet as e:
         return [str(e)]
@@ -239,7 +242,8 @@ def _log_problems(label: str, manager: FakeManager, names: list[str]) -> list[st
     """What the try's calls say: each gradient averaged once, the vote after them, the step after a yes."""
     log, problems = manager.log, []
     reduced = [n for event in log if event[0] == "allreduce" for n in event[1]]
-    if any(event[0] == "allreduce" and not event[1] for event in log):
+    if any(event[0] == "allreduce" and not event[1] for event, work in zip(
+            [e for e in log if e[0] == "allreduce"], manager.works) if work.tensor.numel() > 1):
         problems.append(f"{label}: manager.allreduce got a tensor that is none of the model's gradients (nor all "
                         "of them, flat, in model.parameters() order): average each p.grad itself")
     unwaited = [n for work in manager.works if not work.waited for n in work.names]
@@ -255,13 +259,20 @@ def _log_problems(label: str, manager: FakeManager, names: list[str]) -> list[st
         problems.append(f"{label}: the gradients of {twice} were all-reduced more than once, expected once each")
     votes = [i for i, event in enumerate(log) if event[0] == "should_commit"]
     steps = [i for i, event in enumerate(log) if event[0] == "step"]
-    last_reduce = max((i for i, event in enumerate(log) if event[0] == "allreduce"), default=-1)
+    last_reduce = max((i for i, event in enumerate(log) if event[0] == "allreduce" and event[1]), default=-1)
+    last_wait = max((i for i, event in enumerate(log) if event[0] == "wait" and event[1]), default=-1)
     if not votes:
-        problems.append(f"{label}: manager.should_commit() was never asked: every rank of every group votes, "
+        problems.append(f"{label}: manager.should_commit() was never asked: every rank of the replica group votes, "
                         "once a step, and the optimizer steps only on a yes")
     elif votes[0] < last_reduce:
         problems.append(f"{label}: manager.should_commit() was asked before the last manager.allreduce: vote after "
                         "the average, so that an error during it (a group lost) makes the vote False")
+    elif votes[0] < last_wait:
+        problems.append(f"{label}: manager.should_commit() was asked before the gradients' allreduces were waited "
+                        "for: an allreduce reports its error in wait(), so a vote before it cannot hear of it")
+    elif len(votes) > 1:
+        problems.append(f"{label}: manager.should_commit() was asked {len(votes)} times: it is torchft's vote for "
+                        "the step, to be called once per step (each call is a round of the commit protocol)")
     if steps and (not votes or steps[0] < votes[0]):
         problems.append(f"{label}: optimizer.step() ran before manager.should_commit() was asked: a step the "
                         "groups then do not commit has already changed the weights")

@@ -36,11 +36,14 @@ TP_OFF = ("minipar.tensor_parallel:ColumnParallelLinear", "minipar.tensor_parall
           "minipar.tensor_parallel:RowParallelLinear",
           "minipar.tensor_parallel:ParallelMLP")
 ZIGZAG_OFF = ("minipar.context_parallel:zigzag_positions", "minipar.context_parallel:split_sequence")
-GPIPE_OFF = ("minipar.pipeline.schedules:gpipe",)  # build("gpipe", ...) calls it: off too
+# gpipe, and every sibling schedule (sorting 1F1B's actions gives GPipe's); build() calls them: off too
+GPIPE_OFF = tuple(f"minipar.pipeline.schedules:{name}" for name in ("gpipe", "naive", "one_f_one_b", "interleaved",
+                                                                    "zero_bubble_h1", "zero_bubble_v"))
 MOE_OFF = ("minipar.expert_parallel:expert_parallel_dispatch", "minipar.expert_parallel:parallelize_experts",
            "minipar.moe:MoE")
-ACTIVATIONS_OFF = ("minipar.planning.estimate:activation_bytes",)
-STATES_OFF = ("minipar.zero:model_state_bytes",)
+ACTIVATIONS_OFF = tuple(f"minipar.planning.estimate:{name}" for name in (
+    "activation_bytes", "layer_activation_bytes", "head_activation_bytes", "moe_layer_activation_bytes"))
+STATES_OFF = ("minipar.zero:model_state_bytes", "minipar.precision:model_state_bytes")  # the sibling, by precision
 
 # ----------------------------------------------------------------------------------------------
 # 4.1 Column-parallel then row-parallel linear
@@ -132,7 +135,7 @@ def _gpipe_problems(actions, p: int, m: int) -> list[str]:
 def check_gpipe(path, run_ranks=None) -> list[str]:
     try:
         for p, m in ((1, 3), (2, 1), (4, 8), (3, 5)):
-            with switched_off(GPIPE_OFF):
+            with switched_off(GPIPE_OFF, student=path):
                 actions = attempt(load(path).gpipe, p, m)
             problems = _gpipe_problems(actions, p, m)
             if problems:
@@ -151,7 +154,7 @@ def check_gpipe(path, run_ranks=None) -> list[str]:
 def check_zigzag(path, run_ranks=None) -> list[str]:
     try:
         for cp, seq_len in ((1, 6), (2, 8), (3, 12), (4, 32)):
-            with switched_off(ZIGZAG_OFF):
+            with switched_off(ZIGZAG_OFF, student=path):
                 student = load(path)
                 got = [torch.as_tensor(attempt(student.zigzag_positions, r, cp, seq_len)) for r in range(cp)]
             held = torch.cat(got).sort().values
@@ -189,7 +192,7 @@ def check_activation_bytes(path, run_ranks=None) -> list[str]:
         tokens = torch.randint(0, c.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
         want = activation_bytes(c, cfg)
         try:
-            with switched_off(ACTIVATIONS_OFF, "count what autograd saves, not what the estimator says"):
+            with switched_off(ACTIVATIONS_OFF, "count what autograd saves, not what the estimator says", student=path):
                 got = attempt(load(path).saved_activation_bytes, Llama(c, seed=0), tokens)
         except NotImplementedYet as e:
             return [str(e)]
@@ -306,7 +309,7 @@ def check_moe_all_to_all(path, run_ranks) -> list[str]:
 
 def check_model_state_bytes(path, run_ranks=None) -> list[str]:
     try:
-        with switched_off(STATES_OFF):
+        with switched_off(STATES_OFF, student=path):
             student = load(path)
             return _model_state_problems(student)
     except NotImplementedYet as e:

@@ -11,5 +11,9 @@ def parameters(model: str) -> int:
         return sum(p.numel() for p in Llama(get_config(model)).parameters())
 
 
-def ANSWER(v):  # noqa: N802 - a function of the variant (v.model, v.dp)
+def formula(v):  # a function of the variant (v.model, v.dp)
     return 3 * (v.dp - 1) / v.dp * 4 * parameters(v.model) / 2**20
+
+
+SEED = 0  # the variant whose answer is written out below; formula(v) answers every one
+ANSWER = 1278.93310546875

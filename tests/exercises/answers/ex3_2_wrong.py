@@ -10,5 +10,9 @@ def parameters(model: str) -> int:
         return sum(p.numel() for p in Llama(get_config(model)).parameters())
 
 
-def ANSWER(v):  # noqa: N802
+def formula(v):
     return 2 * (v.dp - 1) / v.dp * 4 * parameters(v.model) / 2**20
+
+
+SEED = 0  # the variant whose answer is written out below; formula(v) answers every one
+ANSWER = 852.6220703125

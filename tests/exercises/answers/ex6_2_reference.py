@@ -2,5 +2,9 @@
 fill and drain: (p - 1) / (m + p - 1)."""
 
 
-def ANSWER(v):  # noqa: N802 - a function of the variant (v.p, v.m)
+def formula(v):  # a function of the variant (v.p, v.m)
     return (v.p - 1) / (v.m + v.p - 1)
+
+
+SEED = 0  # the variant whose answer is written out below; formula(v) answers every one
+ANSWER = 0.2857142857142857

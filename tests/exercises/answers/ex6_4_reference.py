@@ -1,5 +1,6 @@
-"""Exercise 6.4, the planner's pipeline_idle (the simulated schedule), searched."""
+"""Exercise 6.4, an answer: 1F1B's bubble at p = 4 with F = 1, B = 2 is (p - 1)/(m + p - 1) = 3/(m + 3),
+exactly; "under 10%" is strictly less, and 3/30 is exactly 10%: the fewest m is 28."""
 
-from minipar.planning.planner import pipeline_idle
+from fractions import Fraction
 
-ANSWER = next(m for m in range(1, 100) if pipeline_idle("1f1b", 4, m) < 0.10)
+ANSWER = next(m for m in range(1, 100) if Fraction(3, m + 3) < Fraction(1, 10))

@@ -2,7 +2,7 @@
 asking the planner's own functions about the four layouts (fits, then the fewest seconds)."""
 
 
-def ANSWER(v):  # noqa: N802 - a function of the variant (v.gpus, v.seq_len, v.global_batch)
+def formula(v):  # a function of the variant (v.gpus, v.seq_len, v.global_batch)
     from minipar.model import get_config
     from minipar.planning.estimate import peak_bytes
     from minipar.planning.planner import Cluster, step_time
@@ -18,3 +18,7 @@ def ANSWER(v):  # noqa: N802 - a function of the variant (v.gpus, v.seq_len, v.g
         if peak_bytes(c, cfg) <= Cluster(v.gpus).usable:
             timed[letter] = step_time(c, cfg, Cluster(v.gpus))["total"]
     return min(timed, key=timed.get)
+
+
+SEED = 0  # the variant whose answer is written out below; formula(v) answers every one
+ANSWER = 'C'

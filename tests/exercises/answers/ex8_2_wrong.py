@@ -2,5 +2,9 @@
 8 GPUs) copied for another case, where context parallelism is not the fastest that fits."""
 
 
-def ANSWER(v):  # noqa: N802 - the chapter's letter, whatever the variant
+def formula(v):  # the chapter's letter, whatever the variant
     return "B"
+
+
+SEED = 0  # the variant whose answer is written out below; formula(v) answers every one
+ANSWER = 'B'

@@ -3,6 +3,10 @@
 989 TFLOP/s at 45% MFU."""
 
 
-def ANSWER(v):  # noqa: N802 - a function of the variant (v.gpus, v.seq_len, v.global_batch)
+def formula(v):  # a function of the variant (v.gpus, v.seq_len, v.global_batch)
     per_token = 6 * (8.03e9 - 128_256 * 4096) + 12 * 32 * 4096 * v.seq_len
     return per_token * v.global_batch * v.seq_len / (v.gpus * 989e12 * 0.45)
+
+
+SEED = 0  # the variant whose answer is written out below; formula(v) answers every one
+ANSWER = 41.701414161964

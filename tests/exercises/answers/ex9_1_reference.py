@@ -24,5 +24,9 @@ def group(rank, dim, sizes):
     return [rank_of({**c, dim: i}, sizes) for i in range(sizes[dim])]
 
 
-def ANSWER(v):  # noqa: N802 - a function of the variant (v.mesh, v.rank)
+def formula(v):  # a function of the variant (v.mesh, v.rank)
     return {d: group(v.rank, d, v.mesh) for d in ORDER}
+
+
+SEED = 0  # the variant whose answer is written out below; formula(v) answers every one
+ANSWER = {'tp': [2, 3], 'cp': [0, 2, 4, 6], 'dp': [2, 10], 'pp': [2, 18]}

@@ -23,7 +23,11 @@ def group(rank, dim, sizes):
     return [rank_of({**c, dim: i}, sizes) for i in range(sizes[dim])]
 
 
-def ANSWER(v):  # noqa: N802
+def formula(v):
     swapped = {**v.mesh, "tp": v.mesh["cp"], "cp": v.mesh["tp"]}
     groups = {d: group(v.rank, d, swapped) for d in ORDER}
     return {**groups, "tp": groups["cp"], "cp": groups["tp"]}
+
+
+SEED = 0  # the variant whose answer is written out below; formula(v) answers every one
+ANSWER = {'tp': [2, 6], 'cp': [0, 1, 2, 3], 'dp': [2, 10], 'pp': [2, 18]}

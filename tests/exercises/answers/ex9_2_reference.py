@@ -2,7 +2,7 @@
 rank fits the budget, the one whose busiest rank sends the least (the estimator's figures)."""
 
 
-def ANSWER(v):  # noqa: N802 - a function of the variant (v.seq_len, v.budget_mib)
+def formula(v):  # a function of the variant (v.seq_len, v.budget_mib)
     from minipar.model import get_config
     from minipar.planning.estimate import peak_bytes
     from minipar.planning.traffic import bytes_sent
@@ -18,3 +18,7 @@ def ANSWER(v):  # noqa: N802 - a function of the variant (v.seq_len, v.budget_mi
         if peak_bytes(c, cfg) <= v.budget_mib * 2**20:
             sends[letter] = max(sum(bytes_sent(c, cfg, r).values()) for r in range(cfg.pp))
     return min(sends, key=sends.get)
+
+
+SEED = 0  # the variant whose answer is written out below; formula(v) answers every one
+ANSWER = 'D'

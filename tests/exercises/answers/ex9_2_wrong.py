@@ -2,5 +2,9 @@
 though the question is which sends the least within the budget."""
 
 
-def ANSWER(v):  # noqa: N802 - the chapter's letter, whatever the variant
+def formula(v):  # the chapter's letter, whatever the variant
     return "F"
+
+
+SEED = 0  # the variant whose answer is written out below; formula(v) answers every one
+ANSWER = 'F'

@@ -1,0 +1,7 @@
+"""Exercise 6.4, wrong: the bubble compared with 10% in floating point. At m = 27 it is 3/30, exactly
+10%, which is not under 10%; but the simulated idle fraction is 1 - 27/30, which floats round to
+0.09999999999999998, under 0.10: a float comparison takes 27 (issue 40: the old key did)."""
+
+from minipar.planning.planner import pipeline_idle
+
+ANSWER = next(m for m in range(1, 100) if pipeline_idle("1f1b", 4, m) < 0.10)
