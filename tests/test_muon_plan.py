@@ -96,3 +96,16 @@ def test_plan_prints_muons_state_and_its_extra_bytes():
     adamw = TrainConfig(model="tiny", dp=2, zero=1, bucket_mb=0.01)
     text = report(TrainConfig(**{**vars(adamw), "optimizer": "muon", "muon_method": "owner"}))
     assert text != report(adamw) and "Muon" in text and "dp/all_to_all" in text
+
+
+def test_the_planners_clock_weighs_muons_method_newton_schulz_and_messages():
+    """8B on 64 H100s at dp 64, ZeRO-1: gather repeats Newton-Schulz on every rank and sends every matrix,
+    owner spreads both; the clock's step is AdamW's plus what each method adds."""
+    from minipar.planning.planner import Cluster, step_time
+
+    c, base = get_config("8b"), dict(model="8b", dp=64, zero=1, precision="bf16-mixed", seq_len=4096,
+                                     global_batch=64, micro_batch=1)
+    cfgs = {m: TrainConfig(**base, optimizer="muon" if m else "adamw", **({"muon_method": m} if m else {}))
+            for m in (None, "gather", "owner")}
+    time = {m: step_time(c, cfg, Cluster(64))["total"] for m, cfg in cfgs.items()}
+    assert time[None] < time["owner"] < time["gather"]
