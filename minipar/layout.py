@@ -141,8 +141,9 @@ class Layout:
     muon_adjust_lr: str = setting("original", "Muon's lr per matrix shape: original, sqrt(max(1, rows/cols)); "
                                   "match_rms_adamw, 0.2 sqrt(max(rows, cols)) (default: {default})", "optimisation",
                                   choices=ADJUST_LR, acts_with=MUON)
-    muon_method: str = setting("gather", "ZeRO's slices and Muon's matrices: gather (the slices of each matrix a "
-                               "slice cuts) or whole (slices end between matrices: uneven; default: {default})",
+    muon_method: str = setting("gather", "ZeRO's slices and Muon's matrices: gather (every rank gathers each matrix "
+                               "its slice cuts), owner (one rank per matrix gathers it and sends the slices back) or "
+                               "whole (slices end between matrices: uneven; default: {default})",
                                "optimisation", choices=MUON_METHODS, acts_with=MUON_ZERO)
     dtype: str | None = setting(None, "float64: all in float64 (proofs; no --precision); float32 = --precision "
                                 "fp32, bfloat16 = bf16-autocast", "optimisation", choices=DTYPES)

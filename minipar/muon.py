@@ -1,21 +1,9 @@
-"""Muon: an optimizer whose update of a weight needs the whole matrix, in every layout.
+"""Muon: an optimizer whose update of a weight needs the whole matrix, in every layout (chapter 4c).
 
-Chapter 4c of the course (docs/04c_muon.md); read ZeRO (3) and tensor parallelism (4) first. AdamW
-updates each element from that element's gradient alone, so ZeRO may cut its state anywhere and a
-tp rank may step its shard alone. Muon (Jordan et al. 2024; Liu et al. 2025) does not: it keeps a
-momentum M per matrix and steps along an orthogonalised M, U V^T for M = U S V^T, which a few
-Newton-Schulz iterations approximate. That needs every element of M at once:
-
-    tp 2, wq cut by rows:   [M0]  all-gather over tp   [M0]  Newton-Schulz   [O0]  keep  [O0] on rank 0
-                            [M1]  ------------------>  [M1]  ------------->  [O1]  --->  [O1] on rank 1
-    ZeRO, a flat bucket cut anywhere: all-gather every rank's slice (dp), orthogonalise each matrix
-    that overlaps this rank's slice, keep the slice (--muon-method gather); or slices that end only
-    between matrices (whole: zero.kept_whole), uneven, each rank's matrices all its own: no gather
-
-The gather travels in bf16: Newton-Schulz runs in bf16 whatever the weights' dtype (as
-torch.optim.Muon does), so a rank that gathers the same matrix gets the very same update as one
-device. Muon steps the matrices inside the transformer blocks (an expert stack: each expert its
-own matrix); AdamW, the same class's other groups, the embedding, the head and the norms.
+Muon steps along U V^T for its momentum M = U S V^T (Newton-Schulz), which needs all of M: tp gathers
+its shards; ZeRO's slices, three ways (--muon-method): every rank gathers (gather), one owner per
+matrix gathers and sends the slices back (owner), or none is cut (whole). Gathers travel in bf16, what
+Newton-Schulz reads (as torch.optim.Muon's): one device's very update. AdamW steps the rest.
 """
 
 from __future__ import annotations
@@ -26,28 +14,22 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from minipar.collectives import Group, all_gather
+from minipar.collectives import Group, all_gather, all_to_all
 from minipar.mesh import Groups
 from minipar.placement import placement_of
 
 OPTIMIZERS = ("adamw", "muon")
 ADJUST_LR = ("original", "match_rms_adamw")
-MUON_METHODS = ("gather", "whole")  # under ZeRO: gather the matrices its slices cut, or cut none (zero.kept_whole)
-# Jordan et al.'s quintic: steep at 0, so small singular values grow fast; 5 steps take every one above
-# a tenth of the largest to about [0.7, 1.2], not exactly 1, which trains as well as U V^T.
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+MUON_METHODS = ("gather", "owner", "whole")  # under ZeRO: each rank gathers, one owner per matrix, or no cut
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic: 5 steps take singular values > max/10 to ~[0.7, 1.2]
 NS_EPS = 1e-7  # the norm below which a matrix is not scaled up
 
 
 def newton_schulz(m: torch.Tensor, steps: int) -> torch.Tensor:
-    """About U V^T for m = U S V^T ([rows, cols]), in bf16: X <- a X + (b X X^T + c (X X^T)^2) X,
-    after scaling X so that every singular value is at most 1. Each addmm rounds to bf16 once, as
-    torch.optim.Muon's, so the two agree bit for bit."""
-    a, b, c = NS_COEFFICIENTS
-    x = m.bfloat16()
-    tall = x.shape[0] > x.shape[1]
-    if tall:  # iterate on the wide side: X X^T is then the smaller Gram matrix
-        x = x.T
+    """About U V^T for m = U S V^T ([rows, cols]), in bf16: X <- a X + (b X X^T + c (X X^T)^2) X, X
+    scaled to singular values at most 1. Each addmm rounds once, as torch.optim.Muon's: bit for bit."""
+    (a, b, c), tall = NS_COEFFICIENTS, m.shape[0] > m.shape[1]
+    x = m.bfloat16().T if tall else m.bfloat16()  # tall: iterate on the wide side, X X^T the smaller Gram matrix
     x = x / x.norm().clamp(min=NS_EPS)  # the Frobenius norm bounds the largest singular value
     for _ in range(steps):
         gram = x @ x.T  # [r, r], r = min(rows, cols)
@@ -57,12 +39,10 @@ def newton_schulz(m: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 def adjusted_lr(lr: float, shape: tuple[int, ...], rule: str) -> float:
-    """The lr for a matrix of `shape` ([rows, cols]): an orthogonal update's RMS is 1/sqrt(max side),
-    which these rules scale: "original" (Jordan's) by sqrt(max(1, rows / cols)), "match_rms_adamw"
-    (Moonlight's) to 0.2 sqrt(max side), about AdamW's update RMS, so that AdamW's lr serves."""
+    """The lr for a [rows, cols] matrix (an orthogonal update's RMS is 1/sqrt(max side)): "original"
+    (Jordan's) x sqrt(max(1, rows / cols)); "match_rms_adamw" (Moonlight's) x 0.2 sqrt(max side), AdamW's RMS."""
     rows, cols = shape
-    ratio = math.sqrt(max(1, rows / cols)) if rule == "original" else 0.2 * math.sqrt(max(rows, cols))
-    return lr * ratio
+    return lr * (math.sqrt(max(1, rows / cols)) if rule == "original" else 0.2 * math.sqrt(max(rows, cols)))
 
 
 def is_muon(name: str, ndim: int) -> bool:
@@ -70,30 +50,65 @@ def is_muon(name: str, ndim: int) -> bool:
     return name.startswith("layers.") and ndim >= 2
 
 
+def muon_ids(model: nn.Module) -> set[int]:
+    return {id(p) for n, p in model.named_parameters() if is_muon(n, p.dim())}
+
+
+def split_groups(model: nn.Module, adamw_groups: list[dict]) -> tuple[list[nn.Parameter], list[dict]]:
+    """(Muon's matrices, `adamw_groups` (data_parallel.param_groups) with them taken out)."""
+    ids = muon_ids(model)
+    return [p for p in model.parameters() if id(p) in ids], [
+        {**g, "params": [p for p in g["params"] if id(p) not in ids]} for g in adamw_groups]
+
+
 def muon_param_groups(model: nn.Module, cfg, adamw_groups: list[dict]) -> list[dict]:
-    """Muon's group (the blocks' matrices, cfg's muon_* settings) before `adamw_groups` (data_parallel's
-    param_groups) with those matrices taken out. lr_scale: the schedule's factor applies to both;
-    keep_whole: ZeRO's slices end between matrices (zero.kept_whole)."""
-    muon = [p for n, p in model.named_parameters() if is_muon(n, p.dim())]
-    ids = {id(p) for p in muon}
+    """Muon's group (cfg's muon_* settings; the schedule scales both by lr_scale) before AdamW's."""
+    muon, rest = split_groups(model, adamw_groups)
     options = dict(lr=cfg.muon_lr, lr_scale=cfg.muon_lr / cfg.lr, weight_decay=cfg.weight_decay,
                    momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
-                   adjust_lr=cfg.muon_adjust_lr, keep_whole=cfg.muon_method == "whole")
-    rest = [{**g, "params": [p for p in g["params"] if id(p) not in ids]} for g in adamw_groups]
+                   adjust_lr=cfg.muon_adjust_lr, keep_whole=cfg.muon_method == "whole",
+                   owner=cfg.muon_method == "owner")
     return [{"params": muon, "muon": True, **options}, *rest]
 
 
+def whole_shape(q: torch.Tensor) -> tuple[int, ...]:
+    """The shape of q's matrices whole (tp gathers them), [this rank's matrices, rows, cols]."""
+    return (*q.shape[:-2], *placement_of(q).full_shape[-2:])
+
+
+def ns_flops(shape: tuple[int, ...], steps: int) -> int:
+    """Newton-Schulz's FLOPs on matrices of `shape` ([.., rows, cols]), r the short side, c the long:
+    each step X X^T (2 r r c), its square (2 r^3) and that times X (2 r r c)."""
+    r, c = min(shape[-2:]), max(shape[-2:])
+    return math.prod(shape[:-2]) * steps * (4 * r * r * c + 2 * r**3)
+
+
+def owners(flops: list[int], n: int, load: list[int] | None = None) -> list[int]:
+    """Each matrix's owner among n ranks, balanced by FLOPs: the largest first, each to the rank with
+    the fewest so far (`load`: the step's earlier buckets'; ties: the lowest). Every rank works it out."""
+    load, owner = [0] * n if load is None else load, [0] * len(flops)
+    for i in sorted(range(len(flops)), key=lambda i: -flops[i]):
+        owner[i] = min(range(n), key=load.__getitem__)
+        load[owner[i]] += flops[i]
+    return owner
+
+
+def part(bucket, i: int, r: int) -> range:
+    """The elements of bucket's parameter i that rank r's slice holds, as a range of the flat bucket."""
+    per, start = bucket.padded // bucket.group.size, bucket.offsets[i]
+    lo = max(start, r * per)
+    return range(lo, max(lo, min(start + bucket.params[i].numel(), (r + 1) * per)))  # empty: lo..lo
+
+
 def cuts_a_parameter(bucket) -> bool:
-    """Whether a ZeRO bucket's slices cut one of its parameters (its first and last elements in two
-    slices): every rank answers alike, so all or none gather."""
+    """Whether a ZeRO bucket's slices cut one of its parameters: every rank answers alike."""
     n = bucket.padded // bucket.group.size
     return any(start // n != (start + q.numel() - 1) // n for q, start in zip(bucket.params, bucket.offsets))
 
 
 class Muon(torch.optim.AdamW):
-    """Muon on the param groups marked "muon" (muon_param_groups), AdamW on the others: one optimizer,
-    so the gradient-sync wrappers hold it as they hold AdamW. A parameter may be this rank's tp (or ep)
-    piece (its Placement says), or a ZeRO master slice (`.bucket`, zero.py): `groups` gathers the rest."""
+    """Muon on the param groups marked "muon", AdamW on the others: one optimizer, held as AdamW is. A
+    parameter may be a tp (or ep) piece (its Placement), or a ZeRO master slice (`.bucket`, zero.py)."""
 
     param_groups: list[dict]
 
@@ -103,10 +118,9 @@ class Muon(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
-        for group in self.param_groups:
-            if group.get("muon"):
-                self.muon_step(group)
         every = self.param_groups
+        for group in (g for g in every if g.get("muon")):
+            self.muon_step(group)
         self.param_groups = [g for g in every if not g.get("muon")]  # AdamW's own step, on its groups only
         try:
             super().step()
@@ -115,43 +129,65 @@ class Muon(torch.optim.AdamW):
 
     def muon_step(self, group: dict) -> None:
         """torch.optim.Muon's step: momentum, Nesterov's look-ahead, weight decay, the orthogonal update."""
+        self.loads: dict[str, list[int]] = {}  # --muon-method owner: each dp group's FLOPs so far
         lr, momentum = group["lr"], group["momentum"]
         for p in (p for p in group["params"] if p.grad is not None):
             buffer = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
             buffer.lerp_(p.grad, 1 - momentum)  # M <- mu M + (1 - mu) G
             update = p.grad.lerp(buffer, momentum) if group["nesterov"] else buffer
             p.mul_(1 - lr * group["weight_decay"])
-            for target, ortho, q in self.pieces(p, update, group["ns_steps"]):
+            for target, ortho, q in self.pieces(p, update, group["ns_steps"], group.get("owner", False)):
                 target.add_(ortho, alpha=-adjusted_lr(lr, placement_of(q).full_shape[-2:], group["adjust_lr"]))
 
-    def pieces(self, p: torch.Tensor, update: torch.Tensor, steps: int) -> Iterator[tuple]:
-        """(where in p, its orthogonalised update, the model's parameter it belongs to), for each
-        parameter p holds: itself, or, for a ZeRO master slice, each one its slice overlaps. A bucket
-        cut only between parameters (--muon-method whole) holds its matrices whole: no gather."""
+    def pieces(self, p: torch.Tensor, update: torch.Tensor, steps: int, owner: bool = False) -> Iterator[tuple]:
+        """(where in p, its orthogonalised update, the parameter): for p, or each a ZeRO slice p overlaps."""
         bucket = getattr(p, "bucket", None)
         if bucket is None:
             yield p, self.orthogonalised(update, p, steps), p
             return
-        mine = bucket.slice
-        flat = self.gather_slices(update, bucket.group) if cuts_a_parameter(bucket) else None  # [padded]
-        for q, start in zip(bucket.params, bucket.offsets):
-            lo, hi = max(start, mine.start), min(start + q.numel(), mine.stop)
-            if lo < hi:  # this rank holds elements lo..hi of the flat bucket, of q
-                source, at = (flat, start) if flat is not None else (update, start - mine.start)  # q all here
-                ortho = self.orthogonalised(source[at : at + q.numel()].view(q.shape), q, steps).reshape(-1)
-                yield p[lo - mine.start : hi - mine.start], ortho[lo - start : hi - start], q
+        if owner and cuts_a_parameter(bucket):
+            yield from self.owner_pieces(p, update, bucket, steps)
+            return
+        at, cut = bucket.slice.start, cuts_a_parameter(bucket)
+        flat = self.gather_slices(update, bucket.group) if cut else update  # [padded], or q all here
+        for i, (q, start) in enumerate(zip(bucket.params, bucket.offsets)):
+            if len(s := part(bucket, i, bucket.group.rank)):  # this rank holds elements s of the bucket, of q
+                o = start - (0 if cut else at)
+                ortho = self.orthogonalised(flat[o : o + q.numel()].view(q.shape), q, steps).reshape(-1)
+                yield p[s.start - at : s.stop - at], ortho[s.start - start : s.stop - start], q
+
+    def owner_pieces(self, p: torch.Tensor, update: torch.Tensor, bucket, steps: int) -> Iterator[tuple]:
+        """One owner per matrix (Moonlight's): an all-to-all (bf16) sends each owner its matrices' parts,
+        it orthogonalises them whole, and a second sends each rank its part back."""
+        group, at, off = bucket.group, bucket.slice.start, bucket.offsets
+        load = self.loads.setdefault(group.name, [0] * group.size)  # balanced over the step's buckets
+        owner = owners([ns_flops(whole_shape(q), steps) for q in bucket.params], group.size, load)
+        mine = [i for i, o in enumerate(owner) if o == group.rank]
+        out = [[(i, part(bucket, i, group.rank)) for i, o in enumerate(owner) if o == r] for r in range(group.size)]
+        into = [[(i, part(bucket, i, r)) for i in mine] for r in range(group.size)]  # from rank r, to me
+        sizes_out, sizes_in = ([sum(len(s) for _, s in x) for x in xs] for xs in (out, into))
+        sent = torch.cat([update[s.start - at : s.stop - at] for x in out for _, s in x]).bfloat16()
+        got = all_to_all(sent, group, send_splits=sizes_out, recv_splits=sizes_in)
+        whole = {i: sent.new_empty(bucket.params[i].numel()) for i in mine}  # each of my matrices, flat
+        for (i, s), piece in zip((y for x in into for y in x), got.split([len(s) for x in into for _, s in x])):
+            whole[i][s.start - off[i] : s.stop - off[i]] = piece
+        ortho = {i: self.orthogonalised(whole[i].view(bucket.params[i].shape), bucket.params[i], steps).reshape(-1)
+                 for i in mine}  # sent[:0] below: a rank may own no matrix
+        back = torch.cat([sent[:0], *(ortho[i][s.start - off[i] : s.stop - off[i]] for x in into for i, s in x)])
+        got = all_to_all(back, group, send_splits=sizes_in, recv_splits=sizes_out)
+        for (i, s), piece in zip((y for x in out for y in x), got.split([len(s) for x in out for _, s in x])):
+            if len(s):
+                yield p[s.start - at : s.stop - at], piece, bucket.params[i]
 
     def gather_slices(self, update: torch.Tensor, group: Group) -> torch.Tensor:
         return all_gather(update.bfloat16(), group)  # [padded]; bf16: what Newton-Schulz reads
 
     def cuts(self, q: torch.Tensor) -> list[tuple[Group, int]]:
-        """The groups holding the rest of q's matrices, and the dimension they cut: tp cuts rows or
-        columns; ep cuts only between the experts of a stack (dim 0), each matrix whole already."""
+        """The groups holding the rest of q's matrices and the dimension they cut (tp's; ep cuts between)."""
         return [(self.groups[mesh_dim], dim) for mesh_dim, dim in placement_of(q).shards if dim >= q.dim() - 2]
 
     def orthogonalised(self, local: torch.Tensor, q: torch.Tensor, steps: int) -> torch.Tensor:
-        """Newton-Schulz of each whole matrix of parameter q, of which `local` is this rank's piece
-        (as q's shape): gathered over each cut, orthogonalised, and this rank's piece kept."""
+        """Newton-Schulz of q's whole matrices from this rank's piece `local`: gathered, and its piece kept."""
         cuts, m = self.cuts(q), local.bfloat16()
         for group, dim in cuts:
             m = all_gather(m.contiguous(), group, dim=dim)  # [.., rows, cols], whole

@@ -1,20 +1,11 @@
-"""ZeRO stages 1 and 2: shard the optimizer state, then the gradients, across the dp group.
+"""ZeRO stages 1 and 2 (chapter 3; Rajbhandari et al. 2020): shard the optimizer state, then the gradients.
 
-Chapter 3 of the course. Data parallelism keeps N identical copies of the optimizer state, 3/4 of
-the memory in mixed precision; ZeRO (Rajbhandari et al., 2020) gives each rank one N-th of it:
-
-    flat parameters, in buckets      [ bucket 0            ][ bucket 1            ] ...
-    each bucket cut in N slices      [ r0 | r1 | r2 | r3  ][ r0 | r1 | r2 | r3  ]
+    flat parameters, in buckets, each cut in N slices   [ r0 | r1 | r2 | r3 ][ r0 | r1 | r2 | r3 ] ...
     rank r owns slice r of each bucket: its optimizer state, its master weights, its gradients
+    stage 1  after backward: reduce-scatter the gradients, update the slice, all-gather the weights
+    stage 2  each bucket reduce-scattered *during* backward, once complete; full gradients freed
 
-    stage 1  optimizer state sharded. After backward: reduce-scatter the gradients (each rank
-             receives the sum of its own slice), update the slice, all-gather the new weights.
-    stage 2  gradients sharded too. Each bucket is reduce-scattered *during* backward, as soon
-             as its gradients are complete, and the full gradients are freed right away.
-
-The same 2 (N-1)/N Psi bytes per step as data parallelism's all-reduce. Stage 2 reduce-scatters
-every micro-batch (`no_sync()` cannot keep full gradients). Stage 3 is the subclass in zero3.py.
-Read docs/03_zero.md: the bytes, accumulation, clipping, tp, and CPU offload (`offload=True`).
+The same 2 (N-1)/N Psi bytes a step as data parallelism. Stage 3 is the subclass in zero3.py.
 """
 
 from __future__ import annotations
@@ -32,11 +23,8 @@ from minipar.placement import DENSE, placement_of
 
 
 def bucket_plan(param_groups: list[dict], chunks) -> list[tuple[int, tuple[str, ...], list[nn.Parameter]]]:
-    """ZeRO's buckets, before any is made: (optimizer group index, grad_mean dimensions, params). A
-    bucket never mixes weight-decay settings, parameters cut over different mesh dimensions (tp, ep),
-    nor reduction groups: each slice then has one decay, one group, and knows over which groups its
-    norm adds up. `chunks(params)` cuts a run of parameters into buckets. Pure: the estimator
-    (estimate.py) plans the same buckets on parameters that hold no memory."""
+    """ZeRO's buckets, before any is made (the estimator plans them on paper too): (optimizer group
+    index, grad_mean dimensions, params), never mixing groups, mesh cuts (tp, ep) nor reduction groups."""
     plan = []
     for i, pg in enumerate(param_groups):
         for cut in sorted({tuple(d for d, _ in placement_of(p).shards) for p in pg["params"]}):
@@ -47,9 +35,8 @@ def bucket_plan(param_groups: list[dict], chunks) -> list[tuple[int, tuple[str, 
 
 
 def model_state_bytes(psi: float, n: int, stage: int, weight: float = 2, grad: float = 2, k: float = 12) -> float:
-    """The ZeRO paper's per-rank bytes of model states: psi parameters over n data-parallel ranks,
-    `weight` and `grad` bytes per parameter and K bytes of optimizer state (mixed-precision Adam:
-    2 + 2 + 12). Stage 1 divides the optimizer state by n, stage 2 the gradients too, stage 3 all."""
+    """The ZeRO paper's per-rank bytes of model states (mixed-precision Adam: 2 + 2 + 12 a parameter):
+    stage 1 divides the optimizer state by n, stage 2 the gradients too, stage 3 all."""
     return psi * (weight / (n if stage >= 3 else 1) + grad / (n if stage >= 2 else 1) + k / (n if stage >= 1 else 1))
 
 
@@ -61,39 +48,25 @@ def packed(sizes: list[int], n: int) -> tuple[list[int], int]:
 def kept_whole(sizes: list[int], n: int) -> tuple[list[int], int]:
     """As `packed`, but no parameter is cut: at most n runs of consecutive parameters, the largest run
     (S) as small as can be, run r at r x S. A slice is then whole parameters and padding (uneven)."""
-    def runs(most: int) -> list[int]:  # where each run begins, when a run holds at most `most`
-        begins, total = [0], 0
-        for i, size in enumerate(sizes):
-            if total + size > most:
-                begins.append(i)
-                total = 0
+    def runs(most: int) -> list[tuple[int, int]]:  # each parameter's (run, where in it), runs of at most `most`
+        out, run, total = [], 0, 0
+        for size in sizes:
+            run, total = (run + 1, 0) if total + size > most else (run, total)
+            out.append((run, total))
             total += size
-        return begins
+        return out
 
     low, high = max(sizes), sum(sizes)
     while low < high:  # bisect for the smallest S that n runs can hold
         mid = (low + high) // 2
-        if len(runs(mid)) <= n:
-            high = mid
-        else:
-            low = mid + 1
-    begins, offsets, run, at = runs(low), [], -1, 0
-    for i, size in enumerate(sizes):
-        if i in begins:  # the next run, at the next rank's slice
-            run += 1
-            at = run * low
-        offsets.append(at)
-        at += size
-    return offsets, n * low
+        low, high = (low, mid) if runs(mid)[-1][0] < n else (mid + 1, high)
+    return [run * low + at for run, at in runs(low)], n * low
 
 
 class ZeroBucket:
-    """Some parameters as one flat vector, padded to a multiple of N; this rank owns 1/N of it. The
-    parameters become views into that flat vector (`full`), so the all-gather after the step writes
-    the new weights straight into them, with no copy. `master`: this rank's slice in fp32 (float64
-    stays float64), what the optimizer updates; `grad_slice`: its gradient, in the weights' dtype.
-    bf16-mixed: `full` (and the gradients) become bf16 once the master is taken. `whole`: slices end
-    only between parameters (`kept_whole`: Muon's matrices, chapter 4c)."""
+    """Some parameters as views into one flat vector (`full`, padded to a multiple of N; the all-gather
+    writes into them), of which this rank owns 1/N: `master`, its slice in fp32 (float64 stays), and
+    `grad_slice`. bf16-mixed: `full` becomes bf16. `whole`: slices end between parameters (Muon's)."""
 
     def __init__(self, params: list[nn.Parameter], group: Group, spread: tuple[Group, ...] = (),
                  offload: bool = False, precision: Precision | None = None, whole: bool = False):
@@ -130,8 +103,8 @@ class ZeroBucket:
 
     def reduce_scatter_grads(self) -> None:
         """Add this rank's slice of the dp-mean of the bucket's gradients to grad_slice; free them."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = self._flatten(grads).to(self.reduce or self.full.dtype)  # [padded]; --grad-reduce fp32: twice the bytes
+        flat = self._flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
+        flat = flat.to(self.reduce or self.full.dtype)  # [padded]; --grad-reduce fp32: twice the bytes
         mine = self._reduce_scatter(flat.div_(self.group.size)).to(self.master.device, self.full.dtype)  # [padded // N]
         # Accumulation (stage 2): one reduce-scatter per micro-batch, each added to the slice.
         self.grad_slice = mine if self.grad_slice is None else self.grad_slice.add_(mine)
@@ -147,9 +120,8 @@ class ZeroBucket:
         return [self.master]
 
     def all_gather_params(self) -> None:
-        """Every rank's updated slice (N x [padded // N], in rank order) gathered straight into the
-        parameters' flat vector, through `.data`: a second handle on the same memory, which autograd
-        does not count as an in-place change of the parameters."""
+        """Every rank's updated slice gathered straight into the parameters' flat vector, through `.data`
+        (autograd does not count that as an in-place change of the parameters)."""
         all_gather_into(self.full.data, self.master.detach().to(self.full.device, self.full.dtype), self.group)
 
 
@@ -174,16 +146,14 @@ class ZeroDataParallel(GradSync):
         masters: list[list[nn.Parameter]] = [[] for _ in param_groups]
         for i, dims, chunk in bucket_plan(param_groups, lambda params: self._chunks(params, bucket_mb)):
             whole = param_groups[i].get("keep_whole", False)  # an optimizer that needs whole matrices asks
-            bucket = self._new_bucket(chunk, groups.reduction(dims), groups.shards(placement_of(chunk[0])), whole)
-            self.buckets.append(bucket)
-            masters[i].append(bucket.master)
+            self.buckets.append(self._new_bucket(chunk, groups.reduction(dims), groups.shards(placement_of(chunk[0])),
+                                                 whole))
+            masters[i].append(self.buckets[-1].master)
         self.optimizer = make_optimizer([{**{k: v for k, v in pg.items() if k != "params"}, "params": ms}
                                          for pg, ms in zip(param_groups, masters)])
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        if stage >= 2:
-            for p in module.parameters():
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready))
+        for p in (p for p in module.parameters() if p.requires_grad and stage >= 2):
+            p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready))
 
     def _new_bucket(self, params, group: Group, spread: tuple[Group, ...], whole: bool = False) -> ZeroBucket:
         return ZeroBucket(params, group, spread, self.offload, self.precision, whole)
@@ -193,8 +163,7 @@ class ZeroDataParallel(GradSync):
 
     @contextmanager
     def no_sync(self):
-        """Stage 1 communicates only in finish_grad_sync anyway: full gradients accumulate locally.
-        Stage 2 reduce-scatters every micro-batch regardless (see the module docstring)."""
+        """Stage 1 accumulates full gradients locally anyway; stage 2 reduce-scatters every micro-batch."""
         yield
 
     def _grad_ready(self, p: nn.Parameter) -> None:
@@ -216,10 +185,8 @@ class ZeroDataParallel(GradSync):
                 bucket.reduce_scatter_grads()
 
     def clip_and_step(self, max_norm: float, pp_group: Group | None = None, gate=None) -> float | None:
-        """Global gradient norm from the slices (summed over dp; tp-sharded buckets also over tp;
-        stages over pp), clipping, the optimizer step on the slices, and the all-gather of weights.
-        bf16-mixed: each gradient slice is copied to fp32 for the norm and AdamW, for the step only.
-        `gate(slices)` first, as DataParallel's: False drops them and returns None."""
+        """The norm from the slices (over dp, tp for tp's buckets, pp), clipping, the optimizer's step on
+        the slices (bf16-mixed: fp32 copies), the weights' all-gather; `gate(slices)` first: False drops them."""
         with_grad = [b for b in self.buckets if b.grad_slice is not None]
         if gate is not None and not gate([b.grad_slice for b in with_grad]):
             for b in self.buckets:
@@ -243,8 +210,7 @@ class ZeroDataParallel(GradSync):
 
     @contextmanager
     def gathered(self):
-        """Every full weight present inside the block; bf16-mixed: the fp32 masters, all-gathered
-        (what a checkpoint saves, so that a resumed run starts from the very same weights)."""
+        """Every full weight present inside the block (bf16-mixed: the fp32 masters, what a checkpoint saves)."""
         if not self.mixed:
             with self._gathered_working():
                 yield
@@ -285,8 +251,7 @@ class ZeroDataParallel(GradSync):
 
     # -- what each rank holds, measured on the real tensors ----------------------------------------
     def param_bytes(self) -> int:
-        """Full weights held now, plus what each bucket keeps (its master slice; ZeRO-3: its shard, and
-        what its transport keeps)."""
+        """Full weights held now, plus what each bucket keeps (its master slice; ZeRO-3: its shard, ...)."""
         held = [*self.module.parameters(), *(t for b in self.buckets for t in b.held())]
         # By storage: a bucket's parameters share one buffer (ZeRO-3: of 0 bytes once freed), a shard may be its master.
         return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}.values())

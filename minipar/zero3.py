@@ -1,19 +1,9 @@
-"""ZeRO stage 3: the weights are sharded too, and each layer is gathered only while it is used.
+"""ZeRO stage 3 (chapter 3, second half): the weights sharded too, each layer gathered while used.
 
-Chapter 3 of the course, second half. Stage 3 keeps only this rank's 1/N slice of each layer's
-(flat, padded) weights, and rebuilds the full layer just in time, twice per step:
-
-    forward:   all-gather layer i  -> run it -> free its full weights   (and start layer i+1's
-                                                                          all-gather: prefetch)
+    forward:   all-gather layer i  -> run it -> free its full weights   (prefetch layer i+1)
     backward:  all-gather layer i  -> its backward -> reduce-scatter its gradients -> free both
-                                                                        (prefetch layer i-1)
 
-so outside the layer in use a rank holds 1/N of the weights, for one more all-gather: 3 (N-1)/N
-Psi bytes per step instead of 2. Freeing resizes a bucket's flat storage to zero bytes and the
-gather writes back through `.data`; hooks on each layer's call gather and free it. How a bucket's
-messages travel is its `Transport`'s business: the plain all-gather and reduce-scatter here,
-ZeRO++'s in zeropp.py. Read docs/03_zero.md: the storage trick, the hooks, recompute, and why
-not with a pipeline.
+3 (N-1)/N Psi bytes a step instead of 2. A bucket's `Transport` sends its messages (ZeRO++: zeropp.py).
 """
 
 from __future__ import annotations
@@ -49,8 +39,7 @@ def unit_chunks(units: list[nn.Module], params: list[nn.Parameter]) -> list[list
 
 
 class Transport:
-    """How a bucket's messages travel: here plainly, an all-gather of every rank's shard and a reduce-
-    scatter of the gradients over its group. Each gather starts into bucket.full; wait() ends it."""
+    """How a bucket's messages travel: plainly, all-gathers into bucket.full and reduce-scatters."""
 
     def prepare(self, bucket: ShardedBucket) -> None:  # once, when the bucket is made
         pass
@@ -72,10 +61,8 @@ class Transport:
 
 
 class ShardedBucket(ZeroBucket):
-    """A ZeRO bucket whose parameters are views into a flat buffer that exists only when gathered.
-    `shard`: the slice it gathers from: the master itself, or under bf16-mixed its bf16 copy (so the
-    all-gather sends bf16, and the copy is made once per step, not once per gather). `transport`
-    sends its messages (plain: a Transport)."""
+    """A ZeRO bucket whose flat buffer exists only when gathered. `shard`: what it gathers from (the
+    master, or under bf16-mixed its bf16 copy, made once a step); `transport` sends its messages."""
 
     def __init__(self, params: list[nn.Parameter], group: Group, spread: tuple[Group, ...],
                  precision: Precision | None = None, transport: Transport | None = None, whole: bool = False):
@@ -90,12 +77,10 @@ class ShardedBucket(ZeroBucket):
         self.full.untyped_storage().resize_(0)  # still shaped [padded], now 0 bytes behind it
 
     def start_gather(self, send: Callable[[ShardedBucket], Any] | None = None) -> None:
-        """send: the transport's gather_forward or gather_backward (each may travel its own way);
-        by default its gather_exact."""
-        if self.full.untyped_storage().nbytes() > 0:
-            return  # gathered, or on its way
-        self.full.untyped_storage().resize_(self.padded * self.full.element_size())  # [padded] again
-        self.work = (send or self.transport.gather_exact)(self)
+        """send: the transport's gather_forward or gather_backward; by default its gather_exact."""
+        if self.full.untyped_storage().nbytes() == 0:  # else gathered, or on its way
+            self.full.untyped_storage().resize_(self.padded * self.full.element_size())  # [padded] again
+            self.work = (send or self.transport.gather_exact)(self)
 
     def gather(self, send: Callable[[ShardedBucket], Any] | None = None) -> None:
         self.start_gather(send)

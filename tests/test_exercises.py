@@ -88,6 +88,10 @@ WRONG_SAYS = {
             "wrong_delegates": "minipar.tensor_parallel.ColumnParallelLinear " + OFF},
     "4.2": {"wrong": "at tp 4, over what it sends at tp 2: wrong"},
     "4.3": {"wrong": "in MiB: wrong"},
+    "4c.1": {"wrong_shard_alone": "this rank's slice of the orthogonalised matrices differs from one device's",
+             "wrong_everyone": "gathering everything to everyone sends each rank every matrix",
+             "wrong_delegates": "minipar.muon.Muon.owner_pieces " + OFF},
+    "4c.2": {"wrong": "not what Muon's gather adds per rank and step, in MiB"},
     "5.1": {"wrong": "do not hold every position exactly once",
             "wrong_contiguous": "cp=2, seq_len=8: unequal causal work per rank [10, 26]",
             "wrong_order": "positions [3, 4, 5, 0, 1, 2], expected [0, 1, 2, 3, 4, 5]",
@@ -205,7 +209,8 @@ def test_every_chapter_0_to_9_has_three_exercises_and_1_to_8_implement_and_predi
     kinds: dict[str, set] = {}
     for number, (_, kind, *_) in checks.EXERCISES.items():
         kinds.setdefault(number.split(".")[0], []).append(kind)
-    assert sorted(kinds) == sorted([str(c) for c in range(10)] + ["10b", "11"])  # 11: the capstone's one project
+    assert sorted(kinds) == sorted([str(c) for c in range(10)] + ["4c", "10b", "11"])  # 11: the capstone's one project
+    assert sorted(kinds.pop("4c")) == ["implement", "predict"]  # Muon: the owner step, and what gather adds
     assert kinds.pop("11") == ["implement"]
     assert sorted(kinds.pop("10b")) == ["implement", "predict"]  # fault tolerance: the vote, and what it saves
     assert all(len(k) >= 3 for k in kinds.values()), kinds

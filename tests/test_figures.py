@@ -27,11 +27,11 @@ def _script():
 
 
 def test_the_diagrams_are_drawn_as_pngs_under_the_names_the_chapters_link(tmp_path):
-    _script().main(["memory", "ring", "buckets", "zero", "tp", "zigzag", "experts", "layouts", "zeropp", "roofline",
-                    "mesh", "commit", "--out", str(tmp_path)])
+    _script().main(["memory", "ring", "buckets", "zero", "tp", "muon", "zigzag", "experts", "layouts", "zeropp",
+                    "roofline", "mesh", "commit", "--out", str(tmp_path)])
     for name in ("00_one_device_memory", "01_ring_bytes", "02_gradient_buckets", "03_zero_stages", "04_tp_column_row",
-                 "05_zigzag", "07_expert_all_to_all", "08_layouts_8b", "03c_zeropp_hops", "08_roofline",
-                 "09_mesh_nodes", "10b_commit_timeline"):
+                 "04c_newton_schulz", "05_zigzag", "07_expert_all_to_all", "08_layouts_8b", "03c_zeropp_hops",
+                 "08_roofline", "09_mesh_nodes", "10b_commit_timeline"):
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == PNG, name
         chapter = next((ROOT / "docs").glob(f"{name.split('_')[0]}_*.md")).read_text()
         assert f"(img/{name}.png)" in chapter, name
@@ -62,6 +62,19 @@ def test_the_zero_figure_shows_stage_1_holding_every_gradient_at_the_end_of_back
     assert 2 * psi * 3 // 4 - 2 * 4 * 64 < saved <= 2 * psi * 3 // 4
     # stage 3 (P_os+g+p) holds 1/4 of everything
     assert held[3][end] == held[3][after] and sum(held[3][end].values()) in shard(16)
+
+
+def test_the_newton_schulz_figure_draws_muons_own_iteration_lifting_the_large_singular_values_near_1():
+    from minipar.muon import newton_schulz
+
+    built, after = _script().ns_spectra()
+    assert list(after) == [0, 1, 3, 5]
+    m_scaled = after[0]
+    assert torch.allclose(m_scaled, built / built.norm(), rtol=1e-9)  # the matrix's own spectrum, scaled
+    big = built >= 0.1  # those above a tenth of the largest: the chapter's [0.7, 1.2]
+    assert after[5][big].min() >= 0.7 and after[5].max() <= 1.21  # "about": 1.202 here, rounded in bf16
+    assert (after[1] < after[3]).all() and (after[3][~big] < after[5][~big]).all()  # each step lifts the small ones
+    assert newton_schulz is _script().newton_schulz  # the library's iteration, not a copy
 
 
 def test_zigzag_gives_every_rank_the_same_causal_work_and_contiguous_does_not():

@@ -9,6 +9,8 @@ float64 comparisons below can therefore ask for 1e-12: only the float64 arithmet
 momentum element would have to straddle to flip (odds about 1e-16 / 2^-8 per element).
 """
 
+import json
+
 import pytest
 import torch
 from harness import tiers
@@ -203,6 +205,18 @@ def test_training_with_optimizer_muon_lowers_the_loss(muon_run):
     assert sorted(loss) == list(range(1, 21))
     first, last = sum(loss[s] for s in range(1, 6)) / 5, sum(loss[s] for s in range(16, 21)) / 5
     assert last < first - 0.5, (first, last)
+
+
+def test_the_log_says_muons_learning_rate_beside_adamws(muon_run):
+    """Each step's record holds AdamW's lr and Muon's group's: the schedule's one factor times each peak
+    (--lr 1e-2, --muon-lr 0.02: twice), and the log line prints both."""
+    records = [r for r in map(json.loads, (muon_run / "m.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(records) == 20 and all(r["muon_lr"] == pytest.approx(2 * r["lr"], rel=1e-12) for r in records)
+    from minipar.run.run_log import log_line
+
+    line = log_line({**records[0], "sent_by_group": {}, "expert_load": [], "peak_memory": [0],
+                     "comm_exposed_s": {}, "bubble": None}, 20)
+    assert f"lr {records[0]['lr']:.2e} (muon {records[0]['muon_lr']:.2e}) |" in line
 
 
 @pytest.mark.parametrize("layout", tiers([{}, {"dp": 2, "zero": 1}], fast=0), ids=["same", "dp2-zero1"])

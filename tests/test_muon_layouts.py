@@ -9,6 +9,7 @@ orthogonalises the very matrix one device does (gathered whole), so the bf16 ite
 bits; only the float64 sums of gradients over ranks differ, by about 1e-16.
 """
 
+import math
 from functools import cache, partial
 
 import pytest
@@ -20,7 +21,7 @@ from test_muon import CFG, FACTORS, MODELS, minipar_run, new_model, relative_err
 import minipar.run.train as train
 from minipar.context_parallel import split_sequence
 from minipar.mesh import Mesh
-from minipar.muon import Muon, cuts_a_parameter
+from minipar.muon import Muon, cuts_a_parameter, ns_flops, owners
 from minipar.parallelize import build_grad_sync, optimizer_of
 from minipar.run.config import TrainConfig
 from minipar.tensor_parallel import unshard
@@ -71,8 +72,11 @@ def _run(rank, world, model_name, layout, accum=1, shard_alone=False):
         muon_masters = {id(p) for g in wrapper.optimizer.param_groups if g.get("muon") for p in g["params"]}
         buckets = [(b.padded, id(b.master) in muon_masters and cuts_a_parameter(b))
                    for b in getattr(wrapper, "buckets", []) if hasattr(b, "padded")]  # ZeRO's: (size, gathers)
+        cutting = [(b.padded, b.offsets, [tuple(q.shape) for q in b.params]) for b in getattr(wrapper, "buckets", [])
+                   if id(getattr(b, "master", None)) in muon_masters and cuts_a_parameter(b)]  # Muon's, cut
         holds_loss = pipeline is None or pipeline.holds_last()
         return dict(losses=losses if holds_loss else None, params=params, ledgers=ledgers, buckets=buckets,
+                    muon_buckets=cutting, rank=mesh.coord("dp"),
                     cut=matrices_cut(wrapper, muon_masters))
 
 
@@ -124,11 +128,16 @@ LAYOUTS = [
       for s in ("naive", "gpipe", "1f1b", "interleaved", "zb1", "zbv")],
     (2, "tiny", dict(cp=2), 1), (4, "tiny-moe-no-aux", dict(dp=2, tp=2, ep=2), 1),
     (8, "tiny4", dict(dp=2, tp=2, pp=2, zero=1), 2),
+    # one owner per matrix (--muon-method owner): ZeRO 1-3, experts, and tp inside the owner's gather
+    (2, "tiny", dict(dp=2, zero=1, muon_method="owner"), 1), (4, "tiny", dict(dp=4, zero=2, muon_method="owner"), 2),
+    (4, "tiny", dict(dp=4, zero=3, muon_method="owner"), 1),
+    (2, "tiny-moe-no-aux", dict(dp=2, zero=3, muon_method="owner"), 1),
+    (4, "tiny", dict(dp=2, tp=2, sp=True, zero=1, muon_method="owner"), 1),
 ]
 IDS = [f"{m}-" + "-".join(f"{k}{v}" for k, v in layout.items()) + f"-micro{a}" for _, m, layout, a in LAYOUTS]
 
 
-@pytest.mark.parametrize("world,model_name,layout,accum", tiers(LAYOUTS, fast=[0, 2, 6, 10, 14, 20, 24, 25]),
+@pytest.mark.parametrize("world,model_name,layout,accum", tiers(LAYOUTS, fast=[0, 2, 6, 10, 14, 20, 24, 25, 27]),
                          ids=IDS)
 def test_muon_equals_one_device_in_float64_under_every_layout(world, model_name, layout, accum):
     results = run_ranks_once(world, _run, model_name, layout, accum, timeout=300)
@@ -138,7 +147,8 @@ def test_muon_equals_one_device_in_float64_under_every_layout(world, model_name,
 
 
 # (world, zero, method, micro-batches a rank): the runs of LAYOUTS above, read again
-LEDGERS = [(2, 0, "gather", 1), (2, 1, "gather", 1), (4, 2, "gather", 1), (4, 2, "whole", 2), (4, 3, "whole", 1)]
+LEDGERS = [(2, 0, "gather", 1), (2, 1, "gather", 1), (4, 2, "gather", 1), (4, 2, "whole", 2), (4, 3, "whole", 1),
+           (2, 1, "owner", 1), (4, 2, "owner", 2), (4, 3, "owner", 1)]
 
 
 @pytest.mark.parametrize("world,zero,method,accum", tiers(LEDGERS, fast=[1, 3]))
@@ -146,9 +156,10 @@ def test_muon_sends_one_bf16_all_gather_of_its_buckets_beyond_what_adamw_sends(w
     """Plain dp: the one all-reduce of gradients, no more (every rank holds whole matrices). ZeRO 1-2:
     beside the reduce-scatter of gradients and the all-gather of weights (8 bytes a number in float64),
     one all-gather in bf16 of the update of each Muon bucket whose slices cut a matrix: 2 bytes a number,
-    (N-1)/N of them sent. With --muon-method whole, none: ZeRO pads instead, to end slices between matrices."""
+    (N-1)/N of them sent. With --muon-method whole, none: ZeRO pads instead, to end slices between matrices.
+    With owner, none either: all-to-alls instead (test_owner_method_sends_each_matrix_to_its_owner_and_back)."""
     layout = {"dp": world, **({"zero": zero} if zero else {})}  # as LAYOUTS writes them: one run for both tests
-    layout.update({"muon_method": "whole"} if method == "whole" else {})
+    layout.update({"muon_method": method} if method != "gather" else {})
     for r in run_ranks_once(world, _run, "tiny", layout, accum, timeout=300):
         for ledger in r["ledgers"]:
             if zero == 0:
@@ -156,8 +167,39 @@ def test_muon_sends_one_bf16_all_gather_of_its_buckets_beyond_what_adamw_sends(w
                 continue
             weights = sum(padded * 8 for padded, _ in r["buckets"]) * (1 if zero < 3 else 2)  # ZeRO-3: fwd, bwd
             muon = sum(padded * 2 for padded, gathers in r["buckets"] if gathers)
+            muon *= method == "gather"
             assert (muon > 0) == (method == "gather") and ledger["dp/all_gather"]["bytes"] == weights + muon
             assert ledger["dp/all_gather"]["sent"] == (weights + muon) * (world - 1) // world
+
+
+def owner_bytes(padded: int, offsets: list[int], shapes: list[tuple], n: int, rank: int, load: list[int]) -> int:
+    """The bytes `rank` sends for one cut Muon bucket under --muon-method owner: to each matrix's owner,
+    the part its slice holds (unless it owns it); as owner, each rank the part of its slice (bf16: 2 bytes).
+    `load`: the FLOPs the step's earlier buckets gave each rank (owners balance them over the step)."""
+    per, owner = padded // n, owners([ns_flops(s, 5) for s in shapes], n, load)
+    def held(i, r):  # numbers of matrix i in rank r's slice
+        size = math.prod(shapes[i])
+        return max(0, min(offsets[i] + size, (r + 1) * per) - max(offsets[i], r * per))
+    there = sum(held(i, rank) for i in range(len(shapes)) if owner[i] != rank)
+    back = sum(math.prod(shapes[i]) - held(i, rank) for i in range(len(shapes)) if owner[i] == rank)
+    return 2 * (there + back)
+
+
+@pytest.mark.parametrize("world,zero,accum,model_name", tiers([(2, 1, 1, "tiny"), (4, 2, 2, "tiny"), (4, 3, 1, "tiny"),
+                                                               (2, 3, 1, "tiny-moe-no-aux")], fast=[1]))
+def test_owner_method_sends_each_matrix_to_its_owner_and_back(world, zero, accum, model_name):
+    """--muon-method owner: per cut Muon bucket, two all-to-alls a step (there and back) whose bytes are
+    `owner_bytes`; the owners' Newton-Schulz FLOPs are balanced (no rank above the mean plus the largest)."""
+    layout = dict(dp=world, zero=zero, muon_method="owner")
+    for r in run_ranks_once(world, _run, model_name, layout, accum, timeout=300):
+        load = [0] * world
+        want = sum(owner_bytes(*b, world, r["rank"], load) for b in r["muon_buckets"])
+        assert want > 0
+        for ledger in r["ledgers"]:
+            assert ledger["dp/all_to_all"]["calls"] == 2 * len(r["muon_buckets"])
+            assert ledger["dp/all_to_all"]["sent"] == want
+    flops = [ns_flops(s, 5) for _, _, shapes in r["muon_buckets"] for s in shapes]
+    assert sum(load) == sum(flops) and max(load) <= sum(flops) / world + max(flops)
 
 
 def test_tp_gathers_each_muon_matrix_once_a_step_in_bf16():

@@ -1,3 +1,1 @@
-"""Planning a run before it starts: `estimate` predicts each rank's memory and bytes sent for a
-layout, `estimate_moe` adds the experts, `estimate_zeropp` ZeRO++'s messages and hpZ's copy, and
-`planner` ranks the layouts that fit."""
+"""Planning a run before it starts: memory and bytes sent (estimate*, traffic), and the layout (planner)."""

@@ -1,21 +1,10 @@
-"""What each rank will hold, worked out before anything runs.
+"""What each rank will hold, worked out before anything runs (chapter 8).
 
-Chapter 8 of the course. A layout is chosen before a single GPU is touched: how many bytes of
-weights, gradients, optimizer state and activations does each rank hold, and does it fit? This
-module does not re-derive which parameter lands where: it builds the rank's part of the model *on
-paper* (the plain Llama on the meta device, cut by the same `parallelize` that training uses, with
-layout.py's `PaperGroup`s, ZeRO's buckets from ZeRO's own `bucket_plan`), so the estimate follows
-the code; tests/test_estimate.py checks it byte for byte against `GradSync.held_bytes()`:
-
-    params       the weights this rank holds whole (none under ZeRO-3), plus ZeRO's master slices
-    grads        a gradient per weight and data parallelism's flat buffers; ZeRO: this rank's slices
-    optimizer    AdamW's two moments: of every weight, or of this rank's slices under ZeRO
-    activations  what autograd keeps for backward (MoE layers: estimate_moe.py), per micro-batch
-                 a schedule keeps
-    temporary    ZeRO's buffers that live only for a moment of the step (`temporary_bytes`)
-
-These figures, and the bytes each rank sends (traffic.py), feed planner.py's `check_memory`,
-`--plan` and layout search. Read docs/08_memory_and_planning.md.
+The rank's part of the model is built *on paper* (meta device, cut by training's own `parallelize`,
+ZeRO's buckets from `bucket_plan`), so the estimate follows the code; tests/test_estimate.py checks it
+byte for byte against `GradSync.held_bytes()`: params and grads (whole, data parallelism's buffers,
+ZeRO's slices), optimizer (AdamW's two moments, Muon's one buffer), activations (what autograd keeps,
+per micro-batch a schedule keeps) and temporary (ZeRO's buffers of a moment).
 """
 
 from __future__ import annotations
@@ -30,6 +19,7 @@ import torch
 from minipar.data_parallel import bucket_params, param_groups
 from minipar.layout import Layout, paper_group
 from minipar.model import Llama, ModelConfig
+from minipar.muon import muon_ids, split_groups
 from minipar.parallelize import parallelize
 from minipar.pipeline.executor import Pipeline, stage_layers
 from minipar.pipeline.schedules import build as build_schedule
@@ -37,7 +27,7 @@ from minipar.placement import DENSE, placement_of
 from minipar.planning.estimate_moe import moe_block_bytes
 from minipar.planning.estimate_zeropp import secondary_bytes
 from minipar.precision import of_config, widths
-from minipar.zero import bucket_plan
+from minipar.zero import bucket_plan, kept_whole, packed
 from minipar.zero3 import unit_chunks, units_of
 
 
@@ -67,19 +57,20 @@ def held_bytes(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[st
     """{params, grads, optimizer}: the bytes pp rank `pp_rank` holds once gradients are synced.
     bf16-mixed (precision.py): bf16 weights and gradients, fp32 masters (counted with the params)."""
     model = rank_model(model_cfg, cfg, pp_rank)
-    prec, width, wire = widths(cfg)
-    master = torch.promote_types(prec.built, torch.float32).itemsize
-    params = list(model.parameters())
-    numel = sum(p.numel() for p in params)
+    (prec, width, wire), params = widths(cfg), list(model.parameters())
+    master, numel = torch.promote_types(prec.built, torch.float32).itemsize, sum(p.numel() for p in params)
     if cfg.zero == 0:  # every weight, its gradient, a flat all-reduce buffer if it has replicas, two moments
         buffers = sum(p.numel() for p in params if grad_replicas(placement_of(p).grad_mean, cfg) > 1) * wire
+        muon = sum(p.numel() for p in params if id(p) in muon_ids(model)) if cfg.optimizer == "muon" else 0
         return {"params": numel * (width + master * prec.mixed), "grads": numel * width + buffers,
-                "optimizer": 2 * numel * master}
+                "optimizer": (2 * numel - muon) * master}  # Muon: one momentum buffer, AdamW two moments
     plan = zero_buckets(model, cfg)
-    slices = sum(-(-sum(p.numel() for p in chunk) // grad_replicas(dims, cfg)) for _, dims, chunk in plan)
-    weights = numel * width if cfg.zero < 3 else slices * width * prec.mixed  # ZeRO-3: the bf16 shard it gathers
+    sizes = [bucket_size(model, cfg, dims, chunk) // grad_replicas(dims, cfg) for _, dims, chunk in plan]
+    slices, muon = sum(sizes), sum(s for s, (i, _, _) in zip(sizes, plan) if i == 0 and cfg.optimizer == "muon")
+    padding = sum(s * grad_replicas(d, cfg) - sum(p.numel() for p in c) for s, (_, d, c) in zip(sizes, plan))
+    weights = (numel + padding) * width if cfg.zero < 3 else slices * width * prec.mixed  # ZeRO-3: its bf16 shard
     weights += secondary_bytes(plan, cfg, width) if cfg.zero == 3 else 0  # ZeRO++'s hpZ (planning/estimate_zeropp.py)
-    return {"params": weights + slices * master, "grads": slices * width, "optimizer": 2 * slices * master}
+    return {"params": weights + slices * master, "grads": slices * width, "optimizer": (2 * slices - muon) * master}
 
 
 def grad_replicas(grad_mean: tuple[str, ...], cfg: Layout) -> int:
@@ -88,18 +79,14 @@ def grad_replicas(grad_mean: tuple[str, ...], cfg: Layout) -> int:
 
 
 def temporary_bytes(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[str, int]:
-    """ZeRO's buffers that come and go within a step, at their largest, beyond held_bytes (data
-    parallelism's flat buffers stay: they are counted with the gradients):
-
-        flattened  ZeRO 1-3: the largest bucket's gradients, flattened and padded to a multiple of
-                   N for its reduce-scatter (one bucket at a time)
-        gathered   ZeRO-3: the whole weights of the unit running and of the next one (prefetched)"""
+    """ZeRO's buffers that come and go within a step, at their largest, beyond held_bytes: flattened
+    (ZeRO 1-3), the largest bucket's gradients flat and padded for its reduce-scatter; gathered
+    (ZeRO-3), the whole weights of the unit running and of the next one (prefetched)."""
     if cfg.zero == 0:
         return {}
     model, (_, width, wire) = rank_model(model_cfg, cfg, pp_rank), widths(cfg)
     plan = zero_buckets(model, cfg)
-    padded = [-(-sum(p.numel() for p in c) // grad_replicas(d, cfg)) * grad_replicas(d, cfg) * max(width, wire)
-              for _, d, c in plan]
+    padded = [bucket_size(model, cfg, d, c) * max(width, wire) for _, d, c in plan]
     if cfg.zero < 3:
         return {"flattened": max(padded)}
     unit_of, units = {id(p): i for i, unit in enumerate(units_of(model)) for p in unit.parameters()}, Counter()
@@ -109,19 +96,28 @@ def temporary_bytes(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> di
 
 
 def zero_buckets(model, cfg: Layout):
-    """ZeRO's buckets of the rank's model (zero.bucket_plan): ZeRO-3's units, else bucket_mb's chunks."""
-    return _zero_buckets(model, cfg.zero == 3, cfg.bucket_mb, cfg.weight_decay)
+    """ZeRO's buckets of the rank's model (zero.bucket_plan): ZeRO-3's units, else bucket_mb's chunks.
+    Muon: its matrices' buckets first (group 0), apart from AdamW's (muon.muon_param_groups)."""
+    return _zero_buckets(model, cfg.zero == 3, cfg.bucket_mb, cfg.weight_decay, cfg.optimizer == "muon")
 
 
 @lru_cache(maxsize=256)  # a model on paper is asked again for each dp size and ZeRO stage the planner weighs
-def _zero_buckets(model, units: bool, bucket_mb: float, weight_decay: float):
+def _zero_buckets(model, units: bool, bucket_mb: float, weight_decay: float, muon: bool = False):
     chunks = (lambda ps: unit_chunks(units_of(model), ps)) if units else (lambda ps: bucket_params(ps, bucket_mb))
-    return bucket_plan(param_groups(model, SimpleNamespace(weight_decay=weight_decay)), chunks)
+    groups = param_groups(model, SimpleNamespace(weight_decay=weight_decay))
+    matrices, rest = split_groups(model, groups)
+    return bucket_plan([{"params": matrices}, *rest] if muon else groups, chunks)
 
 
-# ----------------------------------------------------------------------------------------------
-# Activations: what backward needs, kept from forward
-# ----------------------------------------------------------------------------------------------
+def bucket_size(model, cfg: Layout, dims, chunk) -> int:
+    """A ZeRO bucket's flat size: padded to a multiple of its group; Muon's under --muon-method whole
+    each slice padded to the largest run of whole matrices (zero.kept_whole)."""
+    n, sizes = grad_replicas(dims, cfg), [p.numel() for p in chunk]
+    whole = cfg.optimizer == "muon" and cfg.muon_method == "whole" and id(chunk[0]) in muon_ids(model)
+    return (kept_whole if whole else packed)(sizes, n)[1]
+
+
+# -- Activations: what backward needs, kept from forward --------------------------------------------
 
 
 def layer_activation_bytes(c: ModelConfig, cfg: Layout) -> int:

@@ -1,20 +1,12 @@
 """Mixture-of-experts blocks on paper: what they keep for backward and what they send.
 
-Chapter 8, second part: the estimator (estimate.py) for chapter 7's layers (moe.py,
-expert_parallel.py). Per MoE block and micro-batch a rank routes T tokens (its share of the
-micro-batch: / cp, and / tp under sp), each to k of E experts, A = T*k assignments. Of those it
-sends `out` rows to the experts on other ep ranks, and its E/ep experts receive R rows in all:
+Chapter 8 for chapter 7's layers. Per MoE block and micro-batch a rank routes T tokens, each to k
+of E experts; it sends `out` rows to experts on other ep ranks and its E/ep experts receive R:
 
-    dropless (capacity_factor 0)   the expectation under uniform routing: out = T*k*(ep-1)/ep,
-                                   R = T*k; worst=True bounds them for any router
-    capacity c > 0                 an expert takes at most cap' = min(ceil(c*T*k/E), T) of each
-                                   rank's assignments: out = (E - E/ep)*cap', R = E*cap', an upper
-                                   bound, exact once every expert fills its capacity
-
-Activations are what autograd saves in MoE.forward (router, dispatch, experts, combine, aux loss:
-tests/test_estimate.py counts them in float32 and float64); traffic is the ep group's all-to-alls
-(counts, tokens out, results back, and again in backward) and, with cp or sp, the load-balancing
-loss's all-reduces. Read docs/08_memory_and_planning.md ("Mixture-of-experts layers").
+    dropless (capacity_factor 0)   uniform routing's expectation: out = T*k*(ep-1)/ep, R = T*k;
+                                   worst=True bounds them for any router
+    capacity c > 0                 cap' = min(ceil(c*T*k/E), T) a rank and expert: out =
+                                   (E - E/ep)*cap', R = E*cap', exact once every expert fills
 """
 
 from __future__ import annotations
@@ -30,8 +22,7 @@ INDEX = 8  # int64 indices
 
 
 def stream_and_product_widths(cfg: Layout) -> tuple[int, int]:
-    """(the weights' and the residual stream's width, the matmul products' width): bf16 autocast
-    keeps fp32 weights and makes bf16 products; bf16-mixed has both in bf16."""
+    """(the weights' and stream's width, the products'): bf16 autocast, fp32 and bf16; bf16-mixed, bf16 both."""
     p = of_config(cfg)  # bf16-mixed: bf16 weights and products
     return p.working.itemsize, p.activation_width
 
@@ -42,8 +33,7 @@ def routed_tokens(c: ModelConfig, cfg: Layout) -> int:
 
 
 def expert_rows(c: ModelConfig, cfg: Layout, worst: bool = False) -> tuple[int, int, int, int]:
-    """(A kept assignments, rows sent to other ep ranks, rows received from them, R rows this
-    rank's experts run) per MoE block and micro-batch: the module docstring's formulas."""
+    """(A kept assignments, rows sent out, rows received, R rows its experts run): the module's formulas."""
     t, k, e, ep = routed_tokens(c, cfg), c.top_k, c.n_experts, cfg.ep
     if c.capacity_factor > 0:
         cap = min(math.ceil(c.capacity_factor * (t * k) / e), t)  # as MoE.within_capacity computes it
@@ -67,10 +57,8 @@ def moe_block_bytes(c: ModelConfig, cfg: Layout, worst: bool = False) -> int:
 
 
 def moe_messages(c: ModelConfig, cfg: Layout, worst: bool = False) -> list[tuple[str, int]]:
-    """The messages a rank sends for one MoE block and micro-batch, as ("group/op", bytes): the ep
-    all-to-alls (module docstring) and the load-balancing loss's all-reduces over cp, and over tp
-    under sp. Dropless: the expectation under uniform routing (worst: its bound). A replay (--recompute,
-    --recompute-mlp) sends the forward's again."""
+    """The messages a rank sends for one MoE block and micro-batch: ep's all-to-alls, the aux loss's
+    all-reduces over cp (and tp under sp); dropless: uniform routing's (worst: its bound). Replays again."""
     stream, product = stream_and_product_widths(cfg)
     forward, backward = [], []
     if cfg.ep > 1:  # forward: the counts, tokens out (the normed stream's width), results back (products);

@@ -1,15 +1,11 @@
 """ZeRO++'s figures before anything runs: hpZ's memory, and the bytes each rank sends per step.
 
-Chapter 8's estimate (estimate.py) asks this module for a ZeRO-3 run with --zeropp; the formulas
-are zeropp.py's table, per unit of P (padded) numbers over N = M x K dp ranks, s = P / N:
+zeropp.py's table, per unit of P (padded) numbers over N = M x K dp ranks, s = P / N, each per micro-batch:
 
     hpZ memory          P / K numbers a unit, in the working dtype (bf16 under bf16-mixed)
     dp/all_gather       forward (N-1) s w, or qwZ (N-1) q_8(s); backward (N-1) s w unless hpZ
     dp_intra/all_gather hpZ: (K-1) P/K w
-    dp/reduce_scatter   (N-1) s g, or under qgZ dp_intra/all_to_all (K-1) q_4(M s) and
-                        dp_cross/all_to_all (M-1) q_4(s)
-
-each gather and gradient exchange once per micro-batch (ZeRO-3 gathers and reduces per micro-batch).
+    dp/reduce_scatter   (N-1) s g, or qgZ's dp_intra (K-1) q_4(M s) and dp_cross (M-1) q_4(s) all-to-alls
 """
 
 from __future__ import annotations
@@ -28,8 +24,7 @@ def _split(cfg) -> tuple[ZeroPP, int, int]:
 
 
 def secondary_bytes(plan, cfg, width: int) -> int:
-    """hpZ's node-local copy: P / K numbers of `width` bytes for each ZeRO-3 bucket of `plan`
-    (zero.bucket_plan's (group, dims, params)); 0 without hpz."""
+    """hpZ's node-local copy: P / K numbers of `width` bytes for each ZeRO-3 bucket of `plan`; 0 without."""
     plus, k, _ = _split(cfg)
     if not plus.hpz:
         return 0
@@ -38,8 +33,7 @@ def secondary_bytes(plan, cfg, width: int) -> int:
 
 
 def bucket_messages(padded: int, cfg, width: int, wire: int) -> list[tuple[str, int]]:
-    """The messages one rank sends for one ZeRO-3 bucket of `padded` numbers in a micro-batch, as
-    ("group/op", bytes): the forward gather, the backward one, the gradients' exchange."""
+    """One rank's messages for a ZeRO-3 bucket of `padded` numbers a micro-batch: two gathers, the gradients'."""
     plus, k, m = _split(cfg)
     n, s = cfg.dp, padded // cfg.dp
     sent = [("dp/all_gather", (n - 1) * (wire_bytes(s, plus.weight_bits, plus.block) if plus.qwz else s * width))]

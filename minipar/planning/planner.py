@@ -1,21 +1,13 @@
 """Choosing a layout: every layout of the GPUs that fits in memory, ranked by a simple time model.
 
-Chapter 8 of the course (docs/08_memory_and_planning.md states and tests each term). The method
-is the one practitioners follow by hand: fit the model states and activations (estimate.py's
-exact bytes, within the GPU's memory less `Cluster.headroom`), keep tensor parallelism inside a
-node, and among what fits take what the clock says is fastest (pipelined layouts weighed
-interleaved too: `interleaved_twins`). The clock (`step_time`) is arithmetic, so that its answer
-can be argued with:
+Chapter 8 (which states and tests each term): fit the memory (estimate.py, less `Cluster.headroom`),
+keep tp inside a node, and take what the clock (`step_time`, arithmetic) says is fastest:
 
     compute   step_flops (6 per parameter and token, 8 with recompute) at `mfu` of the peak
-    traffic   each group's bytes (traffic.bytes_sent, the ledger's) over its link's bandwidth,
-              plus a latency α a message (`messages`); tp, cp and pp not overlapped; dp hidden
-              behind backward as far as it goes (without ZeRO, never the last bucket)
+    traffic   each group's bytes over its link, plus a latency a message; dp hidden behind backward
     bubble    the schedule's idle fraction f from its own simulation, as f / (1 - f) of the rest
 
-It scales to any number of GPUs at once: nothing is built but one meta-device model per layout.
-The same figures answer one run's question first: `check_memory` refuses a run whose fullest rank
-would not fit, and `report` is `train.py --plan`.
+`check_memory` refuses a run that would not fit; `report` is `train.py --plan`.
 """
 
 from __future__ import annotations
@@ -40,6 +32,7 @@ from minipar.planning.estimate import (
     peak_bytes,
     temporary_bytes,
 )
+from minipar.planning.estimate_muon import ns_flops_per_rank
 from minipar.planning.traffic import bytes_by_key, bytes_sent, calls_by_group, pipeline_messages, traffic
 from minipar.precision import of_config
 
@@ -105,6 +98,7 @@ def step_flops(c: ModelConfig, cfg: Layout) -> float:
 def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]:
     """Seconds of one optimizer step under the clock of the module docstring, by part."""
     compute = step_flops(c, cfg) / (cluster.gpus * cluster.flops * cluster.mfu)
+    compute += max(ns_flops_per_rank(c, cfg)) / (cluster.flops * cluster.mfu)  # Muon's, on its busiest rank
     step = traffic(c, cfg)  # pp rank 0's messages: equal to the ledger's on CPU
     sent, calls = bytes_by_key(step), calls_by_group(step)
     between = pipeline_messages(c, cfg, min(1, cfg.pp - 1))  # a middle stage's messages between stages: the most
@@ -189,10 +183,8 @@ def _weighed(c: ModelConfig, cfg: Layout, cluster: Cluster) -> Choice:
 
 
 def interleaved_twins(c: ModelConfig, choice: Choice, cluster: Cluster) -> Iterator[Choice]:
-    """A pipelined layout with v = 2, 3, ... stages a rank (pp·v dividing the layers: stages of equal
-    work, as the clock assumes) while each is faster than the one before and fits: the clock's step
-    falls, then rises with v (fewer idle turns, more messages), and memory only grows with v (more
-    micro-batches in flight), so the search stops at the first v that is slower or too big."""
+    """A pipelined layout with v = 2, 3, ... stages a rank (pp·v dividing the layers) while each is
+    faster than the last and fits: time falls then rises with v, memory only grows, so stop at the first worse."""
     pp, best = choice.cfg.pp, choice.time["total"]
     for v in (v for v in range(2, c.n_layers // pp + 1) if c.n_layers % (pp * v) == 0):
         cfg = replace(choice.cfg, schedule="interleaved", virtual_stages=v)
@@ -211,9 +203,7 @@ def interleaved_twins(c: ModelConfig, choice: Choice, cluster: Cluster) -> Itera
         best = time["total"]
 
 
-# ----------------------------------------------------------------------------------------------
-# Will it fit? (train.py asks before building anything; --plan shows the figures)
-# ----------------------------------------------------------------------------------------------
+# -- Will it fit? (train.py asks before building anything; --plan shows the figures) ---------------
 
 
 def device_memory() -> tuple[int, str]:
@@ -295,15 +285,17 @@ def report(cfg: Layout) -> str:
         step += f"; the pipeline idles {idle:.1%} of the step (its schedule simulated: F = 1, B = 2, or 1 each " \
                 "for F, B and W when B is split)"
     lines.append(step)
+    if cfg.optimizer == "muon":  # estimate_muon.py: its state is in the optimizer column, its messages below
+        lines.append(f"Muon (--muon-method {cfg.muon_method}): one momentum buffer per matrix (AdamW: two moments); "
+                     f"Newton-Schulz {max(ns_flops_per_rank(c, cfg)) / 1e9:,.1f} GFLOP on the busiest dp rank")
     lines.append("bytes pp rank 0 sends per step: " + ", ".join(f"{k} {v / 2**20:,.1f} MiB"
                                                                 for k, v in bytes_sent(c, cfg).items()))
     return "\n".join([*lines, predicted_exposed(c, cfg)])
 
 
 def predicted_exposed(c: ModelConfig, cfg: Layout) -> str:
-    """The clock's step on H100s (Cluster's defaults) in the words of the training log's line: the
-    time spent in the communication it does not hide (dp's beyond backward) and, for pp, its messages
-    and the bubble (a stage waits out its neighbours in a receive, so the log counts it as pp's wait)."""
+    """The clock's step on H100s in the training log's words: the communication it does not hide and,
+    for pp, its messages and the bubble (a stage waits in a receive: the log counts it as pp's)."""
     gpus = cfg.dp * cfg.tp * cfg.pp * cfg.cp
     t = step_time(c, cfg, Cluster(gpus))
     kinds = {"dp": cfg.dp * cfg.cp, "tp": cfg.tp, "cp": cfg.cp, "pp": cfg.pp}

@@ -1,18 +1,9 @@
-"""What each rank sends in a step, message by message, worked out before anything runs.
+"""What each rank sends in a step, message by message, worked out before anything runs (chapter 8).
 
-Chapter 8 of the course, beside estimate.py's memory. The planner's clock pays each message twice:
-a latency (α, the same for a byte or a megabyte) and its bytes over the link's bandwidth (β). So it
-needs the messages themselves, not only their total. Each module states its own, for one region,
-layer or step: tensor_parallel.region_messages and loss_messages, context_parallel.attention_messages,
-schedules.messages_per_step, estimate_moe.moe_messages, estimate_zeropp.bucket_messages. This
-module counts how often the rank sends each in a step, on the model that estimate.py builds on
-paper (its buckets, its stages), into one count of (the ledger's "group/op" key, bytes) pairs:
-
-    traffic      every message of a step                    planner.messages counts them
-    bytes_sent   their bytes, by key                        the ledger's "sent", to the byte
-
-tests/test_estimate.py holds both equal to the ledger's, layout by layout (experts' all-to-all rows
-depend on the router: estimate_moe.py gives the expectation).
+The planner's clock pays each message a latency and its bytes over a bandwidth. Each module states
+its own messages (tensor_parallel, context_parallel, schedules, estimate_moe, estimate_zeropp,
+estimate_muon); `traffic` counts how often a rank sends each, as ("group/op", bytes) pairs, and
+`bytes_sent` by key, which tests/test_estimate.py holds equal to the ledger's.
 """
 
 from __future__ import annotations
@@ -30,17 +21,17 @@ from minipar.model import ModelConfig
 from minipar.moe import MoE
 from minipar.pipeline.schedules import messages_per_step
 from minipar.placement import DENSE, placement_of
-from minipar.planning.estimate import cached_schedule, grad_replicas, rank_model, zero_buckets
+from minipar.planning.estimate import bucket_size, cached_schedule, grad_replicas, rank_model, zero_buckets
 from minipar.planning.estimate_moe import moe_messages
+from minipar.planning.estimate_muon import muon_messages
 from minipar.planning.estimate_zeropp import bucket_messages
 from minipar.precision import of_config, widths
 from minipar.tensor_parallel import loss_messages, region_messages
 
 
 def add(sent: Counter, messages, times: int = 1) -> Counter:
-    """Count `messages`, (the ledger's "group/op" key, bytes sent) pairs, `times` over into `sent`, a
-    step's messages by (key, bytes): `bytes_sent` adds up their bytes, planner.messages counts them for
-    the clock's latency. Those of no bytes (sent over a group of one rank) are no message: both skip them."""
+    """Count `messages`, ("group/op", bytes sent) pairs, `times` over into `sent`; those of no bytes (a
+    group of one rank) are no message: `bytes_sent` and planner.messages skip them."""
     for message in messages:
         sent[message] += times
     return sent
@@ -52,11 +43,9 @@ def _ring(key: str, nbytes: int, n: int) -> tuple[str, int]:
 
 
 def dp_traffic(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> Counter:
-    """What pp rank `pp_rank` sends in one step over its data-parallel groups (dp, or dp x cp; edp
-    for experts' gradients), as `add` counts it: train_step's 8-byte count of real targets; the
-    gradient all-reduce, bucket by bucket; under ZeRO instead a reduce-scatter of every bucket
-    (stage 2 and 3: every micro-batch) and an all-gather (stage 3: forward and backward of every
-    micro-batch), and the norm's partial sums (one per kind of bucket)."""
+    """What pp rank `pp_rank` sends in a step over its dp groups (dp, dp x cp, edp): the count of targets,
+    the gradients' all-reduce by bucket, or ZeRO's reduce-scatter (stage 2-3: each micro-batch) and
+    all-gather (stage 3: forward and backward of each), and the norm's partial sums."""
     n, m = cfg.dp * cfg.cp, cfg.accum_steps
     if n == 1:
         return Counter()
@@ -70,7 +59,7 @@ def dp_traffic(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> Counter
         return sent
     for _, dims, chunk in zero_buckets(model, cfg):
         r, group = grad_replicas(dims, cfg), _dp_name(dims, cfg)
-        padded = -(-sum(p.numel() for p in chunk) // r) * r
+        padded = bucket_size(model, cfg, dims, chunk)
         if cfg.zero == 3 and cfg.zeropp:  # ZeRO++ sends its own messages (planning/estimate_zeropp.py)
             add(sent, bucket_messages(padded, cfg, width, wire), m)
             continue
@@ -99,9 +88,9 @@ def _norm_sums(model, cfg: Layout) -> dict[str, tuple[int, int]]:
     return {name: (size, k) for (name, size), k in times.items()}
 
 
-def bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> dict[str, int]:
-    """Everything pp rank `pp_rank` sends in one step, by the ledger's "group/op" keys."""
-    return bytes_by_key(traffic(model_cfg, cfg, pp_rank))
+def bytes_sent(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0, dp_rank: int | None = None) -> dict[str, int]:
+    """Everything pp rank `pp_rank` sends in one step, by the ledger's "group/op" keys (dp_rank: Muon's)."""
+    return bytes_by_key(traffic(model_cfg, cfg, pp_rank, dp_rank))
 
 
 def bytes_by_key(sent: Counter) -> dict[str, int]:
@@ -121,14 +110,13 @@ def calls_by_group(sent: Counter) -> Counter:
     return calls
 
 
-def traffic(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> Counter:
-    """Every message pp rank `pp_rank` sends in one step, as `add` counts them: dp_traffic's; per
-    micro-batch tp's (`_tp_messages`); the pipeline's activations and gradients (schedules.messages_per_step);
-    cp's K/V round the ring or Ulysses' all-to-alls (context_parallel.attention_messages); the experts'
-    all-to-alls and norm (estimate_moe.moe_messages: exact with a capacity factor every expert fills,
-    else the expectation under uniform routing); each group's share of the gradient norm."""
+def traffic(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0, dp_rank: int | None = None) -> Counter:
+    """Every message pp rank `pp_rank` sends in a step, as `add` counts them: dp_traffic's, Muon's, tp's
+    (`_tp_messages`), the pipeline's, cp's, the experts' (estimate_moe: exact with a capacity factor
+    every expert fills, else uniform routing's expectation), each group's share of the norm."""
     sent = dp_traffic(model_cfg, cfg, pp_rank)
     model, m, w = rank_model(model_cfg, cfg, pp_rank), cfg.accum_steps, of_config(cfg).activation_width
+    add(sent, muon_messages(model, cfg, zero_buckets(model, cfg) if cfg.zero else [], dp_rank))  # estimate_muon.py
     layers, moe_blocks = len(model.layers), sum(isinstance(x, MoE) for x in model.modules())
     norm = _grad_width(cfg)
     if moe_blocks:
@@ -160,10 +148,8 @@ def traffic(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0) -> Counter:
 
 
 def _tp_messages(model, cfg: Layout, moe_blocks: int, tokens: int, stream: int, product: int) -> list[tuple[str, int]]:
-    """tp's messages for one micro-batch: two a block's region (tensor_parallel.region_messages; an MoE
-    block enters none, its experts replicated over tp), the embedding's output and the head's input, the
-    loss's (loss_messages). Recompute replays each layer's (--recompute-mlp: MLP's) forward messages,
-    up to the last it needs."""
+    """tp's messages for one micro-batch: two a dense block's region, the embedding's and head's, the
+    loss's; recompute replays each layer's (--recompute-mlp: MLP's) forward messages it needs."""
     t, layers, last = cfg.tp, len(model.layers), model.lm_head is not None
     blocks, gather = 2 * layers - moe_blocks, _ring("tp/all_gather", stream, t)
     ends = [gather, _ring("tp/reduce_scatter", stream, t)] if cfg.sp else [_ring("tp/all_reduce", stream, t)]

@@ -134,7 +134,8 @@ class RunLog:
         self.stop = bool(metrics[:, 4].max())  # a rank heard Ctrl-C: every rank read the same, and stops
         exposed = self.clock.by_kind()  # this rank's waits in the model's communication (CUDA: after step()'s sync)
         return {
-            "step": step + 1, "grad_norm": grad_norm, "lr": lr,
+            "step": step + 1, "grad_norm": grad_norm, "lr": lr,  # AdamW's; Muon's group's, as set this step:
+            "muon_lr": next((g["lr"] for g in wrapper.optimizer.param_groups if g.get("muon")), None),
             "loss": (metrics[:, 0] * metrics[:, 2]).sum().item() / metrics[:, 2].sum().item(),
             "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
             "mfu": self.flops_per_step / dt / (self.world * self.peak) if self.peak else None,
@@ -172,7 +173,9 @@ class RunLog:
 def log_line(r: dict, steps: int) -> str:
     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (cpu)"
     bubble = f"bubble {r['bubble']:.0%} | " if r["bubble"] is not None else ""
-    return (f"step {r['step']:>5}/{steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.3f} | "
+    muon = f" (muon {r['muon_lr']:.2e})" if r.get("muon_lr") is not None else ""  # AdamW's, then Muon's
+    return (f"step {r['step']:>5}/{steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e}{muon} | grad {r['grad_norm']:.3f} "
+            f"| "
             f"{r['tokens_per_s']:,.0f} tok/s | mfu {mfu} | peak mem {max(r['peak_memory']) / 2**20:,.0f} MiB | "
             f"{bubble}sent {r['bytes_sent'] / 2**20:.2f} MiB/step{per_group_sent(r)} | "
             f"{exposed_line(r['comm_exposed_s'], r['step_time_s'])}{expert_load(r)}")

@@ -1,6 +1,6 @@
 """The course's pictures, drawn from the library's own numbers (the chapters show docs/img/*.png).
 
-    .venv/bin/python scripts/tools/draw_figures.py                              # all thirteen, into runs/figures
+    .venv/bin/python scripts/tools/draw_figures.py                              # all fourteen, into runs/figures
     .venv/bin/python scripts/tools/draw_figures.py zero tp --out /tmp/figures   # some of them, elsewhere
 
 --out is a new folder (one that holds anything is refused, docs/img included: nothing is drawn
@@ -17,6 +17,9 @@ over); copy the PNGs into docs/img/ to update the course's. The loss runs take a
               reduce-scatter (planning/estimate.held_bytes: equal to what the ranks hold,
               tests/test_mixed_precision.py)                                               chapter 3
     tp        the column/row split of the MLP at tp 2 (the shard shapes parallelize cuts)   chapter 4
+    muon      the singular values of a momentum-like matrix (a spectrum from 1 down to 1e-3) before and
+              after 1, 3 and 5 Newton-Schulz steps (muon.newton_schulz): those above a tenth of the
+              largest end near [0.7, 1.2], the tiny ones lifted least                    chapter 4c
     zigzag    which cp rank holds each query row of causal attention, contiguous against zigzag
               (context_parallel.zigzag_positions), and the work each rank does          chapter 5
     experts   the tokens each ep rank sends each other in one MoE layer's all-to-all (the router
@@ -62,6 +65,7 @@ from minipar.context_parallel import zigzag_positions  # noqa: E402
 from minipar.data_parallel import bucket_params, by_grad_mean  # noqa: E402
 from minipar.model import Llama, get_config  # noqa: E402
 from minipar.moe import MoE  # noqa: E402
+from minipar.muon import newton_schulz  # noqa: E402
 from minipar.ops.args import new_folder, refusals, unoccupied  # noqa: E402
 from minipar.planning.estimate import activation_bytes, held_bytes  # noqa: E402
 from minipar.planning.planner import Cluster, step_time, weigh  # noqa: E402
@@ -566,7 +570,42 @@ def commit(out: Path) -> None:
     fig.savefig(out / "10b_commit_timeline.png", dpi=110)
 
 
-FIGURES = {"memory": memory, "ring": ring, "buckets": buckets, "zero": zero, "tp": tp, "zigzag": zigzag,
+NS_SHAPE, NS_STEPS = (256, 128), (0, 1, 3, 5)
+
+
+def ns_spectra() -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """(the spectrum built in, {Newton-Schulz steps: the singular values after them, largest first}) of a
+    [256, 128] matrix U diag(s) V^T, s spread log-evenly from 1 to 1e-3 (seed 0); 0 steps: the matrix
+    scaled as Newton-Schulz scales it (Frobenius norm 1)."""
+    g = torch.Generator().manual_seed(0)
+    rows, cols = NS_SHAPE
+    u, _ = torch.linalg.qr(torch.randn(rows, cols, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(cols, cols, generator=g, dtype=torch.float64))
+    s = torch.logspace(0, -3, cols, dtype=torch.float64)
+    m = u @ torch.diag(s) @ v.T
+    after = {k: torch.linalg.svdvals(newton_schulz(m, k).double() if k else m / m.norm()) for k in NS_STEPS}
+    return s, after
+
+
+def muon(out: Path) -> None:
+    s, after = ns_spectra()
+    fig, ax = plt.subplots(figsize=(6.8, 4.2))
+    for (k, values), color in zip(after.items(), ["grey", *COLORS]):
+        label = "before (scaled to norm 1)" if k == 0 else f"after {k} Newton-Schulz step{'s' * (k > 1)}"
+        ax.plot(s.tolist(), values.tolist(), "-" if k else "--", color=color, label=label)
+    ax.axhspan(0.7, 1.2, color="#55a868", alpha=0.12, label="[0.7, 1.2]")
+    ax.axvline(0.1, color="grey", linewidth=0.6, linestyle=":")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("singular value of M, as a share of the largest")
+    ax.set_ylabel("singular value after")
+    ax.set_title("Newton-Schulz lifts the singular values above a tenth of the largest to near 1 (bf16)", fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out / "04c_newton_schulz.png", dpi=110)
+
+
+FIGURES = {"memory": memory, "ring": ring, "buckets": buckets, "zero": zero, "tp": tp, "muon": muon, "zigzag": zigzag,
            "experts": experts, "layouts": planned, "parity": parity, "zeropp": zeropp_figure, "roofline": roofline,
            "mesh": mesh, "commit": commit}
 

@@ -20,6 +20,7 @@ import checks_capstone as capstone
 import checks_collectives as comm
 import checks_fault_tolerance as ft
 import checks_layers as layers
+import checks_muon as muon
 from check_common import EXERCISES_DIR, Predict
 
 # number, chapter.exercise (10b.1: chapter 10b's first): (the student's file, its kind, what the student
@@ -54,6 +55,10 @@ EXERCISES = {
     "4.2": ("ex4_2_explore_tp_bytes.py", "explore", "tp vs bytes per rank", a49.check_explore_tp_bytes, "10 min"),
     "4.3": ("ex4_3_predict_tp_weights.py", "predict", "the weights one rank holds at your tp",
             a49.check_predict_tp_weights, "10 min"),
+    "4c.1": ("ex4c_1_owner_step.py", "implement", "Muon's step with one owner per matrix (two all-to-alls)",
+             muon.check_owner_step, "40 min"),
+    "4c.2": ("ex4c_2_predict_gather_bytes.py", "predict", "what Muon's gather adds under ZeRO-1 at your dp",
+             muon.check_predict_gather_bytes, "10 min"),
     "5.1": ("ex5_1_zigzag.py", "implement", "zigzag chunks for context parallelism", layers.check_zigzag, "10 min"),
     "5.2": ("ex5_2_predict_causal_work.py", "predict", "the causal imbalance of a contiguous cut at your cp",
             a49.check_predict_causal_work, "10 min"),
