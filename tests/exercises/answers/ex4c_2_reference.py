@@ -12,5 +12,9 @@ def muon_numbers(model: str) -> int:
     return sum(p.numel() for n, p in m.named_parameters() if n.startswith("layers.") and p.dim() == 2)
 
 
-def ANSWER(v):  # noqa: N802 - a function of the variant (v.model, v.dp)
+def formula(v):  # a function of the variant (v.model, v.dp)
     return (v.dp - 1) / v.dp * 2 * muon_numbers(v.model) / 2**20
+
+
+SEED = 0  # the variant whose answer is written out below; formula(v) answers every one
+ANSWER = 129.6
