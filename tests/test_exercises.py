@@ -117,11 +117,11 @@ WRONG_SAYS = {
                                    "'out.weight', 'out.bias'] were still there",
               "wrong_delegates": "minipar.extras.replicas.Replicas.gate " + OFF,
               "wrong_train_step": "minipar.run.train.train_step " + OFF},
-    "11.1": {"wrong_full_layer": "its input alone: that is full-layer recompute, which redoes attention too",
-             "wrong_no_recompute": "the MLP still saves gate, silu(gate), up and their product",
-             "wrong_attention": "attention keeps its activations and is not recomputed",
-             "wrong_keeps_all": "the MLP ran again in backward, but its first forward kept all it saves",
-             "wrong_delegates": "minipar.parallelize.recompute_mlps " + OFF},
+    "11.1": {"wrong_keeps_all": "the cheap ops' outputs are kept too",
+             "wrong_recomputes_matmuls": "ran again in backward, the most expensive ops redone",
+             "wrong_full_layer": "something expensive is not kept",
+             "wrong_mlp": "ran again in backward, the most expensive ops redone",
+             "wrong_delegates": "minipar.parallelize.recompute_layers " + OFF},
 }
 CATALOGUE = [(number, which) for number, answers in sorted(WRONG_SAYS.items()) for which in answers]
 
