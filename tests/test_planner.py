@@ -286,3 +286,22 @@ def calibration_figures(row: str) -> tuple[str, ...]:
     import re
 
     return re.search(r"predicted +(\d+) ms.*measured +(\d+) ms.*: ([0-9.]+)x$", row).groups()
+
+
+def test_plan_prints_what_a_selective_layer_keeps_and_what_its_replay_rebuilds():
+    from minipar.planning.estimate import layer_activation_bytes
+
+    cfg = TrainConfig(model="small", recompute_selective=True)
+    c, mib = cfg.model_config(), 2**20
+    plain = layer_activation_bytes(c, replace(cfg, recompute_selective=False))
+    assert (f"--recompute-selective: a layer keeps {layer_activation_bytes(c, cfg) / mib:,.1f} MiB (without: "
+            f"{plain / mib:,.1f}); its replay rebuilds {replayed_bytes(c, cfg) / mib:,.1f} MiB") in report(cfg)
+    assert replayed_bytes(c, cfg) > plain - layer_activation_bytes(c, cfg) > 0
+
+
+def test_one_recompute_setting_at_a_time_and_selective_recompute_refuses_experts():
+    with pytest.raises(ValueError, match="each chooses what backward redoes"):
+        TrainConfig(model="small", recompute=True, recompute_selective=True).validate(1)
+    with pytest.raises(ValueError, match="built for dense layers"):
+        TrainConfig(model="tiny-moe", recompute_selective=True).validate(1)
+    TrainConfig(model="small", recompute_selective=True).validate(1)

@@ -38,6 +38,7 @@ from minipar.pipeline.timeline import simulate
 from minipar.planning.estimate import (
     activation_bytes,
     held_bytes,
+    layer_activation_bytes,
     peak_bytes,
     replayed_bytes,
     temporary_bytes,
@@ -291,6 +292,11 @@ def report(cfg: Layout) -> str:
                  f"less {HEADROOM:.0%} headroom: {limit * (1 - HEADROOM) / 2**30:.1f} GiB)"
                  + (": expert layers' activations for dropless routing spread evenly over the experts"
                     if c.n_experts and not c.capacity_factor else ""))
+    if cfg.recompute_selective:  # chapter 11: what a layer keeps and what its replay rebuilds
+        plain = layer_activation_bytes(c, replace(cfg, recompute_selective=False))
+        lines.append(f"--recompute-selective: a layer keeps {layer_activation_bytes(c, cfg) / 2**20:,.1f} MiB "
+                     f"(without: {plain / 2**20:,.1f}); its replay rebuilds {replayed_bytes(c, cfg) / 2**20:,.1f} MiB "
+                     "in backward, one layer at a time")
     if cfg.zero:
         lines.append("ZeRO's buffers of a moment in the step (pp rank 0), in the total: " + ", ".join(
             f"{k} {v / 2**20:,.1f} MiB" for k, v in temporary_bytes(c, cfg).items()))
