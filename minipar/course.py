@@ -68,7 +68,7 @@ CHAPTERS = (
             "10b_fault_tolerance.md", ("extras/replicas.py",), ("scripts/train_ft.py", "make train-ft"), 30),
     Chapter("11", "Capstone: plan 70B on 64 GPUs, build selective recompute, prove it, plan again",
             "11_capstone.md", (), ("scripts/tools/plan.py", "make exercise N=11.1"), 60,
-            "`parallelize.py` (`recompute_mlps`), `planning/estimate.py`, `planning/planner.py`"),
+            "`parallelize.py` (`keep_expensive`), `planning/estimate.py`, `planning/planner.py`"),
 )
 ORDER = {c.number: i for i, c in enumerate(CHAPTERS)}
 

@@ -95,9 +95,11 @@ class Layout:
                                  acts_with=("--dp 2 or more", lambda c: c.dp > 1))
     offload: bool = setting(False, "ZeRO 1-2: optimizer state and update on the CPU", "optimisation")
     recompute: bool = setting(False, "activation checkpointing per transformer layer", "optimisation", plan="memory")
-    recompute_mlp: bool = setting(False, "selective activation checkpointing: only each layer's MLP (or MoE block) "
-                                  "is redone in backward; attention keeps its activations", "optimisation",
-                                  plan="memory")
+    recompute_selective: bool = setting(False, "selective activation checkpointing: each layer keeps its matmuls' "
+                                        "and attention's outputs and redoes the cheap ops (norms, RoPE, SiLU, "
+                                        "products) in backward", "optimisation", plan="memory")
+    recompute_mlp: bool = setting(False, "the contrast to --recompute-selective: each layer's MLP (or MoE block), the "
+                                  "most expensive part to redo, is redone in backward", "optimisation", plan="memory")
     ranks_per_node: int | None = setting(None, "ranks that share a node (its fast links): the ledger counts what "
                                          "crosses between nodes; less than the world simulates several nodes on one "
                                          "machine (default: torchrun's LOCAL_WORLD_SIZE, else every rank on one "
@@ -201,7 +203,8 @@ class Layout:
             check_cp_layout(self.seq_len, self.cp, self.cp_attention, m.n_heads, m.n_kv_heads, self.tp)
             check_expert_layout(m.n_experts, self.ep, self.dp * self.cp)
             check_pipeline(self.schedule, self.pp, self.accum_steps, self.virtual_stages, m.n_layers, self.stage_counts)
-            check_parallelize(m.tie_embeddings, self.pp > 1, self.recompute, self.recompute_mlp)
+            check_parallelize(m.tie_embeddings, self.pp > 1, self.recompute, self.recompute_mlp,
+                              self.recompute_selective, m.n_experts)
             zeropp = parse_zeropp(self.zeropp) if self.zeropp is not None else ()
             check_zero(self.zero, self.offload, zeropp, self.pp)
             resolve_precision(self.precision, self.dtype, self.grad_reduce)

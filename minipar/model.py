@@ -1,21 +1,15 @@
-"""The reference model: a Llama-style decoder, plain PyTorch, on one device.
+"""The reference model: a Llama-style decoder, plain PyTorch, on one device (chapter 0).
 
-Chapter 0 of the course: the thing every parallel version must equal.
-
-    tokens [b, s]
-      -> tok_emb                                   [b, s, d]
-      -> n_layers x ( x + attn(norm(x)) ; x + mlp(norm(x)) )
+    tokens [b, s] -> tok_emb [b, s, d] -> n_layers x ( x + attn(norm(x)) ; x + mlp(norm(x)) )
              attn: q, k, v projections, RoPE on q and k, causal softmax(q k^T / sqrt(hd)) v,
                    grouped-query: n_kv_heads <= n_heads, each kv head serves n_heads/n_kv_heads
              mlp:  w_down( silu(w_gate x) * w_up x )      (SwiGLU)
-      -> norm -> lm_head                            [b, s, V]   (tie_embeddings: lm_head is tok_emb's table)
-      -> cross-entropy against the next token
+      -> norm -> lm_head [b, s, V] (tie_embeddings: tok_emb's table) -> cross-entropy, next token
 
-Every parameter is drawn from its own generator seeded by (seed, name) at its full shape, so a
-shard of any layout starts from the single-device weights. This file knows nothing of
-parallelism or experts: parallelize.py swaps modules and the seams `Llama.loss_fn`,
-`Attention.attend` and `Attention.positions`; moe.py adds its block to FEED_FORWARD. Read
-docs/00_one_device.md, and docs/10_operating.md (section 4) for the seeds and the seam.
+Every parameter is drawn from its own generator seeded by (seed, name) at its full shape, so a shard
+of any layout starts from the single-device weights. It knows nothing of parallelism or experts:
+parallelize.py swaps modules and the seams `Llama.loss_fn`, `Attention.attend`, `Attention.positions`;
+moe.py adds its block to FEED_FORWARD. Read docs/00_one_device.md and docs/10_operating.md, section 4.
 """
 
 from __future__ import annotations
@@ -148,11 +142,7 @@ def config_from(settings: dict) -> ModelConfig:
     return get_config(settings["model"], **given)
 
 
-# ----------------------------------------------------------------------------------------------
 # Layout-independent initialisation
-# ----------------------------------------------------------------------------------------------
-
-
 def init_tensor(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
     """The full, single-device value of parameter `name`: N(0, std^2) from its own generator, drawn
     in float32 whatever the training dtype, so float32 and float64 runs start alike."""
@@ -180,11 +170,7 @@ def init_weights(model: nn.Module, config: ModelConfig, seed: int) -> None:
         p.copy_(torch.ones(p.shape) if std is None else init_tensor(name, tuple(p.shape), std, seed))
 
 
-# ----------------------------------------------------------------------------------------------
 # Layers
-# ----------------------------------------------------------------------------------------------
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

@@ -1,22 +1,13 @@
-"""parallelize: the one place where parallelism is applied to the plain model.
+"""parallelize: the one place where parallelism is applied to the plain model (chapter 10, section 4).
 
-model.py is a single-device Llama that knows nothing of other ranks. `parallelize` turns it into
-the part of a parallel model that one rank holds, in five steps, always in this order:
-
-    1. pipeline   keep only this rank's stages (the other layers deleted first)
-    2. tensor     vocabulary-parallel embedding and head, ParallelAttention and ParallelMLP, each
-                  shard cut from the plain layer's own weight (tensor_parallel.py; chapter 4)
-    3. context    each attention given this rank's zigzag positions and the ring or Ulysses,
-                  through its seams (context_parallel.py; chapter 5)
-    4. experts    each rank keeps its E/ep experts, reached by all-to-all (expert_parallel.py; 7)
-    5. recompute  a layer keeps only its input, or (recompute_mlp) only each MLP does (chapter 11)
-
-With every degree 1 the model is returned as it came. Then the wrapper that syncs gradients goes
-around it, chosen in one place (`build_grad_sync`): DataParallel (zero 0, chapter 2),
-ZeroDataParallel (1-2) or Zero3DataParallel (3, with ZeRO++'s transport; chapter 3), each handed
-the precision policy (chapter 3b). `adamw` holds AdamW's settings once: betas (0.9, 0.95) and eps
-1e-8, as GPT-3 and Llama train; `optimizer_of` chooses --optimizer's (Muon: chapter 4c). Chapter
-10, section 4 follows one rank through it.
+model.py is a single-device Llama. `parallelize` cuts the part of it one rank holds, in this order:
+1. pipeline (this rank's stages; chapter 6), 2. tensor (ParallelAttention, ParallelMLP, the vocabulary-
+parallel ends: tensor_parallel.py, chapter 4), 3. context (zigzag positions, ring or Ulysses: chapter 5),
+4. experts (E/ep each, all-to-all: chapter 7), 5. recompute (whole layers; or selective: the matmuls'
+outputs kept, the cheap ops redone; or the MLPs, the contrast: chapter 11). With every degree 1 the
+model comes back as it came. `build_grad_sync` then chooses the wrapper that syncs gradients (DataParallel,
+ZeroDataParallel or Zero3DataParallel with ZeRO++: chapters 2-3, with the precision policy of 3b);
+`adamw` holds AdamW's settings once, `optimizer_of` --optimizer's (Muon: chapter 4c).
 """
 
 from __future__ import annotations
@@ -28,6 +19,7 @@ from functools import partial
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from minipar.collectives import Group
 from minipar.context_parallel import global_token_count, install_context_parallel
@@ -55,13 +47,15 @@ from minipar.zeropp import ZeroPP
 
 def parallelize(model: Llama, *, tp: Group | None = None, cp: Group | None = None, ep: Group | None = None,
                 sp: bool = False, stage: tuple | None = None, recompute: bool = False,
-                cp_attention: str = "ring", tp_overlap: bool = False, recompute_mlp: bool = False) -> Llama:
+                cp_attention: str = "ring", tp_overlap: bool = False, recompute_mlp: bool = False,
+                recompute_selective: bool = False) -> Llama:
     """This rank's part of `model` (see the module docstring for the steps and their order).
     tp, cp, ep: this rank's groups (None, or a group of one: not split that way). sp: sequence
     parallelism over tp. stage: (layer ids, holds the embedding, holds the head) of this rank's
     pipeline stages, or None for the whole model. cp_attention: "ring" or "ulysses" (context_parallel.py).
     tp_overlap: each region's column layers send f's message while computing their weight gradients."""
-    check_parallelize(model.config.tie_embeddings, stage is not None and stage[1] != stage[2], recompute, recompute_mlp)
+    check_parallelize(model.config.tie_embeddings, stage is not None and stage[1] != stage[2], recompute, recompute_mlp,
+                      recompute_selective, model.config.n_experts)
     tp, cp = (g if g is not None and g.size > 1 else None for g in (tp, cp))
     project = project_overlapped if tp_overlap else project_after_f  # chosen here, once, for every region
     if stage is not None:
@@ -74,27 +68,26 @@ def parallelize(model: Llama, *, tp: Group | None = None, cp: Group | None = Non
         model.loss_fn = partial(_token_weighted_loss, loss_fn=model.loss_fn, group=cp)
     if model.config.n_experts:
         parallelize_experts(model, ep, tp, cp, sp)
-    if recompute:
-        recompute_layers(model)
+    if recompute or recompute_selective:  # selective: a layer's matmuls' and attention's outputs kept
+        recompute_layers(model, keep_expensive if recompute_selective else None)
     if recompute_mlp:
         recompute_mlps(model)
     return model
 
 
-def check_parallelize(tied: bool, split: bool, recompute: bool = False, recompute_mlp: bool = False) -> None:
+def check_parallelize(tied: bool, split: bool, recompute: bool = False, recompute_mlp: bool = False,
+                      selective: bool = False, experts: int = 0) -> None:
     """parallelize's options that go together (Layout.validate asks too). split: embedding and head on two stages."""
     if tied and split:
         raise ModelError("tied embeddings with --pp above 1: the embedding and the LM head share one weight, which "
                          "pipeline stages would split; use --pp 1 or --no-tie-embeddings")
-    if recompute and recompute_mlp:
-        raise ValueError("--recompute-mlp with --recompute: full-layer recompute redoes the MLP already; choose one")
+    if recompute + recompute_mlp + selective > 1:
+        raise ValueError("--recompute, --recompute-selective, --recompute-mlp: each chooses what backward redoes")
+    if selective and experts:  # the experts are nodes of their own: not op by op
+        raise ValueError("--recompute-selective is built for dense layers; use --recompute or --recompute-mlp")
 
 
-# ----------------------------------------------------------------------------------------------
 # 1. Pipeline: keep this rank's stages
-# ----------------------------------------------------------------------------------------------
-
-
 def keep_stage(model: Llama, layer_ids, embed: bool, head: bool) -> None:
     keep = {str(i) for i in layer_ids}
     for name in [n for n in model.layers if n not in keep]:
@@ -105,11 +98,7 @@ def keep_stage(model: Llama, layer_ids, embed: bool, head: bool) -> None:
         model.norm = model.lm_head = None
 
 
-# ----------------------------------------------------------------------------------------------
 # 2. Tensor (and sequence) parallelism (ParallelAttention, ParallelMLP: tensor_parallel.py)
-# ----------------------------------------------------------------------------------------------
-
-
 def tensor_parallel(model: Llama, tp: Group, sp: bool, project=project_after_f) -> None:
     config = model.config
     if model.tok_emb is not None:
@@ -135,11 +124,7 @@ def _vocab_parallel_loss(logits, targets, divisor=None, *, group: Group, vocab_s
     return vocab_parallel_cross_entropy(logits, targets, group, vocab_size, divisor=divisor)
 
 
-# ----------------------------------------------------------------------------------------------
 # 3. Context parallelism (ring and Ulysses attention: context_parallel.install_context_parallel)
-# ----------------------------------------------------------------------------------------------
-
-
 def _token_weighted_loss(logits, targets, divisor=None, *, loss_fn, group: Group):
     """This rank's sum of token losses / divisor, as on one device. Training passes a divisor counted
     over the global batch (run/step.loss_divisor). Called alone, the model's loss is the whole
@@ -150,47 +135,58 @@ def _token_weighted_loss(logits, targets, divisor=None, *, loss_fn, group: Group
     return loss_fn(logits, targets, divisor)
 
 
-# ----------------------------------------------------------------------------------------------
 # 5. Recompute (4, experts: expert_parallel.parallelize_experts)
-# ----------------------------------------------------------------------------------------------
-
-
-def recompute_layers(model: Llama) -> None:
+def recompute_layers(model: Llama, policy=None) -> None:
+    """Each layer keeps its input and, given a policy (keep_expensive), the outputs of the ops it keeps."""
     for layer in model.layers.values():
-        layer.forward = partial(_recomputed, layer.forward, layer)
+        layer.forward = partial(_recomputed, layer.forward, layer, policy=policy)
 
 
 def recompute_mlps(model: Llama) -> None:
-    """Selective recompute: each layer's feed-forward block, the MLP or the MoE block (whose router
-    counts its tokens once, through `replaying`), keeps its input and is replayed in backward."""
+    """The contrast (chapter 11): each layer's feed-forward block, the MLP or the MoE block (whose router
+    counts its tokens once, through `replaying`), keeps its input and is replayed in backward. It redoes
+    the most expensive part of a layer to save a part of its memory."""
     for layer in model.layers.values():
         block = getattr(layer, layer.kind)
         block.forward = partial(_recomputed, block.forward, block)
 
 
-def _recomputed(forward, layer: nn.Module, x):
+# Selective recompute as Korthikanti et al. (2022, section 5) and torchtitan's op-level mode choose it:
+# keep what is expensive to redo, redo what is cheap and large. Each layer keeps its input and the
+# outputs of these ops (the projections, attention's output and log-sum-exp); backward's replay redoes
+# the rest: norms, RoPE, SiLU, products, K/V's repeat, the messages that feed a matmul its input.
+KEPT_OPS = {getattr(torch.ops.aten, op).default for op in ("mm", "addmm", "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention")}
+
+
+def keep_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _recomputed(forward, layer: nn.Module, x, policy=None):
     if not torch.is_grad_enabled():
         return forward(x)
-    return torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False,
-                                             context_fn=lambda: (nullcontext(), _replaying(layer)))
+
+    def contexts():  # made afresh for each call: the kept outputs live in the pair's storage
+        keeping, replay = create_selective_checkpoint_contexts(policy) if policy else (nullcontext(), nullcontext())
+        return keeping, _replaying(layer, replay)
+    return torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False, context_fn=contexts)
 
 
 @contextmanager
-def _replaying(layer: nn.Module):
-    """Around a layer's replay in backward, which rebuilds what its forward did not keep: each module's
-    `replaying()` that has one (chapter 7's router: the tokens it counted in forward stay counted once)."""
+def _replaying(layer: nn.Module, replay):
+    """Around a layer's replay in backward, which rebuilds what its forward did not keep: the policy's
+    replay, and each module's `replaying()` (chapter 7's router: its tokens stay counted once)."""
     with ExitStack() as stack:
+        stack.enter_context(replay)
         for m in layer.modules():
             if hasattr(m, "replaying"):
                 stack.enter_context(m.replaying())
         yield
 
 
-# ----------------------------------------------------------------------------------------------
 # The gradient-sync wrapper around the parallel model, and the one AdamW
-# ----------------------------------------------------------------------------------------------
-
-
 BETAS = (0.9, 0.95)  # a shorter memory for the second moment than Adam's 0.999: steadier large-model runs
 EPS = 1e-8
 

@@ -1,5 +1,6 @@
 """The estimator (minipar/planning/estimate.py) against published figures and against what ranks hold."""
 
+import gc
 from collections import Counter
 
 import pytest
@@ -263,7 +264,37 @@ def kept_for_backward(fn, *args, skip=()) -> int:
     return sum(n for ptr, n in storages.items() if ptr not in skip)
 
 
-def _activations(rank, world, layout, whole_model):
+def kept_alive_after_forward(fn, *args, skip=()) -> int:
+    """Bytes of the storages that ops allocate while fn(*args) runs and that are still alive when it has
+    returned (its output and `skip` not counted), plus its inputs': everything forward leaves for backward,
+    whoever holds it (autograd's saved tensors, or torch's selective-checkpoint cache, which no saved-tensor
+    hook sees)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    def storages(tree):
+        tensors = [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+        return {t.untyped_storage()._cdata: t.untyped_storage() for t in tensors}
+
+    made = {}
+
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for key, s in storages(out).items():  # a view, or an in-place op, allocates nothing
+                if key not in storages((args, kwargs)):
+                    made.setdefault(key, (StorageWeakRef(s), s.nbytes()))
+            return out
+    with Allocations():
+        out = fn(*args)
+    gc.collect()
+    gone = set(storages(out)) | set(skip)
+    return sum(n for key, (ref, n) in made.items() if not ref.expired() and key not in gone) + \
+        sum(s.nbytes() for s in storages(args).values())
+
+
+def _activations(rank, world, layout, whole_model, alive=False):
     from contextlib import nullcontext
 
     from minipar.context_parallel import split_sequence
@@ -281,7 +312,8 @@ def _activations(rank, world, layout, whole_model):
     with Mesh.build(tp=cfg.tp, cp=cfg.cp) as mesh, autocast:
         model = parallelize(Llama(c, 0), tp=mesh.groups().tp, cp=mesh.groups().cp, sp=cfg.sp,
                             recompute=cfg.recompute, cp_attention=cfg.cp_attention,
-                            recompute_mlp=cfg.recompute_mlp, tp_overlap=cfg.tp_overlap).to(dtype)
+                            recompute_mlp=cfg.recompute_mlp, tp_overlap=cfg.tp_overlap,
+                            recompute_selective=cfg.recompute_selective).to(dtype)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         tokens = torch.randint(0, 250, (2, 33), generator=torch.Generator().manual_seed(0))
         x, y = (split_sequence(t, mesh.groups().cp) for t in (tokens[:, :-1], tokens[:, 1:]))
@@ -290,7 +322,15 @@ def _activations(rank, world, layout, whole_model):
             return kept_for_backward(model, x, y, skip=params), c.n_layers * layer + head_activation_bytes(c, cfg)
         share = x.shape[1] // (cfg.tp if cfg.sp else 1)  # what a layer receives: sp cuts the sequence
         h = torch.randn(2, share, c.dim, dtype=dtype, requires_grad=True) * 1.0
+        if alive:
+            return kept_alive_after_forward(model.layers["0"], h, skip=own_storages(model)), layer
         return kept_for_backward(model.layers["0"], h, skip=params), layer
+
+
+def own_storages(model) -> set:
+    """The keys of the storages the model holds: its parameters and its tables (RoPE's frequencies)."""
+    tensors = list(model.parameters()) + [m.rope_freqs for m in model.modules() if hasattr(m, "rope_freqs")]
+    return {t.untyped_storage()._cdata for t in tensors}
 
 
 ACTIVATION_LAYOUTS = [(1, dict()), (2, dict(tp=2)), (2, dict(tp=2, sp=True)), (2, dict(cp=2)),
@@ -319,6 +359,27 @@ ACTIVATION_LAYOUTS += [(2, dict(tp=2, **OVERLAP)), (2, dict(tp=2, sp=True, **OVE
                          ids=["-".join(f"{k}{v}" for k, v in c[1].items()) or "one" for c in ACTIVATION_LAYOUTS])
 def test_a_layers_activation_estimate_is_exactly_what_autograd_keeps(world, layout):
     for measured, estimated in run_ranks(world, _activations, layout, False):
+        assert measured == estimated
+
+
+# --recompute-selective: the layer keeps its input, its matmuls' and attention's outputs, in torch's
+# selective-checkpoint cache (no saved-tensor hook sees it): measured as what forward leaves alive.
+KEEP_EXPENSIVE = dict(recompute_selective=True)
+ALIVE_LAYOUTS = [(1, KEEP_EXPENSIVE), (2, dict(tp=2, **KEEP_EXPENSIVE)), (2, dict(tp=2, sp=True, **KEEP_EXPENSIVE)),
+                 (1, dict(dtype="bfloat16", **KEEP_EXPENSIVE)),
+                 (2, dict(tp=2, sp=True, dtype="bfloat16", **KEEP_EXPENSIVE)),
+                 (2, dict(tp=2, sp=True, **MIXED, **KEEP_EXPENSIVE)),
+                 (2, dict(tp=2, sp=True, **OVERLAP, **KEEP_EXPENSIVE)), (2, dict(cp=2, **KEEP_EXPENSIVE)),
+                 (2, dict(cp=2, cp_attention="ulysses", **KEEP_EXPENSIVE)),
+                 (2, dict(cp=2, dtype="bfloat16", **KEEP_EXPENSIVE)),
+                 (1, dict()), (2, dict(tp=2)), (1, SELECTIVE), (2, dict(tp=2, sp=True, dtype="bfloat16"))]
+
+
+@pytest.mark.parametrize("world,layout", tiers(ALIVE_LAYOUTS, fast=[2, 4]),
+                         ids=["-".join(f"{k}{v}" for k, v in c[1].items()) or "one" for c in ALIVE_LAYOUTS])
+def test_a_selective_layers_estimate_is_exactly_what_its_forward_leaves_alive_for_backward(world, layout):
+    # The measure agrees with the saved-tensor hook's on modes that hook can count (the last four layouts).
+    for measured, estimated in run_ranks(world, _activations, layout, False, True):
         assert measured == estimated
 
 
@@ -549,10 +610,16 @@ TRAFFIC_LAYOUTS = [(2, dict(dp=2)), (4, dict(dp=4)), (2, dict(dp=2, zero=1)), (2
                    (4, dict(dp=2, tp=2, sp=True, zero=3, **SELECTIVE)), (4, dict(tp=2, pp=2, sp=True, **SELECTIVE)),
                    # --tp-overlap: the same messages, and under sp each region's input gathered again in backward
                    (2, dict(tp=2, tp_overlap=True)), (2, dict(tp=2, sp=True, tp_overlap=True)),
-                   (2, dict(tp=2, sp=True, tp_overlap=True, recompute=True))]
+                   (2, dict(tp=2, sp=True, tp_overlap=True, recompute=True)),
+                   # --recompute-selective: a layer's replay sends what --recompute's does (attention's g; under
+                   # sp each region's input gathered), its matmuls' outputs kept: the MLP's g stays unsent
+                   (2, dict(tp=2, **KEEP_EXPENSIVE)), (2, dict(tp=2, sp=True, **KEEP_EXPENSIVE)),
+                   (4, dict(dp=2, tp=2, sp=True, zero=3, **KEEP_EXPENSIVE)), (2, dict(cp=2, **KEEP_EXPENSIVE)),
+                   (2, dict(cp=2, cp_attention="ulysses", **KEEP_EXPENSIVE))]
 
 
-@pytest.mark.parametrize("world,layout", tiers(TRAFFIC_LAYOUTS, fast=[9, len(TRAFFIC_LAYOUTS) - 7]),
+@pytest.mark.parametrize("world,layout", tiers(TRAFFIC_LAYOUTS, fast=[9, len(TRAFFIC_LAYOUTS) - 12,
+                                                                    len(TRAFFIC_LAYOUTS) - 4]),
                          ids=["-".join(f"{k}{v}" for k, v in c[1].items()) for c in TRAFFIC_LAYOUTS])
 def test_the_traffic_estimate_equals_the_ledger_group_by_group(world, layout):
     for measured, estimated in run_ranks(world, _dp_traffic, layout, timeout=300):

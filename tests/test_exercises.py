@@ -141,11 +141,11 @@ WRONG_SAYS = {
               "wrong_votes_twice": "step 1: manager.should_commit() was asked 2 times",
               "wrong_vote_before_wait": "step 1: manager.should_commit() was asked before the gradients' allreduces "
                                         "were waited for"},
-    "11.1": {"wrong_full_layer": "its input alone: that is full-layer recompute, which redoes attention too",
-             "wrong_no_recompute": "the MLP still saves gate, silu(gate), up and their product",
-             "wrong_attention": "attention keeps its activations and is not recomputed",
-             "wrong_keeps_all": "the MLP ran again in backward, but its first forward kept all it saves",
-             "wrong_delegates": "minipar.parallelize.recompute_mlps " + OFF},
+    "11.1": {"wrong_keeps_all": "the cheap ops' outputs are kept too",
+             "wrong_recomputes_matmuls": "ran again in backward, the most expensive ops redone",
+             "wrong_full_layer": "something expensive is not kept",
+             "wrong_mlp": "ran again in backward, the most expensive ops redone",
+             "wrong_delegates": "minipar.parallelize.recompute_layers " + OFF},
 }
 # Right answers other than the reference, which the checkers once refused (issue 40): each must pass.
 RIGHT = {"2.2": ("right_queue_callback",),  # waits in a callback queued on autograd's engine, as DDP does

@@ -91,10 +91,19 @@ LAYOUTS = [
     (2, dict(tp=2, recompute_mlp=True), 2),
     (4, dict(dp=2, tp=2, sp=True, zero=3, recompute_mlp=True), 2),
     (4, dict(tp=2, pp=2, sp=True, recompute_mlp=True), 2),
+    # --recompute-selective: each layer replays its norms, RoPE, SiLU and products (and under sp the gathers
+    # that feed its matmuls), the matmuls' and attention's outputs kept; under ZeRO-3 and pp alike
+    (1, dict(recompute_selective=True), 2),
+    (2, dict(tp=2, recompute_selective=True), 2),
+    (4, dict(dp=2, tp=2, sp=True, zero=3, recompute_selective=True), 2),
+    (4, dict(tp=2, pp=2, sp=True, recompute_selective=True), 2),
+    (4, dict(dp=2, cp=2, recompute_selective=True), 4),
+    (2, dict(cp=2, cp_attention="ulysses", recompute_selective=True), 4),
 ]
 
 
-@pytest.mark.parametrize("world,layout,micro", tiers(LAYOUTS, fast=[6, 8, 13]),  # ZeRO-3 x cp; tied; recompute-mlp
+# fast: ZeRO-3 x cp; tied; --recompute-mlp; --recompute-selective
+@pytest.mark.parametrize("world,layout,micro", tiers(LAYOUTS, fast=[6, 8, 13, 17]),
                          ids=["-".join(f"{k}{v}" for k, v in c[1].items()) or "accum4" for c in LAYOUTS])
 def test_the_loss_and_gradients_are_the_one_device_token_mean_under_every_layout(world, layout, micro):
     ref_loss, ref_grads = one_device(layout.get("tie_embeddings", False))

@@ -12,7 +12,7 @@ from minipar.comm_clock import exposed_line
 from minipar.model import get_config
 from minipar.pipeline.schedules import build
 from minipar.pipeline.timeline import simulate
-from minipar.planning.estimate import peak_bytes
+from minipar.planning.estimate import peak_bytes, replayed_bytes
 from minipar.planning.planner import (
     Cluster,
     check_memory,
@@ -20,6 +20,7 @@ from minipar.planning.planner import (
     messages,
     plan,
     report,
+    step_flops,
     step_time,
 )
 from minipar.planning.traffic import bytes_sent
@@ -38,11 +39,14 @@ def test_an_8b_llama_on_one_node_of_8_gpus_is_sharded_data_parallelism_where_the
     every, _ = plan_8b(headroom=0)
     best = every[0]  # FSDP-like: no model cut (tp, pp); the 8K sequence split (cp)
     assert best.flags() == "--dp 4 --cp 2 --zero 3" and 72e9 < best.memory <= 80e9
-    # It needs 73.7 GB: with a tenth of the memory kept free, the fastest of the rest cuts the model
-    # into 4 pipeline stages (ZeRO-1), paying a bubble and the stages' messages instead of ZeRO-3's gathers.
+    # It needs 73.7 GB: with a tenth of the memory kept free, the fastest of the rest is torchtitan's own
+    # Llama-3 8B recipe: FSDP over the 8 GPUs with selective recompute (its matmuls' outputs kept, the
+    # cheap ops redone). The fastest that keeps every activation cuts 4 pipeline stages and pays a bubble.
     fits, _ = plan_8b()
     assert [ch.flags() for ch in fits] == [ch.flags() for ch in every if ch.memory <= 72e9]
-    assert fits[0].flags() == "--pp 4 --cp 2 --zero 1", fits[0].flags()
+    assert fits[0].flags() == "--dp 8 --zero 3 --recompute-selective", fits[0].flags()
+    kept_all = next(ch for ch in fits if not (ch.cfg.recompute or ch.cfg.recompute_mlp or ch.cfg.recompute_selective))
+    assert kept_all.flags() == "--pp 4 --cp 2 --zero 1" and kept_all.time["bubble"] > 0, kept_all.flags()
 
 
 def test_the_planner_weighs_zero3_with_recompute_torchtitans_8b_shape_fits_where_zero3_alone_does_not():
@@ -50,11 +54,17 @@ def test_the_planner_weighs_zero3_with_recompute_torchtitans_8b_shape_fits_where
     # checkpointing. Without recompute a step's activations do not fit beside ZeRO-3's states.
     fits, _ = plan_8b()
     fsdp = [ch for ch in fits if ch.cfg.dp == 8 and ch.cfg.zero == 3]
-    # With recompute of the MLPs only (torchtitan's is selective too) it fits, and is the faster of the two.
-    assert [ch.flags() for ch in fsdp] == ["--dp 8 --zero 3 --recompute-mlp", "--dp 8 --zero 3 --recompute"]
-    best = fits[0]  # recompute replays every whole layer: 8/6 of the compute, and the rest the same
-    assert fsdp[1].time["compute"] == pytest.approx(8 / 6 * best.time["compute"])
-    assert best.time["compute"] < fsdp[0].time["compute"] < fsdp[1].time["compute"]
+    assert [ch.flags() for ch in fsdp] == ["--dp 8 --zero 3 --recompute-selective", "--dp 8 --zero 3 --recompute-mlp",
+                                           "--dp 8 --zero 3 --recompute"]
+    selective, mlp, full = fsdp
+    c, cluster = get_config("8b"), Cluster(8)
+    plain = step_flops(c, replace(full.cfg, recompute=False)) / (8 * cluster.flops * cluster.mfu)
+    # Whole layers: every forward again, 8/6 of the compute. The MLPs: their three matmuls again. The
+    # cheap ops: no matmul, only the bytes the replay rebuilds, written and read at HBM's bandwidth.
+    assert full.time["compute"] == pytest.approx(8 / 6 * plain)
+    replay = 2 * replayed_bytes(c, selective.cfg) * 32 * selective.cfg.accum_steps / cluster.memory_bandwidth
+    assert selective.time["compute"] == pytest.approx(plain + replay)
+    assert plain < selective.time["compute"] < mlp.time["compute"] < full.time["compute"]
 
 
 @functools.cache
@@ -71,29 +81,33 @@ def test_a_70b_llama_on_64_gpus_uses_tensor_parallelism_inside_nodes_plus_pipeli
     assert too_big > 0 and not any(ch.cfg.dp == 64 and ch.cfg.zero == 0 for ch in fits)  # replicas do not fit
 
 
-def test_for_70b_on_64_gpus_recomputing_only_the_mlps_fits_a_layout_faster_than_any_whole_layer_recompute():
+def test_for_70b_on_64_gpus_selective_recompute_fits_the_fastest_layout_and_recomputing_the_mlps_is_slower():
     # The capstone (docs/11_capstone.md). Whole-layer recompute redoes every forward (8/6 of the
-    # compute); recompute of the MLPs only theirs (+6·d·ffn a token and layer), and drops their
-    # 4·ffn/tp elements a token, most of a layer's activations.
+    # compute); recompute of the MLPs redoes their matmuls (+6·d·ffn a token and layer), the most
+    # expensive part of a layer; selective recompute redoes the cheap ops (and under ring attention,
+    # one node of its own, the scores: +4·d·s a token and layer) and keeps every matmul's output.
     fits, _ = plan_70b()
-    full = next(ch for ch in fits if ch.cfg.recompute)
-    mlp = next(ch for ch in fits if ch.cfg.recompute_mlp)
+    selective, mlp, full = (next(ch for ch in fits if getattr(ch.cfg, mode))
+                            for mode in ("recompute_selective", "recompute_mlp", "recompute"))
+    assert fits[0] is selective and 72e9 > selective.memory
+    assert selective.flags() == "--tp 2 --pp 8 --cp 4 --sp --zero 1 --recompute-selective", selective.flags()
     assert mlp.flags() == "--tp 2 --pp 8 --cp 4 --sp --zero 1 --recompute-mlp", mlp.flags()
     assert full.flags() == "--dp 2 --pp 8 --cp 4 --zero 1 --recompute", full.flags()
-    assert full.time["total"] - mlp.time["total"] > 10  # seconds a step: 195.7 against 185.2
+    assert mlp.time["total"] - selective.time["total"] > 20 and full.time["total"] > mlp.time["total"]
     c = get_config("70b")
     tokens, mlps = 1024 * 8192, 80 * 6 * c.dim * c.ffn_dim  # the MLPs' forward again: 2 x 3·d·ffn a token and layer
-    flops = tokens * c.flops_per_token(8192) + tokens * mlps
-    assert mlp.time["compute"] == pytest.approx(flops / (64 * 989e12 * 0.45))
-    # The same layout without its recompute needs 99 GB, more than the GPU's 80: it fits only with it.
-    plain = replace(mlp.cfg, recompute_mlp=False)
-    assert peak_bytes(c, plain) > 80e9 >= mlp.memory and plain not in [ch.cfg for ch in fits]
-    # It is the pick: what kept every activation (tp 4, pp 4, cp 4: 77.9 GB) no longer fits in 80 GB less
-    # the 10% headroom, and the fastest that does keeps every activation but pays tp 8 and cp 4 over it.
-    assert fits[0] is mlp and 72e9 > mlp.memory
-    kept_all = next(ch for ch in fits if not (ch.cfg.recompute or ch.cfg.recompute_mlp))
+    flops = tokens * c.flops_per_token(8192)
+    assert mlp.time["compute"] == pytest.approx((flops + tokens * mlps) / (64 * 989e12 * 0.45))
+    scores = tokens * 80 * 4 * c.dim * 8192
+    replay = 2 * replayed_bytes(c, selective.cfg) * 10 * selective.cfg.accum_steps / 3.35e12  # 10 layers a stage
+    assert selective.time["compute"] == pytest.approx((flops + scores) / (64 * 989e12 * 0.45) + replay)
+    # The same layout without its recompute does not fit in the GPU's 80 GB: it fits only with it.
+    plain = replace(selective.cfg, recompute_selective=False)
+    assert peak_bytes(c, plain) > 80e9 and plain not in [ch.cfg for ch in fits]
+    # What keeps every activation pays tp 8 over it, more than the replay costs.
+    kept_all = next(ch for ch in fits if not (ch.cfg.recompute or ch.cfg.recompute_mlp or ch.cfg.recompute_selective))
     assert kept_all.flags() == "--tp 8 --pp 2 --cp 4 --sp --zero 1", kept_all.flags()
-    assert kept_all.time["tp"] + kept_all.time["cp"] > mlp.time["compute"] - kept_all.time["compute"]
+    assert kept_all.time["tp"] > selective.time["compute"] - kept_all.time["compute"]
 
 
 def test_tensor_parallelism_never_leaves_a_node():
@@ -198,8 +212,10 @@ def test_plan_py_prints_the_choice_and_why_the_usual_alternatives_lose(capsys):
     spec.loader.exec_module(script)
     script.main(["--model", "8b", "--gpus", "8", "--gpu-memory", "80GB", "--seq-len", "8192", "--global-batch", "512"])
     out = capsys.readouterr().out
-    assert "The choice: --pp " in out and "plain data parallelism:" in out and "recompute of whole layers:" in out
-    assert "recompute of the MLPs only (selective):" in out and "interleaved pipeline stages:" in out
+    assert "The choice: --dp 8 --zero 3 --recompute-selective" in out and "plain data parallelism:" in out
+    assert "recompute of whole layers:" in out
+    assert "selective recompute (the cheap ops):" in out and "interleaved pipeline stages:" in out
+    assert "recompute of the MLPs (the most expensive part): best is --dp 8 --zero 3 --recompute-mlp" in out
     assert " + pp " in out and "72.0 GB of it usable: 10% headroom" in out
 
 
@@ -270,3 +286,22 @@ def calibration_figures(row: str) -> tuple[str, ...]:
     import re
 
     return re.search(r"predicted +(\d+) ms.*measured +(\d+) ms.*: ([0-9.]+)x$", row).groups()
+
+
+def test_plan_prints_what_a_selective_layer_keeps_and_what_its_replay_rebuilds():
+    from minipar.planning.estimate import layer_activation_bytes
+
+    cfg = TrainConfig(model="small", recompute_selective=True)
+    c, mib = cfg.model_config(), 2**20
+    plain = layer_activation_bytes(c, replace(cfg, recompute_selective=False))
+    assert (f"--recompute-selective: a layer keeps {layer_activation_bytes(c, cfg) / mib:,.1f} MiB (without: "
+            f"{plain / mib:,.1f}); its replay rebuilds {replayed_bytes(c, cfg) / mib:,.1f} MiB") in report(cfg)
+    assert replayed_bytes(c, cfg) > plain - layer_activation_bytes(c, cfg) > 0
+
+
+def test_one_recompute_setting_at_a_time_and_selective_recompute_refuses_experts():
+    with pytest.raises(ValueError, match="each chooses what backward redoes"):
+        TrainConfig(model="small", recompute=True, recompute_selective=True).validate(1)
+    with pytest.raises(ValueError, match="built for dense layers"):
+        TrainConfig(model="tiny-moe", recompute_selective=True).validate(1)
+    TrainConfig(model="small", recompute_selective=True).validate(1)

@@ -147,13 +147,14 @@ class CountingTransport(Transport):
         return super().gather_backward(bucket)
 
 
-def _zero3_recompute(rank, world, accum, recompute=True):
-    """STEPS AdamW steps of ZeRO-3 over `world` ranks, each layer recomputed: per step the loss, the
+def _zero3_recompute(rank, world, accum, recompute=True, selective=False):
+    """STEPS AdamW steps of ZeRO-3 over `world` ranks, each layer recomputed (selective: its cheap ops
+    only, --recompute-selective): per step the loss, the
     gradient norm, this rank's gradient slices (by the names of their parameters) and the ledger;
     the weights after; at every call of a layer's attention, the forward and backward gathers its
     layer had sent by then and whether its weights were whole."""
     with Mesh.build(dp=world) as mesh:
-        model = parallelize(new_model(), recompute=recompute)
+        model = parallelize(new_model(), recompute=recompute and not selective, recompute_selective=selective)
         transport, name_of = CountingTransport(), {id(p): n for n, p in model.named_parameters()}
         z = Zero3DataParallel(model, mesh.groups(), lambda pgs: adamw(pgs, OPT.lr), param_groups(model, OPT),
                               transport=transport)
@@ -201,10 +202,13 @@ def single_device_steps():
     return losses, norms, grads, {n: p.detach() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("world,accum", tiers([(2, 1), (2, 2), (4, 1), (4, 2)], fast=1))
-def test_zero3_with_recompute_equals_single_device_losses_gradients_and_weights(world, accum):
+RECOMPUTES = [(2, 1, False), (2, 2, False), (4, 1, False), (4, 2, False), (2, 2, True), (4, 1, True)]
+
+
+@pytest.mark.parametrize("world,accum,selective", tiers(RECOMPUTES, fast=[1, 4]))
+def test_zero3_with_recompute_equals_single_device_losses_gradients_and_weights(world, accum, selective):
     losses, norms, grads, params = single_device_steps()
-    ranks = run_ranks_once(world, _zero3_recompute, accum)
+    ranks = run_ranks_once(world, _zero3_recompute, accum, True, selective)
     for step in range(STEPS):  # each rank's loss is its tokens' sum over (count / N): their mean is the loss
         assert sum(r["steps"][step][0] for r in ranks) / world == pytest.approx(losses[step], rel=1e-12)
     for r in ranks:
@@ -218,9 +222,9 @@ def test_zero3_with_recompute_equals_single_device_losses_gradients_and_weights(
             torch.testing.assert_close(r["params"][name], ref, **TIGHT, msg=name)
 
 
-@pytest.mark.parametrize("world,accum", tiers([(2, 1), (2, 2), (4, 1), (4, 2)], fast=1))
-def test_zero3_with_recompute_gathers_each_layer_once_for_its_replay_and_backward(world, accum):
-    for r in run_ranks_once(world, _zero3_recompute, accum):
+@pytest.mark.parametrize("world,accum,selective", tiers(RECOMPUTES, fast=[1, 4]))
+def test_zero3_with_recompute_gathers_each_layer_once_for_its_replay_and_backward(world, accum, selective):
+    for r in run_ranks_once(world, _zero3_recompute, accum, True, selective):
         # A layer's attention runs twice in the k-th micro-batch of the run (from 1): in forward,
         # after its k-th forward gather (k - 1 backward ones); then in the replay, inside the layer's
         # backward, after its k-th backward gather, the one its output's hook started. Both times

@@ -1,23 +1,27 @@
-"""Exercise 11.1 (the capstone, docs/11_capstone.md), implement: recompute each layer's MLP, and only it.
+"""Exercise 11.1 (the capstone, docs/11_capstone.md), implement: recompute what is cheap to redo, keep what is not.
 
-Whole-layer recompute (`--recompute`) keeps each layer's input and runs the whole layer again in
-backward: a third more compute. Most of what a Llama layer keeps is its MLP's: gate, silu(gate),
-up and their product, 4 x ffn numbers a token, against some 10 x d for everything else. Keep
-attention's activations, and make only the MLP keep its input and run again in backward.
+Korthikanti et al. (2022, section 5) and torchtitan's selective activation checkpointing share one
+principle: an op whose output is large to keep and cheap to compute again (a norm, RoPE, SiLU, an
+element-wise product) is redone in backward; an op that is expensive to redo (a matmul, attention)
+keeps its output. Whole-layer recompute (`--recompute`) redoes every matmul, a third more compute;
+recomputing the MLP (`--recompute-mlp`) redoes its three matmuls, the most expensive part of a layer.
 
-Write `recompute_mlps(model)`: change, in place, each transformer layer's MLP
-(`model.layers[name].mlp`, a `minipar.model.MLP`) so that in a training step
+Write `recompute_selectively(model)`: change, in place, each transformer layer (`model.layers[name]`)
+so that in a training step
 
   - the losses and the gradients are those of the model without recompute (float64, to rounding);
-  - the MLP's forward runs twice per layer and micro-batch (forward, then again in backward) and
-    attention's once;
-  - a layer keeps for backward exactly what `planning/estimate.layer_activation_bytes` gives with
-    `recompute_mlp=True`: the MLP's input and nothing inside it; attention's activations as before.
+  - no matmul runs again: the step runs as many `aten.mm` as without recompute;
+  - a layer leaves alive for backward exactly what `planning/estimate.layer_activation_bytes` gives
+    with `recompute_selective=True`: its input, each projection's output (q, k, v, wo, w_gate, w_up,
+    w_down) and attention's output and log-sum-exp; nothing the norms, RoPE, SiLU or the products make.
 
-The checker counts the saved bytes with saved_tensors_hooks (chapter 0's count), the calls with
-forward pre-hooks on each layer's `w_gate` and `wq`. The library's own answer
-(`minipar.parallelize.recompute_mlps`, and the `_recomputed` it uses) is switched off while your
-code runs; read it after you tried, with `recompute_layers` beside it.
+Use torch's own selective checkpointing: `torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False,
+context_fn=...)` with `create_selective_checkpoint_contexts(policy)`, a policy(ctx, op, *args, **kwargs)
+answering `CheckpointPolicy.MUST_SAVE` or `PREFER_RECOMPUTE` for each aten op. On the CPU, a linear is
+`torch.ops.aten.mm.default` and attention `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default`.
+The checker counts the step's ops with a TorchDispatchMode and the bytes by the storages forward
+allocates that are still alive when it returns. The library's own answer (`minipar.parallelize`'s
+`recompute_layers`, `keep_expensive`, `_recomputed`) is switched off while your code runs.
 
 Check: make exercise N=11.1 (one process, a few seconds)
 """
@@ -25,8 +29,8 @@ Check: make exercise N=11.1 (one process, a few seconds)
 from minipar.model import Llama
 
 
-def recompute_mlps(model: Llama) -> None:
-    """Each layer's MLP keeps only its input and runs its forward again in backward; attention is untouched."""
-    raise NotImplementedError("hint: torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False) runs fn(x) "
-                              "keeping only x, and fn again in backward; set each layer.mlp.forward to a function "
-                              "that calls it on the MLP's own forward")
+def recompute_selectively(model: Llama) -> None:
+    """Each layer keeps its input and its matmuls' and attention's outputs; the cheap ops run again in backward."""
+    raise NotImplementedError("hint: a policy that keeps aten.mm's and attention's outputs, handed to "
+                              "create_selective_checkpoint_contexts in a context_fn; set each layer.forward to a "
+                              "function that runs the layer's own forward under torch.utils.checkpoint.checkpoint")

@@ -1,23 +1,14 @@
-"""Pipeline parallelism: stages of layers, and the one executor that runs any schedule.
-
-Chapter 6 of the course, second half (the schedules themselves are in schedules.py).
+"""Pipeline parallelism: stages of layers, and the one executor that runs any schedule (chapter 6).
 
     pp = 2, 4 layers:      rank 0 (stage 0)                 rank 1 (stage 1)
                            tok_emb, layers 0-1   -- x -->   layers 2-3, norm, lm_head, loss
                                                  <-- dx --
 
-`stage_layers` cuts the layers into contiguous blocks, the extra ones to the first stages (the
-last also runs the head and the loss); each rank keeps only its own stages. `Pipeline` walks
-this rank's action list in order, posting what `schedules.messages_of` names for each:
-
-    F(i, k)  receive x from stage k-1 (or take the tokens), run stage k, send the output to k+1
-             (or, on the last stage, compute the loss of micro-batch i divided by m)
-    B(i, k)  receive dL/d(output) from stage k+1 (or start from the loss), backward through
-             stage k, send dL/dx to stage k-1
-    W(i, k)  (zero-bubble schedules only) the weight gradients of stage k, from the graph B kept
-
-Messages carry no tags (a receive takes its peer's next message: NCCL's rule) and travel on two
-channels, activations and gradients. Read docs/06_pipeline.md: why, the stages, the bubble.
+`stage_layers` cuts the layers into contiguous blocks, the extra ones to the first stages. `Pipeline`
+walks this rank's actions (schedules.py) in order, posting what `schedules.messages_of` names for each:
+F receives x (or takes the tokens), runs its stage and sends on (the last: the loss / m); B receives
+dL/d(output), runs backward and sends dL/dx; W (zero-bubble only) computes the weight gradients. No tags
+(a receive takes its peer's next message, NCCL's rule), two channels: activations and gradients.
 """
 
 from __future__ import annotations

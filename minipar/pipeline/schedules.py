@@ -1,22 +1,12 @@
-"""Pipeline schedules as data: for each rank, the ordered list of what it computes.
+"""Pipeline schedules as data: for each rank, the ordered list of what it computes (chapter 6).
 
-Chapter 6 of the course, first half. Cut the model's layers into p stages and the batch into m
-micro-batches; a schedule is the order in which each rank takes its actions:
-
-    F(i)  forward of micro-batch i        B(i)  backward of micro-batch i (input gradient;
-    W(i)  weight gradient of i                  with no W in the schedule, B does both)
-
-Nothing here runs a model: a schedule can be printed, drawn, simulated (timeline.py) and tested
-without a process; executor.py runs any of them. The six: naive (one micro-batch at a time),
-gpipe (all forwards, then all backwards), 1f1b (after warm-up, one forward, one backward),
-interleaved (v chunks of layers per rank), zb1 (ZB-H1: B and W split, W's fill the bubble) and
-zbv (ZB-V: two chunks per rank placed in a V, rank r holds stages r and 2p-1-r).
-
-A `Schedule` (`build(name, p, m, v)`) is every rank's actions *and* the stages' placement:
-`placement[k]` is the rank that runs stage k (k % p when looped, a V for zbv). `messages_of`
-says what an action receives and sends: the executor posts exactly those, the estimator counts
-their bytes, the order check traces them. Read docs/06_pipeline.md: each schedule's bubble and
-the activations it holds.
+Cut the layers into p stages and the batch into m micro-batches; a schedule orders each rank's actions:
+F(i) forward of micro-batch i, B(i) its backward (input gradient; with no W, both), W(i) its weight
+gradient. Nothing here runs a model: a schedule is printed, drawn, simulated (timeline.py) and tested
+without a process; executor.py runs any. The six: naive, gpipe, 1f1b, interleaved (v chunks a rank),
+zb1 (ZB-H1: W's fill the bubble), zbv (ZB-V: rank r holds stages r and 2p-1-r). `build(name, p, m, v)`
+gives every rank's actions and `placement[k]`, the rank of stage k; `messages_of` says what an action
+receives and sends: the executor posts those, the estimator counts them, the order check traces them.
 """
 
 from __future__ import annotations
@@ -59,11 +49,7 @@ def inputs_of(a: Action, n_stages: int) -> list[Action]:
     return [Action("B", i, k)]
 
 
-# ----------------------------------------------------------------------------------------------
 # The schedules
-# ----------------------------------------------------------------------------------------------
-
-
 def naive(p: int, m: int) -> list[list[Action]]:
     """Model parallelism with no pipelining: the whole batch as one micro-batch."""
     if m != 1:
@@ -254,11 +240,7 @@ def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
     return Schedule(SCHEDULES[name][1](p, m, v), stages)
 
 
-# ----------------------------------------------------------------------------------------------
 # What travels: the one statement of an action's messages, for the executor and the estimator
-# ----------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Message:
     """One tensor from stage `src` to its neighbour `dst`, for micro-batch `microbatch`: activations
@@ -301,11 +283,7 @@ def messages_per_step(schedule: Schedule, rank: int, message_bytes: int) -> list
     return [(f"{m.channel}/send", message_bytes) for m in outgoing if m is not None and not m.local]
 
 
-# ----------------------------------------------------------------------------------------------
 # Memory and bubble, read off the actions (the clock itself is timeline.simulate)
-# ----------------------------------------------------------------------------------------------
-
-
 def peak_activations(actions: list[Action]) -> int:
     """The most micro-batches whose activations a rank holds at once: from F until B releases
     them, or W when the schedule splits the backward."""

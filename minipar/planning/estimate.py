@@ -143,6 +143,8 @@ def layer_activation_bytes(c: ModelConfig, cfg: Layout) -> int:
     if cfg.recompute:  # the layer's input: the residual stream, in the weights' dtype
         return tokens * d * widths(cfg)[1] // sp
     heads, kv = c.n_heads // t, max(1, c.n_kv_heads // t)
+    if cfg.recompute_selective:
+        return selective_layer_bytes(c, cfg, tokens, heads, kv)
     ulysses = cfg.cp > 1 and cfg.cp_attention == "ulysses"  # SDPA on h/cp heads; its output reordered for wo
     at_once = cfg.cp if ulysses else 1  # the heads SDPA sees: a tp rank's, or a cp rank's share of them
     repeated = (cfg.cp == 1 or ulysses) and 1 < kv // at_once < heads // at_once  # repeat copies; 1 head: a view
@@ -163,6 +165,28 @@ def layer_activation_bytes(c: ModelConfig, cfg: Layout) -> int:
     inputs = (2 - r) * tokens * d // (sp if overlap else 1)  # what the projections keep of their normed inputs
     norms, lse = inputs + (4 + r) * tokens * d // sp, (max(w, 4) - w) * tokens * heads * (cfg.cp == 1 or ulysses)
     return w * (norms + attention + mlp + small) + orders + lse  # lse: SDPA keeps its log-sum-exp in fp32 at least
+
+
+def selective_layer_bytes(c: ModelConfig, cfg: Layout, tokens: int, heads: int, kv: int) -> int:
+    """--recompute-selective: a layer keeps its input (the residual stream as it arrives), the output of
+    each of its seven matmuls and attention's output and log-sum-exp (parallelize.KEPT_OPS), nothing else:
+    k and v at the kv heads' width (their repeat is redone), wo's and w_down's outputs whole (partial sums,
+    before g). Per token: x d/sp, q, out d/tp, k, v e kv/tp each, wo, w_down d each, gate, up ffn/tp each.
+    Ring attention (--cp) is one autograd node of its own, no op of the policy's: replayed whole, keeping
+    neither its output nor its log-sum-exp."""
+    t, sp, d, w = cfg.tp, (cfg.tp if cfg.sp else 1), c.dim, of_config(cfg).activation_width
+    ring = cfg.cp > 1 and cfg.cp_attention == "ring"
+    products = (2 - ring) * tokens * d // t + 2 * tokens * (c.head_dim * kv + d + c.ffn_dim // t)
+    return widths(cfg)[1] * tokens * d // sp + w * products + (not ring) * max(w, 4) * tokens * heads
+
+
+def replayed_bytes(c: ModelConfig, cfg: Layout) -> int:
+    """--recompute-selective: what one layer's replay adds in its backward, one micro-batch: the plain
+    layer's tensors less those it kept, and w_down's kept output, which the replay never claims (it stops
+    at w_down's input, torch's early stop) and which stays in the cache until the layer's backward ends."""
+    plain = replace(cfg, recompute_selective=False)
+    w_down = of_config(cfg).activation_width * cfg.micro_batch * cfg.seq_len * c.dim  # whole: partial sums
+    return layer_activation_bytes(c, plain) - layer_activation_bytes(c, cfg) + w_down
 
 
 def weight_casts(c: ModelConfig, cfg: Layout) -> int:
@@ -210,7 +234,9 @@ def activation_bytes(c: ModelConfig, cfg: Layout, pp_rank: int = 0, worst: bool 
     dense, head = layer_activation_bytes(c, cfg), head_activation_bytes(c, cfg)
     moe = moe_layer_activation_bytes(c, cfg, worst) if c.n_experts else 0
     rebuilt = 0  # with recompute, backward rebuilds one layer (--recompute-mlp: its MLP) at a time: the largest
-    if cfg.recompute or cfg.recompute_mlp:
+    if cfg.recompute_selective:
+        rebuilt = replayed_bytes(c, cfg)
+    elif cfg.recompute or cfg.recompute_mlp:
         plain, kept = replace(cfg, recompute=False, recompute_mlp=False), int(cfg.recompute_mlp)
         rebuilt = max(layer_activation_bytes(c, plain) - kept * dense, (moe_layer_activation_bytes(c, plain, worst)
                       - kept * moe) if moe else 0) + (weight_casts(c, plain) - weight_casts(c, cfg)) * kept

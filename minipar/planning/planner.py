@@ -3,7 +3,8 @@
 Chapter 8 (which states and tests each term): fit the memory (estimate.py, less `Cluster.headroom`),
 keep tp inside a node, and take what the clock (`step_time`, arithmetic) says is fastest:
 
-    compute   step_flops (6 per parameter and token, 8 with recompute) at `mfu` of the peak
+    compute   step_flops (6 per parameter and token, 8 with recompute) at `mfu` of the peak, and the
+              bytes a selective replay rebuilds (replayed_bytes), moved at HBM's bandwidth
     traffic   each group's bytes over its link, plus a latency a message; dp hidden behind backward
     bubble    the schedule's idle fraction f from its own simulation, as f / (1 - f) of the rest
 
@@ -29,14 +30,17 @@ from minipar.pipeline.timeline import simulate
 from minipar.planning.estimate import (
     activation_bytes,
     held_bytes,
+    layer_activation_bytes,
     peak_bytes,
+    replayed_bytes,
     temporary_bytes,
 )
 from minipar.planning.estimate_muon import ns_flops_per_rank
 from minipar.planning.traffic import bytes_by_key, bytes_sent, calls_by_group, pipeline_messages, traffic
 from minipar.precision import of_config
 
-RECOMPUTE = ((False, False), (False, True), (True, False))  # (recompute, recompute_mlp): none, the MLPs', all
+# (recompute, recompute_selective, recompute_mlp): backward redoes nothing, the cheap ops, the MLPs, whole layers
+RECOMPUTE = ((False, False, False), (False, True, False), (False, False, True), (True, False, False))
 PRECISION_NOTE = {"float64": "float64 throughout", "fp32": "fp32 throughout",
                   "bf16-autocast": "bf16-autocast (fp32 weights; backward keeps a bf16 copy of each layer's weights)",
                   "bf16-mixed": "bf16-mixed (bf16 weights and gradients, fp32 master and Adam state)"}
@@ -72,11 +76,11 @@ def layouts(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro
         for pp in (p for p in range(1, c.n_layers + 1) if (g // tp) % p == 0):
             for cp in (x for x in ((1, 2, 4, 8) if seq_len >= 8192 else (1,)) if g // (tp * pp) % x == 0):
                 for zero in (0, 1, 2, 3):
-                    for recompute, recompute_mlp in RECOMPUTE:
+                    for full, selective, mlp in RECOMPUTE:
                         cfg = Layout(model=model, dp=g // (tp * pp * cp), tp=tp, pp=pp, cp=cp, sp=tp > 1, zero=zero,
-                                          recompute=recompute, recompute_mlp=recompute_mlp, seq_len=seq_len,
-                                          global_batch=global_batch, micro_batch=micro_batch, dtype="bfloat16",
-                                          vocab_size=c.vocab_size)
+                                     recompute=full, recompute_selective=selective, recompute_mlp=mlp, seq_len=seq_len,
+                                     global_batch=global_batch, micro_batch=micro_batch, dtype="bfloat16",
+                                     vocab_size=c.vocab_size)
                         try:
                             cfg.validate(g)
                         except ValueError:
@@ -89,9 +93,12 @@ def step_flops(c: ModelConfig, cfg: Layout) -> float:
     plus attention. Full recompute runs every forward again: 8/6 of it. Recompute of the MLPs runs
     only each dense MLP's three matmuls again, 2·3·d·ffn per token and layer: 2/3 of a layer's matmuls
     where ffn = 8d/3 and kv heads = heads; at 70B (d 8,192, ffn 28,672, 8 kv heads of 64) 82% of them,
-    and with attention's scores at s 8,192, 1.41 of a layer's 1.98 GFLOP forward a token (71%)."""
+    and with attention's scores at s 8,192, 1.41 of a layer's 1.98 GFLOP forward a token (71%). Selective
+    recompute redoes no matmul, but under ring attention (one node of its own) the scores' 4·d·s."""
     tokens, mlps = cfg.global_batch * cfg.seq_len, sum(c.feed_forward(i) == "mlp" for i in range(c.n_layers))
     flops = tokens * c.flops_per_token(cfg.seq_len)
+    ring = cfg.recompute_selective and cfg.cp > 1 and cfg.cp_attention == "ring"
+    flops += ring * tokens * c.n_layers * 4 * c.dim * cfg.seq_len
     return flops * 8 / 6 if cfg.recompute else flops + cfg.recompute_mlp * tokens * mlps * 6 * c.dim * c.ffn_dim
 
 
@@ -99,6 +106,9 @@ def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]
     """Seconds of one optimizer step under the clock of the module docstring, by part."""
     compute = step_flops(c, cfg) / (cluster.gpus * cluster.flops * cluster.mfu)
     compute += max(ns_flops_per_rank(c, cfg)) / (cluster.flops * cluster.mfu)  # Muon's, on its busiest rank
+    if cfg.recompute_selective:  # element-wise ops: their time is the memory they move, not their FLOPs
+        layers = -(-c.n_layers // cfg.pp)  # a rank's layers, each replayed once a micro-batch
+        compute += 2 * replayed_bytes(c, cfg) * layers * cfg.accum_steps / cluster.memory_bandwidth
     step = traffic(c, cfg)  # pp rank 0's messages: equal to the ledger's on CPU
     sent, calls = bytes_by_key(step), calls_by_group(step)
     between = pipeline_messages(c, cfg, min(1, cfg.pp - 1))  # a middle stage's messages between stages: the most
@@ -244,10 +254,10 @@ def _alternatives(cfg: Layout, model_cfg: ModelConfig):
             if world % (tp * pp * cfg.cp) == 0]
     for tp, pp in sorted(cuts, key=lambda c: (c[0] * c[1], c[1])):
         for zero in range(4):
-            for recompute, recompute_mlp in RECOMPUTE:
+            for full, selective, mlp in RECOMPUTE:
                 dp = world // (tp * pp * cfg.cp)
-                alt = replace(cfg, dp=dp, tp=tp, pp=pp, zero=zero, recompute=recompute, recompute_mlp=recompute_mlp,
-                              sp=cfg.sp and tp > 1,
+                alt = replace(cfg, dp=dp, tp=tp, pp=pp, zero=zero, recompute=full, recompute_selective=selective,
+                              recompute_mlp=mlp, sp=cfg.sp and tp > 1,
                               ep=cfg.ep if dp * cfg.cp % cfg.ep == 0 else 1, virtual_stages=1, schedule="1f1b")
                 try:
                     alt.validate(world)
@@ -272,6 +282,11 @@ def report(cfg: Layout) -> str:
                  f"less {HEADROOM:.0%} headroom: {limit * (1 - HEADROOM) / 2**30:.1f} GiB)"
                  + (": expert layers' activations for dropless routing spread evenly over the experts"
                     if c.n_experts and not c.capacity_factor else ""))
+    if cfg.recompute_selective:  # chapter 11: what a layer keeps and what its replay rebuilds
+        plain = layer_activation_bytes(c, replace(cfg, recompute_selective=False))
+        lines.append(f"--recompute-selective: a layer keeps {layer_activation_bytes(c, cfg) / 2**20:,.1f} MiB "
+                     f"(without: {plain / 2**20:,.1f}); its replay rebuilds {replayed_bytes(c, cfg) / 2**20:,.1f} MiB "
+                     "in backward, one layer at a time")
     if cfg.zero:
         lines.append("ZeRO's buffers of a moment in the step (pp rank 0), in the total: " + ", ".join(
             f"{k} {v / 2**20:,.1f} MiB" for k, v in temporary_bytes(c, cfg).items()))

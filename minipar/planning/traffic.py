@@ -140,10 +140,10 @@ def traffic(model_cfg: ModelConfig, cfg: Layout, pp_rank: int = 0, dp_rank: int 
                 sent[_ring("tp/all_reduce", numel * weight_width, cfg.tp)] += m if cfg.zero >= 2 else 1
     if cfg.pp > 1:
         add(sent, pipeline_messages(model_cfg, cfg, pp_rank) + [_ring("pp/all_reduce", norm, cfg.pp)])
-    if cfg.cp > 1:  # ring: K/V round the ring; ulysses: four all-to-alls (each replayed under --recompute)
+    if cfg.cp > 1:  # ring: K/V round the ring; ulysses: four all-to-alls (replayed under --recompute, -selective)
         heads, kv_heads = model_cfg.n_heads // cfg.tp, max(1, model_cfg.n_kv_heads // cfg.tp)
         add(sent, attention_messages(cfg.cp_attention, tokens, heads, kv_heads, model_cfg.head_dim, cfg.cp,
-                                     weight_width, w, cfg.recompute), m * layers)
+                                     weight_width, w, cfg.recompute or cfg.recompute_selective), m * layers)
     return sent
 
 
@@ -154,10 +154,11 @@ def _tp_messages(model, cfg: Layout, moe_blocks: int, tokens: int, stream: int, 
     blocks, gather = 2 * layers - moe_blocks, _ring("tp/all_gather", stream, t)
     ends = [gather, _ring("tp/reduce_scatter", stream, t)] if cfg.sp else [_ring("tp/all_reduce", stream, t)]
     sent = region_messages(stream, product, t, cfg.sp) * blocks + ends * ((model.tok_emb is not None) + last)
-    if cfg.recompute or cfg.recompute_mlp:  # backward's replay stops once it has rebuilt what it needs
+    whole = cfg.recompute or cfg.recompute_selective  # a layer replayed: -selective's sends what -recompute's does
+    if whole or cfg.recompute_mlp:  # backward's replay stops once it has rebuilt what it needs
         # (torch's early stop): not a dense MLP's output (feeding a sum). --recompute: each attention's output (g)
-        sent += [_ring("tp/reduce_scatter" if cfg.sp else "tp/all_reduce", product, t)] * (layers * cfg.recompute)
-        sent += [gather] * ((blocks if cfg.recompute else layers - moe_blocks) * cfg.sp)  # -mlp: dense MLPs' input
+        sent += [_ring("tp/reduce_scatter" if cfg.sp else "tp/all_reduce", product, t)] * (layers * whole)
+        sent += [gather] * ((blocks if whole else layers - moe_blocks) * cfg.sp)  # -mlp: dense MLPs' input
     if cfg.tp_overlap and cfg.sp:  # each region (and the head) kept its input's shard: gathered again in backward
         sent += [gather] * (blocks + last)
     return sent + (loss_messages(tokens, of_config(cfg).activation_width, t) if last else [])

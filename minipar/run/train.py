@@ -114,7 +114,7 @@ def build_model(cfg: TrainConfig, mesh: Mesh, model_cfg, device, param_dtype):
     stage = (pipeline.my_layers(), pipeline.holds_first(), pipeline.holds_last()) if pipeline else None
     model = parallelize(Llama(model_cfg, seed=cfg.seed), tp=groups.tp, cp=groups.cp, ep=groups.ep, sp=cfg.sp,
                         stage=stage, recompute=cfg.recompute, cp_attention=cfg.cp_attention, tp_overlap=cfg.tp_overlap,
-                        recompute_mlp=cfg.recompute_mlp)
+                        recompute_mlp=cfg.recompute_mlp, recompute_selective=cfg.recompute_selective)
     return model.to(device=device, dtype=param_dtype), pipeline
 
 

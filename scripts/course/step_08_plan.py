@@ -126,9 +126,7 @@ def prose() -> None:
                 f"`{fastest.flags()}`, {total(c8, fastest, eight):.1f} s a step. "
                 f"It needs {fastest.memory / 1e9:.1f} GB, "
                 f"though, and only {gb:.0f} of the 80 may be used: the pick is `{pick.flags()}`, "
-                f"{t - total(c8, fastest, eight):.1f} s slower, whose bubble and pipeline messages "
-                f"({pick.time['bubble']:.1f} s and {pick.time['pp']:.1f} s) cost less than the alternatives' "
-                "recompute. "
+                f"{t - total(c8, fastest, eight):.1f} s slower, which {how(pick)}. "
                 "(`scripts/tools/plan.py --headroom 0` gives the faster pick back.)")
     say_wrapped("The planner weighs whole-layer recompute with ZeRO-3 too (a layer's replay runs on the gather its "
                 f"backward makes anyway, so it adds no bytes: `zero3.py`): `{full.flags()}` fits in "
@@ -142,17 +140,27 @@ def prose() -> None:
     pick, t = fits[0], fits[0].time["total"]
     zero3 = find(weighed, dp=64, zero=3, recompute=True)
     kept = find(weighed, tp=pick.cfg.tp, pp=pick.cfg.pp, cp=pick.cfg.cp, zero=pick.cfg.zero, recompute=False,
-                recompute_mlp=False)
+                recompute_mlp=False, recompute_selective=False)
     looped = next(ch for ch in fits if ch.cfg.schedule == "interleaved")
     say_wrapped(f"For 70B on 64 GPUs ZeRO-3 over every GPU fits only with recompute (`{zero3.flags()}`, "
                 f"{zero3.memory / 1e9:.1f} GB), {zero3.time['total'] - t:.1f} s slower per step than the pick: it "
                 f"gathers every weight across InfiniBand for every micro-batch. The pick, `{pick.flags()}`, cuts the "
-                "model inside nodes (tp) and across them (pp), splits the long sequences (cp) and recomputes the "
-                f"MLPs: the same layout keeping every activation needs {kept.memory / 1e9:.1f} GB, over the {gb:.0f} "
+                f"model inside nodes (tp) and across them (pp), splits the long sequences (cp) and {how(pick)}: the "
+                f"same layout keeping every activation needs {kept.memory / 1e9:.1f} GB, over the {gb:.0f} "
                 f"usable. Interleaving pays little here: 1F1B's bubble is {pick.time['bubble'] / t:.1%} of the pick's "
                 f"step, and the best interleaved layout (`{looped.flags()}`) is "
                 f"{looped.time['total'] - t:.1f} s slower.",
                 last=True)
+
+
+def how(choice) -> str:
+    """What a pick does with its activations, in the chapter's words."""
+    cfg = choice.cfg
+    return ("recomputes selectively (chapter 11: the matmuls' outputs kept, the cheap operators replayed)"
+            if cfg.recompute_selective else "recomputes the MLPs" if cfg.recompute_mlp else
+            "recomputes every layer" if cfg.recompute else
+            f"keeps every activation, its bubble and pipeline messages ({choice.time['bubble']:.1f} s and "
+            f"{choice.time['pp']:.1f} s) cheaper than recompute")
 
 
 def say_wrapped(paragraph: str, last: bool = False) -> None:

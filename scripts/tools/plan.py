@@ -102,7 +102,7 @@ def row(choice, width: int) -> str:
 
 
 def recomputes(cfg) -> bool:
-    return cfg.recompute or cfg.recompute_mlp
+    return cfg.recompute or cfg.recompute_mlp or cfg.recompute_selective
 
 
 def why_not(best, fits, args, cluster) -> list[str]:
@@ -115,7 +115,8 @@ def why_not(best, fits, args, cluster) -> list[str]:
               "pipeline parallelism": lambda x: x.pp > 1,
               "interleaved pipeline stages": lambda x: x.virtual_stages > 1,
               "recompute of whole layers": lambda x: x.recompute,
-              "recompute of the MLPs only (selective)": lambda x: x.recompute_mlp}
+              "selective recompute (the cheap ops)": lambda x: x.recompute_selective,
+              "recompute of the MLPs (the most expensive part)": lambda x: x.recompute_mlp}
     for name, test in common.items():
         if test(best.cfg):
             lines.append(f"  {name}: the choice itself")

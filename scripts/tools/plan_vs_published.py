@@ -44,12 +44,13 @@ TITAN_405B = Layout(model="405b", dp=8, tp=8, pp=8, sp=True, zero=2, recompute=T
 TITAN_405B_NOTE = ("Float8 linears, torch.compile and async TP: minipar runs bf16 eagerly and counts tp as exposed; "
                    "FSDP under pp keeps each stage's gathered weights all step: --zero 2")
 RUNS = [
-    Run("torchtitan 8B, FSDP 8", 8, Layout(model="8b", dp=8, zero=3, recompute_mlp=True, global_batch=16,
+    Run("torchtitan 8B, FSDP 8", 8, Layout(model="8b", dp=8, zero=3, recompute_selective=True, global_batch=16,
                                              micro_batch=2, **TITAN), 5762, 82.4,
-        "selective activation checkpointing per operator (every other matmul's output kept): --recompute-mlp"),
-    Run("torchtitan 8B, FSDP 128", 128, Layout(model="8b", dp=128, zero=3, recompute_mlp=True, global_batch=256,
+        "selective activation checkpointing per operator keeps every other matmul's output; "
+        "--recompute-selective keeps all of them"),
+    Run("torchtitan 8B, FSDP 128", 128, Layout(model="8b", dp=128, zero=3, recompute_selective=True, global_batch=256,
                                                  micro_batch=2, **TITAN), 5605, 67.0,
-        "the same: --recompute-mlp"),
+        "the same: --recompute-selective"),
     Run("torchtitan 405B, 1F1B", 512, TITAN_405B, 100, 82.5, TITAN_405B_NOTE, FLOAT8),
     Run("torchtitan 405B, interleaved", 512, replace(TITAN_405B, schedule="interleaved", virtual_stages=2), 128,
         72.7, "the same; 2 stages a rank (torchtitan's default for looped schedules)", FLOAT8),

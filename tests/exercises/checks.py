@@ -94,7 +94,7 @@ EXERCISES = {
               "replica groups", ft.check_predict_lost_gpu_hours, "10 min"),
     "10b.2": ("ex10b_2_commit_step.py", "implement", "a step committed only if every replica group can",
               ft.check_commit_step, "25 min"),
-    "11.1": ("ex11_1_selective_recompute.py", "implement", "recompute each layer's MLP, and only it (the capstone)",
+    "11.1": ("ex11_1_selective_recompute.py", "implement", "recompute the cheap ops, keep the matmuls (the capstone)",
              capstone.check_selective_recompute, "45 min"),
 }
 

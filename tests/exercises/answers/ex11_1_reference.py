@@ -1,11 +1,20 @@
-"""Exercise 11.1, as the library does it (parallelize.recompute_mlps): each MLP's forward under a
-non-reentrant checkpoint, which keeps the MLP's input and runs its forward again in backward."""
+"""Exercise 11.1, as the library does it (parallelize.recompute_layers with keep_expensive): each layer
+under a non-reentrant checkpoint whose selective policy keeps the matmuls' and attention's outputs;
+the norms, RoPE, SiLU and products run again in backward, the kept outputs taken from the cache."""
 
 from functools import partial
 
-from torch.utils.checkpoint import checkpoint
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+KEPT = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
-def recompute_mlps(model):
+def keep_expensive(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in KEPT else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def recompute_selectively(model):
     for layer in model.layers.values():
-        layer.mlp.forward = partial(checkpoint, layer.mlp.forward, use_reentrant=False)
+        layer.forward = partial(checkpoint, layer.forward, use_reentrant=False,
+                                context_fn=lambda: create_selective_checkpoint_contexts(keep_expensive))

@@ -1,7 +1,7 @@
 """Wrong: the library's own answer, called."""
 
-from minipar.parallelize import parallelize
+from minipar.parallelize import keep_expensive, recompute_layers
 
 
-def recompute_mlps(model):
-    parallelize(model, recompute_mlp=True)
+def recompute_selectively(model):
+    recompute_layers(model, keep_expensive)

@@ -1,11 +1,11 @@
-"""Wrong: the whole layer under the checkpoint, --recompute's answer: it keeps its input alone, and
-attention runs again in backward too (a third more compute, where the MLP is some two thirds of it)."""
+"""Wrong: the whole layer under a plain checkpoint, --recompute's answer: it keeps its input alone,
+and every matmul runs again in backward (a third more compute)."""
 
 from functools import partial
 
 from torch.utils.checkpoint import checkpoint
 
 
-def recompute_mlps(model):
+def recompute_selectively(model):
     for layer in model.layers.values():
         layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
