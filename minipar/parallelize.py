@@ -82,7 +82,8 @@ def check_parallelize(tied: bool, split: bool, recompute: bool = False, recomput
         raise ModelError("tied embeddings with --pp above 1: the embedding and the LM head share one weight, which "
                          "pipeline stages would split; use --pp 1 or --no-tie-embeddings")
     if recompute + recompute_mlp + selective > 1:
-        raise ValueError("--recompute, --recompute-selective, --recompute-mlp: each chooses what backward redoes")
+        raise ValueError("--recompute, --recompute-selective, --recompute-mlp: each chooses what backward redoes; "
+                         "give one")
     if selective and experts:  # the experts are nodes of their own: not op by op
         raise ValueError("--recompute-selective is built for dense layers; use --recompute or --recompute-mlp")
 

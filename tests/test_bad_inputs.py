@@ -296,7 +296,8 @@ BAD = [  # (extra flags, after the good ones; world size; a fragment of the one 
     (["--zero=4"], 1, "--zero 4: choose 0, 1, 2 or 3"),
     (["--offload"], 1, "--offload needs --zero 1 or 2"),
     (["--zeropp=qwz"], 1, "--zeropp qwz needs --zero 3"),
-    (["--recompute", "--recompute-mlp"], 1, "--recompute-mlp with --recompute: full-layer recompute redoes the MLP"),
+    (["--recompute", "--recompute-mlp"], 1, "--recompute, --recompute-selective, --recompute-mlp: each chooses what "
+     "backward redoes; give one"),
     (["--zero=3", "--pp=2", "--micro-batch=2"], 2, "--zero 3 with --pp: every micro-batch would gather each layer"),
     (["--tie-embeddings", "--pp=2", "--micro-batch=2"], 2, "tied embeddings with --pp above 1: the embedding and the "
      "LM head share one weight, which pipeline stages would split; use --pp 1 or --no-tie-embeddings (--model tiny)"),
