@@ -133,7 +133,7 @@ def prose() -> None:
         f"{mfu * ridge:,.0f} / {f70 / b70:,.0f} = {mfu * ridge / (f70 / b70):.1%} of its compute time by the "
         f"roofline, and the clock gives {t['tp']:.1f} s on tp against {t['compute']:.1f} s of compute "
         f"({t['tp'] / t['compute']:.1%}). The clock also counts bf16 autocast's residual stream in fp32 (half again "
-        "the bytes), and attention's score FLOPs and the MLPs' recompute (more compute), which pull the two ways.",
+        "the bytes), and attention's score FLOPs and the pick's selective replay (more time), which pull the two ways.",
         f"**The roof is the ring's.** The bytes here are a ring all-reduce's, 2(tp − 1)/tp of the message ({ring} "
         "at tp 8). On an H100 node NCCL may instead reduce inside the NVSwitch (NVLink SHARP, its NVLS algorithm), "
         f"where each GPU sends its message about once: up to {ring} times fewer bytes at tp 8. The table and the "
