@@ -1,16 +1,19 @@
 """The course's pictures are drawn from the library's numbers (scripts/tools/draw_figures.py), and the
 numbers they show say what the chapters say. The loss-parity figure trains six runs and is left to
-the script; its claim (every layout equals one process) is tests/test_loss_parity.py's."""
+the script; its claim (every layout equals one process) is tests/test_loss_parity.py's. The Muon/AdamW
+loss figure's function is run here on a tiny run of 3 steps (the figure itself: 300 steps, minutes)."""
 
 import importlib.util
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+from test_train import CORPUS
 
 from minipar.collectives import ring_bytes_sent
 from minipar.context_parallel import zigzag_positions
 from minipar.model import Llama, get_config
-from minipar.planning.estimate import activation_bytes, held_bytes
+from minipar.planning.estimate import activation_bytes, held_bytes, layer_activation_bytes, replayed_bytes
 from minipar.planning.planner import Cluster, plan
 from minipar.planning.traffic import bytes_sent
 from minipar.run.config import TrainConfig
@@ -28,15 +31,17 @@ def _script():
 
 def test_the_diagrams_are_drawn_as_pngs_under_the_names_the_chapters_link(tmp_path):
     _script().main(["memory", "ring", "buckets", "zero", "tp", "muon", "zigzag", "experts", "layouts", "zeropp",
-                    "roofline", "mesh", "commit", "--out", str(tmp_path)])
+                    "roofline", "mesh", "commit", "recompute", "--out", str(tmp_path)])
     for name in ("00_one_device_memory", "01_ring_bytes", "02_gradient_buckets", "03_zero_stages", "04_tp_column_row",
                  "04c_newton_schulz", "05_zigzag", "07_expert_all_to_all", "08_layouts_8b", "03c_zeropp_hops",
-                 "08_roofline", "09_mesh_nodes", "10b_commit_timeline"):
+                 "08_roofline", "09_mesh_nodes", "10b_commit_timeline", "11_memory_per_layer"):
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == PNG, name
         chapter = next((ROOT / "docs").glob(f"{name.split('_')[0]}_*.md")).read_text()
         assert f"(img/{name}.png)" in chapter, name
         assert (ROOT / "docs" / "img" / f"{name}.png").exists(), name  # the committed picture
     assert "(img/09_loss_parity.png)" in (ROOT / "docs" / "09_4d.md").read_text()
+    assert "(img/04c_loss_muon_adamw.png)" in (ROOT / "docs" / "04c_muon.md").read_text()
+    assert (ROOT / "docs" / "img" / "04c_loss_muon_adamw.png").exists()
 
 
 def test_the_zero_figure_shows_stage_1_holding_every_gradient_at_the_end_of_backward_and_stage_2_not():
@@ -180,3 +185,36 @@ def test_the_commit_timeline_never_takes_the_survivor_back_and_heals_the_restart
     assert alone and all(t == 2 for t in alone)  # P = 1 of R = 2 groups: a step takes R / P as long
     ours = [what for group, *_, what, _ in segments if group == 0]
     assert ours[ours.index("not committed"):][:3] == ["not committed", "stall", "redo"]
+
+
+def test_the_recompute_figure_draws_the_estimators_bytes_and_the_chapters_table():
+    numbers = _script().recompute_bytes()
+    c = get_config("70b")
+    pick = TrainConfig(model="70b", tp=2, pp=8, cp=4, sp=True, zero=1, seq_len=8192, global_batch=1024, micro_batch=1,
+                       dtype="bfloat16", vocab_size=c.vocab_size)
+    flags = {"none": {}, "selective": dict(recompute_selective=True), "the MLPs": dict(recompute_mlp=True),
+             "whole layers": dict(recompute=True)}
+    assert [name.split(" (")[0] for name in numbers] == list(flags)
+    chapter = (ROOT / "docs" / "11_capstone.md").read_text()
+    for (name, v), mode in zip(numbers.items(), flags.values()):
+        cfg = replace(pick, **mode)
+        assert v["kept"] == layer_activation_bytes(c, cfg) and v["rank"] == activation_bytes(c, cfg), name
+        assert v["replayed"] == (replayed_bytes(c, cfg) if "recompute_selective" in mode else 0), name
+        assert f"{v['kept'] / 2**20:.1f} MiB" in chapter and f"{v['rank'] / 2**30:.1f} GiB" in chapter, name
+    kept = [v["kept"] for v in numbers.values()]
+    assert kept[3] < kept[1] < kept[2] < kept[0]  # selective keeps less than the MLPs' recompute, and redoes less:
+    redone = [v["redone"] for v in numbers.values()]
+    assert redone[0] == 0 < redone[1] < redone[2] < redone[3]
+
+
+def test_the_muon_loss_figure_trains_one_run_under_each_optimizer_on_the_same_tokens(tmp_path):
+    # the figure's function on a tiny run of 3 steps (the figure itself: 300 steps of the small model)
+    run = ["--model", "tiny", "--data", CORPUS, "--vocab-size", "512", "--seq-len", "32", "--global-batch", "8",
+           "--micro-batch", "4", "--steps", "3", "--no-wandb", "--cache-dir", str(tmp_path / "cache")]
+    (tmp_path / "fig").mkdir()
+    curves = _script().muon_loss(tmp_path / "fig", run)
+    assert (tmp_path / "fig" / "04c_loss_muon_adamw.png").read_bytes()[:8] == PNG
+    (tokens, adamw, no_muon), (same_tokens, muon, muon_lrs) = curves["AdamW"], curves["Muon"]
+    assert tokens == same_tokens == [256, 512, 768]  # 8 sequences of 32 tokens a step
+    assert adamw[0] == muon[0] and adamw[1] != muon[1]  # the same model and batch; the first steps differ
+    assert no_muon == [None] * 3 and all(lr > 0 for lr in muon_lrs)  # Muon's param group, in the Muon run only

@@ -4,7 +4,8 @@ printing the comparison and writing the JSON.
 bench_dp.py, bench_tp.py, bench_pp.py and bench_zero.py train minipar and PyTorch's own
 implementation side by side in one launch, in turn, step by step; bench_cp.py runs ring attention
 against attention on one device the same way, and bench_ep.py expert parallelism against
-replicated experts (minipar's DataParallel and DDP) and a dense model of the same active size.
+replicated experts (minipar's DataParallel and DDP) and a dense model of the same active size;
+bench_muon.py minipar's Muon against DDP with torch.optim.Muon, and its owner method against gather.
 Each compares the slowest rank's step times. The measuring rules live here, once, so that every
 benchmark measures the same way:
 

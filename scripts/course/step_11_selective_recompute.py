@@ -26,20 +26,35 @@ MODES = {"none": {}, "selective (--recompute-selective)": dict(recompute_selecti
          "the MLPs (--recompute-mlp)": dict(recompute_mlp=True), "whole layers (--recompute)": dict(recompute=True)}
 
 
+def the_pick(c) -> Layout:
+    """The planner's pick for 70B on 64 GPUs, before recompute (chapter 11, section 5)."""
+    return Layout(model="70b", tp=2, pp=8, cp=4, sp=True, zero=1, seq_len=8192, global_batch=1024, micro_batch=1,
+                  dtype="bfloat16", vocab_size=c.vocab_size)
+
+
+def layer_flops(c) -> dict[str, int]:
+    """A layer's forward matmul FLOPs a token at s = 8,192, by part."""
+    d, ffn, kv, s = c.dim, c.ffn_dim, c.n_kv_heads * c.head_dim, 8192
+    return {"q, k, v, o projections": 2 * (2 * d * d + 2 * d * kv), "attention's scores and sum (q k^T, p v)":
+            2 * 2 * d * s, "the MLP (gate, up, down)": 2 * 3 * d * ffn}
+
+
+def redone_flops(parts: dict[str, int]) -> dict[str, int]:
+    """The matmul FLOPs a token each setting's replay runs again (selective: the scores, under ring attention)."""
+    return {"none": 0, "selective (--recompute-selective)": parts["attention's scores and sum (q k^T, p v)"],
+            "the MLPs (--recompute-mlp)": parts["the MLP (gate, up, down)"], "whole layers (--recompute)":
+            sum(parts.values())}
+
+
 def main() -> None:
     c = get_config("70b")
-    pick = Layout(model="70b", tp=2, pp=8, cp=4, sp=True, zero=1, seq_len=8192, global_batch=1024, micro_batch=1,
-                  dtype="bfloat16", vocab_size=c.vocab_size)
-    d, ffn, kv, s = c.dim, c.ffn_dim, c.n_kv_heads * c.head_dim, 8192
-    parts = {"q, k, v, o projections": 2 * (2 * d * d + 2 * d * kv), "attention's scores and sum (q k^T, p v)":
-             2 * 2 * d * s, "the MLP (gate, up, down)": 2 * 3 * d * ffn}
+    pick, parts = the_pick(c), layer_flops(c)
     total = sum(parts.values())
     print(f"70b: a layer's forward at s 8,192, matmul FLOPs a token (the element-wise ops are memory-bound): "
           f"{total / 1e9:.2f} G")
     for name, flops in parts.items():
         print(f"  {name:<42} {flops / 1e9:>5.2f} G  {flops / total:>4.0%}")
-    redone = {"none": 0, "selective (--recompute-selective)": parts["attention's scores and sum (q k^T, p v)"],
-              "the MLPs (--recompute-mlp)": parts["the MLP (gate, up, down)"], "whole layers (--recompute)": total}
+    redone = redone_flops(parts)
     print("--tp 2 --pp 8 --cp 4 --sp --zero 1, bf16 autocast, 1,024 sequences of 8,192 a step, 64 H100s:")
     print(f"  {'recompute':<34} {'a layer keeps':>14} {'redone':>8} {'pp rank 0':>10} {'fullest':>9} "
           f"{'compute':>9} {'step':>9}")
@@ -52,6 +67,7 @@ def main() -> None:
     selective = replace(pick, recompute_selective=True)
     print(f"  selective: a layer's replay rebuilds {replayed_bytes(c, selective) / 2**20:.1f} MiB in its backward, "
           f"written and read at HBM's bandwidth by the clock")
+
 
 if __name__ == "__main__":
     main()

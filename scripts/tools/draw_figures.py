@@ -1,10 +1,11 @@
 """The course's pictures, drawn from the library's own numbers (the chapters show docs/img/*.png).
 
-    .venv/bin/python scripts/tools/draw_figures.py                              # all fourteen, into runs/figures
+    .venv/bin/python scripts/tools/draw_figures.py                              # all sixteen, into runs/figures
     .venv/bin/python scripts/tools/draw_figures.py zero tp --out /tmp/figures   # some of them, elsewhere
 
 --out is a new folder (one that holds anything is refused, docs/img included: nothing is drawn
-over); copy the PNGs into docs/img/ to update the course's. The loss runs take a minute or two.
+over); copy the PNGs into docs/img/ to update the course's. The loss runs (parity, muon-loss) take
+a few minutes.
 
     memory    one device's bytes by kind (weights, gradients, AdamW, activations) for 1b, 8b and 70b,
               bf16-mixed, one 4,096-token sequence (planning/estimate: held_bytes, activation_bytes),
@@ -40,6 +41,12 @@ over); copy the PNGs into docs/img/ to update the course's. The loss runs take a
     commit    the commit protocol's timeline: two replica groups, group 1 killed, the survivor's
               stall and redone step, its steps alone (R / P as long), group 1's restart, heal and
               rejoin (commit_timeline: the protocol of extras/replicas.py, in step units) chapter 10b
+    muon-loss the training loss of make train's run (small model, the standard library's source) on one
+              process for 300 steps, under AdamW and under --optimizer muon, against the tokens seen
+              (scripts/train.py --log-json, both runs at once)                            chapter 4c
+    recompute what a 70b layer keeps for backward under each recompute setting, and pp rank 0's
+              activations at their peak, for chapter 11's pick (estimate.layer_activation_bytes,
+              replayed_bytes, activation_bytes; step_11_selective_recompute.py's layout)  chapter 11
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import matplotlib
@@ -67,7 +75,7 @@ from minipar.model import Llama, get_config  # noqa: E402
 from minipar.moe import MoE  # noqa: E402
 from minipar.muon import newton_schulz  # noqa: E402
 from minipar.ops.args import new_folder, refusals, unoccupied  # noqa: E402
-from minipar.planning.estimate import activation_bytes, held_bytes  # noqa: E402
+from minipar.planning.estimate import activation_bytes, held_bytes, layer_activation_bytes, replayed_bytes  # noqa: E402
 from minipar.planning.planner import Cluster, step_time, weigh  # noqa: E402
 from minipar.run.config import TrainConfig  # noqa: E402
 
@@ -348,16 +356,28 @@ LAYOUTS = {"one process": [], "dp 2": ["--dp", "2"], "tp 2 + sp": ["--tp", "2", 
            "cp 2": ["--cp", "2"], "dp 2, ZeRO-3": ["--dp", "2", "--zero", "3"]}
 
 
-def losses(flags: list[str], folder: Path) -> list[float]:
-    log, ranks = folder / "log.jsonl", 1 if not flags else 2
+def launch(run: list[str], flags: list[str], folder: Path, ranks: int) -> subprocess.Popen:
+    """scripts/train.py `run` `flags` on `ranks` processes of one thread each, logging every step to
+    folder/log.jsonl (the data's cache: folder's parent's "cache", unless `run` names one)."""
     folder.mkdir(parents=True)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-    argv = [*launcher, str(ROOT / "scripts" / "train.py"), *PARITY_RUN, *flags, "--out", str(folder / "out"),
-            "--log-json", str(log), "--cache-dir", str(folder.parent / "cache")]
-    done = subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"scripts/train.py {' '.join(flags)} failed:\n{done.stderr[-2000:]}")
-    return [json.loads(line)["loss"] for line in log.read_text().splitlines() if "loss" in json.loads(line)]
+    cache = [] if "--cache-dir" in run else ["--cache-dir", str(folder.parent / "cache")]
+    argv = [*launcher, str(ROOT / "scripts" / "train.py"), *run, *flags, "--out", str(folder / "out"),
+            "--log-json", str(folder / "log.jsonl"), *cache]
+    return subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def step_records(run: subprocess.Popen, folder: Path) -> list[dict]:
+    """The run's records of its steps, once it has ended (SystemExit with its stderr's end if it failed)."""
+    _, err = run.communicate()
+    if run.returncode:
+        raise SystemExit(f"{' '.join(map(str, run.args[6:]))} failed:\n{err[-2000:]}")
+    return [r for r in map(json.loads, (folder / "log.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def losses(flags: list[str], folder: Path) -> list[float]:
+    return [r["loss"] for r in step_records(launch(PARITY_RUN, flags, folder, 1 if not flags else 2), folder)]
 
 
 def parity(out: Path) -> None:
@@ -424,10 +444,10 @@ def zeropp_figure(out: Path) -> None:
     fig.savefig(out / "03c_zeropp_hops.png", dpi=110)
 
 
-def _roofline_script():
+def _course_script(name: str):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("step_08c", ROOT / "scripts" / "course" / "step_08c_roofline.py")
+    spec = importlib.util.spec_from_file_location(name.split("_")[1], ROOT / "scripts" / "course" / name)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -436,7 +456,7 @@ def _roofline_script():
 def roofline_points() -> dict[str, list[tuple[str, float]]]:
     """{"hbm": [(8b matmul at T, FLOP per byte of HBM)], "nvlink"/"infiniband": [(model tp, FLOP per byte
     sent)]}: part (a)'s and part (b)'s arithmetic of step_08c_roofline.py."""
-    script = _roofline_script()
+    script = _course_script("step_08c_roofline.py")
     c = get_config("8b")
     hbm = [(f"{name} T={t:,}", f / b) for name, n_in, n_out in script.matmuls(c) if name in ("q", "k", "down")
            for t in script.TOKENS for f, b in [script.flops_and_bytes(t, n_in, n_out)]]
@@ -605,9 +625,92 @@ def muon(out: Path) -> None:
     fig.savefig(out / "04c_newton_schulz.png", dpi=110)
 
 
+# make train's run (the small model, the standard library's source, 16 x 128 tokens a step, the warm-up and
+# cosine), on one process for 300 steps; AdamW at its --lr 3e-3 and Muon at its defaults (--muon-lr 0.02).
+MUON_RUN = ["--model", "small", "--steps", "300", "--log-every", "100", "--no-wandb"]
+OPTIMIZER_RUNS = {"AdamW": [], "Muon": ["--optimizer", "muon"]}
+SMOOTH = 20  # steps in the running mean drawn over each curve
+
+
+def optimizer_curves(run: list[str] = MUON_RUN) -> dict[str, tuple[list[int], list[float], list[float | None]]]:
+    """{optimizer: (tokens seen after each step, its loss, its Muon lr)}: `run` twice, under AdamW and
+    --optimizer muon, at the same time (one process and one thread each: this machine's two cores), after
+    one step of it alone, which tokenises the data into the cache that both then read."""
+    with tempfile.TemporaryDirectory() as tmp:
+        step_records(launch(run, ["--steps", "1"], Path(tmp) / "data", 1), Path(tmp) / "data")
+        folders = {name: Path(tmp) / name for name in OPTIMIZER_RUNS}
+        runs = {name: launch(run, flags, folders[name], 1) for name, flags in OPTIMIZER_RUNS.items()}
+        logs = {name: step_records(runs[name], folders[name]) for name in runs}
+    return {name: ([round(r["step"] * r["tokens_per_s"] * r["step_time_s"]) for r in log],  # step x tokens a step
+                   [r["loss"] for r in log], [r["muon_lr"] for r in log]) for name, log in logs.items()}
+
+
+def muon_loss(out: Path, run: list[str] = MUON_RUN) -> dict:
+    """The figure of optimizer_curves(run); returns them."""
+    curves = optimizer_curves(run)
+    fig, ax = plt.subplots(figsize=(6.8, 4.2))
+    for (name, (tokens, loss, _)), color in zip(curves.items(), COLORS):
+        n = min(SMOOTH, len(loss))
+        mean = [sum(loss[max(0, i + 1 - n) : i + 1]) / len(loss[max(0, i + 1 - n) : i + 1]) for i in range(len(loss))]
+        millions = [t / 1e6 for t in tokens]
+        ax.plot(millions, loss, color=color, alpha=0.3, linewidth=0.8)
+        ax.plot(millions, mean, color=color, label=f"{name}: last {n} steps' mean {mean[-1]:.3f}")
+    ax.set_xlabel("tokens trained on (millions)")
+    ax.set_ylabel(f"training loss (thin: each step; thick: mean of {SMOOTH})")
+    ax.set_title("small Llama on the standard library's source, one process: Muon against AdamW", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "04c_loss_muon_adamw.png", dpi=110)
+    return curves
+
+
+def recompute_bytes() -> dict[str, dict[str, int]]:
+    """{recompute setting: its numbers}, under chapter 11's pick for 70b on 64 GPUs (step_11_selective_recompute.py's
+    layout and settings): "kept", what a layer keeps for backward (estimate.layer_activation_bytes);
+    "replayed", what selective's replay holds during its layer's backward (estimate.replayed_bytes; 0 for
+    the others); "rank", pp rank 0's activations at their peak (estimate.activation_bytes: 8 micro-batches
+    of its 10 layers, one layer rebuilt, the weights' bf16 copies); "redone", matmul FLOPs a token replayed."""
+    script, c = _course_script("step_11_selective_recompute.py"), get_config("70b")
+    pick, redone = script.the_pick(c), script.redone_flops(script.layer_flops(c))
+    numbers = {}
+    for name, mode in script.MODES.items():
+        cfg = replace(pick, **mode)
+        numbers[name] = {"kept": layer_activation_bytes(c, cfg), "rank": activation_bytes(c, cfg),
+                         "replayed": replayed_bytes(c, cfg) if cfg.recompute_selective else 0, "redone": redone[name]}
+    return numbers
+
+
+def recompute(out: Path) -> None:
+    numbers = recompute_bytes()
+    names = [n.replace(" (", "\n(").replace("-recompute-", "-recompute-\n") for n in numbers]
+    fig, (layer, rank) = plt.subplots(1, 2, figsize=(10.5, 4.8))
+    layer.bar(names, [v["kept"] / 2**20 for v in numbers.values()], color=[COLORS[3], COLORS[0], "grey", "grey"])
+    for i, v in enumerate(numbers.values()):
+        replay = f"\n+ {v['replayed'] / 2**20:.0f} MiB during\nits own backward" if v["replayed"] else ""
+        redone = f"redoes {v['redone'] / 1e9:.2f} GFLOP\na token" if v["redone"] else "redoes nothing"
+        layer.text(i, v["kept"] / 2**20, f"{v['kept'] / 2**20:.1f} MiB{replay}\n{redone}", ha="center", va="bottom",
+                   fontsize=7)
+    layer.set_ylim(0, max(v["kept"] for v in numbers.values()) / 2**20 * 1.3)
+    layer.set_ylabel("MiB (estimate.layer_activation_bytes)")
+    layer.set_title("what a layer keeps for backward, one micro-batch", fontsize=9)
+    rank.bar(names, [v["rank"] / 2**30 for v in numbers.values()], color=[COLORS[3], COLORS[0], "grey", "grey"])
+    for i, v in enumerate(numbers.values()):
+        rank.text(i, v["rank"] / 2**30, f"{v['rank'] / 2**30:.1f} GiB", ha="center", va="bottom", fontsize=7)
+    rank.set_ylabel("GiB (estimate.activation_bytes)")
+    rank.set_title("pp rank 0's activations at their peak: 8 micro-batches x 10 layers kept,\n"
+                   "with recompute one layer's replay, and the weights' bf16 copies", fontsize=9)
+    for ax in (layer, rank):
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle("70b, --tp 2 --pp 8 --cp 4 --sp --zero 1, bf16, 8,192 tokens: before selective recompute (red), "
+                 "after (blue), and the others", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / "11_memory_per_layer.png", dpi=110)
+
+
 FIGURES = {"memory": memory, "ring": ring, "buckets": buckets, "zero": zero, "tp": tp, "muon": muon, "zigzag": zigzag,
            "experts": experts, "layouts": planned, "parity": parity, "zeropp": zeropp_figure, "roofline": roofline,
-           "mesh": mesh, "commit": commit}
+           "mesh": mesh, "commit": commit, "muon-loss": muon_loss,
+           "recompute": recompute}
 
 
 def main(argv: list[str] | None = None) -> None:
