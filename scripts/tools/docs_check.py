@@ -45,6 +45,15 @@ prints, word for word and number for number (no measured number is let through, 
 and must appear in its fresh output in the same order. A typed number that the code no longer
 prints fails the check.
 
+Figures in prose. A figure of a chapter's prose (a number with a decimal point, a thousands comma or
+four digits, or one followed by a unit or a percent sign) must be printed by one of the chapter's
+checked blocks or generated paragraphs (equal once rounded to the digits the prose gives: "3.5" for a
+printed 3.47), or be declared typed on purpose, with why, in a comment the chapter carries:
+`<!-- typed: 3.4445 4.7750 2.0315 -- Newton-Schulz's coefficients (Jordan et al. 2024) -->`. So a
+block brought up to date leaves no stale restatement of itself behind: the prose's old figure is
+then printed nowhere, and the check names it. Years, settings (`--lr 3e-4`, `seq=4096`), section
+marks and link targets are not figures. Checked on every run, with the anchors.
+
 Line anchors. A link to a definition, `[name](../minipar/zero.py#L120)` or [`Class.method`](...),
 must point at the line that defines it (`def name` or `class name`, the last dotted part); a
 moved definition fails the check until the anchor is updated. Anchors are checked on every run,
@@ -212,6 +221,54 @@ def within(line: str, steps: int | None) -> bool:
     return step is None or int(step.group(1)) <= steps
 
 
+# A figure of the prose: 1.5, 1,051, 4096, 12 ms, 43%, 3x (not 2024 or 1990: a year).
+FIGURE = re.compile(r"(?<![\w.§#/=-])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d{4,}|\d+(?=\s?(?:%|×|x\b|[GMKT]i?B\b|"
+                    r"ms\b|µs\b|s\b|[GTP]FLOPs?\b|hours?\b|tok/s)))(?![\w.,]*\d)")
+YEAR = re.compile(r"(?:19|20)\d\d")
+NOT_FIGURES = re.compile(r"<!--.*?-->|[Ee]xercises? [\d.]+\w*|\]\([^)]*\)|--[\w-]+[ =]\S+|\w+=\S+|§[\d.]+|arXiv:? ?[\d.]+|https?://\S+")
+TYPED = re.compile(r"<!-- typed: (.+?) -- (.+?) -->")
+
+
+def prose_lines(chapter: Path) -> list[tuple[int, str]]:
+    """(line number, text) of a chapter's prose: outside fenced blocks, generated paragraphs and comments."""
+    fenced = generated = False
+    prose = []
+    for lineno, line in enumerate(chapter.read_text().splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif TEXT.search(line) or line.strip() == TEXT_END:
+            generated = TEXT.search(line) is not None
+        elif not fenced and not generated:
+            prose.append((lineno, NOT_FIGURES.sub(" ", line)))
+    return prose
+
+
+def printed(figure: str, values: set[str]) -> bool:
+    """A prose figure ("3.5", "1,051") is one of the printed numbers, once rounded to its digits."""
+    digits = len(figure.split(".")[1]) if "." in figure else 0
+    want = float(figure.replace(",", ""))
+    return any(math.isclose(round(float(v), digits), want, rel_tol=1e-12) for v in values)
+
+
+def untied_figures(chapter: Path) -> list[str]:
+    """Every figure of a chapter's prose that none of its checked blocks or generated paragraphs prints
+    and that the chapter does not declare typed."""
+    text = chapter.read_text()
+    shown = [line for _, lines in blocks(chapter) + text_blocks(chapter) for line in lines]
+    values = {n.replace(",", "") for line in shown for n in NUMBER.findall(line) if re.search(r"\d", n)}
+    values = {v.lstrip("+") for v in values if re.fullmatch(r"-?\+?\d*\.?\d+(?:e[-+]?\d+)?", v.lstrip("+"))}
+    values |= {str(float(v) * 100) for v in list(values)}  # 0.437 printed, "43.7%" written
+    typed = {f for figures, _ in TYPED.findall(text) for f in figures.split()}
+    errors = []
+    for lineno, line in prose_lines(chapter):
+        for figure in FIGURE.findall(line):
+            if YEAR.fullmatch(figure) or figure in typed or printed(figure, values):
+                continue
+            errors.append(f"{chapter.name}:{lineno}: {figure} is printed by no checked block of the chapter "
+                          f"(generate it, show it, or declare it `<!-- typed: {figure} -- why -->`)")
+    return errors
+
+
 def anchor_errors(doc: Path) -> list[str]:
     """Every link `[name](path.py#Ln)` in a Markdown file whose line n does not define `name`."""
     errors = []
@@ -306,10 +363,15 @@ def main(argv=None) -> int:
     for error in anchors:
         print(f"  ANCHOR: {error}")
     print(f"{len(anchors)} broken line anchor(s)" if anchors else "every line anchor points at its definition")
+    untied = [e for doc in chapters if doc.name[0].isdigit() for e in untied_figures(doc)]
+    for error in untied:
+        print(f"  FIGURE: {error}")
+    print(f"{len(untied)} figure(s) of the prose printed by no block" if untied
+          else "every figure of the prose is printed by a checked block or declared typed")
     failed = 0 if args.anchors else check_outputs(chapters)
     if not args.anchors:
         print(f"{failed} stale block(s)" if failed else "every captured block matches a fresh run")
-    return 1 if failed or anchors or stale_table else 0
+    return 1 if failed or anchors or untied or stale_table else 0
 
 
 if __name__ == "__main__":
