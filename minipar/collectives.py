@@ -338,8 +338,7 @@ def ring_all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
     The tensor is cut into N chunks. Reduce-scatter: for N-1 steps every rank sends one chunk to
     its right neighbour and adds the chunk arriving from its left; afterwards rank i holds the full
     sum of chunk i+1. All-gather: N-1 more steps pass the finished chunks around the ring. Every
-    rank sent 2(N-1) chunks of S/N bytes: the 2(N-1)/N * S of the formula.
-    """
+    rank sent 2(N-1) chunks of S/N bytes: the 2(N-1)/N * S of the formula."""
     n, i = group.size, group.rank
     if n == 1:
         return t

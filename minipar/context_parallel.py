@@ -187,8 +187,7 @@ def attention_messages(attention: str, tokens: int, heads: int, kv_heads: int, h
         ring     forward: its K and V, cp-1 hops; backward: K, V, dK, dV, cp hops (the last brings
                  them home). V too in the rotated width: it travels stacked with K, one message a hop.
         ulysses  an all-to-all of q, k, v and one of the output, each sending (cp-1)/cp of it;
-                 backward the same four, carrying gradients.
-    """
+                 backward the same four, carrying gradients."""
     forwards = 2 if replay else 1
     if attention == "ring":
         kv = tokens * kv_heads * head_dim * rotated  # this rank's K, or its V

@@ -44,7 +44,7 @@ def setting(default, help: str, group: str, *, choices=None, within=None, acts_w
                      (run/config.check_ranges); None, a preset's, is never tested
         acts_with    (words, condition of the config): set to anything but its default where the
                      condition is false, it would change nothing, and is refused (ops/command_line.parse_args)
-        plan         cut, memory or pipeline: the planner chooses it and prints it (Layout.as_flags)
+        plan         cut, memory, pipeline or optimizer: the planner chooses it and prints it (Layout.as_flags)
         shape        it overrides the field of its name in --model's preset"""
     meta = {"help": help.format(default=default), "group": group, "choices": choices, "within": within,
             "acts_with": acts_with, "plan": plan, "shape": shape}
@@ -130,7 +130,8 @@ class Layout:
     weight_decay: float = setting(0.1, "AdamW's (and Muon's), on matrices only", "optimisation",
                                   within=(lambda v: 0 <= v < math.inf, "0 or more"))
     optimizer: str = setting("adamw", "adamw, or muon: Muon on the matrices inside the blocks, AdamW on the "
-                             "embedding, head and norms (default: {default})", "optimisation", choices=OPTIMIZERS)
+                             "embedding, head and norms (default: {default})", "optimisation", choices=OPTIMIZERS,
+                             plan="optimizer")
     muon_lr: float = setting(0.02, "Muon's peak learning rate; the schedule scales it as it scales --lr",
                              "optimisation", within=(lambda v: 0 < v < math.inf, "a learning rate above 0"),
                              acts_with=MUON)
@@ -146,7 +147,7 @@ class Layout:
     muon_method: str = setting("gather", "ZeRO's slices and Muon's matrices: gather (every rank gathers each matrix "
                                "its slice cuts), owner (one rank per matrix gathers it and sends the slices back) or "
                                "whole (slices end between matrices: uneven; default: {default})",
-                               "optimisation", choices=MUON_METHODS, acts_with=MUON_ZERO)
+                               "optimisation", choices=MUON_METHODS, acts_with=MUON_ZERO, plan="optimizer")
     dtype: str | None = setting(None, "float64: all in float64 (proofs; no --precision); float32 = --precision "
                                 "fp32, bfloat16 = bf16-autocast", "optimisation", choices=DTYPES)
     precision: str | None = setting(None, "fp32; bf16-autocast (fp32 weights, bf16 matmuls); bf16-mixed (the ZeRO "
@@ -178,11 +179,11 @@ class Layout:
                              "one per pipeline stage, e.g. 3,1") from None
 
     def as_flags(self, base: Layout | None = None) -> str:
-        """The layout as train.py's flags: each setting the planner chooses (cut, memory, then pipeline)
+        """The layout as train.py's flags: each setting the planner chooses (cut, memory, pipeline, optimizer)
         that differs from its default or from `base`'s (a layout offered instead of `base`)."""
         base = base or type(self)()
-        chosen = [f for kind in ("cut", "memory", "pipeline") for f in fields(self) if f.metadata["plan"] == kind]
-        return " ".join(flag_of(f.name, getattr(self, f.name)) for f in chosen  # at its default, as in base: unsaid
+        picks = [f for k in ("cut", "memory", "pipeline", "optimizer") for f in fields(self) if f.metadata["plan"] == k]
+        return " ".join(flag_of(f.name, getattr(self, f.name)) for f in picks  # at its default, as in base: unsaid
                         if not getattr(self, f.name) == f.default == getattr(base, f.name))
 
     def model_config(self) -> ModelConfig:

@@ -175,8 +175,7 @@ class Groups:
 
 # The groups every rank builds, by name -> the dimensions they vary along.
 # pp_grad: the pipeline's ranks again, a second channel so activations and gradients never share one.
-GROUP_DIMS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "pp_grad": ("pp",),
-              "dp_cp": ("dp", "cp")}
+GROUP_DIMS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "pp_grad": ("pp",), "dp_cp": ("dp", "cp")}
 
 
 @dataclass

@@ -312,8 +312,7 @@ class Llama(nn.Module):
     def forward(self, tokens, targets=None, divisor=None):
         """tokens [b, s] -> logits [b, s, V], or, given targets (the tokens shifted by one; -100 is
         ignored), the next-token loss: the sum of the token losses / divisor (see cross_entropy)."""
-        return self.forward_stage(tokens, list(self.layers), first=True, last=True, targets=targets,
-                                  divisor=divisor)
+        return self.forward_stage(tokens, list(self.layers), first=True, last=True, targets=targets, divisor=divisor)
 
     def forward_stage(self, x, layer_ids, first: bool, last: bool, targets=None, divisor=None):
         """Run layers `layer_ids` on x: tokens if `first` (embed them), else the activations [b, s, d]

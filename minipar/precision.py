@@ -60,8 +60,7 @@ def resolve(precision: str | None, dtype: str | None = None, grad_reduce: str | 
         --dtype float64 | float32   one dtype throughout (float32 is --precision fp32); float64
                                     takes no --precision (the proofs run in float64 alone)
         --dtype bfloat16            the older spelling of --precision bf16-autocast
-        neither                     fp32 on CPU, bf16-autocast on CUDA (what the benchmarks ran)
-    """
+        neither                     fp32 on CPU, bf16-autocast on CUDA (what the benchmarks ran)"""
     if precision not in (None, *PRECISIONS):
         raise ValueError(f"--precision {precision}: choose {', '.join(PRECISIONS)}")
     if dtype not in (None, *DTYPES):

@@ -148,8 +148,7 @@ def region_messages(stream: int, product: int, tp: int, sequence_parallel: bool)
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y_r = X A_r: this rank's block of output features. Every rank needs all of X: f on entry
-    (`project`)."""
+    """Y_r = X A_r: this rank's block of output features. Every rank needs all of X: f on entry (`project`)."""
 
     rows = None  # every row of the weight is used (ReplicatedRowsLinear: some)
 

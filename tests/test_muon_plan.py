@@ -109,3 +109,56 @@ def test_the_planners_clock_weighs_muons_method_newton_schulz_and_messages():
             for m in (None, "gather", "owner")}
     time = {m: step_time(c, cfg, Cluster(64))["total"] for m, cfg in cfgs.items()}
     assert time[None] < time["owner"] < time["gather"]
+
+
+def test_the_planner_weighs_muon_and_picks_it_where_its_one_buffer_fits_a_faster_layout():
+    """1B on 8 GPUs of 8 GB: AdamW's two moments force recompute; Muon's one buffer lets ZeRO-3 run without it,
+    faster. Asked to weigh both, the planner ranks them together and picks Muon with its method; asked for
+    AdamW alone (the default: the optimizer changes the training, so it is the user's to ask), never Muon."""
+    from dataclasses import replace
+
+    from minipar.planning.estimate import peak_bytes
+    from minipar.planning.planner import Cluster, plan
+
+    cluster, c = Cluster(8, memory=8e9), get_config("1b")
+    adamw, _ = plan("1b", cluster, 4096, 64, 1, ("adamw",))
+    both, _ = plan("1b", cluster, 4096, 64, 1, ("adamw", "muon"))
+    assert adamw and all(ch.cfg.optimizer == "adamw" for ch in adamw)
+    best = both[0]
+    assert best.cfg.optimizer == "muon" and best.time["total"] < adamw[0].time["total"], (best.flags(), adamw[0])
+    assert peak_bytes(c, replace(best.cfg, optimizer="adamw", muon_method="gather")) > cluster.usable
+    assert "--optimizer muon --muon-method owner" in best.flags()  # the method is the planner's choice too
+    methods = {(ch.cfg.muon_method, ch.cfg.zero > 0) for ch in both if ch.cfg.optimizer == "muon"}
+    assert methods == {("gather", False), ("gather", True), ("owner", True), ("whole", True)}  # methods need ZeRO
+
+
+def test_the_clock_does_not_hide_muons_messages_behind_backward():
+    """Muon's gathers come in the optimizer's step, after backward: a step long enough to hide all of
+    AdamW's dp traffic still pays every byte of Muon's, at the link's bandwidth."""
+    from minipar.planning.estimate import rank_model, zero_buckets
+    from minipar.planning.estimate_muon import muon_messages
+    from minipar.planning.planner import Cluster, step_time
+
+    c, cluster = get_config("8b"), Cluster(64)
+    base = dict(model="8b", dp=64, zero=1, precision="bf16-mixed", seq_len=4096, global_batch=1024, micro_batch=1)
+    assert step_time(c, TrainConfig(**base), cluster)["dp"] == 0  # AdamW's reduce-scatter and gather: hidden
+    cfg = TrainConfig(**base, optimizer="muon")
+    model = rank_model(c, cfg)
+    sent = sum(n for key, n in muon_messages(model, cfg, zero_buckets(model, cfg)) if key.startswith("dp/"))
+    assert sent > 0 and step_time(c, cfg, cluster)["dp"] == pytest.approx(sent / cluster.inter_bandwidth, rel=1e-9)
+
+
+def test_plan_py_weighs_both_optimizers_when_asked(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "tools" / "plan.py"
+    spec = importlib.util.spec_from_file_location("plan_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--model", "1b", "--gpu-memory", "8GB", "--seq-len", "4096", "--global-batch", "64",
+                 "--optimizer", "both"])
+    out = capsys.readouterr().out
+    assert "The choice: --dp 2 --tp 4 --sp --zero 3 --optimizer muon --muon-method owner." in out
+    assert "  AdamW: best is --dp 2 --tp 4 --sp --zero 1 --recompute-selective" in out
+    assert "  Muon, --muon-method whole: best is" in out

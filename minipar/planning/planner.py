@@ -18,13 +18,14 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from itertools import islice
+from itertools import islice, product
 
 import torch
 
 from minipar.comm_clock import exposed_line
 from minipar.layout import Layout
 from minipar.model import ModelConfig, get_config
+from minipar.muon import MUON_METHODS
 from minipar.pipeline.schedules import build as build_schedule
 from minipar.pipeline.timeline import simulate
 from minipar.planning.estimate import (
@@ -32,10 +33,12 @@ from minipar.planning.estimate import (
     held_bytes,
     layer_activation_bytes,
     peak_bytes,
+    rank_model,
     replayed_bytes,
     temporary_bytes,
+    zero_buckets,
 )
-from minipar.planning.estimate_muon import ns_flops_per_rank
+from minipar.planning.estimate_muon import muon_messages, ns_flops_per_rank
 from minipar.planning.traffic import bytes_by_key, bytes_sent, calls_by_group, pipeline_messages, traffic
 from minipar.precision import of_config
 
@@ -68,19 +71,21 @@ class Cluster:
         return self.memory * (1 - self.headroom)
 
 
-def layouts(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_batch: int = 1):
-    """Every layout of the cluster's GPUs that passes minipar's own checks; tp never leaves a node."""
+def layouts(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_batch: int = 1,
+            optimizer: str = "adamw"):
+    """Every layout of the GPUs that passes minipar's checks (tp within a node; each Muon method under ZeRO)."""
     c = get_config(model)
     g = cluster.gpus
     for tp in (t for t in range(1, cluster.gpus_per_node + 1) if g % t == 0):  # the heads: validate's rule
         for pp in (p for p in range(1, c.n_layers + 1) if (g // tp) % p == 0):
             for cp in (x for x in ((1, 2, 4, 8) if seq_len >= 8192 else (1,)) if g // (tp * pp) % x == 0):
                 for zero in (0, 1, 2, 3):
-                    for full, selective, mlp in RECOMPUTE:
+                    methods = MUON_METHODS if optimizer == "muon" and zero else ("gather",)
+                    for (full, selective, mlp), method in product(RECOMPUTE, methods):
                         cfg = Layout(model=model, dp=g // (tp * pp * cp), tp=tp, pp=pp, cp=cp, sp=tp > 1, zero=zero,
                                      recompute=full, recompute_selective=selective, recompute_mlp=mlp, seq_len=seq_len,
                                      global_batch=global_batch, micro_batch=micro_batch, dtype="bfloat16",
-                                     vocab_size=c.vocab_size)
+                                     vocab_size=c.vocab_size, optimizer=optimizer, muon_method=method)
                         try:
                             cfg.validate(g)
                         except ValueError:
@@ -113,7 +118,7 @@ def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]
     sent, calls = bytes_by_key(step), calls_by_group(step)
     between = pipeline_messages(c, cfg, min(1, cfg.pp - 1))  # a middle stage's messages between stages: the most
 
-    def over(prefix: str, span: int, size: int) -> float:
+    def over(prefix: str, span: int, size: int, sent=sent, calls=calls) -> float:
         latency, bandwidth = _link(cluster, span, size)
         return calls[prefix] * latency + sum(v for k, v in sent.items() if k.split("/")[0] == prefix) / bandwidth
     idle = pipeline_idle(cfg.schedule, cfg.pp, cfg.accum_steps, cfg.virtual_stages)  # of the whole step
@@ -123,10 +128,13 @@ def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]
              + sum(n for _, n in between) / bandwidth}  # the micro-batches' turns
     group = "dp_cp" if cfg.cp > 1 else "dp"
     dp = over(group, cfg.tp * cfg.cp * cfg.dp, cfg.dp * cfg.cp)
+    model = rank_model(c, cfg)  # pp rank 0's, as traffic's
+    mine = Counter(muon_messages(model, cfg, zero_buckets(model, cfg) if cfg.zero else []))
+    muon = over(group, cfg.tp * cfg.cp * cfg.dp, cfg.dp * cfg.cp, bytes_by_key(mine), calls_by_group(mine))
     # dp hides behind backward, but for plain dp's last bucket, whose all-reduce is posted once backward is
-    # done: one of its messages but train_step's count of targets
-    last = dp / max(1, calls[group] - 1) if cfg.zero == 0 else 0.0
-    parts = {**turns, "dp": max(last, dp - 2 / 3 * compute),
+    # done (one of its messages but train_step's count of targets) and Muon's, in the optimizer's step
+    last = (dp - muon) / max(1, calls[group] - 1) if cfg.zero == 0 else 0.0
+    parts = {**turns, "dp": muon + max(last, dp - muon - 2 / 3 * compute),
              "bubble": idle / (1 - idle) * sum(turns.values())}  # idle f of the step is f / (1 - f) of the turns
     return {**parts, "total": sum(parts.values())}
 
@@ -163,24 +171,25 @@ class Choice:
         return self.cfg.as_flags()
 
 
-def plan(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_batch: int = 1):
-    """(the layouts that fit, fastest first; how many did not fit)."""
+def plan(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_batch: int = 1, optimizers=("adamw",)):
+    """(the layouts that fit under any of the optimizers, fastest first; how many did not fit)."""
     c = get_config(model)
     if c.n_experts:
         raise ValueError(f"--model {model}: the planner does not search expert-parallel layouts yet (ep "
                          f"and the all-to-all's time); choose a dense model, or ask train.py --plan about one layout")
-    weighed = list(weigh(model, cluster, seq_len, global_batch, micro_batch))
+    weighed = [ch for opt in optimizers for ch in weigh(model, cluster, seq_len, global_batch, micro_batch, opt)]
     fits = [ch for ch in weighed if ch.time is not None]
     return sorted(fits, key=lambda ch: (round(ch.time["total"], 6), ch.cfg.tp * ch.cfg.pp * ch.cfg.cp,
                                         ch.cfg.virtual_stages)), len(weighed) - len(fits)
 
 
 @lru_cache(maxsize=8)  # a question asked again in one process (the figures and the tests ask 8b's twice)
-def weigh(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_batch: int = 1) -> tuple[Choice, ...]:
+def weigh(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_batch: int = 1,
+          optimizer: str = "adamw") -> tuple[Choice, ...]:
     """Every layout the planner weighs, with its fullest rank's bytes, timed where they fit the usable
     memory: those of `layouts`, and each pipelined one that fits interleaved too."""
     c, weighed = get_config(model), []
-    for cfg in layouts(model, cluster, seq_len, global_batch, micro_batch):
+    for cfg in layouts(model, cluster, seq_len, global_batch, micro_batch, optimizer):
         weighed.append(_weighed(c, cfg, cluster))
         if cfg.pp > 1 and weighed[-1].time is not None:
             weighed += interleaved_twins(c, weighed[-1], cluster)

@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 from minipar.collectives import ring_bytes_sent
 from minipar.layout import Layout
 from minipar.model import CONFIGS, Llama, get_config
+from minipar.muon import MUON_METHODS
 from minipar.ops.args import (
     HelpFormatter,
     Parser,
@@ -76,6 +77,10 @@ def parse_args(argv=None):
     p.add_argument("--mfu", type=fraction, default=0.45, help="the share of peak the matmuls reach")
     p.add_argument("--intra-gbps", type=positive_float, default=450.0, help="GB/s per GPU inside a node (NVLink)")
     p.add_argument("--inter-gbps", type=positive_float, default=50.0, help="GB/s per GPU between nodes (InfiniBand)")
+    p.add_argument("--optimizer", choices=("adamw", "muon", "both"), default="adamw",
+                   help="the optimizer of the layouts weighed: adamw, muon (each --muon-method under ZeRO: one "
+                        "momentum buffer where AdamW holds two, plus Newton-Schulz and its gathers), or both, "
+                        "ranked together (the choice of optimizer changes the training: the planner weighs, you pick)")
     p.add_argument("--top", type=positive_int, default=8, help="how many layouts to list")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine, predict and run the layouts of --calibrate-layouts (minutes)")
@@ -117,6 +122,10 @@ def why_not(best, fits, args, cluster) -> list[str]:
               "recompute of whole layers": lambda x: x.recompute,
               "selective recompute (the cheap ops)": lambda x: x.recompute_selective,
               "recompute of the MLPs (the most expensive part)": lambda x: x.recompute_mlp}
+    if args.optimizer != "adamw":  # Muon's methods (muon.py), and AdamW where both are weighed
+        common |= {f"Muon, --muon-method {m}": lambda x, m=m: x.optimizer == "muon" and x.muon_method == m and x.zero
+                   for m in MUON_METHODS}
+        common |= {"AdamW": lambda x: x.optimizer == "adamw"} if args.optimizer == "both" else {}
     for name, test in common.items():
         if test(best.cfg):
             lines.append(f"  {name}: the choice itself")
@@ -321,7 +330,8 @@ def main(argv=None) -> None:
                              f"{get_config(args.model).max_seq_len}: give {get_config(args.model).max_seq_len} or less")
         cluster = Cluster(args.gpus, args.gpus_per_node, args.gpu_memory, args.peak_tflops * 1e12, args.mfu,
                           args.intra_gbps * 1e9, args.inter_gbps * 1e9, headroom=args.headroom)
-        fits, too_big = plan(args.model, cluster, args.seq_len, args.global_batch, args.micro_batch)
+        optimizers = ("adamw", "muon") if args.optimizer == "both" else (args.optimizer,)
+        fits, too_big = plan(args.model, cluster, args.seq_len, args.global_batch, args.micro_batch, optimizers)
     c = get_config(args.model)
     print(f"{args.model}: {c.num_params() / 1e9:.2f}B parameters on {args.gpus} GPUs ({args.gpus_per_node} per "
           f"node, {cluster.memory / 1e9:.0f} GB each, {cluster.usable / 1e9:.1f} GB of it usable: {args.headroom:.0%} "
