@@ -157,7 +157,8 @@ def test_a_figure_of_the_prose_must_be_printed_by_a_block_of_its_chapter_or_decl
     chapter = tmp_path / "99_planted.md"
     block = ("<!-- output: python scripts/course/step_00_one_device.py -->\n"
              "```\nstep time 3.47 s, 1051 params, 0.437, off by 2.14e-17\n```\n")
-    chapter.write_text(block + "It takes 3.5 s for 1,051 parameters, 43.7% of them, to 2.1e-17, in 2024 (exercise 11.1).\n")
+    chapter.write_text(block + "It takes 3.5 s for 1,051 parameters, 43.7% of them, to 2.1e-17, in 2024 "
+                               "(exercise 11.1).\n")
     assert docs_check.untied_figures(chapter) == []  # rounded, comma'd, as a percentage, in e-notation: printed
     chapter.write_text(block + "Off by 2.2e-17.\n")
     errors = docs_check.untied_figures(chapter)  # e-notation is read whole, not as its mantissa 2.2

@@ -222,8 +222,8 @@ def within(line: str, steps: int | None) -> bool:
 
 
 # A figure of the prose: 1.5, 3.8e-14, 1,051, 4096, 12 ms, 43%, 3x (not 2024 or 1990: a year).
-FIGURE = re.compile(r"(?<![\w.§#/=-])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+(?:e[-+]?\d+)?|\d{4,}|\d+(?=\s?(?:%|×|x\b|[GMKT]i?B\b|"
-                    r"ms\b|µs\b|s\b|[GTP]FLOPs?\b|hours?\b|tok/s)))(?![\w.,]*\d)")
+FIGURE = re.compile(r"(?<![\w.§#/=-])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+(?:e[-+]?\d+)?|\d{4,}|"
+                    r"\d+(?=\s?(?:%|×|x\b|[GMKT]i?B\b|ms\b|µs\b|s\b|[GTP]FLOPs?\b|hours?\b|tok/s)))(?![\w.,]*\d)")
 YEAR = re.compile(r"(?:19|20)\d\d")
 NOT_FIGURES = re.compile(r"<!--.*?-->|[Ee]xercises? [\d.]+\w*|\]\([^)]*\)|--[\w-]+[ =]\S+|\w+=\S+|§[\d.]+|arXiv:? ?[\d.]+|https?://\S+")
 TYPED = re.compile(r"<!-- typed: (.+?) -- (.+?) -->")
