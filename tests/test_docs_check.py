@@ -156,9 +156,13 @@ def test_every_chapter_is_at_most_about_400_lines_of_prose():
 def test_a_figure_of_the_prose_must_be_printed_by_a_block_of_its_chapter_or_declared_typed(tmp_path):
     chapter = tmp_path / "99_planted.md"
     block = ("<!-- output: python scripts/course/step_00_one_device.py -->\n"
-             "```\nstep time 3.47 s, 1051 params, 0.437\n```\n")
-    chapter.write_text(block + "It takes 3.5 s for 1,051 parameters, 43.7% of them, in 2024 (exercise 11.1).\n")
-    assert docs_check.untied_figures(chapter) == []  # rounded, comma'd and as a percentage: printed
+             "```\nstep time 3.47 s, 1051 params, 0.437, off by 2.14e-17\n```\n")
+    chapter.write_text(block + "It takes 3.5 s for 1,051 parameters, 43.7% of them, to 2.1e-17, in 2024 "
+                               "(exercise 11.1).\n")
+    assert docs_check.untied_figures(chapter) == []  # rounded, comma'd, as a percentage, in e-notation: printed
+    chapter.write_text(block + "Off by 2.2e-17.\n")
+    errors = docs_check.untied_figures(chapter)  # e-notation is read whole, not as its mantissa 2.2
+    assert len(errors) == 1 and ":5: 2.2e-17 is printed by no checked block" in errors[0], errors
     chapter.write_text(block.replace("3.47", "4.02") + "It takes 3.5 s (`--lr 3e-4`, seq=4096).\n")
     errors = docs_check.untied_figures(chapter)  # the block brought up to date: the prose's 3.5 is stale
     assert len(errors) == 1 and ":5: 3.5 is printed by no checked block" in errors[0], errors

@@ -182,8 +182,11 @@ def part_a_b(mesh: Mesh) -> None:
             each_rank("  besides: DataParallel's flat all-reduce buffers, one per bucket, kept between steps",
                       f"{r['dp_buffers']:,} bytes")
         if stage == 3:
-            each_rank("  besides: whole weights present at once (looked at as units start, gradients arrive), at most",
-                      f"{r['weights_peak']:,} bytes ({' + '.join(r['weights_units'])})")
+            ends = CFG.vocab_size * CFG.dim * (1 if CFG.tie_embeddings else 2)  # the embedding and the head
+            each_rank("  besides: whole weights present at once (looked at as units start, gradients arrive), at most;"
+                      f" the embedding and the head are {ends / psi:.0%} of Psi",
+                      f"{r['weights_peak']:,} bytes ({' + '.join(r['weights_units'])}), "
+                      f"{r['weights_peak'] / (4 * psi):.0%} of all weights")
 
     say("\n(b) bytes sent by each rank in one step (mesh ledger), float32 = 4 bytes per element")
     say(f"  {'stage':<7}{'group/op':<22}{'calls':>6}{'payload B':>14}{'sent B':>14}{'sent elements':>15}")

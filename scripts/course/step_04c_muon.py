@@ -23,7 +23,7 @@ import torch.distributed as dist
 from course_common import each_rank, finish, say, start_gloo
 
 from minipar.mesh import Mesh
-from minipar.model import get_config
+from minipar.model import Llama, get_config
 from minipar.muon import ns_flops, whole_shape
 from minipar.parallelize import build_grad_sync, optimizer_of
 from minipar.planning.estimate import held_bytes, rank_model, zero_buckets
@@ -31,6 +31,7 @@ from minipar.planning.estimate_muon import muon_messages, muon_work, ns_flops_pe
 from minipar.planning.traffic import bytes_sent
 from minipar.run.config import TrainConfig
 from minipar.run.train import build_model, train_step
+from minipar.zero import kept_whole
 
 CFG = get_config("tiny")
 ROWS, SEQ, BUCKET_MB = 8, 32, 0.02
@@ -91,7 +92,11 @@ def main() -> None:
                       f"{measured:>7,} (formula: {formula}); {sent == estimate}")
             say("")
         worst = max(float((final[m] - final["gather"]).abs().max()) for m in METHODS)
-        say(f"(c) the largest weight difference between the three methods after the step: {worst:.1e}\n")
+        say(f"(c) the largest weight difference between the three methods after the step: {worst:.1e}")
+        sizes = [q.numel() for q in Llama(CFG, seed=0).layers["0"].parameters() if q.dim() == 2]  # a layer's 7
+        takes = " and ".join(f"{kept_whole(sizes, k)[1]:,} over {k} ranks" for k in (2, 4))
+        say(f"    whole's uneven slices (kept_whole): one layer's {len(sizes)} matrices, {sum(sizes):,} numbers, "
+            f"take {takes}\n")
         if dist.get_rank() == 0:
             at_scale()
         finish(mesh)
