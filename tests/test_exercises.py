@@ -557,3 +557,22 @@ def test_a_switch_off_leaves_the_library_as_it_was_even_after_a_reload():
     assert sys.modules["minipar.context_parallel"] is minipar.context_parallel
     assert importlib._bootstrap_external._LoaderBasics.exec_module is exec_module
     assert sys.modules["checks"] is checks and sys.modules["check_common"] is check_common
+
+
+def test_a_library_module_first_imported_while_the_answer_is_off_gets_the_originals_back():
+    """A student's `from minipar.tensor_parallel import all_reduce` (exercise 1.1's re-export) imports
+    tensor_parallel for the first time while all_reduce is off: it binds the stand-in. After the check,
+    every library module holds the original again; else a later check in the same worker (4.1's, on the
+    test pool's ranks) met 1.1's refusal."""
+    import types
+
+    import minipar.collectives
+    original, planted = minipar.collectives.all_reduce, types.ModuleType("minipar._planted")
+    with check_common.switched_off(("minipar.collectives:all_reduce",)):
+        planted.all_reduce = minipar.collectives.all_reduce  # what the import binds while the answer is off
+        sys.modules["minipar._planted"] = planted
+        assert planted.all_reduce is not original
+    try:
+        assert planted.all_reduce is original and minipar.collectives.all_reduce is original
+    finally:
+        del sys.modules["minipar._planted"]
