@@ -7,6 +7,7 @@ right result by the wrong traffic or order; the library's answer by each route: 
 re-export, a reload, a sibling, its source executed, the reference run; a prediction that is code,
 or found by bisecting), naming what differs. The answers are in tests/exercises/answers/."""
 
+import ast
 import json
 import sys
 from pathlib import Path
@@ -22,6 +23,8 @@ import checks_answers_4_9  # noqa: E402
 import checks_collectives  # noqa: E402
 import checks_fault_tolerance  # noqa: E402
 from check_common import Predict, load  # noqa: E402
+
+from minipar import course  # noqa: E402
 
 ANSWERS = Path(__file__).parent / "exercises" / "answers"
 
@@ -157,7 +160,8 @@ RIGHT_ANSWERS = [(number, which) for number, answers in sorted(RIGHT.items()) fo
 OFF_AT = {"0.1": "minipar.planning.estimate.", "1.1": "minipar.collectives.", "2.1": "minipar.data_parallel.",
           "2.2": "minipar.data_parallel.", "3.1": "minipar.zero.", "4.1": "minipar.tensor_parallel.",
           "5.1": "minipar.context_parallel.", "6.1": "minipar.pipeline.schedules.",
-          "7.1": "minipar.expert_parallel.", "8.1": "minipar.zero.", "10b.2": "minipar.extras.replicas."}
+          "7.1": "minipar.expert_parallel.", "8.1": "minipar.zero.", "10b.2": "minipar.extras.replicas.",
+          "11.1": "minipar.parallelize."}
 DELEGATES = {
     "0.1": {"wrong_reexport": "activation_bytes", "wrong_reload": "activation_bytes",
             "wrong_sibling": "layer_activation_bytes"},
@@ -181,6 +185,11 @@ DELEGATES = {
     "7.1": {"wrong_reload": "expert_parallel_dispatch", "wrong_reexport": "minipar.moe.MoE " + OFF},
     "8.1": {"wrong_reload": "model_state_bytes", "wrong_sibling": "minipar.precision.model_state_bytes " + OFF},
     "10b.2": {"wrong_reload": "Replicas.gate"},
+    "11.1": {"wrong_reload": "recompute_layers", "wrong_reexport": "recompute_layers",  # parallelize, held elsewhere
+             "wrong_sibling": "keep_expensive",  # the library's policy, which torch calls back in the checker's step
+             "wrong_exec_source": "reading minipar/parallelize.py is off in this exercise",
+             "wrong_runs_reference": "reading tests/exercises/answers/ex11_1_reference.py is off in this exercise",
+             "wrong_reads_reference": "reading tests/exercises/answers/ex11_1_reference.py is off in this exercise"},
 }
 for _number, _says in DELEGATES.items():
     for _which, _what in _says.items():  # a bare name: the library's function of that name, off
@@ -207,6 +216,83 @@ def test_every_exercise_has_its_file_a_reference_and_a_catalogue_of_wrong_answer
             assert len(WRONG_SAYS[number]) >= 3, number
 
 
+# An exercise uses its own chapter's tools and earlier ones' (minipar/course.py's map, the order
+# tests/test_structure.py holds the library to): a chapter-3 table is not built with chapter 8's estimator
+# or chapter 10's TrainConfig. The starters, the reference and right answers, and the wrong answers that
+# make a plausible mistake are held to it; the wrong answers that reach the library's answer by a route
+# (their report says it "is off") are not: they take it from wherever a student could find it.
+LIBRARY = Path(course.__file__).parent
+
+
+def _library_file(module: str) -> str | None:
+    """The file under minipar/ of module `module` (minipar.planning.estimate), or None if it is none."""
+    parts = module.split(".")
+    if parts[0] != "minipar":
+        return None
+    for tail in ("/".join(parts[1:]) + ".py", "/".join([*parts[1:], "__init__.py"])):
+        if (LIBRARY / tail).is_file():
+            return tail
+    return None
+
+
+def later_chapter_imports(path: Path, number: str) -> list[str]:
+    """Each minipar module that `path`, an exercise of chapter `number.split('.')[0]`, imports anywhere in
+    it (at the top, in a function, under `if __name__`) which a later chapter teaches: 'module (chapter)'."""
+    chapter, found = number.split(".")[0], []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]  # `from minipar import moe` too
+        else:
+            continue
+        for name in names:
+            while name and _library_file(name) is None:  # minipar.zero.model_state_bytes -> minipar.zero
+                name = name.rpartition(".")[0]
+            if name and course.ORDER[taught := course.chapter_of(_library_file(name)).number] > course.ORDER[chapter]:
+                found.append(f"{name} ({taught})")
+    return sorted(set(found))
+
+
+def _exercise_files() -> list[tuple[Path, str]]:
+    """(file, exercise number) of every exercise starter and every answer of tests/exercises/answers/."""
+    files = [(checks.EXERCISES_DIR / name, number) for number, (name, *_) in checks.EXERCISES.items()]
+    for path in sorted(ANSWERS.glob("ex*.py")):
+        chapter, _, rest = path.stem[2:].partition("_")  # ex4c_1_reference: 4c, 1_reference
+        files.append((path, f"{chapter}.{rest.partition('_')[0]}"))
+    return files
+
+
+def _routes_to_the_library() -> set[Path]:
+    return {answer(number, which) for number, says in WRONG_SAYS.items() for which, said in says.items()
+            if "is off in this exercise" in said}
+
+
+def test_no_exercise_imports_a_later_chapters_module():
+    routes, late = _routes_to_the_library(), {}
+    for path, number in _exercise_files():
+        if path not in routes and (found := later_chapter_imports(path, number)):
+            late[f"{path.relative_to(check_common.ROOT)} (chapter {number.split('.')[0]})"] = found
+    assert late == {}, late
+
+
+def test_an_exercises_import_of_a_later_chapter_is_found_wherever_it_is(tmp_path):
+    """The check above could fail: a planted chapter-3 file that builds its table with chapter 8's
+    estimator and chapter 10's TrainConfig (in its `__main__` block, in a function) is caught; its own
+    chapter's and earlier ones' imports are not."""
+    planted = tmp_path / "ex3_3_explore_planted.py"
+    planted.write_text("import minipar.zero\nfrom minipar.model import get_config\nfrom minipar import zero3\n"
+                       "if __name__ == '__main__':\n    from minipar.planning.estimate import peak_bytes\n"
+                       "def table():\n    from minipar import layout\n    import minipar.run.config\n"
+                       "    from minipar.precision import widths\n")
+    assert later_chapter_imports(planted, "3.3") == ["minipar.layout (8)", "minipar.planning.estimate (8)",
+                                                     "minipar.precision (3b)", "minipar.run.config (10)"]
+    assert later_chapter_imports(planted, "10.1") == []
+    assert (checks.EXERCISES_DIR / "ex3_3_explore_zero3_dp.py", "3.3") in _exercise_files()
+    assert (answer("11.1", "wrong_reexport"), "11.1") in _exercise_files()  # 4c, 10b: the chapter's own number
+    assert (answer("4c.1", "reference"), "4c.1") in _exercise_files()
+
+
 def test_every_chapter_0_to_9_has_three_exercises_and_1_to_8_implement_and_predict_or_explore():
     kinds: dict[str, set] = {}
     for number, (_, kind, *_) in checks.EXERCISES.items():
@@ -220,13 +306,13 @@ def test_every_chapter_0_to_9_has_three_exercises_and_1_to_8_implement_and_predi
 
 
 def test_the_catalogue_holds_each_kind_of_wrong_answer():
-    """Each implement exercise (the capstone's aside): the algorithm's mistakes (a wrong result, the
+    """Each implement exercise (the capstone's too): the algorithm's mistakes (a wrong result, the
     right one by the wrong traffic or order), and the library's answer by an import, a reload, and a
     re-export or a sibling; each predict exercise: an ANSWER that is code (and a test
     bisects each: test_predict_cannot_be_bisected_...)."""
     for number, (_, kind, _, checker, _) in checks.EXERCISES.items():
         says = WRONG_SAYS[number]
-        if kind == "implement" and number != "11.1":
+        if kind == "implement":
             mistakes = [w for w, said in says.items() if OFF not in said and "is off in this exercise" not in said]
             assert len(mistakes) >= 2, number  # a wrong result, and a right one by the wrong traffic or order
             assert {"wrong_reload"} <= set(says) and {"wrong_reexport", "wrong_sibling"} & set(says), number
@@ -471,3 +557,22 @@ def test_a_switch_off_leaves_the_library_as_it_was_even_after_a_reload():
     assert sys.modules["minipar.context_parallel"] is minipar.context_parallel
     assert importlib._bootstrap_external._LoaderBasics.exec_module is exec_module
     assert sys.modules["checks"] is checks and sys.modules["check_common"] is check_common
+
+
+def test_a_library_module_first_imported_while_the_answer_is_off_gets_the_originals_back():
+    """A student's `from minipar.tensor_parallel import all_reduce` (exercise 1.1's re-export) imports
+    tensor_parallel for the first time while all_reduce is off: it binds the stand-in. After the check,
+    every library module holds the original again; else a later check in the same worker (4.1's, on the
+    test pool's ranks) met 1.1's refusal."""
+    import types
+
+    import minipar.collectives
+    original, planted = minipar.collectives.all_reduce, types.ModuleType("minipar._planted")
+    with check_common.switched_off(("minipar.collectives:all_reduce",)):
+        planted.all_reduce = minipar.collectives.all_reduce  # what the import binds while the answer is off
+        sys.modules["minipar._planted"] = planted
+        assert planted.all_reduce is not original
+    try:
+        assert planted.all_reduce is original and minipar.collectives.all_reduce is original
+    finally:
+        del sys.modules["minipar._planted"]

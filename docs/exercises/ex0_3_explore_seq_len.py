@@ -28,7 +28,7 @@ if __name__ == "__main__":  # chapter 0's own tools: the plain model, and autogr
     for seq_len in (64, 128, 256, 512, 1024):
         kept: dict[int, int] = {}  # each storage autograd keeps for backward, once
 
-        def pack(t):
+        def pack(t, kept=kept):  # this length's dict
             kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
         tokens = torch.randint(0, c.vocab_size, (1, seq_len + 1), generator=torch.Generator().manual_seed(0))

@@ -2,8 +2,9 @@
 
 1F1B on p = 4 stages (F = 1, B = 2). Run this file: it simulates the schedule for m = 1..40
 micro-batches and prints the idle fraction (as a decimal, and as the fraction it is). What is the
-fewest micro-batches at which the bubble is under 10% (strictly: exactly 10% is not under)? What does each extra micro-batch cost instead (chapter 6, "Activation memory";
-and with a fixed global batch, what happens to each micro-batch)?
+fewest micro-batches at which the bubble is under 10% (strictly: exactly 10% is not under)? What
+does each extra micro-batch cost instead (chapter 6, "Activation memory"; and with a fixed global
+batch, what happens to each micro-batch)?
 
     python docs/exercises/ex6_4_explore_microbatches.py
 

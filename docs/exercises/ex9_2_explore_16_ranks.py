@@ -25,17 +25,17 @@ LAYOUTS = {"A": dict(dp=16), "B": dict(dp=16, zero=3), "C": dict(dp=8, tp=2, sp=
            "F": dict(dp=1, tp=4, pp=2, cp=2, sp=True)}
 
 if __name__ == "__main__":
+    from minipar.layout import Layout
     from minipar.model import get_config
     from minipar.planning.estimate import peak_bytes
     from minipar.planning.traffic import bytes_sent
-    from minipar.run.config import TrainConfig
 
     c = get_config("small", vocab_size=256)
     for seq_len in (32, 64, 128):
         print(f"--seq-len {seq_len}")
         for letter, layout in LAYOUTS.items():
-            cfg = TrainConfig(model="small", vocab_size=256, seq_len=seq_len, global_batch=16, micro_batch=1,
-                              dtype="float64", **layout)
+            cfg = Layout(model="small", vocab_size=256, seq_len=seq_len, global_batch=16, micro_batch=1,
+                         dtype="float64", **layout)
             busiest = max(sum(bytes_sent(c, cfg, r).values()) for r in range(cfg.pp))
             groups: dict[str, int] = {}
             for key, value in bytes_sent(c, cfg).items():  # pp rank 0's, by group

@@ -52,11 +52,21 @@ _ATTEMPTING = [0]  # > 0 while the checker calls one of the student's functions
 
 def attempt(fn, *args):
     """Call the student's fn; a NotImplementedError becomes NotImplementedYet with its hint."""
-    _ATTEMPTING[0] += 1
     try:
-        return fn(*args)
+        with students_code():
+            return fn(*args)
     except NotImplementedError as e:
         raise NotImplementedYet(f"{getattr(fn, '__name__', fn)}: not implemented yet ({e})") from None
+
+
+@contextlib.contextmanager
+def students_code():
+    """While the checker runs what the student's function installed (a layer's forward it replaced,
+    a policy torch calls back): the library's switched-off answer refuses there as in the student's
+    own call, though no line of the student's file is on the call stack when torch calls it."""
+    _ATTEMPTING[0] += 1
+    try:
+        yield
     finally:
         _ATTEMPTING[0] -= 1
 
@@ -101,7 +111,7 @@ def _student_on_stack() -> bool:
     return False
 
 
-_REFUSERS: set[int] = set()  # the ids of the refusing stand-ins (kept alive by `saved` while they count)
+_REFUSERS: dict[int, tuple] = {}  # id of each refusing stand-in: (it, the original it stands in for)
 
 
 def _refusing(original, name: str, why: str):
@@ -110,7 +120,7 @@ def _refusing(original, name: str, why: str):
             return original(*args, **kwargs)  # the checker's own call
         raise RuntimeError(f"{name} is off in this exercise: {why}")
     refuse.__name__ = getattr(original, "__name__", name)
-    _REFUSERS.add(id(refuse))
+    _REFUSERS[id(refuse)] = (refuse, original)
     return refuse
 
 
@@ -236,9 +246,22 @@ def switched_off(names: tuple[str, ...], why: str = "it is the library's own ans
         for name, (module, attributes) in library.items():  # what a reload or a fresh import replaced
             sys.modules[name] = module
             module.__dict__.update(attributes)
+        _unbind_refusers()
         sys.modules.update(hidden)
         _REFUSERS.clear()
         _RUN = None
+
+
+def _unbind_refusers() -> None:
+    """A library module first imported while the answer was off (a student's `from minipar.tensor_parallel
+    import all_reduce` imports tensor_parallel then) bound the stand-ins, not the originals: give each
+    module of the library the originals back, or a later check in this process would meet the stand-in."""
+    for name, module in list(sys.modules.items()):
+        if name == "minipar" or name.startswith("minipar."):
+            for key, value in list(vars(module).items()):
+                hit = _REFUSERS.get(id(value))
+                if hit is not None and hit[0] is value:
+                    setattr(module, key, hit[1])
 
 
 def guarded(rank_fn, off: tuple[str, ...] = (), why: str | None = None):

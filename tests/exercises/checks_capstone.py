@@ -1,7 +1,8 @@
 """The checker of the capstone's exercise, 11.1: recompute what is cheap to redo and keep what is not
 (docs/11_capstone.md). In one process, in float64, on the small model (4 layers), with the library's
 own answer (parallelize.recompute_layers, keep_expensive, _recomputed) switched off while the
-student's code runs. It grades the algorithm three ways:
+student's code runs: its call, and the training steps that run the forwards it installed (a policy
+of the library's, handed to torch's checkpoint, is called back from there). It grades the algorithm three ways:
 
     1. a training step of 2 micro-batches gives the losses and the gradients of the same model
        without recompute (recompute changes when a tensor is made, never its value);
@@ -18,7 +19,7 @@ from __future__ import annotations
 import gc
 
 import torch
-from check_common import NotImplementedYet, attempt, load, max_diff, switched_off
+from check_common import NotImplementedYet, attempt, load, max_diff, students_code, switched_off
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -89,8 +90,9 @@ def check_selective_recompute(path, run_ranks=None) -> list[str]:
     try:
         with switched_off(RECOMPUTE_OFF):
             attempt(load(path).recompute_selectively, model)
-            losses, grads, mms = _step(model)
-            kept = _layer_keeps(model)
+            with students_code():  # the layers' forwards are the student's now, and so is what torch calls back
+                losses, grads, mms = _step(model)
+                kept = _layer_keeps(model)
     except NotImplementedYet as e:
         return [str(e)]
     except Exception as e:  # noqa: BLE001 - the student's error, on one line

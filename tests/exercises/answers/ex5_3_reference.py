@@ -1,13 +1,14 @@
-"""Exercise 5.3, the estimator's bytes, cp 8 over cp 2."""
+"""Exercise 5.3, the file's bytes, cp 8 over cp 2: chapter 5's attention_messages for ring attention
+(K and V round the ring: cp - 1 hops forward, cp backward), once per layer."""
 
+from minipar.context_parallel import attention_messages
 from minipar.model import get_config
-from minipar.planning.traffic import bytes_sent
-from minipar.run.config import TrainConfig
 
 
-def _cp_sent(cp):
-    cfg = TrainConfig(model="small", cp=cp, seq_len=256, micro_batch=1, global_batch=1, dtype="float32")
-    return sum(v for k, v in bytes_sent(get_config("small"), cfg).items() if k.startswith("cp/"))
+def _cp_sent(cp, seq_len=256, width=4):
+    c = get_config("small")
+    per_layer = attention_messages("ring", seq_len // cp, c.n_heads, c.n_kv_heads, c.head_dim, cp, width, width)
+    return c.n_layers * sum(n for _, n in per_layer)
 
 
 ANSWER = _cp_sent(8) / _cp_sent(2)
