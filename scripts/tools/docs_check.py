@@ -221,8 +221,8 @@ def within(line: str, steps: int | None) -> bool:
     return step is None or int(step.group(1)) <= steps
 
 
-# A figure of the prose: 1.5, 1,051, 4096, 12 ms, 43%, 3x (not 2024 or 1990: a year).
-FIGURE = re.compile(r"(?<![\w.§#/=-])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d{4,}|\d+(?=\s?(?:%|×|x\b|[GMKT]i?B\b|"
+# A figure of the prose: 1.5, 1,051, 4096, 12 ms, 43%, 3x, 1.2e-15 (not 2024 or 1990: a year).
+FIGURE = re.compile(r"(?<![\w.§#/=-])(\d+\.\d+e[-+]?\d+|\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d{4,}|\d+(?=\s?(?:%|×|x\b|[GMKT]i?B\b|"
                     r"ms\b|µs\b|s\b|[GTP]FLOPs?\b|hours?\b|tok/s)))(?![\w.,]*\d)")
 YEAR = re.compile(r"(?:19|20)\d\d")
 NOT_FIGURES = re.compile(r"<!--.*?-->|[Ee]xercises? [\d.]+\w*|\]\([^)]*\)|--[\w-]+[ =]\S+|\w+=\S+|§[\d.]+|arXiv:? ?[\d.]+|https?://\S+")
@@ -244,7 +244,10 @@ def prose_lines(chapter: Path) -> list[tuple[int, str]]:
 
 
 def printed(figure: str, values: set[str]) -> bool:
-    """A prose figure ("3.5", "1,051") is one of the printed numbers, once rounded to its digits."""
+    """A prose figure ("3.5", "1,051", "1.2e-15") is one of the printed numbers, once rounded to its digits."""
+    if "e" in figure:  # scientific notation: the same mantissa to the digits the prose gives
+        digits = len(figure.split("e")[0].split(".")[1])
+        return any(f"{float(v):.{digits}e}" == f"{float(figure):.{digits}e}" for v in values)
     digits = len(figure.split(".")[1]) if "." in figure else 0
     want = float(figure.replace(",", ""))
     return any(math.isclose(round(float(v), digits), want, rel_tol=1e-12) for v in values)
