@@ -48,7 +48,8 @@ prints fails the check.
 Figures in prose. A figure of a chapter's prose (a number with a decimal point, a thousands comma or
 four digits, or one followed by a unit or a percent sign) must be printed by one of the chapter's
 checked blocks or generated paragraphs (equal once rounded to the digits the prose gives: "3.5" for a
-printed 3.47), or be declared typed on purpose, with why, in a comment the chapter carries:
+printed 3.47; "1.2e-15" is one figure, its mantissa so rounded), or be declared typed on purpose,
+with why, in a comment the chapter carries:
 `<!-- typed: 3.4445 4.7750 2.0315 -- Newton-Schulz's coefficients (Jordan et al. 2024) -->`. So a
 block brought up to date leaves no stale restatement of itself behind: the prose's old figure is
 then printed nowhere, and the check names it. Years, settings (`--lr 3e-4`, `seq=4096`), section
@@ -222,8 +223,8 @@ def within(line: str, steps: int | None) -> bool:
 
 
 # A figure of the prose: 1.5, 1,051, 4096, 12 ms, 43%, 3x, 1.2e-15 (not 2024 or 1990: a year).
-FIGURE = re.compile(r"(?<![\w.§#/=-])(\d+\.\d+e[-+]?\d+|\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d{4,}|\d+(?=\s?(?:%|×|x\b|[GMKT]i?B\b|"
-                    r"ms\b|µs\b|s\b|[GTP]FLOPs?\b|hours?\b|tok/s)))(?![\w.,]*\d)")
+FIGURE = re.compile(r"(?<![\w.§#/=-])(\d+\.\d+e[-+]?\d+|\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d{4,}|"
+                    r"\d+(?=\s?(?:%|×|x\b|[GMKT]i?B\b|ms\b|µs\b|s\b|[GTP]FLOPs?\b|hours?\b|tok/s)))(?![\w.,]*\d)")
 YEAR = re.compile(r"(?:19|20)\d\d")
 NOT_FIGURES = re.compile(r"<!--.*?-->|[Ee]xercises? [\d.]+\w*|\]\([^)]*\)|--[\w-]+[ =]\S+|\w+=\S+|§[\d.]+|arXiv:? ?[\d.]+|https?://\S+")
 TYPED = re.compile(r"<!-- typed: (.+?) -- (.+?) -->")
