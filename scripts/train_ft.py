@@ -197,6 +197,10 @@ def summary(folder: Path, groups: list[Group], steps: int) -> list[str]:
     ends = [folder / f"group{g.g}_attempt{g.attempt}" / f"step_{steps:06d}" for g in groups]
     tensors = [{**load_file(e / "model.safetensors"), **load_file(e / "optimizer.safetensors")} for e in ends]
     same = all(t.keys() == tensors[0].keys() and all(torch.equal(t[k], tensors[0][k]) for k in t) for t in tensors)
+    weights = load_file(ends[0] / "model.safetensors")  # what a transfer carries, by its formula
+    n, k = sum(t.numel() for t in weights.values()), len(weights)
+    lines.insert(2, f"  = {n:,} parameters x 8 B (float64) x 3 (weights, AdamW's two moments) + 4 B x {k} tensors "
+                    f"(AdamW's step counts) = {24 * n + 4 * k:,}")
     lines.append(f"after step {steps}, every group's weights and AdamW state bitwise equal: {same}")
     return lines
 

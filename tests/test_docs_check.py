@@ -171,3 +171,6 @@ def test_a_figure_of_the_prose_must_be_printed_by_a_block_of_its_chapter_or_decl
     chapter.write_text("<!-- text: python x.py -->\nIt holds 7.25 GiB.\n<!-- /text -->\nA 12 ms step.\n")
     errors = docs_check.untied_figures(chapter)  # the generated paragraph is not prose; "12 ms" is
     assert len(errors) == 1 and ":4: 12 is printed by no checked block" in errors[0], errors
+    chapter.write_text(block.replace("0.437", "1.2e-15") + "Equal to 1.2e-15, not 1.3e-15.\n")
+    errors = docs_check.untied_figures(chapter)  # scientific notation: the whole figure, its mantissa's digits
+    assert len(errors) == 1 and ":5: 1.3e-15 is printed by no checked block" in errors[0], errors

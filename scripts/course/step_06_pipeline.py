@@ -79,6 +79,11 @@ def on_paper(name: str, p: int, m: int, v: int, out: Path) -> tuple[Timeline, fl
             f"= {[k / chunks for k in peaks]} of a whole stage's micro-batch")
     else:
         say(f"  peak activations per rank, in micro-batches: {peaks}")
+    # pipeline.bubble's count: each rank from the step's start to its own last action (see on_ranks)
+    t0 = min(s for row in sim.rows for s, _, _ in row)
+    own = [1 - sum(e - s for s, e, _ in row) / (max(e for _, e, _ in row) - t0) for row in sim.rows]
+    say(f"  each rank's idle up to its own end (pipeline.bubble): {', '.join(f'{b:.1%}' for b in own)}, "
+        f"mean {sum(own) / len(own):.1%}")
     sim.draw(str(out / f"{name}_simulated.png"), f"{name}, p={p} m={m}: simulated, idle {sim.idle_fraction():.1%}")
     return sim, theory
 

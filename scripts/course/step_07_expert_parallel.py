@@ -244,7 +244,25 @@ def marked(fn, name: str, trace: list):
     return run
 
 
+def table() -> None:
+    """--table: the chapter's table of MoE sizes, from ModelConfig.num_params (no processes)."""
+    print("| model | experts | total params | active per token |\n| --- | --- | --- | --- |")
+    for name in ("small-moe", "mixtral-8x7b", "deepseek-moe-16b"):
+        c = get_config(name)
+        shape = f" ({c.n_layers} layers, d {c.dim})" if name == "small-moe" else ""  # a toy: its shape
+        experts = (f"{c.n_experts} of {c.expert_ffn_dim}, top-{c.top_k}"
+                   + (f", {c.n_shared_experts} shared" if c.n_shared_experts else "")
+                   + (", first layer dense" if c.dense_layers == 1 else ""))
+        unit, scale, digits = ("M", 1e6, 2) if c.num_params() < 1e9 else ("B", 1e9, 1)
+        total, active = (f"{c.num_params(active=a) / scale:.{digits}f} {unit}" for a in (False, True))
+        print(f"| `{name}`{shape} | {experts} | {total} | {active} |")
+
+
 def main() -> None:
+    import sys
+
+    if sys.argv[1:] == ["--table"]:
+        return table()
     start_gloo()
     world = dist.get_world_size()
     epm = Mesh.build(dp=world)

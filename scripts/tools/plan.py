@@ -82,6 +82,7 @@ def parse_args(argv=None):
                         "momentum buffer where AdamW holds two, plus Newton-Schulz and its gathers), or both, "
                         "ranked together (the choice of optimizer changes the training: the planner weighs, you pick)")
     p.add_argument("--top", type=positive_int, default=8, help="how many layouts to list")
+    p.add_argument("--sizes", action="store_true", help="print the dense named sizes' shapes and parameters, and exit")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine, predict and run the layouts of --calibrate-layouts (minutes)")
     p.add_argument("--calibrate-layouts", default=";".join(CALIBRATED), metavar="FLAGS;FLAGS",
@@ -310,9 +311,29 @@ def calibration_verdict(rows: list) -> str:
             f"where the clock misses, and why)")
 
 
+NAMED = {"tiny": "a toy, for tests", "small": "a toy, the CPU default", "1b": "Llama-3.2-1B", "8b": "Llama-3.1-8B",
+         "125m": "a toy the size of GPT-2 small, for GPU benchmarks", "70b": "Llama-3.1-70B"}
+
+
+def sizes() -> None:
+    """--sizes: chapter 10's table of the dense named sizes, their parameters counted by num_params()."""
+    print("| name | dim | layers | heads / kv heads | ffn | vocab | parameters | what it is |\n" + "| --- " * 8 + "|")
+    for name in ("tiny", "small", "125m", "1b", "8b", "70b"):
+        c, what = get_config(name), NAMED[name]
+        n = c.num_params()
+        count = f"{n / 1e9:.3g} B" if n >= 1e9 else f"{n / 1e6:.3g} M"
+        if c.rope_factor != 1:  # Llama 3's RoPE scaling
+            what += f": {'tied embeddings, ' * c.tie_embeddings}RoPE θ {c.rope_theta:g} scaled ×{c.rope_factor:g}"
+        print(f"| {name} | {c.dim} | {c.n_layers} | {c.n_heads} / {c.n_kv_heads} | {c.ffn_dim} | {c.vocab_size} | "
+              f"{count} | {what} |")
+
+
 def main(argv=None) -> None:
     with refusals():  # a flag out of its range, or a layout the planner refuses: one line
         args = parse_args(argv)
+    if args.sizes:
+        return sizes()
+    with refusals():
         if args.calibrate:
             layouts = [layout_of(f.strip()) for f in args.calibrate_layouts.split(";")]
             for cfg in layouts:
