@@ -174,3 +174,12 @@ def test_a_figure_of_the_prose_must_be_printed_by_a_block_of_its_chapter_or_decl
     chapter.write_text(block.replace("0.437", "1.2e-15") + "Equal to 1.2e-15, not 1.3e-15.\n")
     errors = docs_check.untied_figures(chapter)  # scientific notation: the whole figure, its mantissa's digits
     assert len(errors) == 1 and ":5: 1.3e-15 is printed by no checked block" in errors[0], errors
+
+
+def test_every_figure_of_the_courses_prose_is_printed_by_its_chapter_or_declared_typed():
+    """The rule above on the course itself (docs_check.py checks it on every run, in milliseconds)."""
+    chapters = [c for c in sorted((ROOT / "docs").glob("*.md")) if c.name[0].isdigit()]
+    assert len(chapters) >= 15
+    assert [e for c in chapters for e in docs_check.untied_figures(c)] == []
+    typed = [t for c in chapters for t in docs_check.TYPED.findall(c.read_text())]
+    assert typed and all(why.strip() for _, why in typed)  # each typed figure says why
