@@ -207,6 +207,17 @@ def test_training_with_optimizer_muon_lowers_the_loss(muon_run):
     assert last < first - 0.5, (first, last)
 
 
+@pytest.mark.integration
+def test_the_readmes_muon_command_trains_on_four_ranks_and_its_loss_falls(tmp_path):
+    """`torchrun --nproc-per-node 4 scripts/train.py --dp 2 --tp 2 --optimizer muon` (README), on the tiny model:
+    tp gathers each matrix before Newton-Schulz, dp averages the gradients, and the loss falls as on one process."""
+    run(common(tmp_path, steps=20, optimizer="muon", dp=2, tp=2, out=tmp_path / "m", log_json=tmp_path / "m.jsonl"),
+        nproc=4)
+    loss = losses(tmp_path / "m.jsonl")
+    first, last = sum(loss[s] for s in range(1, 6)) / 5, sum(loss[s] for s in range(16, 21)) / 5
+    assert sorted(loss) == list(range(1, 21)) and last < first - 0.5, (first, last)
+
+
 def test_the_log_says_muons_learning_rate_beside_adamws(muon_run):
     """Each step's record holds AdamW's lr and Muon's group's: the schedule's one factor times each peak
     (--lr 1e-2, --muon-lr 0.02: twice), and the log line prints both."""

@@ -29,7 +29,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from course_common import each_rank, finish, say, start_gloo
+from course_common import each_rank, finish, leave, say, start_gloo
 
 from minipar import collectives as C
 from minipar.mesh import Mesh
@@ -191,3 +191,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

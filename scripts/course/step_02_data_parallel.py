@@ -18,7 +18,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from course_common import finish, say, start_gloo
+from course_common import finish, leave, say, start_gloo
 
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
@@ -169,3 +169,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

@@ -23,7 +23,7 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from course_common import finish, say, start_gloo
+from course_common import finish, leave, say, start_gloo
 
 from minipar.data_parallel import DataParallel
 from minipar.mesh import Mesh
@@ -113,3 +113,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from course_common import each_rank, finish, say, start_gloo
+from course_common import each_rank, finish, leave, say, start_gloo
 
 from minipar.data_parallel import param_groups
 from minipar.mesh import Mesh
@@ -344,3 +344,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

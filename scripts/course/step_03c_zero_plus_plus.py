@@ -24,7 +24,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from course_common import finish, say, start_gloo, to_rank0
+from course_common import finish, leave, say, start_gloo, to_rank0
 
 from minipar.data_parallel import param_groups
 from minipar.mesh import Mesh
@@ -121,3 +121,4 @@ def show_bytes_memory_loss(runs: dict, totals: list[dict], k: int) -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

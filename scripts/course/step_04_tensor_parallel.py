@@ -20,7 +20,7 @@ Chapter: docs/04_tensor_parallel.md.
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from course_common import each_rank, finish, say, start_gloo
+from course_common import each_rank, finish, leave, say, start_gloo
 
 from minipar import tensor_parallel as T
 from minipar.mesh import Mesh
@@ -178,3 +178,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

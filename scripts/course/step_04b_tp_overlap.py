@@ -25,7 +25,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from course_common import finish, say, start_gloo
+from course_common import finish, leave, say, start_gloo
 from torch.profiler import ProfilerActivity, profile
 
 from minipar.mesh import Mesh
@@ -139,3 +139,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

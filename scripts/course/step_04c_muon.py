@@ -20,7 +20,7 @@ Chapter: docs/04c_muon.md.
 
 import torch
 import torch.distributed as dist
-from course_common import each_rank, finish, say, start_gloo
+from course_common import each_rank, finish, leave, say, start_gloo
 
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
@@ -121,3 +121,4 @@ def at_scale() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

@@ -24,7 +24,7 @@ Chapter: docs/05_context_parallel.md.
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from course_common import each_rank, finish, runs, say, start_gloo
+from course_common import each_rank, finish, leave, runs, say, start_gloo
 from einops import repeat
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -232,3 +232,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

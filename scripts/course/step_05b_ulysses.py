@@ -22,7 +22,7 @@ Chapter: docs/05_context_parallel.md.
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from course_common import each_rank, finish, runs, say, start_gloo
+from course_common import each_rank, finish, leave, runs, say, start_gloo
 from einops import rearrange, repeat
 
 from minipar import context_parallel as C
@@ -139,3 +139,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

@@ -27,7 +27,7 @@ from textwrap import indent
 
 import torch
 import torch.distributed as dist
-from course_common import finish, say, start_gloo, to_rank0
+from course_common import finish, leave, say, start_gloo, to_rank0
 
 from minipar.mesh import Mesh
 from minipar.model import Llama, get_config
@@ -183,3 +183,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

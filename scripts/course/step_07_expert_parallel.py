@@ -27,7 +27,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from course_common import each_rank, finish, say, start_gloo, to_rank0
+from course_common import each_rank, finish, leave, say, start_gloo, to_rank0
 
 from minipar.collectives import all_reduce
 from minipar.data_parallel import param_groups
@@ -279,3 +279,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from course_common import each_rank, say, start_gloo
+from course_common import each_rank, leave, say, start_gloo
 
 from minipar.data_parallel import param_groups
 from minipar.mesh import Mesh
@@ -185,3 +185,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

@@ -18,7 +18,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from course_common import each_rank, say, start_gloo, to_rank0
+from course_common import each_rank, leave, say, start_gloo, to_rank0
 
 from minipar.context_parallel import split_sequence
 from minipar.data_parallel import param_groups
@@ -114,3 +114,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()
