@@ -2,6 +2,7 @@
 
 import gc
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -415,52 +416,24 @@ def test_pipeline_activations_count_the_micro_batches_the_schedule_keeps_in_flig
         layer_activation_bytes(c, plain) - layer_activation_bytes(c, mlp)
 
 
+def _step_08d():
+    """scripts/course/step_08d_korthikanti.py, where Korthikanti et al.'s GPT layer is written (the chapter prints
+    its table from it): imported from its folder, as it imports course_common."""
+    import sys
+    course = str(Path(__file__).resolve().parents[1] / "scripts" / "course")
+    if course not in sys.path:
+        sys.path.insert(0, course)
+    import step_08d_korthikanti
+    return step_08d_korthikanti
+
+
 def _gpt_layer_saves(rank, world, tp, sp, recompute):
     """What autograd keeps for one forward of Korthikanti et al.'s GPT layer on this rank, in bf16."""
-    import torch.nn.functional as F
-    from torch.utils.checkpoint import checkpoint
-
     from minipar.mesh import Mesh
-    from minipar.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
-    s, b, h, a = GPT_SHAPE
-    d, p = h // a, 0.1
-
-    def dropout(x):  # a 1-byte mask, as PyTorch's fused dropout keeps on a GPU (F.dropout on CPU: 2 bytes)
-        return torch.native_dropout(x, p, True)[0]
-
-    def attention_core(q, k, v):  # [b a/t, s, d] each; no causal mask: the paper does not count one
-        probs = dropout(torch.softmax(torch.bmm(q, k.transpose(1, 2)) / d**0.5, dim=-1))  # [b a/t, s, s]
-        return torch.bmm(probs, v)
 
     with Mesh.build(tp=tp) as mesh:
-        group = mesh.groups().tp
         torch.manual_seed(rank)
-        norm1, norm2 = torch.nn.LayerNorm(h, dtype=torch.bfloat16), torch.nn.LayerNorm(h, dtype=torch.bfloat16)
-        qkv_proj, fc1 = (ColumnParallelLinear(h, n * h, group, bias=True, sequence_parallel=sp)  # each calls f
-                         for n in (3, 4))  # fused QKV, MLP 4h
-        out_proj, fc2 = (RowParallelLinear(n * h, h, group, bias=True, sequence_parallel=sp) for n in (1, 4))
-        for linear in (qkv_proj, fc1, out_proj, fc2):
-            torch.nn.init.normal_(linear.weight, std=0.02)
-            linear.to(torch.bfloat16)
-        modules = (norm1, norm2, qkv_proj, fc1, out_proj, fc2)
-        params = {q.untyped_storage().data_ptr() for m in modules for q in m.parameters()}
-
-        def layer(x):  # [b, s (/t under sp), h]
-            qkv = qkv_proj(norm1(x))  # [b, s, 3h/t]
-            q, k, v = (t.transpose(1, 2).reshape(-1, s, d) for t in qkv.view(b, s, -1, 3 * d).split(d, dim=-1))
-            core = checkpoint(attention_core, q, k, v, use_reentrant=True) if recompute == "selective" \
-                else attention_core(q, k, v)  # [b a/t, s, d]
-            x = x + dropout(out_proj(core.view(b, -1, s, d).transpose(1, 2).reshape(b, s, -1)))
-            return x + dropout(fc2(F.gelu(fc1(norm2(x)))))
-
-        x = torch.randn(b, s // tp if sp else s, h, dtype=torch.bfloat16, requires_grad=True)
-        if recompute == "full":
-            return kept_for_backward(lambda x: checkpoint(layer, x, use_reentrant=True), x, skip=params)
-        return kept_for_backward(layer, x, skip=params)
-
-
-GPT_SHAPE = (32, 2, 64, 4)  # s, b, h, a: 5as/h = 10, next to the 34
+        return _step_08d().gpt_layer_saves(mesh.groups().tp, sp, recompute)
 
 
 @pytest.mark.parametrize("tp,sp,recompute", [(1, False, None), (2, False, None), (2, True, None),
@@ -470,9 +443,9 @@ def test_korthikantis_gpt_layer_activation_figures(tp, sp, recompute):
     # Korthikanti et al. (2022), "Reducing activation recomputation in large transformer models",
     # section 4.1 and table 2: a GPT layer in 16-bit keeps sbh(34 + 5as/h) bytes for backward, 5as/h
     # being three s x s tensors per head: the softmax's output (2 bytes), the dropout's mask (1) and
-    # the dropout's output (2). Measured on a GPT layer written above with minipar's tensor-parallel
-    # layers, on `tp` gloo ranks.
-    s, b, h, a = GPT_SHAPE
+    # the dropout's output (2). Measured on a GPT layer written with minipar's tensor-parallel
+    # layers (scripts/course/step_08d_korthikanti.py), on `tp` gloo ranks.
+    s, b, h, a = _step_08d().GPT_SHAPE
     t, sbh = tp, s * b * h
     paper = {(1, False, None): sbh * (34 + 5 * a * s / h),
              (2, False, None): sbh * (10 + 24 / t + 5 * a * s / (h * t)),

@@ -305,3 +305,28 @@ def test_one_recompute_setting_at_a_time_and_selective_recompute_refuses_experts
     with pytest.raises(ValueError, match="built for dense layers"):
         TrainConfig(model="tiny-moe", recompute_selective=True).validate(1)
     TrainConfig(model="small", recompute_selective=True).validate(1)
+
+
+def test_plan_vs_published_costs_torchtitans_redone_matmuls_in_flops_per_tokens_terms():
+    # scripts/tools/plan_vs_published.py adds to the clock's step, for torchtitan's 8B, the matmuls its
+    # per-operator checkpointing redoes: every second of a block's (k, o, up), 2 FLOPs a weight and token,
+    # forward's share of flops_per_token's 6. Its list of a block's matmuls must be the blocks' weights
+    # that flops_per_token counts: all parameters but the embeddings, the head and the norms.
+    spec = importlib.util.spec_from_file_location("plan_vs_published", ROOT / "scripts/tools/plan_vs_published.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    for model in ("tiny", "small", "8b", "70b", "405b"):
+        c = get_config(model)
+        blocks = c.n_layers * sum(weights for _, weights in tool.block_matmuls(c))
+        norms, head = (2 * c.n_layers + 1) * c.dim, c.vocab_size * c.dim
+        assert blocks + norms + head == c.num_params() - head  # the input embedding: not tied in these
+        assert c.flops_per_token(8192) == 6 * (blocks + norms + head) + 12 * c.n_layers * c.dim * 8192
+        d, kv = c.dim, c.n_kv_heads * c.head_dim
+        assert tool.redone_matmul_flops(c) == 2 * c.n_layers * (d * kv + d * d + d * c.ffn_dim)
+    run = next(r for r in tool.RUNS if r.name == "torchtitan 8B, FSDP 8")
+    c, cluster, tokens = get_config("8b"), Cluster(run.gpus), run.cfg.global_batch * run.cfg.seq_len
+    step = step_time(c, run.cfg, cluster)["total"]
+    extra = tokens * tool.redone_matmul_flops(c) / (cluster.gpus * cluster.flops * cluster.mfu)  # at the clock's MFU
+    line = tool.redone_line(run, c, cluster, step)
+    assert f"+ {extra:.2f} seconds" in line
+    assert line.endswith(f"predicted / published {tokens / (step + extra) / run.gpus / run.published:.2f}")

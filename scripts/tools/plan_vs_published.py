@@ -11,7 +11,12 @@ is the MFU at which the clock would give the published figure (found by bisectio
 above what bf16 matmuls reach, it says the run does something the clock does not count. Where a run
 uses Float8 or FP8, the line after sets beside it torchtitan's own measured speed-up of torch.compile
 and Float8 over plain FSDP (its Table 1, Llama-3.1-8B on 8 H100s: 8,532 / 5,762 tokens a second),
-an explanation of the miss with the source's own figure, not a change to the clock.
+an explanation of the miss with the source's own figure, not a change to the clock. Likewise where a run
+checkpoints selectively by operator (torchtitan's 8B), a line after costs what --recompute-selective does
+not: torchtitan's policy, in the code of its runs' date, counts the aten.mm calls of each block's forward
+and keeps the output of the odd-numbered ones (and attention's), so backward redoes the even-numbered:
+of a block's q, k, v, o, gate, up and down, the k, o and up matmuls, 2 FLOPs a weight and token, added
+to the clock's step at its MFU.
 Sources, settings and dates: docs/references.md (chapter 8). No processes: arithmetic only.
 
 Chapter: docs/08_memory_and_planning.md ("The clock against published runs").
@@ -20,7 +25,7 @@ Chapter: docs/08_memory_and_planning.md ("The clock against published runs").
 from dataclasses import dataclass, replace
 
 from minipar.layout import Layout
-from minipar.model import get_config
+from minipar.model import ModelConfig, get_config
 from minipar.planning.estimate import peak_bytes
 from minipar.planning.planner import Choice, Cluster, step_time
 
@@ -34,6 +39,7 @@ class Run:
     memory: float | None  # GiB on the fullest GPU, where published
     nearest: str  # what the run does that minipar cannot, and what stands in
     lacks_speedup: float = 1.0  # measured speed-up of what minipar lacks (FP8, compile), where it applies
+    every_other_mm: bool = False  # torchtitan's per-operator checkpointing: backward redoes every second matmul
 
 
 FLOAT8 = 8532 / 5762  # torchtitan's Table 1: FSDP + torch.compile + Float8 against FSDP, 8B on 8 H100s
@@ -47,10 +53,10 @@ RUNS = [
     Run("torchtitan 8B, FSDP 8", 8, Layout(model="8b", dp=8, zero=3, recompute_selective=True, global_batch=16,
                                              micro_batch=2, **TITAN), 5762, 82.4,
         "selective activation checkpointing per operator keeps every other matmul's output; "
-        "--recompute-selective keeps all of them"),
+        "--recompute-selective keeps all of them", every_other_mm=True),
     Run("torchtitan 8B, FSDP 128", 128, Layout(model="8b", dp=128, zero=3, recompute_selective=True, global_batch=256,
                                                  micro_batch=2, **TITAN), 5605, 67.0,
-        "the same: --recompute-selective"),
+        "the same: --recompute-selective", every_other_mm=True),
     Run("torchtitan 405B, 1F1B", 512, TITAN_405B, 100, 82.5, TITAN_405B_NOTE, FLOAT8),
     Run("torchtitan 405B, interleaved", 512, replace(TITAN_405B, schedule="interleaved", virtual_stages=2), 128,
         72.7, "the same; 2 stages a rank (torchtitan's default for looped schedules)", FLOAT8),
@@ -62,6 +68,19 @@ RUNS = [
 ]
 PAIRS = [("torchtitan 8B, FSDP 8", "torchtitan 8B, FSDP 128"),  # (the faster, the slower) of one source
          ("torchtitan 405B, interleaved", "torchtitan 405B, 1F1B")]
+
+
+def block_matmuls(c: ModelConfig) -> list[tuple[str, int]]:
+    """(name, weights) of each matmul of a (dense) block, in the order its forward calls them."""
+    d, kv, ffn = c.dim, c.n_kv_heads * c.head_dim, c.ffn_dim
+    return [("q", d * d), ("k", d * kv), ("v", d * kv), ("o", d * d), ("gate", d * ffn), ("up", d * ffn),
+            ("down", ffn * d)]
+
+
+def redone_matmul_flops(c: ModelConfig) -> float:
+    """FLOPs a token that backward adds redoing every second matmul of each block (the 2nd, 4th, ...):
+    2 a weight, as forward's share of flops_per_token's 6. The output head is outside the blocks."""
+    return 2 * c.n_layers * sum(weights for _, weights in block_matmuls(c)[1::2])
 
 
 def tokens_per_gpu(run: Run, cluster: Cluster) -> float:
@@ -99,8 +118,23 @@ def describe(run: Run) -> dict:
         adjusted = tokens * run.lacks_speedup
         print(f"  times torchtitan's measured {run.lacks_speedup:.2f}x for compile + Float8: {adjusted:,.0f}, "
               f"predicted / published {adjusted / run.published:.2f}")
+    if run.every_other_mm:
+        print(redone_line(run, c, cluster, t["total"]))
     print(f"  fits an 80 GB H100 less 10% headroom: {'yes' if row['memory'] * 2**30 <= cluster.usable else 'no'}")
     return row
+
+
+def redone_line(run: Run, c: ModelConfig, cluster: Cluster, step: float) -> str:
+    """The clock's step with torchtitan's per-operator policy costed: its redone matmuls at the clock's MFU."""
+    redone, names = redone_matmul_flops(c), ", ".join(name for name, _ in block_matmuls(c)[1::2])
+    blocks = 2 * c.n_layers * sum(weights for _, weights in block_matmuls(c))  # the blocks' forward matmuls
+    tokens = run.cfg.global_batch * run.cfg.seq_len
+    extra = tokens * redone / (cluster.gpus * cluster.flops * cluster.mfu)
+    adjusted = tokens / (step + extra) / run.gpus
+    return (f"  with torchtitan's policy, backward redoing every second matmul of a block ({names}): "
+            f"2 x {c.n_layers} layers x (d kv + d^2 + d ffn) = {redone / 1e9:.2f} GFLOP a token, "
+            f"{redone / blocks:.1%} of the blocks' {blocks / 1e9:.2f} forward, + {extra:.2f} seconds at MFU "
+            f"{cluster.mfu:.0%}: {adjusted:,.0f}, predicted / published {adjusted / run.published:.2f}")
 
 
 def main() -> None:
