@@ -52,7 +52,8 @@ CHAPTERS = (
             ("layout.py", "planning/estimate.py", "planning/estimate_moe.py", "planning/estimate_zeropp.py",
              "planning/estimate_muon.py", "planning/traffic.py", "planning/planner.py"),
             ("scripts/course/step_08_plan.py", "scripts/course/step_08b_search_space.py",
-             "scripts/course/step_08c_roofline.py", "scripts/tools/plan.py", "scripts/tools/plan_vs_published.py"), 40),
+             "scripts/course/step_08c_roofline.py", "scripts/course/step_08d_korthikanti.py",
+             "scripts/tools/plan.py", "scripts/tools/plan_vs_published.py"), 40),
     Chapter("9", "All four dimensions at once", "09_4d.md", (), ("scripts/course/step_09_4d.py",), 20,
             "the chapters above, together (16 ranks)"),
     Chapter("10", "Appendix: operating minipar (the whole run: checks, data, loop, checkpoints, refusals)",
@@ -67,7 +68,8 @@ CHAPTERS = (
     Chapter("10b", "Fault tolerance: checkpoint-restart, its cost at scale, replica groups on torchft",
             "10b_fault_tolerance.md", ("extras/replicas.py",), ("scripts/train_ft.py", "make train-ft"), 30),
     Chapter("11", "Capstone: plan 70B on 64 GPUs, build selective recompute, prove it, plan again",
-            "11_capstone.md", (), ("scripts/tools/plan.py", "make exercise N=11.1"), 60,
+            "11_capstone.md", (), ("scripts/course/step_11_selective_recompute.py", "scripts/tools/plan.py",
+                                   "make exercise N=11.1"), 60,
             "`parallelize.py` (`keep_expensive`), `planning/estimate.py`, `planning/planner.py`"),
 )
 ORDER = {c.number: i for i, c in enumerate(CHAPTERS)}

@@ -153,6 +153,12 @@ def test_every_module_belongs_to_one_chapter_and_the_map_names_only_files_that_e
     assert {f for f in named if not (ROOT / "minipar" / f).is_file()} == set()
 
 
+def test_every_course_script_is_in_the_map_and_every_script_it_names_exists():
+    named = {s for c in course.CHAPTERS for s in c.scripts if not s.startswith("make ")}
+    assert {f"scripts/course/{p.name}" for p in (ROOT / "scripts" / "course").glob("step_*.py")} <= named
+    assert {s for s in named if not (ROOT / s).is_file()} == set()
+
+
 def test_no_module_imports_a_later_chapter():
     assert inversions(import_graph()) == []
 

@@ -71,8 +71,7 @@ class Cluster:
         return self.memory * (1 - self.headroom)
 
 
-def layouts(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_batch: int = 1,
-            optimizer: str = "adamw"):
+def layouts(model: str, cluster: Cluster, seq_len: int, global_batch: int, micro_batch: int = 1, optimizer="adamw"):
     """Every layout of the GPUs that passes minipar's checks (tp within a node; each Muon method under ZeRO)."""
     c = get_config(model)
     g = cluster.gpus
@@ -128,8 +127,7 @@ def step_time(c: ModelConfig, cfg: Layout, cluster: Cluster) -> dict[str, float]
              + sum(n for _, n in between) / bandwidth}  # the micro-batches' turns
     group = "dp_cp" if cfg.cp > 1 else "dp"
     dp = over(group, cfg.tp * cfg.cp * cfg.dp, cfg.dp * cfg.cp)
-    model = rank_model(c, cfg)  # pp rank 0's, as traffic's
-    mine = Counter(muon_messages(model, cfg, zero_buckets(model, cfg) if cfg.zero else []))
+    mine = Counter(muon_messages(m := rank_model(c, cfg), cfg, zero_buckets(m, cfg) if cfg.zero else []))  # pp rank 0's
     muon = over(group, cfg.tp * cfg.cp * cfg.dp, cfg.dp * cfg.cp, bytes_by_key(mine), calls_by_group(mine))
     # dp hides behind backward, but for plain dp's last bucket, whose all-reduce is posted once backward is
     # done (one of its messages but train_step's count of targets) and Muon's, in the optimizer's step
