@@ -1,6 +1,7 @@
 """The estimator (minipar/planning/estimate.py) against published figures and against what ranks hold."""
 
 import gc
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -289,6 +290,12 @@ def kept_alive_after_forward(fn, *args, skip=()) -> int:
             return out
     with Allocations():
         out = fn(*args)
+    if torch.distributed.is_initialized():
+        # An async message's buffer (--tp-overlap) is let go by gloo's worker thread only after its work
+        # completes, a moment after the future that forward waited on: wait for every rank's messages, then
+        # give that thread time to drop them, so a buffer in flight is not counted as kept for backward.
+        torch.distributed.barrier()
+        time.sleep(0.2)
     gc.collect()
     gone = set(storages(out)) | set(skip)
     return sum(n for key, (ref, n) in made.items() if not ref.expired() and key not in gone) + \
