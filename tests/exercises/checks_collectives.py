@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import time
 import weakref
 
 import torch
@@ -418,6 +419,9 @@ class _Allocations:
             return fn(*args)
 
     def alive(self, skip: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        # A message's buffer is let go by gloo's worker thread a moment after the wait() on it returned: give
+        # that thread time to drop it, so that a finished message's buffer is not counted as held.
+        time.sleep(0.2)
         gc.collect()
         skipped = {t.untyped_storage().data_ptr() for t in skip}
         found = {}
