@@ -164,7 +164,8 @@ OFF_AT = {"0.1": "minipar.planning.estimate.", "1.1": "minipar.collectives.", "2
           "11.1": "minipar.parallelize."}
 DELEGATES = {
     "0.1": {"wrong_reexport": "activation_bytes", "wrong_reload": "activation_bytes",
-            "wrong_sibling": "layer_activation_bytes"},
+            "wrong_sibling": "layer_activation_bytes",
+            "wrong_step_script": "step_00_one_device.kept_for_backward " + OFF},  # the chapter's script's count
     "1.1": {"wrong_reexport": "all_reduce", "wrong_reload": "ring_all_reduce",
             "wrong_sibling": "torch.distributed.all_reduce " + OFF},
     "2.1": {"wrong_reexport": "DataParallel", "wrong_reload": "DataParallel",
@@ -461,6 +462,34 @@ def test_no_predict_answer_is_printed_in_the_chapters():
     text = "\n".join(f.read_text() for f in [*docs.glob("*.md"), *docs.glob("exercises/*")] if f.is_file())
     printed = [(n, v, k) for n, c in PREDICTS.items() for v in c.space for k in c.keys(v) if k in text]
     assert not printed, printed
+
+
+def answer_lines_shown(reference: Path, text: str, given: str = "") -> list[str]:
+    """The lines of a reference answer's code (20 characters or more, comments, docstrings and imports left
+    out, and the lines its starter `given` hands the student: a signature, a class statement) that appear,
+    stripped, as a line of `text`."""
+    shown = {line.strip() for line in text.splitlines()} - {line.strip() for line in given.splitlines()}
+    code = [line.strip() for line in reference.read_text().splitlines()]
+    return [c for c in code if len(c) >= 20 and not c.startswith(("#", '"""', "import ", "from ")) and c in shown]
+
+
+def test_no_implement_answer_can_be_copied_from_the_chapters():
+    """An answer copied from the course is not the answer: no line of an implement exercise's reference
+    appears in docs/ (the chapters, the exercises' README and the other starter files: 0.3's once wrote out
+    0.1's hook, and now calls chapter 0's script for it). What the chapters do show,
+    the library's calls and simpler loops, are the catalogue's wrong answers: a delegation, or the wrong
+    algorithm, traffic or order. And a prediction is never printed (the test above); 8.2's and 9.2's
+    catalogues hold the chapter's own pick copied to another case."""
+    docs = Path(__file__).parents[1] / "docs"
+    text = "\n".join(f.read_text() for f in [*docs.glob("*.md"), *docs.glob("exercises/*")] if f.is_file())
+    implements = [n for n, (_, kind, *_) in checks.EXERCISES.items() if kind == "implement"]
+    assert len(implements) >= 13
+    starter = {n: (checks.EXERCISES_DIR / checks.EXERCISES[n][0]).read_text() for n in implements}
+    assert {n: shown for n in implements if (shown := answer_lines_shown(answer(n, "reference"), text, starter[n]))} \
+        == {}
+    planted = answer("6.1", "reference").read_text().splitlines()  # the check above can fail
+    assert answer_lines_shown(answer("6.1", "reference"), text + "\n```\n" + "\n".join(planted) + "\n```")
+    assert {"8.2", "9.2"} <= {n for n, says in WRONG_SAYS.items() if "wrong" in says}
 
 
 def _another(x, i: int):

@@ -15,10 +15,16 @@ Check: make exercise N=0.3
 
 ANSWER = None  # a sequence length from the table
 
-if __name__ == "__main__":  # chapter 0's own tools: the plain model, and autograd's saved-tensor hooks
+if __name__ == "__main__":  # chapter 0's own tools: the plain model, and its script's count of what autograd saves
+    import sys
+    from pathlib import Path
+
     import torch
 
     from minipar.model import Llama, get_config
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "course"))
+    from step_00_one_device import kept_for_backward  # (exercise 0.1 has you write it)
 
     c = get_config("small")
     model = Llama(c, seed=0)  # float32
@@ -26,13 +32,6 @@ if __name__ == "__main__":  # chapter 0's own tools: the plain model, and autogr
     states = 16 * sum(p.numel() for p in model.parameters())  # weights, gradients, AdamW's 2 moments: 4 x 4 bytes
     print(f"{'seq_len':>8}{'activations':>16}{'model states':>16}")
     for seq_len in (64, 128, 256, 512, 1024):
-        kept: dict[int, int] = {}  # each storage autograd keeps for backward, once
-
-        def pack(t, kept=kept):  # this length's dict
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
         tokens = torch.randint(0, c.vocab_size, (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(tokens[:, :-1], tokens[:, 1:])
-        activations = sum(n for ptr, n in kept.items() if ptr not in weights)
+        activations = kept_for_backward(lambda t=tokens: model(t[:, :-1], t[:, 1:]), weights)
         print(f"{seq_len:>8}{activations / 2**20:>12.2f} MiB{states / 2**20:>12.2f} MiB")
