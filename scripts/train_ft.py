@@ -199,8 +199,10 @@ def summary(folder: Path, groups: list[Group], steps: int) -> list[str]:
     same = all(t.keys() == tensors[0].keys() and all(torch.equal(t[k], tensors[0][k]) for k in t) for t in tensors)
     weights = load_file(ends[0] / "model.safetensors")  # what a transfer carries, by its formula
     n, k = sum(t.numel() for t in weights.values()), len(weights)
-    lines.insert(2, f"  = {n:,} parameters x 8 B (float64) x 3 (weights, AdamW's two moments) + 4 B x {k} tensors "
-                    f"(AdamW's step counts) = {24 * n + 4 * k:,}")
+    slots = {key.rsplit("/", 1)[1] for key in tensors[0] if key not in weights}
+    if slots == {"exp_avg", "exp_avg_sq", "step"} and all(t.dtype == torch.float64 for t in weights.values()):
+        lines.insert(2, f"  = {n:,} parameters x 8 B (float64) x 3 (weights, AdamW's two moments) + 4 B x {k} "
+                        f"tensors (AdamW's step counts) = {24 * n + 4 * k:,}")  # the defaults; other flags: no formula
     lines.append(f"after step {steps}, every group's weights and AdamW state bitwise equal: {same}")
     return lines
 
